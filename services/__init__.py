@@ -1,0 +1,1 @@
+"""The five pdserve services: gateway, tokenizer, prefill, decode, detokenizer."""
