@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by every service: server bootstrap, health, reflection, client streams."""

@@ -1,0 +1,99 @@
+"""Start a grpc.aio server with the standard health and reflection services.
+
+Every pdserve service runs exactly one of these in its own OS process, on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Messages up to 256 MiB: prompts of many thousand ids and metrics texts fit easily.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class GrpcServer:
+    """A grpc.aio server plus its health servicer.
+
+    Args:
+        address: "host:port" to bind; port 0 picks a free one (see ``port``).
+        service_names: full names of the services registered (for health and reflection).
+
+    Usage: ``server.add(add_XServicer_to_server, servicer)`` for each servicer, then ``await start()``;
+    call ``set_serving(True)`` once the service is ready to take traffic.
+    """
+
+    def __init__(self, address: str, service_names: Iterable[str]) -> None:
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.port = self.server.add_insecure_port(address)
+        self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
+        self.service_names = list(service_names)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+
+    def add(self, register: Callable[[object, grpc.aio.Server], None], servicer: object) -> None:
+        register(servicer, self.server)
+
+    async def start(self) -> None:
+        await self.server.start()
+        logger.info("gRPC server listening on %s (%s)", self.address, ", ".join(self.service_names))
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop_event)`` on uvloop; SIGINT/SIGTERM set ``stop_event`` for a graceful stop."""
+
+    async def _runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    uvloop.run(_runner())
+
+
+async def wait_for_health(address: str, timeout: float, service: str = "") -> bool:
+    """Poll ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.2)
