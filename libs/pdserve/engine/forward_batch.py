@@ -1,0 +1,133 @@
+"""``ForwardBatch``: the device contract of one forward step (SGLang's ``forward_batch_info.py``).
+
+The scheduler decides everything in it — which tokens run, their positions and the KV slots they
+write — and has already written ``req_to_token[req_pool_idx, prefix_len:seq_len]`` (the slots in
+``out_cache_loc``) before the forward. The model and attention backend only consume it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from pdserve.layers.attention.base import AttentionBackend
+
+IntSeq = torch.Tensor | Sequence[int]
+
+
+class ForwardMode(enum.Enum):
+    """EXTEND: every request computes >= 1 new tokens after its cached prefix (prefill or a chunk);
+    DECODE: every request computes exactly its one last token; MIXED: extending and decoding
+    requests in one batch."""
+
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Tokens of ``B`` requests, concatenated request by request: ``T = sum(extend_seq_lens)``.
+
+    Attributes:
+        input_ids / positions / out_cache_loc: int64 ``[T]``: token ids, their sequence positions,
+            and the KV token slot each one writes.
+        req_pool_indices: int64 ``[B]``: request slot (row of ``req_to_token``).
+        seq_lens: int64 ``[B]``: sequence length after this forward.
+        extend_prefix_lens: int64 ``[B]``: tokens already in the KV pool (cached prefix).
+        extend_seq_lens: int64 ``[B]``: tokens computed this step (1 for a decoding request).
+        sampling_info: sampling tensors, or None for greedy.
+        return_logprob / top_logprobs_nums: what logprobs to return (per request for the top ones).
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    sampling_info: SamplingBatchInfo | None
+    return_logprob: bool
+    top_logprobs_nums: list[int] | None
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: KVPool
+    attn_backend: AttentionBackend
+
+    @classmethod
+    def init_new(
+        cls,
+        *,
+        input_ids: IntSeq,
+        req_pool_indices: IntSeq,
+        seq_lens: IntSeq,
+        out_cache_loc: IntSeq,
+        runner: Any,
+        extend_prefix_lens: IntSeq | None = None,
+        extend_seq_lens: IntSeq | None = None,
+        forward_mode: ForwardMode | None = None,
+        sampling_info: SamplingBatchInfo | None = None,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> ForwardBatch:
+        """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
+        ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
+        pools and the attention backend. ``forward_mode`` defaults to DECODE when every request
+        computes one token, else EXTEND.
+
+        Raises:
+            ValueError: lengths disagree (``T`` tokens, ids and KV slots), both
+                ``extend_prefix_lens`` and ``extend_seq_lens`` are missing, or a DECODE batch
+                computes more than one token for a request.
+        """
+        device = runner.device
+
+        def as_long(values: IntSeq) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.int64).to(device)
+
+        seq = as_long(seq_lens)
+        if extend_seq_lens is None and extend_prefix_lens is None:
+            raise ValueError("give extend_seq_lens or extend_prefix_lens")
+        ext = as_long(extend_seq_lens) if extend_seq_lens is not None else seq - as_long(extend_prefix_lens)
+        prefix = as_long(extend_prefix_lens) if extend_prefix_lens is not None else seq - ext
+        ids, loc = as_long(input_ids), as_long(out_cache_loc)
+        num_tokens = int(ext.sum())
+        if not (len(ids) == len(loc) == num_tokens) or bool((prefix + ext != seq).any()) or bool((ext < 1).any()):
+            raise ValueError(
+                f"inconsistent batch: {len(ids)} input ids, {len(loc)} KV slots, extend lens {ext.tolist()} "
+                f"(each >= 1, summing to the tokens), prefix {prefix.tolist()} + extend must equal seq {seq.tolist()}"
+            )
+        starts = torch.cumsum(ext, 0) - ext
+        positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(starts - prefix, ext)
+        all_decode = bool((ext == 1).all())
+        if forward_mode is None:
+            forward_mode = ForwardMode.DECODE if all_decode else ForwardMode.EXTEND
+        elif forward_mode is ForwardMode.DECODE and not all_decode:
+            raise ValueError(f"a DECODE batch computes one token per request, got extend lens {ext.tolist()}")
+        return cls(
+            forward_mode=forward_mode,
+            batch_size=len(seq),
+            input_ids=ids,
+            positions=positions,
+            req_pool_indices=as_long(req_pool_indices),
+            seq_lens=seq,
+            extend_prefix_lens=prefix,
+            extend_seq_lens=ext,
+            out_cache_loc=loc,
+            sampling_info=sampling_info,
+            return_logprob=return_logprob,
+            top_logprobs_nums=top_logprobs_nums,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.kv_pool,
+            attn_backend=runner.attn_backend,
+        )

@@ -1,0 +1,31 @@
+"""RMSNorm (Zhang & Sennrich 2019) with the residual add fused in, as in SGLang / nano-vllm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32 (as Hugging Face's LlamaRMSNorm).
+
+    ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` first adds ``residual``
+    and returns ``(normalised sum, sum)`` so the next residual needs no separate add.
+    Shapes: ``[..., hidden_size]``, any float dtype (kept).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)

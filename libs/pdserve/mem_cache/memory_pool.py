@@ -1,0 +1,185 @@
+"""Memory pools: ``req_to_token`` (request slot × position → KV slot) and the paged ``token_to_kv`` pool.
+
+Two levels of indirection, as in SGLang's ``memory_pool.py``: a request owns a row of
+``ReqToTokenPool.req_to_token``; each entry is a token slot ``page * page_size + offset`` of the
+``KVPool``, whose pages are handed out by ``PagedTokenToKVPoolAllocator`` (paged KV as in vLLM's
+PagedAttention, Kwon et al. 2023). The allocator only counts pages; the scheduler owns the
+bookkeeping of which request (or radix-cache node) holds which page.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request slots, each a row of KV token slots.
+
+    Attributes:
+        req_to_token: int64 tensor ``[size, max_context_len]``; row ``r`` position ``p`` holds the
+            token slot of the request in slot ``r`` at sequence position ``p``.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size}, {max_context_len}")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size - 1, -1, -1))  # pop() hands out the lowest slot first
+        self._is_free = [True] * size
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """Take a free request slot; ``None`` when all ``size`` slots are in use."""
+        if not self._free:
+            return None
+        idx = self._free.pop()
+        self._is_free[idx] = False
+        return idx
+
+    def free(self, idx: int) -> None:
+        """Return slot ``idx``. Raises ValueError when it is out of range or already free."""
+        if not 0 <= idx < self.size:
+            raise ValueError(f"request slot {idx} out of range [0, {self.size})")
+        if self._is_free[idx]:
+            raise ValueError(f"request slot {idx} freed twice")
+        self._is_free[idx] = True
+        self._free.append(idx)
+
+
+class PagedTokenToKVPoolAllocator:
+    """Free-page ledger of a ``KVPool`` of ``num_pages`` pages of ``page_size`` tokens.
+
+    Pages are handed out lowest id first (a min-heap), so a request's pages tend to be consecutive
+    and a KV transfer coalesces them into few contiguous runs. All ``num_pages`` pages are usable.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"allocator needs num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free_heap = list(range(num_pages))
+        self._is_free = bytearray(b"\x01") * num_pages
+
+    def available_size(self) -> int:
+        """Number of free pages."""
+        return len(self._free_heap)
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        """Take ``num_pages`` pages (ascending ids); ``None`` (and nothing taken) when short."""
+        if num_pages < 0:
+            raise ValueError(f"cannot allocate {num_pages} pages")
+        if num_pages > len(self._free_heap):
+            return None
+        pages = [heapq.heappop(self._free_heap) for _ in range(num_pages)]
+        for page in pages:
+            self._is_free[page] = 0
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages. Raises ValueError on an id out of range or a page already free (no page
+        of the call is freed then)."""
+        pages = list(pages)
+        seen: set[int] = set()
+        for page in pages:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} out of range [0, {self.num_pages})")
+            if self._is_free[page] or page in seen:
+                raise ValueError(f"page {page} freed twice")
+            seen.add(page)
+        for page in pages:
+            self._is_free[page] = 1
+            heapq.heappush(self._free_heap, page)
+
+
+class KVPool:
+    """MHA ``token_to_kv`` pool: one contiguous tensor for the K and V of every layer.
+
+    Attributes:
+        kv_data: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 = K,
+            1 = V), zero-initialised so padded reads are finite. One request's consecutive pages of
+            one layer's K (or V) are one contiguous byte range, which is what a KV transfer
+            registers and coalesces.
+        page_nbytes: bytes of one page of one layer's K (equal to V's).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        self.kv_data = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_nbytes = page_size * num_kv_heads * head_dim * self.kv_data.element_size()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """KV bytes one token takes over all layers (K and V)."""
+        return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def k_buffer(self, layer: int) -> torch.Tensor:
+        """View ``[num_pages * page_size, num_kv_heads, head_dim]`` of layer ``layer``'s K."""
+        return self.kv_data[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_buffer(self, layer: int) -> torch.Tensor:
+        """View ``[num_pages * page_size, num_kv_heads, head_dim]`` of layer ``layer``'s V."""
+        return self.kv_data[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``, any float dtype) at token slots ``loc`` [T]."""
+        self.k_buffer(layer)[loc] = k.to(self.dtype)
+        self.v_buffer(layer)[loc] = v.to(self.dtype)
+
+
+def num_pages_for_budget(
+    page_size: int,
+    bytes_per_token: int,
+    max_total_tokens: int | None = None,
+    kv_cache_memory: int | None = None,
+) -> int:
+    """Pages a KV pool gets from a token budget or, failing that, a byte budget.
+
+    Raises:
+        ValueError: neither budget is given, or the budget holds less than one page.
+    """
+    if max_total_tokens is not None:
+        num_pages = max_total_tokens // page_size
+    elif kv_cache_memory is not None:
+        num_pages = kv_cache_memory // (bytes_per_token * page_size)
+    else:
+        raise ValueError("give max_total_tokens or kv_cache_memory to size the KV pool")
+    if num_pages < 1:
+        raise ValueError(f"KV budget holds {num_pages} pages of {page_size} tokens; it needs at least one")
+    return num_pages
+
+
+def slots_for_pages(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """Token slots (int64 ``[end - start]``) of sequence positions ``[start, end)`` of a request
+    whose position ``p`` lives in page ``pages[p // page_size]`` at offset ``p % page_size``.
+
+    Raises:
+        ValueError: ``end`` goes past the last page.
+    """
+    if end > len(pages) * page_size or start < 0 or start > end:
+        raise ValueError(f"positions [{start}, {end}) do not fit {len(pages)} pages of {page_size}")
+    positions = torch.arange(start, end, dtype=torch.int64)
+    page_ids = torch.as_tensor(pages, dtype=torch.int64)
+    return page_ids[positions // page_size] * page_size + positions % page_size

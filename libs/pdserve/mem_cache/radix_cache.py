@@ -1,0 +1,262 @@
+"""Page-granular radix tree from token-id prefixes to KV page indices.
+
+The prefix cache of SGLang's RadixAttention (Zheng et al., 2024, "SGLang: Efficient Execution of
+Structured Language Model Programs"): finished (and partly prefilled) requests leave their KV pages
+in a radix tree keyed by token ids, new requests reuse the longest cached prefix, reference counts
+keep the pages of running requests in place, and least-recently-used leaves are evicted when the
+KV pool runs short. Here the tree works in whole pages, as paged KV needs: every edge holds a
+multiple of ``page_size`` tokens and one page index per ``page_size`` tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+
+class PageFreer(Protocol):
+    """The one allocator call the cache makes: hand evicted KV pages back to the pool."""
+
+    def free(self, pages: Iterable[int]) -> None: ...
+
+
+class TreeNode:
+    """One edge of the tree and the node it ends in.
+
+    ``key`` holds the edge's token ids (``len(key) == num_pages * page_size``, empty only for the
+    root), ``value`` the KV page index of each of those pages, ``children`` maps the first page's
+    token tuple of each child edge to the child. ``lock_ref`` counts the locks held on this node or
+    any descendant; ``last_access`` is the cache's logical clock at the last match/insert that
+    passed through it.
+    """
+
+    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "value")
+
+    def __init__(self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, node_id: int):
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.node_id = node_id
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.value)
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix of a query.
+
+    ``page_indices``: the KV pages of the matched prefix, in token order; ``last_node``: the node the
+    match ends in (the root on a miss), which the caller locks to keep those pages; ``num_tokens``:
+    ``len(page_indices) * page_size``.
+    """
+
+    page_indices: list[int]
+    last_node: TreeNode
+    num_tokens: int
+
+
+class RadixCache:
+    """Prefix cache of KV pages, shared by every request of one scheduler.
+
+    Invariants:
+
+    - Every page index in the tree appears once and is owned by the tree: it goes back to the
+      allocator only through :meth:`evict` or :meth:`reset`.
+    - While a node is locked (:meth:`inc_lock_ref` more often than :meth:`dec_lock_ref`), it and
+      all its ancestors stay in the tree, and the pages on the path from the root to it stay valid
+      and are neither freed nor reused. A later match or insert may split an edge on that path, but
+      the path still carries the same pages in the same order, and the caller's node object stays
+      the one that ends it.
+    - ``evictable_size() + protected_size() == total_size()``: pages on unlocked nodes versus pages
+      on locked paths.
+    - A :class:`MatchResult`'s pages are safe to use only while its ``last_node`` is locked (or
+      until the next :meth:`evict` / :meth:`reset`).
+
+    With ``disable=True`` (``--disable-radix-cache``) nothing is cached: matches are empty misses,
+    and insert hands every page back to the caller to free.
+
+    Eviction gathers the unlocked leaves (O(nodes)) into a heap and pops them oldest first
+    (O(k log nodes) for k evicted nodes). Not thread-safe: one scheduler thread owns it.
+    """
+
+    def __init__(self, allocator: PageFreer, page_size: int, disable: bool = False):
+        """Raises ValueError when ``page_size < 1``."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self._node_ids = itertools.count()
+        self._clock = itertools.count(1)
+        self.root = TreeNode((), [], None, next(self._node_ids))
+        self._evictable = 0
+        self._protected = 0
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` in whole pages; a trailing partial page never matches.
+
+        Splits an edge at the page boundary where the match ends inside it, so ``last_node`` ends
+        exactly at the match, and marks the matched path as just used (LRU).
+        """
+        if self.disable:
+            return MatchResult([], self.root, 0)
+        key = self._page_aligned(token_ids)
+        tick = next(self._clock)
+        node = self.root
+        node.last_access = tick
+        pages: list[int] = []
+        pos = 0
+        while pos < len(key) and (child := node.children.get(key[pos : pos + self.page_size])):
+            num_matched = self._matched_pages(child.key, key, pos)
+            if num_matched < child.num_pages:
+                child = self._split(child, num_matched)
+            child.last_access = tick
+            pages.extend(child.value)
+            pos += len(child.key)
+            node = child
+        return MatchResult(pages, node, pos)
+
+    def insert(self, token_ids: Sequence[int], page_indices: Sequence[int]) -> list[int]:
+        """Cache the KV pages of ``token_ids``'s whole pages; returns the caller's pages to free.
+
+        ``page_indices`` must hold exactly ``len(token_ids) // page_size`` pages, the one for tokens
+        ``[i * page_size, (i + 1) * page_size)`` at position i; tokens of a trailing partial page are
+        ignored (the caller keeps that page). Where the tree already caches a page of this prefix
+        under another index, the caller's page is a duplicate: it is returned, in token order, and
+        the caller must free it. Every other page passes to the tree, which frees it on eviction.
+        Pages equal to the tree's own (they came from a match) are neither returned nor taken again.
+        A caller that keeps running (chunked prefill) unlocks its old node, matches again and locks
+        the new ``last_node``. Raises ValueError on a page count that does not fit.
+        """
+        num_pages = len(token_ids) // self.page_size
+        if len(page_indices) != num_pages:
+            raise ValueError(
+                f"{len(token_ids)} tokens with page_size {self.page_size} need {num_pages} pages, "
+                f"got {len(page_indices)}"
+            )
+        if self.disable:
+            return list(page_indices)
+        key = self._page_aligned(token_ids)
+        tick = next(self._clock)
+        node = self.root
+        node.last_access = tick
+        duplicates: list[int] = []
+        pos = 0
+        while pos < len(key):
+            first_page = key[pos : pos + self.page_size]
+            page = pos // self.page_size
+            child = node.children.get(first_page)
+            if child is None:
+                leaf = TreeNode(key[pos:], list(page_indices[page:]), node, next(self._node_ids))
+                leaf.last_access = tick
+                node.children[first_page] = leaf
+                self._evictable += leaf.num_pages
+                break
+            num_matched = self._matched_pages(child.key, key, pos)
+            if num_matched < child.num_pages:
+                child = self._split(child, num_matched)
+            child.last_access = tick
+            ours = page_indices[page : page + num_matched]
+            duplicates.extend(mine for mine, cached in zip(ours, child.value, strict=True) if mine != cached)
+            pos += len(child.key)
+            node = child
+        return duplicates
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock ``node`` and its ancestors against eviction (the root is never evicted anyway)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= node.num_pages
+                self._protected += node.num_pages
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one :meth:`inc_lock_ref` on ``node``; raises ValueError if ``node`` is not locked."""
+        if False:
+            raise ValueError("dec_lock_ref on a node that is not locked")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= node.num_pages
+                self._evictable += node.num_pages
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free least-recently-used unlocked leaves until ``num_pages`` pages are freed.
+
+        Whole nodes go, so more than ``num_pages`` may be freed; a parent becomes a candidate once
+        its last child is gone. Stops early when nothing evictable remains. Returns pages freed.
+        """
+        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.value)
+            freed += node.num_pages
+            self._evictable -= node.num_pages
+            parent = node.parent
+            del parent.children[node.key[: self.page_size]]
+            node.parent = None
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        return freed
+
+    def reset(self) -> None:
+        """Free every cached page and empty the tree; raises RuntimeError while any node is locked."""
+        if self._protected:
+            raise RuntimeError(f"reset with {self._protected} pages still locked")
+        self.evict(self._evictable)
+
+    def evictable_size(self) -> int:
+        """Pages on unlocked nodes (what :meth:`evict` could free now)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Pages on locked paths."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """All pages the tree holds."""
+        return self._evictable + self._protected
+
+    def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        return tuple(token_ids[: len(token_ids) // self.page_size * self.page_size])
+
+    def _matched_pages(self, edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+        """Leading whole pages of ``edge`` equal to ``key[start:]``; the first is known to match."""
+        size = self.page_size
+        limit = min(len(edge), len(key) - start)
+        end = size
+        while end < limit and edge[end : end + size] == key[start + end : start + end + size]:
+            end += size
+        return end // size
+
+    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
+        """Cut ``child``'s edge after ``num_pages`` pages; returns the new upper node."""
+        cut = num_pages * self.page_size
+        upper = TreeNode(child.key[:cut], child.value[:num_pages], child.parent, next(self._node_ids))
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.children[child.key[cut : cut + self.page_size]] = child
+        child.parent.children[child.key[: self.page_size]] = upper
+        child.key = child.key[cut:]
+        child.value = child.value[num_pages:]
+        child.parent = upper
+        return upper
+
+    def _evictable_leaves(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0:
+                yield node

@@ -1,0 +1,108 @@
+"""Sampler: penalties, greedy / temperature / top-k / top-p / min-p sampling, and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+@dataclass(slots=True)
+class GenerationBatchResult:
+    """What one forward step produced, one entry per request in batch order.
+
+    Attributes:
+        next_token_ids: the sampled token of each request.
+        next_token_logprobs: log-probability of each sampled token under the raw model distribution
+            (log_softmax of the logits before temperature, penalties and filters, as OpenAI reports
+            it); None when no request asked for logprobs.
+        top_logprobs: per request, its ``top_logprobs_num`` most likely ``(token_id, logprob)``
+            pairs (empty where it asked for none); None when no request asked for any.
+    """
+
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Turns the last-position logits of a batch into next tokens."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo | None,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> GenerationBatchResult:
+        """Sample one token per row of ``logits`` (float32 ``[B, V]``); ``info=None`` means greedy."""
+        top_k_max = max(top_logprobs_nums or [0])
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
+        next_ids = self._sample(logits, info)
+        result = GenerationBatchResult(next_token_ids=next_ids.tolist())
+        if raw_logprobs is not None:
+            result.next_token_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
+        if raw_logprobs is not None and top_k_max:
+            values, indices = raw_logprobs.topk(top_k_max, dim=-1)
+            pairs = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+            result.top_logprobs = [row[:n] for row, n in zip(pairs, top_logprobs_nums, strict=True)]
+        return result
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo | None) -> torch.Tensor:
+        if info is None:
+            return logits.argmax(dim=-1)
+        logits = _apply_penalties(logits, info)
+        next_ids = logits.argmax(dim=-1)
+        if info.all_greedy:
+            return next_ids
+        rows = (~info.is_greedy).nonzero().squeeze(1)
+        next_ids[rows] = _sample_rows(logits[rows], info, rows)
+        return next_ids
+
+
+def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Repetition penalty (CTRL, Keskar et al. 2019), then the additive bias (frequency/presence, bans)."""
+    if info.repetition_mask is not None:
+        penalised = torch.where(logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties)
+        logits = torch.where(info.repetition_mask, penalised, logits)
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias
+    return logits
+
+
+def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> torch.Tensor:
+    """Sample the non-greedy ``rows`` by inverse-CDF over the filtered, descending-sorted probabilities.
+
+    Each row draws one uniform number, from its own stateless generator when seeded, so its token
+    depends only on its own logits and seed.
+    """
+    probs = torch.softmax(logits / info.temperatures[rows], dim=-1)
+    top_ks = info.top_ks[rows]
+    k = int(top_ks.max()) if info.need_top_k else info.vocab_size
+    if k < info.vocab_size:
+        sorted_probs, order = probs.topk(k, dim=-1)
+    else:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if info.need_top_k:
+        keep &= torch.arange(k, device=logits.device)[None, :] < top_ks[:, None]
+    if info.need_top_p:  # nucleus (Holtzman et al. 2019): the mass before a token must be < top_p
+        keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < info.top_ps[rows, None]
+    if info.need_min_p:
+        keep &= sorted_probs >= info.min_ps[rows, None] * sorted_probs[:, :1]
+    cdf = (sorted_probs * keep).cumsum(dim=-1)
+    uniform = _uniforms([info.step_seeds[i] for i in rows.tolist()], logits.device)
+    picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
+    return order.gather(1, picks).squeeze(1)
+
+
+def _uniforms(seeds: list[int | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) float32 per row: from a generator seeded with the row's seed, else the global RNG."""
+    uniform = torch.rand(len(seeds), device=device)
+    for i, seed in enumerate(seeds):
+        if seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+            uniform[i] = torch.rand(1, generator=generator, device=device)[0]
+    return uniform

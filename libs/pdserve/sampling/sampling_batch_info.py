@@ -1,0 +1,122 @@
+"""``SamplingBatchInfo``: one step's sampling parameters as batched tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the seed space
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Seed of the generator a seeded request samples its ``step``-th output token with.
+
+    Stateless in (seed, step), so a request's tokens depend neither on the batch around it nor on
+    whether it was retracted and recomputed.
+    """
+    return (seed * _SEED_MIX + step) % (1 << 63)
+
+
+@dataclass(slots=True)
+class SamplingBatchInfo:
+    """Sampling tensors of a batch of ``B`` requests over a vocabulary of ``V`` tokens.
+
+    Attributes:
+        temperatures: float32 ``[B, 1]`` (1 for greedy rows, which never divide by it).
+        top_ps / min_ps: float32 ``[B]``; top_ks: int64 ``[B]`` (``V`` where disabled).
+        is_greedy: bool ``[B]``; all_greedy: every row is greedy.
+        need_top_p / need_top_k / need_min_p: some sampled row uses the filter.
+        step_seeds: per row, the generator seed of this step (``step_seed``) or None (global RNG).
+        logit_bias: float32 ``[B, V]`` added to the logits (frequency/presence penalties, ``-inf``
+            on EOS/stop tokens before ``min_new_tokens``), or None when no row needs it.
+        repetition_penalties: float32 ``[B, 1]`` and repetition_mask: bool ``[B, V]`` (tokens of the
+            prompt or output), or both None when no row penalises repetition.
+    """
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    is_greedy: torch.Tensor
+    all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    step_seeds: list[int | None]
+    logit_bias: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    repetition_mask: torch.Tensor | None
+    vocab_size: int
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        output_ids: list[list[int]],
+        prompt_ids: list[list[int]],
+        eos_token_ids: list[int],
+        vocab_size: int,
+        device: str | torch.device = "cpu",
+    ) -> SamplingBatchInfo:
+        """Build from each request's params, its output so far and its prompt (same order)."""
+        batch = len(params)
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        penalised = any(p.has_penalties for p in params)
+        banned = [
+            (i, ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids))
+            for i, p in enumerate(params)
+            if len(output_ids[i]) < p.min_new_tokens
+        ]
+        logit_bias = None
+        if penalised or banned:
+            logit_bias = torch.zeros((batch, vocab_size), dtype=torch.float32, device=device)
+            if penalised:
+                counts = _token_counts(output_ids, batch, vocab_size, device)
+                freq = tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
+                pres = tensor([p.presence_penalty for p in params], torch.float32)[:, None]
+                logit_bias -= freq * counts + pres * (counts > 0)
+            for row, ids in banned:
+                logit_bias[row, ids] = float("-inf")
+        repetition_penalties = repetition_mask = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition_penalties = tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
+            seen = [prompt + out for prompt, out in zip(prompt_ids, output_ids, strict=True)]
+            repetition_mask = _token_counts(seen, batch, vocab_size, device) > 0
+        return cls(
+            temperatures=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32)[
+                :, None
+            ],
+            top_ps=tensor([p.top_p for p in params], torch.float32),
+            top_ks=tensor([p.top_k if p.top_k_enabled else vocab_size for p in params], torch.int64),
+            min_ps=tensor([p.min_p for p in params], torch.float32),
+            is_greedy=tensor(greedy, torch.bool),
+            all_greedy=all(greedy),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_top_k=any(p.top_k_enabled for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            step_seeds=[
+                None if p.seed is None else step_seed(p.seed, len(out)) for p, out in zip(params, output_ids, strict=True)
+            ],
+            logit_bias=logit_bias,
+            repetition_penalties=repetition_penalties,
+            repetition_mask=repetition_mask,
+            vocab_size=vocab_size,
+        )
+
+
+def _token_counts(ids: list[list[int]], batch: int, vocab_size: int, device: str | torch.device) -> torch.Tensor:
+    """float32 ``[batch, vocab_size]``: how often each token occurs in each row of ``ids``."""
+    counts = torch.zeros((batch, vocab_size), dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(row) for row in ids], device=device)
+    rows = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    flat = torch.tensor([t for row in ids for t in row], dtype=torch.int64, device=device)
+    counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts

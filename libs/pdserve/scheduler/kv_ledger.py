@@ -1,0 +1,162 @@
+"""The scheduler's KV ledger: radix matching, page allocation, growth, release and eviction.
+
+Every page is in exactly one of three places: the allocator's free list, the radix cache
+(``cached``, locked or not), or owned by one request (``in use``). ``check_conservation`` asserts
+free + cached + in-use == pool size.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool, slots_for_pages
+from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.scheduler.req import Req
+
+
+class KVLedger:
+    """Owns the request slots, the page allocator and the radix cache of one scheduler.
+
+    Args:
+        req_to_token_pool: request slot × position → KV token slot.
+        allocator: the paged KV allocator.
+        page_size: tokens per page.
+        disable_radix_cache: when true, finished requests free their pages instead of caching them.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: PagedTokenToKVPoolAllocator,
+        page_size: int,
+        disable_radix_cache: bool = False,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
+        self.in_use: dict[str, int] = {}  # rid -> pages owned (not counting radix prefix pages)
+
+    # ---- sizes --------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def free_pages(self) -> int:
+        return self.allocator.available_size()
+
+    def cached_pages(self) -> int:
+        return self.tree.total_size()
+
+    def used_pages(self) -> int:
+        return sum(self.in_use.values())
+
+    def available_pages(self) -> int:
+        """Pages obtainable now: free plus evictable."""
+        return self.free_pages() + self.tree.evictable_size()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def check_conservation(self, usable_pages: int) -> None:
+        """Raise AssertionError unless free + cached + in-use == ``usable_pages``."""
+        total = self.free_pages() + self.cached_pages() + self.used_pages()
+        if total != usable_pages:
+            raise AssertionError(
+                f"KV pages not conserved: free {self.free_pages()} + cached {self.cached_pages()}"
+                f" + in-use {self.used_pages()} = {total} != {usable_pages}"
+            )
+
+    # ---- allocation ---------------------------------------------------------------
+    def _alloc(self, n: int) -> list[int] | None:
+        if n == 0:
+            return []
+        if self.allocator.available_size() < n:
+            self.tree.evict(n - self.allocator.available_size())
+        return self.allocator.alloc(n)
+
+    def match(self, req: Req) -> int:
+        """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match.
+
+        Returns the number of prefix tokens found (a multiple of page_size).
+        """
+        key = req.fill_ids[:-1]
+        result = self.tree.match_prefix(key)
+        self.tree.inc_lock_ref(result.last_node)
+        req.last_node = result.last_node
+        req.pages = list(result.page_indices)
+        req.num_prefix_pages = len(req.pages)
+        req.num_computed = result.num_tokens
+        return result.num_tokens
+
+    def unmatch(self, req: Req) -> None:
+        """Undo ``match`` for a request that could not be admitted."""
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = None
+        req.pages = []
+        req.num_prefix_pages = 0
+        req.num_computed = 0
+
+    def admit(self, req: Req, num_tokens: int) -> bool:
+        """Give a matched ``req`` a request slot and pages covering ``num_tokens`` positions.
+
+        Returns False (and changes nothing) when the pool or the slots are short.
+        """
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need > self.available_pages() or self.req_to_token_pool.available_size() == 0:
+            return False
+        pages = self._alloc(need)
+        if pages is None:
+            return False
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        req.pages.extend(pages)
+        self.in_use[req.rid] = len(req.pages) - req.num_prefix_pages
+        self._write_req_to_token(req, 0, len(req.pages) * self.page_size)
+        return True
+
+    def grow(self, req: Req, num_tokens: int) -> bool:
+        """Make sure ``req`` has pages for ``num_tokens`` positions; False when the pool is short."""
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self._alloc(need)
+        if pages is None:
+            return False
+        start = len(req.pages) * self.page_size
+        req.pages.extend(pages)
+        self.in_use[req.rid] += need
+        self._write_req_to_token(req, start, len(req.pages) * self.page_size)
+        return True
+
+    def _write_req_to_token(self, req: Req, start: int, end: int) -> None:
+        slots = slots_for_pages(req.pages, start, end, self.page_size)
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = slots
+
+    # ---- release ------------------------------------------------------------------
+    def release(self, req: Req, cache: bool) -> None:
+        """Give back everything ``req`` holds, exactly once.
+
+        With ``cache`` (a finished request whose KV is valid), the full pages of the tokens that
+        have KV go into the radix cache; the partial last page and unused pages are freed.
+        Otherwise (abort, failure, retraction) every owned page is freed.
+        """
+        if req.rid not in self.in_use and req.last_node is None:
+            return
+        owned = req.pages[req.num_prefix_pages :]
+        if cache:
+            full = min(req.num_computed // self.page_size, len(req.pages))
+            key = req.fill_ids[: full * self.page_size]
+            duplicates = self.tree.insert(key, req.pages[:full])
+            self.allocator.free(duplicates)
+            self.allocator.free(req.pages[max(full, req.num_prefix_pages) :])
+        else:
+            self.allocator.free(owned)
+        self.tree.dec_lock_ref(req.last_node)
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+        req.pages = []
+        req.num_prefix_pages = 0
+        req.num_computed = 0
+        self.in_use.pop(req.rid, None)

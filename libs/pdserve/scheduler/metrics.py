@@ -1,0 +1,49 @@
+"""Prometheus metrics of one scheduler process (exported through ``GetMetrics`` to the gateway)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class SchedulerMetrics:
+    """Gauges, counters and histograms of a scheduler, in a private registry.
+
+    The gateway adds the ``role`` and ``worker`` labels when it merges every worker's text.
+    """
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        r = self.registry = CollectorRegistry()
+        self.num_running = Gauge("pdserve:num_running_reqs", "Requests admitted and not finished", registry=r)
+        self.num_queue = Gauge("pdserve:num_queue_reqs", "Requests waiting for admission", registry=r)
+        self.kv_pages_used = Gauge("pdserve:kv_pages_used", "KV pages owned by requests", registry=r)
+        self.kv_pages_free = Gauge("pdserve:kv_pages_free", "KV pages on the free list", registry=r)
+        self.kv_pages_total = Gauge("pdserve:kv_pages_total", "Usable KV pages of the pool", registry=r)
+        self.kv_pages_cached = Gauge("pdserve:kv_pages_cached", "KV pages held by the radix cache", registry=r)
+        self.kv_transfer_bytes = Counter(
+            "pdserve:kv_transfer_bytes", "KV bytes moved between prefill and decode over NIXL", registry=r
+        )
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "pdserve:prefix_cache_hit_tokens", "Prompt tokens found in the radix cache", registry=r
+        )
+        self.retracted = Counter("pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r)
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds", "Gap between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "pdserve:queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def text(self) -> str:
+        """Prometheus text exposition of this registry."""
+        return generate_latest(self.registry).decode()

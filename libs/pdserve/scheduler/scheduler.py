@@ -1,0 +1,380 @@
+"""The scheduler core: admission, chunked prefill, continuous batching, retraction and abort.
+
+Transport-free and single-threaded: every method is called from one thread (the service's event
+loop); only ``run_batch`` (the forward) may run on a worker thread, and while it runs the requests
+of that batch are marked in flight, so an abort arriving meanwhile is applied after the step.
+
+The step is schedule → run → process (cf. SGLang's ``event_loop_normal``):
+
+    batch = scheduler.schedule()
+    result = scheduler.run_batch(batch)          # may run in an executor
+    outputs = scheduler.process_result(batch, result)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdserve.scheduler.kv_ledger import KVLedger
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.policy import SchedulePolicy
+from pdserve.scheduler.req import FinishReason, Req, ReqState
+from pdserve.scheduler.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling knobs (CLI flags of the prefill/decode services).
+
+    Raises ValueError from ``validate`` on a bad value.
+    """
+
+    role: str = "mixed"
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    new_token_reserve: int = 32  # tokens reserved per request at admission, beyond its prompt
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.chunked_prefill_size < 16:
+            raise ValueError("chunked_prefill_size must be >= 16 tokens")
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step (or how it ended)."""
+
+    req: Req
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+class Scheduler:
+    """One scheduler of one role over one ``ModelRunner``.
+
+    Args:
+        runner: the engine (``pdserve.engine.model_runner.ModelRunner``), owner of the pools.
+        config: scheduling knobs.
+        metrics: Prometheus metrics of this process; a private registry when omitted.
+    """
+
+    def __init__(self, runner, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+        config.validate()
+        self.runner = runner
+        self.config = config
+        self.role = config.role
+        self.page_size = runner.token_to_kv_pool_allocator.page_size
+        self.ledger = KVLedger(
+            runner.req_to_token_pool,
+            runner.token_to_kv_pool_allocator,
+            self.page_size,
+            disable_radix_cache=config.disable_radix_cache,
+        )
+        self.usable_pages = self.ledger.free_pages()
+        self.context_len = runner.model_config.context_length
+        self.eos_token_ids = list(runner.model_config.eos_token_ids)
+        self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
+        self.metrics = metrics or SchedulerMetrics(config.role)
+        self.reqs: dict[str, Req] = {}
+        self.waiting: list[Req] = []
+        self.prefilling: list[Req] = []  # admitted, extending in chunks (mixed / prefill roles)
+        self.running: list[Req] = []  # decoding (mixed / decode roles)
+        self.waiting_for_kv: dict[str, Req] = {}  # decode role: pages reserved, prefill asked
+        self.kv_requests: list[Req] = []  # decode role: admitted, the servicer must ask a prefill worker
+        self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
+        self.in_flight: set[str] = set()
+        self.aborted_outputs: list[StepOutput] = []
+
+    # ---- requests in ----------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        """Queue a new request. Raises ValueError if it cannot fit the context or the pool."""
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate rid {req.rid!r}")
+        if not req.origin_input_ids:
+            raise ValueError("input_ids is empty")
+        total = len(req.origin_input_ids) + (1 if self.role == "prefill" else 0)
+        if total > self.context_len:
+            raise ValueError(f"prompt has {len(req.origin_input_ids)} tokens; context length is {self.context_len}")
+        if self.ledger.pages_for(len(req.origin_input_ids) + 1) > self.usable_pages:
+            raise ValueError(
+                f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"
+                f" ({self.usable_pages} pages of {self.page_size} tokens)"
+            )
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
+
+    def abort_request(self, rid: str, reason: str = "aborted") -> bool:
+        """Abort ``rid`` in whatever state it is; pages are released exactly once.
+
+        Returns False when the rid is unknown (already finished). A request inside the running
+        forward is aborted when that step ends.
+        """
+        req = self.reqs.get(rid)
+        if req is None:
+            return False
+        if rid in self.in_flight:
+            req.to_abort = reason
+            return True
+        self._end(req, FinishReason.ABORT, reason)
+        self.aborted_outputs.append(StepOutput(req, finished=True))
+        return True
+
+    # ---- decode role: KV from a prefill worker ------------------------------------------
+    def pop_kv_requests(self) -> list[Req]:
+        """Requests just admitted in the decode role; the servicer asks a prefill worker for each."""
+        reqs, self.kv_requests = self.kv_requests, []
+        return reqs
+
+    def kv_ready(self, rid: str, first_token_id: int, logprob=None) -> StepOutput | None:
+        """The prefill worker wrote ``rid``'s prompt KV into our pages and sampled its next token."""
+        req = self.waiting_for_kv.pop(rid, None)
+        if req is None:
+            return None
+        req.num_computed = len(req.fill_ids)
+        self._append_token(req, first_token_id, logprob)
+        req.set_state(ReqState.RUNNING)
+        req.check_finished(self.eos_token_ids, self.context_len)
+        if req.state.done:
+            self._end(req, req.finish_reason)
+        else:
+            self.running.append(req)
+        return StepOutput(req, [first_token_id], finished=req.state.done)
+
+    def kv_failed(self, rid: str, error: str) -> StepOutput | None:
+        """The prefill for ``rid`` failed for good: free its pages and fail it."""
+        req = self.waiting_for_kv.pop(rid, None)
+        if req is None:
+            return None
+        self._end(req, FinishReason.ERROR, error)
+        return StepOutput(req, finished=True)
+
+    # ---- prefill role: KV sent ----------------------------------------------------------
+    def pop_prefilled(self) -> list[Req]:
+        """Requests whose prompt KV is complete in the prefill role (first token in output_ids)."""
+        reqs, self.prefilled = self.prefilled, []
+        return reqs
+
+    def prefill_sent(self, rid: str, ok: bool, error: str = "") -> None:
+        """The KV write of a prefilled request ended: cache its pages (or free them) and forget it."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        self._end(req, FinishReason.STOP if ok else FinishReason.ERROR, error)
+
+    # ---- the step -----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def schedule(self) -> ScheduleBatch | None:
+        """Pick this step's requests: chunks of extends within the token budget, then decodes."""
+        self._expire_deadlines()
+        if self.role == "decode":
+            self._admit_for_kv()
+        decodes = self._prepare_decodes() if self.role != "prefill" else []
+        extends, extend_lens = self._schedule_extends() if self.role != "decode" else ([], [])
+        reqs = extends + decodes
+        self._update_gauges()
+        if not reqs:
+            return None
+        batch = ScheduleBatch(reqs, extend_lens + [1] * len(decodes), num_extend=len(extends))
+        self.in_flight = {r.rid for r in reqs}
+        return batch
+
+    def run_batch(self, batch: ScheduleBatch):
+        """Run the forward of ``batch`` (thread-safe with respect to the request queues)."""
+        return self.runner.forward_batch_generation(batch.to_forward_batch(self.runner))
+
+    def process_result(self, batch: ScheduleBatch, result) -> list[StepOutput]:
+        """Apply one step's sampled tokens; finish, hand over or keep each request."""
+        self.in_flight = set()
+        now = time.time()
+        outputs: list[StepOutput] = []
+        for i, req in enumerate(batch.reqs):
+            req.num_computed += batch.extend_lens[i]
+            if req.to_abort:
+                self._end(req, FinishReason.ABORT, req.to_abort)
+                outputs.append(StepOutput(req, finished=True))
+                continue
+            if not batch.is_last_chunk(i):
+                continue  # a non-final chunk of a long prompt: its sample is discarded
+            logprob = None
+            if result.next_token_logprobs is not None:
+                top = result.top_logprobs[i] if result.top_logprobs is not None else []
+                logprob = (result.next_token_logprobs[i], top)
+            token = result.next_token_ids[i]
+            if i < batch.num_extend:
+                self.prefilling.remove(req)
+                if self.role == "prefill":
+                    self._append_token(req, token, logprob, now)
+                    self.prefilled.append(req)
+                    continue
+                req.set_state(ReqState.RUNNING)
+                self.running.append(req)
+            self._append_token(req, token, logprob, now)
+            req.check_finished(self.eos_token_ids, self.context_len)
+            if req.state.done:
+                self._end(req, req.finish_reason)
+            outputs.append(StepOutput(req, [token], finished=req.state.done))
+        self._update_gauges()
+        return outputs
+
+    def fail_batch(self, batch: ScheduleBatch, error: str) -> list[StepOutput]:
+        """A forward raised: fail every request of ``batch`` (their KV is not trusted)."""
+        self.in_flight = set()
+        outputs = []
+        for req in batch.reqs:
+            self._end(req, FinishReason.ERROR, error)
+            outputs.append(StepOutput(req, finished=True))
+        return outputs
+
+    def pop_aborted(self) -> list[StepOutput]:
+        """Requests aborted outside a step (explicit abort, deadline) since the last call."""
+        outputs, self.aborted_outputs = self.aborted_outputs, []
+        return outputs
+
+    # ---- internals ----------------------------------------------------------------------
+    def _cached_prefix_len(self, req: Req) -> int:
+        return self.ledger.tree.match_prefix(req.fill_ids[:-1]).num_tokens
+
+    def _append_token(self, req: Req, token: int, logprob, now: float | None = None) -> None:
+        now = now or time.time()
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append((token, logprob[0], logprob[1]))
+        if req.first_token_time == 0.0:
+            req.first_token_time = now
+            self.metrics.ttft.observe(now - req.arrival_time)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+
+    def _can_run_more(self) -> int:
+        active = len(self.running) + len(self.prefilling) + len(self.waiting_for_kv)
+        return self.config.max_running_requests - active
+
+    def _reserve_pages(self, req: Req) -> int:
+        """Pages beyond the prompt that admission keeps free for a request's next tokens."""
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return self.ledger.pages_for(max(0, min(remaining, self.config.new_token_reserve)))
+
+    def _admissible(self, req: Req) -> bool:
+        """Admission by KV budget: prompt pages plus a reserve for every running request."""
+        reserve = sum(self._reserve_pages(r) for r in self.running) + self._reserve_pages(req)
+        need = self.ledger.pages_for(len(req.fill_ids)) - len(req.pages)
+        return need + reserve <= self.ledger.available_pages()
+
+    def _admit(self, req: Req) -> bool:
+        """Match the radix cache, lock the match and allocate pages for the whole fill."""
+        prefix = self.ledger.match(req)
+        if not self._admissible(req) or not self.ledger.admit(req, len(req.fill_ids)):
+            self.ledger.unmatch(req)
+            return False
+        if not req.output_ids:  # a retracted request re-admitted is not a new prompt
+            req.cached_tokens = prefix
+            self.metrics.prefix_cache_hit_tokens.inc(prefix)
+        req.admit_time = time.time()
+        self.metrics.queue_time.observe(req.admit_time - req.arrival_time)
+        self.waiting.remove(req)
+        return True
+
+    def _admit_for_kv(self) -> None:
+        self.policy.order(self.waiting)
+        for req in list(self.waiting):
+            if self._can_run_more() <= 0 or not self._admit(req):
+                break
+            req.set_state(ReqState.WAITING_FOR_KV)
+            self.waiting_for_kv[req.rid] = req
+            self.kv_requests.append(req)
+
+    def _schedule_extends(self) -> tuple[list[Req], list[int]]:
+        budget = self.config.chunked_prefill_size
+        reqs: list[Req] = []
+        lens: list[int] = []
+        for req in self.prefilling:  # continue chunked requests first
+            if budget <= 0:
+                break
+            n = min(budget, len(req.fill_ids) - req.num_computed)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        self.policy.order(self.waiting)
+        for req in list(self.waiting):
+            if budget <= 0 or self._can_run_more() <= 0 or not self._admit(req):
+                break
+            req.set_state(ReqState.PREFILLING)
+            self.prefilling.append(req)
+            n = min(budget, len(req.fill_ids) - req.num_computed)
+            reqs.append(req)
+            lens.append(n)
+            budget -= n
+        return reqs, lens
+
+    def _prepare_decodes(self) -> list[Req]:
+        """Give every running request a KV slot for its next token, retracting the newest if short."""
+        batch: list[Req] = []
+        for req in sorted(self.running, key=lambda r: r.admit_time):
+            if req not in self.running:
+                continue  # retracted while making room for an older request
+            while not self.ledger.grow(req, len(req.fill_ids)):
+                victim = max(self.running, key=lambda r: r.admit_time)
+                self._retract(victim)
+                if victim is req:
+                    break
+            else:
+                batch.append(req)
+        return batch
+
+    def _retract(self, req: Req) -> None:
+        """Give ``req``'s pages back (its computed KV goes to the radix cache) and re-queue it."""
+        logger.info("retracting %s (%d tokens generated) to free KV pages", req.rid, len(req.output_ids))
+        self.running.remove(req)
+        self.ledger.release(req, cache=True)
+        req.set_state(ReqState.WAITING)
+        self.waiting.insert(0, req)
+        self.metrics.retracted.inc()
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for req in list(self.reqs.values()):
+            if req.deadline and now > req.deadline and req.rid not in self.in_flight:
+                self.abort_request(req.rid, "deadline exceeded")
+
+    def _end(self, req: Req, reason: FinishReason, error: str = "") -> None:
+        """Leave every queue and release the KV ledger entry, exactly once."""
+        for queue in (self.waiting, self.prefilling, self.running, self.prefilled):
+            if req in queue:
+                queue.remove(req)
+        self.waiting_for_kv.pop(req.rid, None)
+        if not req.state.done:
+            req.finish(reason, error)
+        valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+        self.ledger.release(req, cache=valid_kv and req.num_computed > 0)
+        self.reqs.pop(req.rid, None)
+        if req.first_token_time:
+            self.metrics.e2e.observe(time.time() - req.arrival_time)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.num_running.set(len(self.running) + len(self.prefilling) + len(self.waiting_for_kv))
+        m.num_queue.set(len(self.waiting))
+        m.kv_pages_used.set(self.ledger.used_pages())
+        m.kv_pages_free.set(self.ledger.free_pages())
+        m.kv_pages_cached.set(self.ledger.cached_pages())
+        m.kv_pages_total.set(self.usable_pages)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if KV pages are not conserved."""
+        self.ledger.check_conservation(self.usable_pages)

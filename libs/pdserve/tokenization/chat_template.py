@@ -1,0 +1,86 @@
+"""Render chat messages through a model's own chat template (Jinja, run by transformers)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+
+class ChatTemplateError(ValueError):
+    """The messages, tools or template kwargs cannot be rendered by the model's chat template."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One chat turn; ``content`` is plain text, ``name`` is passed to the template when set."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+    def to_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.content}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A templated prompt: the text the template produced and its token ids (int, < vocab size)."""
+
+    text: str
+    input_ids: list[int]
+
+
+def render_chat(
+    hf: PreTrainedTokenizerBase,
+    messages: Sequence[ChatMessage],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """Render ``messages`` with ``hf``'s chat template and return the prompt text.
+
+    ``continue_final_message`` leaves the last (assistant) message open, so generation continues
+    its text; it excludes ``add_generation_prompt``. ``tools`` reach templates that read ``tools``;
+    ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``).
+
+    Raises:
+        ChatTemplateError: no messages, both prompt flags set, a kwarg that would override one of
+            ``apply_chat_template``'s own parameters, or the template itself failing.
+    """
+    if not messages:
+        raise ChatTemplateError("chat input needs at least one message")
+    if add_generation_prompt and continue_final_message:
+        raise ChatTemplateError("add_generation_prompt and continue_final_message exclude each other")
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(kwargs.keys() & _reserved_parameters(hf))
+    if reserved:
+        raise ChatTemplateError(f"chat template kwargs may not set {', '.join(reserved)}")
+    try:
+        text = hf.apply_chat_template(
+            [m.to_template() for m in messages],
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected text")
+    return text
+
+
+def _reserved_parameters(hf: PreTrainedTokenizerBase) -> set[str]:
+    params = inspect.signature(hf.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}

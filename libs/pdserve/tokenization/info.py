@@ -1,0 +1,47 @@
+"""What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """Summary of a loaded tokenizer and its checkpoint.
+
+    Attributes:
+        model_name: the served model name.
+        vocab_size: number of ids the tokenizer knows (``len(tokenizer)``, added tokens included).
+        eos_token_ids: every id that ends generation: the tokenizer's EOS, then those of
+            generation_config.json and config.json (deduplicated, in that order).
+        context_length: ``max_position_embeddings`` of config.json, 0 when absent.
+    """
+
+    model_name: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    context_length: int
+
+
+def read_tokenizer_info(hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str) -> TokenizerInfo:
+    """Build the ``TokenizerInfo`` of ``hf`` loaded from the checkpoint directory ``checkpoint``."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    text_config = config.get_text_config()
+    try:
+        generation_eos = GenerationConfig.from_pretrained(checkpoint).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    eos: list[int] = []
+    for value in (hf.eos_token_id, generation_eos, text_config.eos_token_id):
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and token_id not in eos:
+                eos.append(int(token_id))
+    return TokenizerInfo(
+        model_name=model_name,
+        vocab_size=len(hf),
+        eos_token_ids=eos,
+        context_length=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+    )

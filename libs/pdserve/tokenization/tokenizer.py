@@ -1,0 +1,123 @@
+"""The model's tokenizer: encode text, render chat, decode ids (one place that calls transformers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pdserve.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, resolve_model
+from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, render_chat
+from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer plus the facts about its checkpoint that serving needs.
+
+    Args:
+        hf: the transformers tokenizer (``hf`` stays public for reference checks).
+        checkpoint: the checkpoint directory it was loaded from (config.json lives there).
+        model_name: the served model name reported by ``info``.
+
+    Thread safety: encode/decode may run from several threads at once (nothing here mutates the
+    tokenizer after loading).
+    """
+
+    def __init__(self, hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str) -> None:
+        self.hf = hf
+        self.info: TokenizerInfo = read_tokenizer_info(hf, checkpoint, model_name)
+        # A fast tokenizer whose decode adds no Python post-processing can decode a whole batch in
+        # one Rust call; otherwise go through transformers (same text, slower).
+        self._rust = hf.backend_tokenizer if hf.is_fast and not hf.clean_up_tokenization_spaces else None
+
+    @classmethod
+    def load(cls, model: str | None = None) -> Tokenizer:
+        """Load the tokenizer of ``model`` (as ``pdserve.model_source.resolve_model`` takes it).
+
+        Raises:
+            FileNotFoundError: the model path does not exist.
+        """
+        checkpoint = resolve_model(model)
+        if model is None or model == DEFAULT_MODEL:
+            name = DEFAULT_MODEL_NAME
+        else:
+            name = Path(model).name.removesuffix(".gguf")
+        return cls(AutoTokenizer.from_pretrained(checkpoint), checkpoint, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, encoded in one batched (Rust-parallel for fast tokenizers) call."""
+        if not texts:
+            return []
+        return self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ChatPrompt:
+        """Render ``messages`` with the model's chat template and tokenize the result.
+
+        The ids equal ``hf.apply_chat_template(..., tokenize=True)``: the rendered text is encoded
+        without adding special tokens, because the template writes them itself.
+
+        Raises:
+            ChatTemplateError: see ``pdserve.tokenization.chat_template.render_chat``.
+        """
+        text = render_chat(
+            self.hf,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        return ChatPrompt(text=text, input_ids=self.encode(text, add_special_tokens=False))
+
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """Text of ``ids``.
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``.
+        """
+        self.check_ids(ids)
+        return self.batch_decode([ids], skip_special_tokens, spaces_between_special_tokens)[0]
+
+    def batch_decode(
+        self,
+        sequences: Sequence[Sequence[int]],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> list[str]:
+        """Text of each id sequence, as ``hf.decode`` gives it; ids are trusted (see ``check_ids``).
+
+        ``spaces_between_special_tokens`` only changes the output of slow (Python) tokenizers, as in
+        transformers itself.
+        """
+        if self._rust is not None:
+            return self._rust.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+        return [
+            self.hf.decode(
+                list(s),
+                skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=spaces_between_special_tokens,
+            )
+            for s in sequences
+        ]
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` unless every id is in ``[0, vocab_size)``."""
+        bad = [i for i in ids if not 0 <= i < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.info.vocab_size}): {bad[:8]}")

@@ -1,0 +1,1 @@
+"""Pieces shared by the prefill and decode scheduler services."""

@@ -1,0 +1,50 @@
+"""Build a scheduler process's engine, scheduler and NIXL agent from its parsed flags."""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.kv_transfer import KVLayout, KVTransferAgent
+from pdserve.model_source import resolve_model
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
+    """ModelRunner (weights, pools, attention backend) plus the scheduler core for ``role``."""
+    runner = ModelRunner(
+        resolve_model(args.model),
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_running_requests=args.max_running_requests,
+    )
+    config = SchedulerConfig(
+        role=role,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache,
+    )
+    return Scheduler(runner, config, SchedulerMetrics(role))
+
+
+def build_kv_agent(scheduler: Scheduler, role: str, address: str) -> KVTransferAgent:
+    """One NIXL agent per scheduler process with the whole KV pool registered."""
+    runner = scheduler.runner
+    cfg = runner.model_config
+    layout = KVLayout(
+        model=str(cfg.name),
+        dtype=str(cfg.dtype).removeprefix("torch."),
+        page_size=scheduler.page_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        layout="layer,kv,page,slot,head,dim",
+    )
+    name = f"{role}-{address}-{uuid.uuid4().hex[:8]}"
+    return KVTransferAgent(name, runner.kv_pool.kv_data, layout)

@@ -1,0 +1,114 @@
+"""Conversions between protobuf messages and the transport-free domain objects."""
+
+from __future__ import annotations
+
+from pdserve.kv_transfer import KVAgentInfo, KVLayout
+from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.req import FinishReason, Req
+from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2
+
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "max_new_tokens",
+    "min_new_tokens",
+    "seed",
+    "skip_special_tokens",
+)
+_PLAIN_FIELDS = (
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "spaces_between_special_tokens",
+    "return_logprob",
+    "top_logprobs_num",
+)
+
+
+def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine defaults. Raises ValueError on invalid values."""
+    kwargs = {name: getattr(pb, name) for name in _OPTIONAL_FIELDS if pb.HasField(name)}
+    kwargs.update({name: getattr(pb, name) for name in _PLAIN_FIELDS})
+    kwargs["stop_token_ids"] = list(pb.stop_token_ids)
+    kwargs["stop"] = list(pb.stop)
+    if pb.n:
+        kwargs["n"] = pb.n
+    params = SamplingParams(**kwargs)
+    params.validate()
+    return params
+
+
+def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(stop_token_ids=p.stop_token_ids or [], stop=p.stop or [])
+    for name in _OPTIONAL_FIELDS + _PLAIN_FIELDS:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(pb, name, value)
+    pb.n = p.n or 1
+    return pb
+
+
+def token_logprob_to_pb(token: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=token,
+        logprob=logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
+_FINISH = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def token_output_to_pb(req: Req, new_token_ids: list[int], finished: bool, first: bool) -> output_pb2.TokenIDOutput:
+    """One request's share of a BatchTokenIDOutput; ``first`` adds what the detokenizer keeps."""
+    params = req.sampling_params
+    out = output_pb2.TokenIDOutput(
+        rid=req.rid,
+        token_ids=new_token_ids,
+        finish_reason=_FINISH[req.finish_reason] if finished else common_pb2.FINISH_REASON_UNSPECIFIED,
+        error=req.error if finished else "",
+        prompt_tokens=len(req.origin_input_ids),
+        cached_tokens=req.cached_tokens,
+        completion_tokens=len(req.output_ids),
+        index=req.meta.get("index", 0),
+    )
+    if finished and req.matched_stop_token is not None:
+        out.matched_stop_token = req.matched_stop_token
+    if params.return_logprob and new_token_ids:
+        for token, logprob, top in req.output_logprobs[-len(new_token_ids) :]:
+            out.logprobs.append(token_logprob_to_pb(token, logprob, top))
+    if first:
+        out.gateway_address = req.meta.get("gateway_address", "")
+        out.scheduler_address = req.meta.get("scheduler_address", "")
+        out.skip_special_tokens = params.skip_special_tokens is not False
+        out.spaces_between_special_tokens = bool(params.spaces_between_special_tokens)
+        out.stop.extend(params.stop or [])
+        out.include_stop_str_in_output = bool(params.include_stop_str_in_output)
+    return out
+
+
+def kv_layout_to_pb(layout: KVLayout) -> scheduler_pb2.KVLayout:
+    return scheduler_pb2.KVLayout(**vars(layout))
+
+
+def kv_agent_info_to_pb(info: KVAgentInfo) -> scheduler_pb2.KVAgentInfo:
+    fields = dict(vars(info))
+    fields["layout"] = kv_layout_to_pb(info.layout)
+    return scheduler_pb2.KVAgentInfo(**fields)
+
+
+def kv_agent_info_from_pb(pb: scheduler_pb2.KVAgentInfo) -> KVAgentInfo:
+    layout = KVLayout(**{f.name: getattr(pb.layout, f.name) for f in scheduler_pb2.KVLayout.DESCRIPTOR.fields})
+    fields = {f.name: getattr(pb, f.name) for f in scheduler_pb2.KVAgentInfo.DESCRIPTOR.fields}
+    fields["layout"] = layout
+    return KVAgentInfo(**fields)

@@ -1,0 +1,54 @@
+"""``pdserve decode``: the decode-scheduler process (``--colocated``: prefills itself, no prefill pool)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve.cli_args import apply_env_defaults, setup_logging
+from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler
+from pdserve.services.common.scheduler_args import add_scheduler_args
+from pdserve.services.decode.servicer import DecodeServicer
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve decode", description=__doc__)
+    add_scheduler_args(parser, port=30020)
+    parser.add_argument(
+        "--colocated", action="store_true", help="prefill locally (mixed role) instead of using prefill workers"
+    )
+    apply_env_defaults(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    role = "mixed" if args.colocated else "decode"
+    server = GrpcServer(f"{args.host}:{args.port}", [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
+    address = f"{args.advertise_host or args.host}:{server.port}"
+    scheduler = await asyncio.to_thread(build_scheduler, args, role)
+    agent = build_kv_agent(scheduler, role, address) if role == "decode" else None
+    servicer = DecodeServicer(scheduler, address, agent)
+    server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
+    await server.start()
+    loop_task = asyncio.create_task(servicer.loop.run(stop))
+    await server.set_serving(True)
+    logger.info("decode-scheduler (%s) ready on %s", role, address)
+    await stop.wait()
+    await server.stop(grace=5.0)
+    await loop_task
+    await servicer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    setup_logging(args.log_level, "decode")
+    run_service(lambda stop: serve(args, stop))
+
+
+if __name__ == "__main__":
+    main()

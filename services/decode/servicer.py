@@ -1,0 +1,160 @@
+"""DecodeScheduler servicer: translates gRPC to the scheduler core and streams token ids out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.kv_transfer import KVTransferAgent
+from pdserve.rpc.client_stream import ClientStreamPool
+from pdserve.scheduler.req import Req
+from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
+from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.decode.prefill_client import PrefillPeer
+from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PREFILL_TIMEOUT_S = 120.0
+
+
+class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
+    """Decode (or colocated ``mixed``) scheduler service.
+
+    Args:
+        scheduler: the scheduler core (role ``decode`` or ``mixed``).
+        address: this service's advertised "host:port" (the detokenizer aborts here on stop strings).
+        agent: the NIXL agent (role ``decode`` only).
+    """
+
+    def __init__(self, scheduler: Scheduler, address: str, agent: KVTransferAgent | None) -> None:
+        self.scheduler = scheduler
+        self.address = address
+        self.agent = agent
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills)
+        self.outputs = ClientStreamPool(lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs)
+        self.peers: dict[str, PrefillPeer] = {}
+        self.prefill_tasks: dict[str, asyncio.Task] = {}
+        self.started: set[str] = set()  # rids whose first output went out
+
+    # ---- gRPC ---------------------------------------------------------------------------
+    async def Generate(self, request: scheduler_pb2.TokenizedGenerateReqInput, context) -> scheduler_pb2.GenerateAck:
+        try:
+            params = sampling_params_from_pb(request.sampling_params)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.scheduler.role == "decode" and not request.prefill_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode worker needs a prefill_address")
+        req = Req(
+            rid=request.rid,
+            origin_input_ids=list(request.input_ids),
+            sampling_params=params,
+            deadline=request.deadline_unix_s,
+            arrival_time=request.arrival_unix_s or time.time(),
+            meta={
+                "prefill_address": request.prefill_address,
+                "output_address": request.output_address,
+                "gateway_address": request.gateway_address,
+                "scheduler_address": self.address,
+            },
+        )
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.loop.wake()
+        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=len(self.scheduler.waiting))
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
+        task = self.prefill_tasks.pop(request.rid, None)
+        if task is not None:
+            task.cancel()
+        found = self.scheduler.abort_request(request.rid, request.reason or "aborted")
+        self.loop.wake()
+        return scheduler_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
+        return load_info(self.scheduler)
+
+    async def GetMetrics(self, request, context) -> common_pb2.MetricsResponse:
+        return common_pb2.MetricsResponse(role=self.scheduler.role, worker=self.address, text=self.scheduler.metrics.text())
+
+    # ---- outputs ------------------------------------------------------------------------
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        """Group one step's outputs into one BatchTokenIDOutput per detokenizer."""
+        batches: dict[str, output_pb2.BatchTokenIDOutput] = {}
+        for out in outputs:
+            req = out.req
+            target = req.meta.get("output_address", "")
+            if not target:
+                continue
+            first = req.rid not in self.started
+            self.started.add(req.rid)
+            if out.finished:
+                self.started.discard(req.rid)
+                task = self.prefill_tasks.pop(req.rid, None)
+                if task is not None:
+                    task.cancel()
+            batch = batches.setdefault(target, output_pb2.BatchTokenIDOutput())
+            batch.outputs.append(token_output_to_pb(req, out.new_token_ids, out.finished, first))
+        for target, batch in batches.items():
+            self.outputs.send(target, batch)
+
+    # ---- PD: ask prefill workers ------------------------------------------------------------
+    def _start_prefills(self) -> None:
+        for req in self.scheduler.pop_kv_requests():
+            self.prefill_tasks[req.rid] = asyncio.create_task(self._prefill(req))
+
+    def _peer(self, address: str) -> PrefillPeer:
+        peer = self.peers.get(address)
+        if peer is None:
+            peer = self.peers[address] = PrefillPeer(address, self.agent)
+        return peer
+
+    async def _prefill(self, req: Req) -> None:
+        rid = req.rid
+        timeout = min(PREFILL_TIMEOUT_S, req.deadline - time.time()) if req.deadline else PREFILL_TIMEOUT_S
+        try:
+            resp = await self._peer(req.meta["prefill_address"]).prefill(req, timeout)
+            await self.agent.wait_for_notification(rid.encode(), timeout_s=10.0)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:
+            msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+            logger.warning("prefill of %s failed: %s", rid, msg)
+            out = self.scheduler.kv_failed(rid, f"prefill failed: {msg}")
+        else:
+            self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
+            req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
+            logprob = None
+            if resp.HasField("first_logprob"):
+                lp = resp.first_logprob
+                logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+            out = self.scheduler.kv_ready(rid, resp.first_token_id, logprob)
+        finally:
+            self.prefill_tasks.pop(rid, None)
+        if out is not None:
+            self._emit([out])
+        self.loop.wake()
+
+    async def close(self) -> None:
+        for task in self.prefill_tasks.values():
+            task.cancel()
+        await self.outputs.close()
+        for peer in self.peers.values():
+            await peer.close()
+
+
+def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
+    ledger = scheduler.ledger
+    return common_pb2.LoadInfo(
+        num_running_reqs=len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting_for_kv),
+        num_queue_reqs=len(scheduler.waiting),
+        kv_pages_used=ledger.used_pages(),
+        kv_pages_free=ledger.free_pages(),
+        kv_pages_cached=ledger.cached_pages(),
+    )

@@ -1,0 +1,100 @@
+"""Errors in OpenAI's JSON shape, and their mapping to and from gRPC status codes.
+
+Every failure the gateway reports is a ``GatewayError``: the HTTP layer renders it as
+``{"error": {"message", "type", "param", "code"}}`` with its status, the public gRPC servicer aborts
+with the matching ``grpc.StatusCode``, and errors from backend services (``grpc.aio.AioRpcError``)
+become ``GatewayError`` through ``from_rpc_error``.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import grpc
+
+# HTTP status -> (OpenAI error type, gRPC status code).
+_KINDS: dict[int, tuple[str, grpc.StatusCode]] = {
+    400: ("invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    401: ("authentication_error", grpc.StatusCode.UNAUTHENTICATED),
+    404: ("invalid_request_error", grpc.StatusCode.NOT_FOUND),
+    405: ("invalid_request_error", grpc.StatusCode.UNIMPLEMENTED),
+    409: ("invalid_request_error", grpc.StatusCode.ALREADY_EXISTS),
+    413: ("invalid_request_error", grpc.StatusCode.INVALID_ARGUMENT),
+    429: ("rate_limit_error", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    499: ("cancelled", grpc.StatusCode.CANCELLED),
+    503: ("service_unavailable", grpc.StatusCode.UNAVAILABLE),
+    504: ("timeout", grpc.StatusCode.DEADLINE_EXCEEDED),
+}
+
+# Backend gRPC status -> HTTP status.
+_FROM_GRPC: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class GatewayError(Exception):
+    """A request failure with its HTTP status and OpenAI error fields.
+
+    Args:
+        status: HTTP status code (400, 401, 404, 413, 429, 503, 504, 500, ...).
+        message: human-readable message (shown to the client).
+        param: the request field at fault, dotted (``"messages"``, ``"sampling_params.top_p"``).
+        code: machine-readable code (``"model_not_found"``, ``"invalid_api_key"``, ...).
+        headers: extra response headers (``Retry-After`` for 429/503).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        kind = _KINDS.get(self.status)
+        return kind[0] if kind else ("invalid_request_error" if self.status < 500 else "internal_error")
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        kind = _KINDS.get(self.status)
+        if kind:
+            return kind[1]
+        return grpc.StatusCode.INVALID_ARGUMENT if self.status < 500 else grpc.StatusCode.INTERNAL
+
+    def body(self) -> dict:
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def http_error(status: int, message: str | None = None, **kwargs) -> GatewayError:
+    """A ``GatewayError`` whose message defaults to the status phrase (``"Not Found"``)."""
+    return GatewayError(status, message or HTTPStatus(status).phrase, **kwargs)
+
+
+def invalid_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param)
+
+
+def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
+    """Map a backend call's failure: INVALID_ARGUMENT->400, RESOURCE_EXHAUSTED->429, UNAVAILABLE->503, ..."""
+    status = _FROM_GRPC.get(err.code(), 500)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return GatewayError(status, f"{service}: {err.details() or err.code().name}", headers=headers)

@@ -1,0 +1,123 @@
+"""The gateway's transport-free request and output objects (SGLang's ``GenerateReqInput`` side).
+
+The serving modules turn protocol objects (OpenAI JSON, native /generate JSON, the public gRPC
+``GenerateRequest``) into a ``GenerateReqInput``; the ``RequestManager`` turns that into
+``TokenizedGenerateReqInput`` messages for the decode-schedulers and hands back ``ChoiceDelta``
+pieces built from the detokenizer's ``StrOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling parameters of one request; field names and meaning follow ``pdserve.v1.SamplingParams``.
+
+    ``None`` means "engine default". ``max_new_tokens`` is filled in by the ``RequestManager`` when
+    the client gave none (context length minus prompt length, capped).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """Chat messages to render with the model's chat template (done by the tokenizer service)."""
+
+    messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools_json: str = ""
+    chat_template_kwargs_json: str = ""
+
+
+Prompt = str | list[int] | ChatPrompt
+
+
+@dataclass(slots=True)
+class GenerateReqInput:
+    """One client request: ``len(prompts) * n`` choices, choice ``j * n + i`` = prompt j, sample i.
+
+    Sub-request rids are ``rid`` for a single choice and ``f"{rid}-{k}"`` (k = choice index)
+    otherwise; with a seed, sample i of each prompt uses ``seed + i``.
+    """
+
+    rid: str
+    prompts: list[Prompt]
+    sampling_params: SamplingParams
+    n: int = 1
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob (natural log) of one generated token and its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """One streamed piece of one choice (from one ``StrOutput``).
+
+    ``text`` and ``token_ids`` are deltas; the token counts are totals so far. ``finish_reason`` is
+    set on the last piece of a choice only; ``prompt_tokens`` is the gateway's own count of the ids
+    it sent.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the tokenizer service reports about the model (``Tokenizer.GetInfo``)."""
+
+    model_name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+
+
+@dataclass(slots=True)
+class TokenizedPrompt:
+    input_ids: list[int]
+    prompt_text: str = ""

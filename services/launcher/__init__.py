@@ -1,0 +1,1 @@
+"""``pdserve launch``: start and supervise a whole topology on one machine."""

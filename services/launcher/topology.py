@@ -1,0 +1,84 @@
+"""Which processes a one-machine deployment runs, with their flags and ports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class ServiceSpec:
+    """One process of the topology.
+
+    ``health`` is "host:port" of its grpc.health.v1 service, or an http:// URL for the gateway.
+    """
+
+    name: str
+    role: str
+    argv: list[str]
+    health: str
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "pdserve.cli", self.role, *self.argv]
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = [
+        "--dtype", args.dtype,
+        "--page-size", str(args.page_size),
+        "--attention-backend", args.attention_backend,
+        "--max-running-requests", str(args.max_running_requests),
+        "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--schedule-policy", args.schedule_policy,
+    ]  # fmt: skip
+    if args.max_total_tokens:
+        flags += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.kv_cache_memory:
+        flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.disable_radix_cache:
+        flags.append("--disable-radix-cache")
+    return flags
+
+
+def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec]:
+    """Services in start order: tokenizer, detokenizer, prefill workers, decode workers, gateway."""
+    host = args.internal_host
+    base = args.internal_port_base
+    common = ["--model", model_dir, "--host", host, "--log-level", args.log_level]
+    tok = f"{host}:{base + 1}"
+    detok = f"{host}:{base + 2}"
+    specs = [
+        ServiceSpec("tokenizer", "tokenizer", [*common, "--port", str(base + 1)], tok),
+        ServiceSpec("detokenizer", "detokenizer", [*common, "--port", str(base + 2)], detok),
+    ]
+    num_prefill = 0 if args.colocated else args.num_prefill
+    prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
+    decodes = [f"{host}:{base + 20 + i}" for i in range(args.num_decode)]
+    for i, addr in enumerate(prefills):
+        argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
+        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr))
+    for i, addr in enumerate(decodes):
+        argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
+        if args.colocated:
+            argv.append("--colocated")
+        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr))
+    gateway = [
+        "--model", model_dir,
+        "--host", args.host,
+        "--port", str(args.port),
+        "--grpc-port", str(args.grpc_port),
+        "--log-level", args.log_level,
+        "--tokenizer-addresses", tok,
+        "--detokenizer-addresses", detok,
+        "--decode-addresses", ",".join(decodes),
+        "--prefill-addresses", ",".join(prefills),
+        "--router-policy", args.router_policy,
+    ]  # fmt: skip
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    if args.api_key:
+        gateway += ["--api-key", args.api_key]
+    specs.append(ServiceSpec("gateway", "gateway", gateway, f"http://{args.host}:{args.port}/health"))
+    return specs

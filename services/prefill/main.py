@@ -1,0 +1,49 @@
+"""``pdserve prefill``: the prefill-scheduler process (writes KV into decode workers over NIXL)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve.cli_args import apply_env_defaults, setup_logging
+from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler
+from pdserve.services.common.scheduler_args import add_scheduler_args
+from pdserve.services.prefill.servicer import PrefillServicer
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
+    add_scheduler_args(parser, port=30010)
+    apply_env_defaults(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    service = scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name
+    server = GrpcServer(f"{args.host}:{args.port}", [service])
+    address = f"{args.advertise_host or args.host}:{server.port}"
+    scheduler = await asyncio.to_thread(build_scheduler, args, "prefill")
+    servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address))
+    server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
+    await server.start()
+    loop_task = asyncio.create_task(servicer.loop.run(stop))
+    await server.set_serving(True)
+    logger.info("prefill-scheduler ready on %s", address)
+    await stop.wait()
+    await server.stop(grace=5.0)
+    await loop_task
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    setup_logging(args.log_level, "prefill")
+    run_service(lambda stop: serve(args, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tokenizer service: stateless gRPC front of the model's tokenizer and chat template."""

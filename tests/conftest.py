@@ -1,0 +1,36 @@
+"""Session-wide fixtures: the launched stacks (started once per test session) and the invariants."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.stack import Stack, launch_stack
+
+
+@pytest.fixture(scope="session")
+def pd_stack() -> Stack:
+    """1 prefill + 1 decode worker (KV over NIXL), fp32 so outputs match the HF reference exactly."""
+    stack = launch_stack("--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", log_name="pd")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_stack() -> Stack:
+    """One decode worker that prefills itself (mixed role), fp32."""
+    stack = launch_stack("--colocated", "--dtype", "float32", log_name="colocated")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def stack(pd_stack: Stack) -> Stack:
+    """The PD stack; after the test, every scheduler must be idle with its KV pool conserved."""
+    yield pd_stack
+    pd_stack.check_kv_conservation()
+
+
+@pytest.fixture
+def colocated(colocated_stack: Stack) -> Stack:
+    yield colocated_stack
+    colocated_stack.check_kv_conservation()

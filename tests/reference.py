@@ -1,0 +1,49 @@
+"""The Hugging Face transformers reference: fp32 greedy ``generate()`` on the same GGUF."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def hf_model():
+    """SmolLM2-135M-Instruct loaded by transformers straight from the package's GGUF (fp32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model_source import default_gguf_path
+
+    gguf = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    from pdserve.model_source import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model())
+
+
+def hf_greedy(input_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server."""
+    model = hf_model()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([input_ids]),
+            attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(input_ids) :].tolist()
+
+
+def chat_ids(messages: list[dict]) -> list[int]:
+    """The prompt ids the model's own chat template gives (add_generation_prompt=True)."""
+    tok = hf_tokenizer()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,0 +1,140 @@
+"""Launch a real pdserve topology (``pdserve launch``) for tests and read its metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port_block(size: int) -> int:
+    """A base port such that base .. base+size-1 are all free on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + size >= 65000:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + size):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", p))
+                socks.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port block")
+
+
+@dataclass
+class Stack:
+    """A running ``pdserve launch`` process tree."""
+
+    proc: subprocess.Popen
+    port: int
+    grpc_port: int
+    log_path: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def metrics(self) -> dict[str, dict[tuple, float]]:
+        """``{metric sample name: {(role, worker): value}}`` from the gateway's /metrics."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        out: dict[str, dict[tuple, float]] = defaultdict(dict)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = (sample.labels.get("role", ""), sample.labels.get("worker", ""))
+                out[sample.name][key] = out[sample.name].get(key, 0.0) + sample.value
+        return out
+
+    def scheduler_values(self, name: str) -> dict[tuple, float]:
+        return {k: v for k, v in self.metrics().get(name, {}).items() if k[0] in ("prefill", "decode", "mixed")}
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, dict[tuple, float]]:
+        """Wait until no scheduler has running requests or used pages; return the last metrics.
+
+        Raises AssertionError if that does not happen within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            busy = {
+                name: {k: v for k, v in m.get(name, {}).items() if v}
+                for name in ("pdserve:num_running_reqs", "pdserve:num_queue_reqs", "pdserve:kv_pages_used")
+            }
+            if not any(busy.values()):
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"stack not idle after {timeout} s: {busy}")
+            time.sleep(0.1)
+
+    def check_kv_conservation(self) -> None:
+        """free + cached + used == total on every scheduler (and nothing used when idle)."""
+        m = self.wait_idle()
+        totals = m["pdserve:kv_pages_total"]
+        assert totals, "no scheduler reported kv_pages_total"
+        for key, total in totals.items():
+            parts = [m[f"pdserve:kv_pages_{p}"][key] for p in ("free", "cached", "used")]
+            assert sum(parts) == total, f"{key}: free+cached+used = {parts} != total {total}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def launch_stack(*flags: str, log_name: str = "stack", timeout: float = 600.0) -> Stack:
+    """Run ``pdserve launch`` with ``flags`` on free ports and wait for a healthy /health.
+
+    Raises RuntimeError with the tail of the log if the stack does not come up.
+    """
+    port = free_port_block(2)
+    base = free_port_block(40)
+    log_dir = os.environ.get("PDSERVE_TEST_LOG_DIR", "/tmp/pdserve-test-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"{log_name}.log")
+    log = open(log_path, "w")  # noqa: SIM115 -- lives as long as the stack
+    cmd = [
+        sys.executable, "-m", "pdserve.cli", "launch",
+        "--port", str(port), "--grpc-port", str(port + 1),
+        "--internal-port-base", str(base), *flags,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(proc, port, port + 1, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+                return stack
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stack.stop()
+    with open(log_path) as f:
+        tail = f.read()[-6000:]
+    raise RuntimeError(f"pdserve launch {' '.join(flags)} did not become healthy:\n{tail}")
