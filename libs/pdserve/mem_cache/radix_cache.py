@@ -179,7 +179,7 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_lock_ref` on ``node``; raises ValueError if ``node`` is not locked."""
-        if False:
+        if node is not self.root and node.lock_ref == 0:
             raise ValueError("dec_lock_ref on a node that is not locked")
         while node is not self.root:
             node.lock_ref -= 1
@@ -244,7 +244,6 @@ class RadixCache:
         cut = num_pages * self.page_size
         upper = TreeNode(child.key[:cut], child.value[:num_pages], child.parent, next(self._node_ids))
         upper.lock_ref = child.lock_ref
-        upper.last_access = child.last_access
         upper.children[child.key[cut : cut + self.page_size]] = child
         child.parent.children[child.key[: self.page_size]] = upper
         child.key = child.key[cut:]
@@ -258,5 +257,5 @@ class RadixCache:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node.lock_ref == 0:
+            else:
                 yield node

@@ -1,0 +1,58 @@
+"""pdserve.v1 output messages <-> pdserve.detokenize steps and deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.detokenize import DecodeOptions, TextDelta, TokenStep
+from pdserve.v1 import common_pb2, output_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a rid's outputs go, from its first TokenIDOutput."""
+
+    gateway_address: str
+    scheduler_address: str
+    index: int
+
+
+def is_first_output(out: output_pb2.TokenIDOutput) -> bool:
+    """The first output of a rid is the one that carries its gateway address."""
+    return bool(out.gateway_address)
+
+
+def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
+    options = None
+    if is_first_output(out):
+        options = DecodeOptions(
+            skip_special_tokens=out.skip_special_tokens,
+            spaces_between_special_tokens=out.spaces_between_special_tokens,
+            stop=tuple(out.stop),
+            include_stop_str_in_output=out.include_stop_str_in_output,
+        )
+    finish = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    return TokenStep(out.rid, out.token_ids, finish, options)
+
+
+def to_route(out: output_pb2.TokenIDOutput) -> Route:
+    return Route(out.gateway_address, out.scheduler_address, out.index)
+
+
+def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -> output_pb2.StrOutput:
+    """The StrOutput of one rid for one step; a stop-string match turns it into a STOP finish."""
+    stopped = delta.matched_stop is not None
+    return output_pb2.StrOutput(
+        rid=out.rid,
+        text_delta=delta.text,
+        token_ids=out.token_ids,
+        logprobs=out.logprobs,
+        finish_reason=common_pb2.FINISH_REASON_STOP if stopped else out.finish_reason,
+        matched_stop=delta.matched_stop or "",
+        matched_stop_token=0 if stopped else out.matched_stop_token,
+        error=out.error,
+        prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens,
+        index=index,
+    )

@@ -1,0 +1,49 @@
+"""Fire-and-forget DecodeScheduler.Abort calls for requests a stop string ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.rpc.server import GRPC_OPTIONS
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerAborter:
+    """Sends ``Abort(rid, reason)`` to decode-schedulers without blocking the caller.
+
+    One channel per scheduler address, reused. A failed call is logged: the scheduler then ends
+    the request by its own limits, and the detokenizer ignores its further ids anyway.
+    """
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def abort(self, address: str, rid: str, reason: str) -> None:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        task = asyncio.get_running_loop().create_task(self._call(channel, address, rid, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _call(self, channel: grpc.aio.Channel, address: str, rid: str, reason: str) -> None:
+        request = scheduler_pb2.AbortRequest(rid=rid, reason=reason)
+        try:
+            await scheduler_pb2_grpc.DecodeSchedulerStub(channel).Abort(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("Abort(%s) on %s failed: %s %s", rid, address, e.code(), e.details())
+
+    async def close(self) -> None:
+        """Wait for calls in flight (up to their timeout), then close the channels."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

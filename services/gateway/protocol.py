@@ -1,0 +1,256 @@
+"""Pydantic models of the OpenAI requests the gateway accepts (/v1/completions, /v1/chat/completions).
+
+Fields follow the OpenAI API plus the sampling extras vLLM and SGLang accept (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
+include_stop_str_in_output, ...). Unknown fields are rejected (``extra="forbid"``), and known fields
+the runtime cannot honour (response_format json, tools that need parsing, logit_bias, ...) fail
+validation naming the field: a request is never served with a field silently ignored.
+
+Cross-field errors are raised as ``PydanticCustomError(..., {"param": name})`` so the error handler
+can report ``param``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from pdserve.services.gateway.io_struct import SamplingParams
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+_INT64 = 2**63 - 1
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def param_error(param: str, message: str) -> PydanticCustomError:
+    """A validation error that names the request field ``param`` (dotted path)."""
+    return PydanticCustomError("invalid_param", message, {"param": param})
+
+
+def unsupported(param: str, detail: str = "") -> PydanticCustomError:
+    return param_error(param, f"'{param}' is not supported{': ' + detail if detail else ''}")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAIRequest(BaseModel):
+    """Fields shared by completions and chat completions (sampling, stopping, streaming)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    max_tokens: int | None = Field(None, ge=1)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM / SGLang sampling extras.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_token_ids: list[NonNegInt] | None = None
+    include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("'logit_bias' is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _check_shared(self):
+        if self.stream_options is not None and not self.stream:
+            raise param_error("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        limit = self.max_new_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise param_error("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
+        """The runtime's sampling parameters of this request (``max_new_tokens`` None = default)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_tokens or None,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            stop=stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+        )
+
+
+class CompletionRequest(_OpenAIRequest):
+    """POST /v1/completions. ``prompt``: a string, a list of strings (a batch), token ids, or a
+    list of token-id lists. Choice ``j * n + i`` is sample i of prompt j."""
+
+    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list) and (not v or any(isinstance(p, list | str) and not p for p in v)):
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("'suffix' is not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "best_of must be unset or equal to n")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the runtime does not return")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch: strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is text or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | None:
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for part in v:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
+            texts.append(part["text"])
+        return "".join(texts)
+
+    @model_validator(mode="after")
+    def _check_message(self):
+        if self.role == "tool" or self.tool_calls or self.tool_call_id:
+            raise unsupported("tool_calls", "tool messages and tool calls need tool parsing")
+        if self.content is None and self.role != "assistant":
+            raise param_error("content", f"a {self.role} message needs 'content'")
+        return self
+
+    def as_dict(self) -> dict[str, str]:
+        """``{"role", "content"[, "name"]}`` for the chat template; 'developer' renders as 'system'."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format type '{v.type}' is not supported (only 'text')")
+        return v
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.tools and self.tool_choice != "none":
+            raise unsupported("tools", "tool calling needs parsing; send tool_choice='none' to only show tools")
+        if self.top_logprobs and not self.logprobs:
+            raise param_error("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise param_error(
+                "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
+            )
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
