@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from pdserve.services.gateway.io_struct import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
-
-from pdserve.services.gateway.io_struct import SamplingParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -159,7 +158,9 @@ class CompletionRequest(_OpenAIRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", "best_of must be unset or equal to n")
         if self.echo and self.logprobs is not None:
-            raise unsupported("echo", "echo with logprobs needs prompt logprobs, which the runtime does not return")
+            raise unsupported(
+                "echo", "echo with logprobs needs prompt logprobs, which the runtime does not return"
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -242,7 +243,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     @model_validator(mode="after")
     def _check_chat(self):
         if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling needs parsing; send tool_choice='none' to only show tools")
+            raise unsupported(
+                "tools", "tool calling needs parsing; send tool_choice='none' to only show tools"
+            )
         if self.top_logprobs and not self.logprobs:
             raise param_error("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         if self.add_generation_prompt and self.continue_final_message:

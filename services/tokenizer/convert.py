@@ -34,7 +34,9 @@ def tokenize(tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest) -> to
     """
     kind = request.WhichOneof("input")
     if kind == "text":
-        return tokenizer_pb2.TokenizeResponse(input_ids=tokenizer.encode(request.text, request.add_special_tokens))
+        return tokenizer_pb2.TokenizeResponse(
+            input_ids=tokenizer.encode(request.text, request.add_special_tokens)
+        )
     if kind != "chat":
         raise ValueError("TokenizeRequest needs text or chat")
     chat = request.chat

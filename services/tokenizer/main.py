@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve tokenizer", description=__doc__)
     parser.add_argument("--model", default=env("PDSERVE_MODEL"), help="model as resolve_model takes it")
     parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("PDSERVE_PORT", DEFAULT_PORT)), help="0 = any free")
+    parser.add_argument(
+        "--port", type=int, default=int(env("PDSERVE_PORT", DEFAULT_PORT)), help="0 = any free"
+    )
     return parser
 
 

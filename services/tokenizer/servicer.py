@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-
+from pdserve.services.tokenizer.convert import info_to_pb, tokenize
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from pdserve.services.tokenizer.convert import info_to_pb, tokenize
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
@@ -57,7 +56,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.TokenizerInfoResponse:
         return self._info
 
-    def _tokenize_batch(self, request: tokenizer_pb2.TokenizeBatchRequest) -> list[tokenizer_pb2.TokenizeResponse]:
+    def _tokenize_batch(
+        self, request: tokenizer_pb2.TokenizeBatchRequest
+    ) -> list[tokenizer_pb2.TokenizeResponse]:
         """Plain texts go through one batched encode per ``add_special_tokens`` value; chats one by one."""
         responses: list[tokenizer_pb2.TokenizeResponse | None] = [None] * len(request.requests)
         texts: dict[bool, list[int]] = {}

@@ -14,7 +14,8 @@ from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.radix_cache import RadixCache, TreeNode
 
 POOL_PAGES = 24
-token_lists = st.lists(st.integers(0, 1), max_size=13)
+MAX_TOKENS = 13
+tails = st.lists(st.integers(0, 1), max_size=MAX_TOKENS)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.last_access: dict[tuple[int, ...], int] = {}
         self.clock = 0
         self.requests: list[Held] = []
+        self.seen: list[list[int]] = [[]]  # admitted sequences, so later ones share their prefixes
 
     # -- the model --------------------------------------------------------------------------
     def prefixes(self, tokens: list[int]) -> list[tuple[int, ...]]:
@@ -90,16 +92,23 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def release(self, req: Held) -> None:
         self.cache.dec_lock_ref(req.last_node)
 
+    def draw_tokens(self, data) -> list[int]:
+        """A prefix of an earlier sequence plus a random tail (shared prefixes are the point)."""
+        base = data.draw(st.sampled_from(self.seen))
+        return (base[: data.draw(st.integers(0, len(base)))] + data.draw(tails))[:MAX_TOKENS]
+
     def pick(self, data) -> Held:
         return self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
 
     # -- rules ------------------------------------------------------------------------------
-    @rule(tokens=token_lists)
-    def match_only(self, tokens: list[int]) -> None:
-        self.match(tokens)
+    @rule(data=st.data())
+    def match_only(self, data) -> None:
+        self.match(self.draw_tokens(data))
 
-    @rule(tokens=token_lists)
-    def admit(self, tokens: list[int]) -> None:
+    @rule(data=st.data())
+    def admit(self, data) -> None:
+        tokens = self.draw_tokens(data)
+        self.seen.append(tokens)
         prefix, node = self.match(tokens)
         self.cache.inc_lock_ref(node)
         self.requests.append(req := Held(tokens, prefix, [], node))
@@ -193,5 +202,5 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.cache.total_size() == len(self.cached)
 
 
-RadixCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+RadixCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestRadixCache = RadixCacheMachine.TestCase

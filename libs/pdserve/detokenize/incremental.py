@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ class TokenStep:
     """New ids of one rid in one scheduling step.
 
     Attributes:
-        options: set on the rid's first step (it opens the decode state), None afterwards.
+        options: set on the rid's first step only: it opens a fresh decode state for the rid.
         finish: the scheduler finished the rid (EOS, length, abort, error): flush and drop it.
     """
 
@@ -30,18 +29,18 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: the model's tokenizer.
-        finished_memory: how many recently finished rids to remember, so that ids the scheduler
-            sent before it heard of a stop-string finish are ignored instead of reopening a state.
+
+    A state opens with a step that carries ``options`` and closes when a delta is ``finished``.
+    Ids of a rid without a state are ignored: e.g. those the scheduler still sends after a stop
+    string ended the rid, before its Abort lands (they carry no ``options``).
 
     Each step decodes the windows of all rids in one ``batch_decode`` call per option set (the
     batched detokenizer of SGLang's DetokenizerManager).
     """
 
-    def __init__(self, tokenizer: Tokenizer, finished_memory: int = 65536) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, DecodeStatus] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
-        self._finished_memory = finished_memory
 
     @property
     def num_active(self) -> int:
@@ -51,17 +50,18 @@ class IncrementalDetokenizer:
     def step(self, batch: Sequence[TokenStep]) -> list[TextDelta | None]:
         """Feed one step's ids; returns one delta per item, None for an item that was ignored.
 
-        Ignored: ids of a finished rid, and ids of an unknown rid that carry no ``options``.
+        Ignored (None): an item without ``options`` for a rid that has no state (finished or unknown).
 
         Raises:
-            ValueError: a rid appears twice in ``batch``, or an id is out of the vocabulary.
+            ValueError: a rid appears twice in ``batch``, or an id is out of the vocabulary; no
+                state has changed then.
         """
-        rids = [item.rid for item in batch]
-        if len(set(rids)) != len(rids):
+        if len({item.rid for item in batch}) != len(batch):
             raise ValueError("a rid appears more than once in one batch")
+        for item in batch:  # validate all before changing any state
+            self.tokenizer.check_ids(item.token_ids)
         live: list[tuple[int, DecodeStatus, bool]] = []
         for i, item in enumerate(batch):
-            self.tokenizer.check_ids(item.token_ids)
             status = self._open(item)
             if status is not None:
                 status.ids.extend(item.token_ids)
@@ -70,25 +70,19 @@ class IncrementalDetokenizer:
         groups: dict[tuple[bool, bool], list[tuple[int, DecodeStatus, bool]]] = {}
         for entry in live:
             opts = entry[1].options
-            groups.setdefault((opts.skip_special_tokens, opts.spaces_between_special_tokens), []).append(entry)
+            key = (opts.skip_special_tokens, opts.spaces_between_special_tokens)
+            groups.setdefault(key, []).append(entry)
         for (skip, spaces), entries in groups.items():
             windows = [w for _, status, _ in entries for w in status.windows()]
             texts = self.tokenizer.batch_decode(windows, skip, spaces)
             for k, (i, status, finish) in enumerate(entries):
                 delta = status.advance(texts[2 * k], texts[2 * k + 1], finish)
                 if delta.finished:
-                    self._close(status.rid)
+                    del self._states[status.rid]
                 deltas[i] = delta
         return deltas
 
     def _open(self, item: TokenStep) -> DecodeStatus | None:
-        status = self._states.get(item.rid)
-        if status is None and item.options is not None and item.rid not in self._finished:
-            status = self._states[item.rid] = DecodeStatus(item.rid, item.options)
-        return status
-
-    def _close(self, rid: str) -> None:
-        del self._states[rid]
-        self._finished[rid] = None
-        if len(self._finished) > self._finished_memory:
-            self._finished.popitem(last=False)
+        if item.options is not None:
+            self._states[item.rid] = DecodeStatus(item.rid, item.options)
+        return self._states.get(item.rid)

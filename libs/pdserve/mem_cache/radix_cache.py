@@ -205,7 +205,7 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             node.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if False:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
 
@@ -257,5 +257,5 @@ class RadixCache:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            else:
+            elif node.lock_ref == 0:
                 yield node

@@ -92,11 +92,11 @@ class Tokenizer:
             ValueError: an id outside ``[0, vocab_size)``.
         """
         self.check_ids(ids)
-        return self.batch_decode([ids], skip_special_tokens, spaces_between_special_tokens)[0]
+        return self.batch_decode([list(ids)], skip_special_tokens, spaces_between_special_tokens)[0]
 
     def batch_decode(
         self,
-        sequences: Sequence[Sequence[int]],
+        sequences: list[list[int]],
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ) -> list[str]:
@@ -106,10 +106,10 @@ class Tokenizer:
         transformers itself.
         """
         if self._rust is not None:
-            return self._rust.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+            return self._rust.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
         return [
             self.hf.decode(
-                list(s),
+                s,
                 skip_special_tokens=skip_special_tokens,
                 spaces_between_special_tokens=spaces_between_special_tokens,
             )

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``make bench`` (serving), ``make bench-engine`` and ``make bench-kv``."""

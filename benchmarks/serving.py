@@ -1,0 +1,206 @@
+"""Serving benchmark for any OpenAI-compatible server (pdserve, llama.cpp, vLLM, SGLang): ``make bench``.
+
+Streams ``/v1/completions`` through the official ``openai`` client, sweeps fixed concurrencies
+(``--concurrency 1,16,64``) or Poisson request rates (``--request-rate 2,8``), and reports per level
+the output tok/s, req/s and TTFT / ITL / E2E p50 / p90 / p99 measured from the streamed chunks. It
+prints a table, writes a PNG plot, and ends stdout with one JSON line holding every result.
+
+Targets: ``--base-url URL`` (a running server), ``--launch "FLAGS"`` (start ``pdserve launch FLAGS``
+on free ports), or ``--compare "A=FLAGS" "B=FLAGS"`` (each pdserve configuration in turn, in one
+run, with ratios to the first). With none of them, pdserve is launched ``--colocated``.
+
+Example: ``make bench ARGS='--workload shared-prefix --compare "cache=--colocated"
+"nocache=--colocated --disable-radix-cache" --concurrency 16'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import openai
+
+from benchmarks.serving_lib.client import CompletionTarget, stream_completion
+from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
+from benchmarks.serving_lib.load import LoadMode, run_level
+from benchmarks.serving_lib.report import json_line, plot, table
+from benchmarks.serving_lib.stats import LevelResult, summarize
+from benchmarks.serving_lib.tokens import TokenCounter
+from benchmarks.serving_lib.workload import PromptSource, WorkloadKind
+
+log = logging.getLogger("benchmarks.serving")
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """Benchmark settings shared by every server of one run (see ``--help`` for each field).
+
+    ``num_requests=None`` means ``max(8, 2 * concurrency)`` per concurrency level and 32 per
+    request-rate level.
+    """
+
+    workload: WorkloadKind = "random"
+    prompt_tokens: int = 128
+    prefix_tokens: int = 1000
+    output_tokens: int = 64
+    mode: LoadMode = "concurrency"
+    levels: list[float] = field(default_factory=lambda: [1, 16, 64])
+    num_requests: int | None = None
+    warmup: int = 2
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    seed: int = 0
+    model: str | None = None
+    request_timeout_s: float = 600.0
+
+    def requests_at(self, level: float) -> int:
+        if self.num_requests is not None:
+            return self.num_requests
+        return max(8, 2 * int(level)) if self.mode == "concurrency" else 32
+
+
+def openai_base_url(url: str) -> str:
+    """``http://host:port`` or ``http://host:port/v1`` → the OpenAI base URL ending in ``/v1``."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+async def bench_server(
+    base_url: str, label: str, cfg: BenchConfig, api_key: str | None = None
+) -> tuple[list[LevelResult], dict]:
+    """Warm up, then run every level of ``cfg`` against one server.
+
+    Returns the per-level results and a run description (label, base_url, model, how prompt
+    tokens were counted). Raises openai.OpenAIError if the model list cannot be read.
+    """
+    base_url = openai_base_url(base_url)
+    client = openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=cfg.request_timeout_s
+    )
+    model = cfg.model or (await client.models.list()).data[0].id
+    counter = await TokenCounter.connect(base_url.removesuffix("/v1"), model, api_key)
+    tokens_per_word = await counter.tokens_per_word(cfg.seed)
+    source = PromptSource(cfg.workload, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word)
+    target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
+
+    async def send(item: tuple[str, int]):
+        return await stream_completion(target, *item)
+
+    async def prompts(count: int) -> list[tuple[str, int]]:
+        texts = source.take(count)
+        return list(zip(texts, await counter.count(texts), strict=True))
+
+    results = []
+    try:
+        if cfg.warmup:
+            await run_level(
+                send, await prompts(cfg.warmup), "concurrency", cfg.warmup, desc=f"{label} warmup"
+            )
+        for i, level in enumerate(cfg.levels):
+            items = await prompts(cfg.requests_at(level))
+            desc = f"{label} {cfg.mode}={level:g}"
+            records = await run_level(send, items, cfg.mode, level, seed=cfg.seed + i, desc=desc)
+            results.append(summarize(label, cfg.mode, level, records))
+            log.info("%s: %.1f out tok/s, %d errors", desc, results[-1].output_throughput, results[-1].errors)
+    finally:
+        await counter.aclose()
+        await client.close()
+    run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
+    return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    target.add_argument("--launch", metavar="FLAGS", help='start "pdserve launch FLAGS" for the run')
+    target.add_argument("--compare", nargs="+", metavar="LABEL=FLAGS", help="several pdserve configs in turn")
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (default $OPENAI_API_KEY)"
+    )
+    p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="random workload: prompt length in tokens")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix workload: preamble tokens")
+    p.add_argument("--output-tokens", type=int, help="tokens per request (default 64; shared-prefix 32)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
+    load.add_argument("--request-rate", help="comma-separated Poisson request rates (req/s)")
+    p.add_argument(
+        "--num-requests", type=int, help="requests per level (default max(8, 2*c); shared-prefix 64)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="uncounted requests before the first level")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--plot", default="bench-results/serving.png", help="PNG path ('' for none)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    shared = args.workload == "shared-prefix"
+    mode: LoadMode = "request_rate" if args.request_rate else "concurrency"
+    levels = [float(v) for v in (args.request_rate or args.concurrency).split(",") if v.strip()]
+    if mode == "concurrency":
+        levels = [int(v) for v in levels]
+    return BenchConfig(
+        workload=args.workload,
+        prompt_tokens=args.prompt_tokens,
+        prefix_tokens=args.prefix_tokens,
+        output_tokens=args.output_tokens or (32 if shared else 64),
+        mode=mode,
+        levels=levels,
+        num_requests=args.num_requests or (64 if shared else None),
+        warmup=args.warmup,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        model=args.model,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark from command-line ``argv``; print the table and the JSON line, return that JSON."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    cfg = config_from_args(args)
+    results: list[LevelResult] = []
+    runs: list[dict] = []
+    if args.base_url:
+        level_results, run = asyncio.run(bench_server(args.base_url, "server", cfg, args.api_key))
+        results += level_results
+        runs.append(run | {"launch": None})
+    else:
+        specs = [parse_compare(s) for s in args.compare] if args.compare else []
+        specs = specs or [LaunchSpec("pdserve", args.launch if args.launch is not None else DEFAULT_FLAGS)]
+        for spec in specs:
+            with launched(spec) as url:
+                level_results, run = asyncio.run(bench_server(url, spec.label, cfg, args.api_key))
+            results += level_results
+            runs.append(run | {"launch": spec.flags})
+    return report(results, runs, cfg, args.plot)
+
+
+def report(results: list[LevelResult], runs: list[dict], cfg: BenchConfig, plot_path: str | None) -> dict:
+    """Write the plot (unless ``plot_path`` is empty), print the table, then the JSON line last on stdout.
+
+    Returns the JSON document as a dict.
+    """
+    if plot_path:
+        log.info("plot written to %s", plot(results, plot_path))
+    print(table(results))
+    line = json_line(results, runs, dataclasses.asdict(cfg))
+    print(line, flush=True)
+    return json.loads(line)
+
+
+if __name__ == "__main__":
+    main()

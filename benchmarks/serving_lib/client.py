@@ -1,0 +1,68 @@
+"""One streamed OpenAI completion, timed chunk by chunk on the client (TTFT, ITL, end-to-end)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+
+from benchmarks.serving_lib.stats import RequestRecord
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionTarget:
+    """Where and how to send completions.
+
+    ``ignore_eos`` goes in ``extra_body`` (an extension that pdserve, vLLM, SGLang and llama.cpp
+    accept), so every request generates exactly ``output_tokens`` tokens.
+    """
+
+    client: openai.AsyncOpenAI
+    model: str
+    output_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = True
+
+
+async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens: int) -> RequestRecord:
+    """Send ``prompt`` as a streaming ``/v1/completions`` request and time every text chunk.
+
+    Output and prompt token counts come from the final usage chunk (``stream_options.include_usage``);
+    a server that sends none gets its output counted as one token per non-empty chunk and keeps
+    ``prompt_tokens``. Errors do not raise: they end up in ``RequestRecord.error``.
+    """
+    record = RequestRecord(prompt_tokens=prompt_tokens, start=time.perf_counter())
+    chunks = 0
+    last = record.start
+    try:
+        stream = await target.client.completions.create(
+            model=target.model,
+            prompt=prompt,
+            max_tokens=target.output_tokens,
+            temperature=target.temperature,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": target.ignore_eos},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                if record.ttft is None:
+                    record.ttft = now - record.start
+                else:
+                    record.itl.append(now - last)
+                last = now
+                chunks += 1
+            if chunk.usage is not None:
+                record.output_tokens = chunk.usage.completion_tokens
+                record.prompt_tokens = chunk.usage.prompt_tokens or prompt_tokens
+    except (openai.OpenAIError, httpx.HTTPError) as e:
+        record.error = f"{type(e).__name__}: {e}"[:300]
+    record.end = time.perf_counter()
+    if record.error is None and record.ttft is None:
+        record.error = "no text was streamed"
+    if not record.output_tokens:
+        record.output_tokens = chunks
+    return record

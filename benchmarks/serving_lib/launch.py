@@ -1,0 +1,47 @@
+"""Start pdserve for the benchmark (``--launch`` / ``--compare``) on free ports, and stop it after.
+
+The launching itself is the test suite's ``tests.stack.launch_stack`` (``pdserve launch`` in a
+subprocess, healthy ``/health`` awaited), so the benchmark must run from the repository root.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+DEFAULT_FLAGS = "--colocated"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """One pdserve configuration: a ``label`` for the report and the ``pdserve launch`` flags."""
+
+    label: str
+    flags: str
+
+
+def parse_compare(spec: str) -> LaunchSpec:
+    """``"LABEL=FLAGS"`` → :class:`LaunchSpec`. Raises ValueError without a non-empty label before ``=``."""
+    label, sep, flags = spec.partition("=")
+    if not sep or not label.strip():
+        raise ValueError(f"--compare expects LABEL=FLAGS, got {spec!r}")
+    return LaunchSpec(label.strip(), flags.strip())
+
+
+@contextmanager
+def launched(spec: LaunchSpec) -> Iterator[str]:
+    """Run ``pdserve launch <spec.flags>`` while the block runs; yields its OpenAI base URL (``.../v1``).
+
+    The log goes to ``$PDSERVE_TEST_LOG_DIR/bench-<label>.log`` (default /tmp/pdserve-test-logs).
+    Raises RuntimeError (with the log's tail) if the stack does not become healthy.
+    """
+    from tests.stack import launch_stack
+
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.label)
+    stack = launch_stack(*shlex.split(spec.flags), log_name=f"bench-{safe}")
+    try:
+        yield f"{stack.base_url}/v1"
+    finally:
+        stack.stop()

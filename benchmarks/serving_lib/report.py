@@ -1,0 +1,118 @@
+"""Results out: the printed table, the side-by-side ratios, the final JSON line and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tabulate import tabulate
+
+from benchmarks.serving_lib.stats import LevelResult
+
+MODE_AXIS = {"concurrency": "concurrency", "request_rate": "request rate (req/s)"}
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return round(value / base, 3) if value is not None and base else None
+
+
+def comparison(results: Sequence[LevelResult]) -> list[dict]:
+    """Each result's output throughput, TTFT p50 and ITL p50 divided by the first label's at the same level.
+
+    The first label in ``results`` is the baseline; levels it did not run are left out.
+    """
+    if not results:
+        return []
+    baseline = results[0].label
+    base = {(r.mode, r.level): r for r in results if r.label == baseline}
+    rows = []
+    for r in results:
+        b = base.get((r.mode, r.level))
+        if b is None:
+            continue
+        rows.append(
+            {
+                "label": r.label,
+                "baseline": baseline,
+                "mode": r.mode,
+                "level": r.level,
+                "output_throughput_ratio": _ratio(r.output_throughput, b.output_throughput),
+                "ttft_p50_ratio": _ratio(r.ttft_ms["p50"], b.ttft_ms["p50"]),
+                "itl_p50_ratio": _ratio(r.itl_ms["p50"], b.itl_ms["p50"]),
+            }
+        )
+    return rows
+
+
+def table(results: Sequence[LevelResult]) -> str:
+    """One row per (label, level): counts, throughputs and TTFT / ITL / E2E p50/p90/p99 in ms.
+
+    With more than one label, a ``tput x`` column gives the output-throughput ratio to the first label.
+    """
+    labels = list(dict.fromkeys(r.label for r in results))
+    ratios = {(c["label"], c["mode"], c["level"]): c["output_throughput_ratio"] for c in comparison(results)}
+    headers = ["label", "mode", "level", "ok", "err", "req/s", "out tok/s"]
+    if len(labels) > 1:
+        headers.append(f"tput x {labels[0]}")
+    for metric in ("TTFT", "ITL", "E2E"):
+        headers += [f"{metric} p50", f"{metric} p90", f"{metric} p99"]
+    rows = []
+    for r in sorted(results, key=lambda r: (r.mode, r.level, labels.index(r.label))):
+        row = [r.label, r.mode, r.level, r.completed, r.errors, r.request_throughput, r.output_throughput]
+        if len(labels) > 1:
+            row.append(ratios.get((r.label, r.mode, r.level)))
+        for pcts in (r.ttft_ms, r.itl_ms, r.e2e_ms):
+            row += [pcts["p50"], pcts["p90"], pcts["p99"]]
+        rows.append(row)
+    return tabulate(rows, headers=headers, floatfmt=".1f", missingval="-")
+
+
+def json_line(results: Sequence[LevelResult], runs: Sequence[dict], config: dict) -> str:
+    """The one-line JSON document that ends stdout.
+
+    Keys: ``base_url`` (the first run's), ``runs`` (``{"label", "base_url", "launch"}`` each),
+    ``config`` (the benchmark settings), ``levels`` (every :class:`LevelResult` as a dict, with its
+    ``label``) and ``comparison`` (:func:`comparison`, empty with a single label).
+    """
+    labels = {r.label for r in results}
+    doc = {
+        "base_url": runs[0]["base_url"] if runs else None,
+        "runs": list(runs),
+        "config": config,
+        "levels": [r.to_dict() for r in results],
+        "comparison": comparison(results) if len(labels) > 1 else [],
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def plot(results: Sequence[LevelResult], path: str | Path) -> Path:
+    """Save output throughput (left) and TTFT / ITL p50 (right, log scale) against the load level as a PNG.
+
+    One line per label and metric; the parent directory is created. Returns the path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax_tput, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in dict.fromkeys(r.label for r in results):
+        rows = sorted((r for r in results if r.label == label), key=lambda r: r.level)
+        x = [r.level for r in rows]
+        ax_tput.plot(x, [r.output_throughput for r in rows], marker="o", label=label)
+        ax_lat.plot(x, [r.ttft_ms["p50"] for r in rows], marker="o", label=f"{label} TTFT p50")
+        ax_lat.plot(x, [r.itl_ms["p50"] for r in rows], marker="s", linestyle="--", label=f"{label} ITL p50")
+    xlabel = MODE_AXIS.get(results[0].mode, "level") if results else "level"
+    ax_tput.set(xlabel=xlabel, ylabel="output tokens/s", title="Output throughput")
+    ax_lat.set(xlabel=xlabel, ylabel="ms", title="Latency (p50)", yscale="log")
+    for ax in (ax_tput, ax_lat):
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

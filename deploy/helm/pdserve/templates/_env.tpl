@@ -1,0 +1,77 @@
+{{/* The gateway's own flags (PDSERVE_<FLAG> env), including where every other role is. */}}
+{{- define "pdserve.gatewayEnv" -}}
+- name: PDSERVE_PORT
+  value: {{ .Values.gateway.port | int | toString | quote }}
+- name: PDSERVE_GRPC_PORT
+  value: {{ .Values.gateway.grpcPort | int | toString | quote }}
+# Detokenizers stream a request's text back to the replica that owns it: this pod's IP.
+- name: PDSERVE_ADVERTISE_HOST
+  value: $(POD_IP)
+- name: PDSERVE_LOG_LEVEL
+  value: {{ .Values.logLevel }}
+- name: PDSERVE_ROUTER_POLICY
+  value: {{ .Values.gateway.routerPolicy }}
+{{- with .Values.model.servedModelName }}
+- name: PDSERVE_SERVED_MODEL_NAME
+  value: {{ . | quote }}
+{{- end }}
+- name: PDSERVE_TOKENIZER_ADDRESSES
+  value: {{ include "pdserve.serviceAddress" (list . "tokenizer") }}
+- name: PDSERVE_DETOKENIZER_ADDRESSES
+  value: {{ include "pdserve.serviceAddress" (list . "detokenizer") }}
+- name: PDSERVE_DECODE_ADDRESSES
+  value: {{ include "pdserve.podAddresses" (list . "decode") | quote }}
+- name: PDSERVE_PREFILL_ADDRESSES
+  value: {{ include "pdserve.podAddresses" (list . "prefill") | quote }}
+{{- with include "pdserve.apiKeySecretName" . }}
+- name: PDSERVE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/*
+(list $ "decode") -> a scheduler's own flags; it advertises its stable pod DNS name. With no prefill
+pods, decode runs colocated (prefills itself).
+*/}}
+{{- define "pdserve.schedulerEnv" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) -}}
+- name: PDSERVE_PORT
+  value: {{ $values.port | int | toString | quote }}
+- name: PDSERVE_ADVERTISE_HOST
+  value: {{ printf "$(POD_NAME).%s.%s.svc.%s" (include "pdserve.componentName" .) $root.Release.Namespace $root.Values.clusterDomain }}
+- name: PDSERVE_WORKER_ID
+  value: $(POD_NAME)
+- name: PDSERVE_LOG_LEVEL
+  value: {{ $root.Values.logLevel }}
+- name: PDSERVE_SCHEDULE_POLICY
+  value: {{ $values.schedulePolicy }}
+{{- with $values.maxRunningRequests }}
+- name: PDSERVE_MAX_RUNNING_REQUESTS
+  value: {{ . | int64 | toString | quote }}
+{{- end }}
+{{- if and (eq (index . 1) "decode") (eq (int $root.Values.prefill.replicas) 0) }}
+- name: PDSERVE_COLOCATED
+  value: "true"
+{{- end }}
+{{- end }}
+
+{{/* Gateway: alive while its gRPC server answers; ready once /health sees every role healthy. */}}
+{{- define "pdserve.gatewayProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ .Values.gateway.grpcPort | int }}
+  {{- toYaml .Values.probes.startup | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ .Values.gateway.grpcPort | int }}
+  {{- toYaml .Values.probes.liveness | nindent 2 }}
+readinessProbe:
+  httpGet:
+    path: /health
+    port: http
+  {{- toYaml .Values.probes.readiness | nindent 2 }}
+{{- end }}

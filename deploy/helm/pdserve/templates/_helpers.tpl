@@ -1,0 +1,348 @@
+{{/*
+Names. Components (gateway, tokenizer, detokenizer, prefill, decode) are named <fullname>-<component>;
+52 characters leave room for the StatefulSet pod suffix and controller-revision-hash label.
+*/}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* (list $ "decode") -> "<fullname>-decode" */}}
+{{- define "pdserve.componentName" -}}
+{{- $root := index . 0 }}
+{{- printf "%s-%s" (include "pdserve.fullname" $root) (index . 1) | trunc 52 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{/* (list $ "decode") -> the labels that select one component's pods */}}
+{{- define "pdserve.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "pdserve.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* (list $ "decode") -> common labels plus the component's selector labels */}}
+{{- define "pdserve.componentLabels" -}}
+{{ include "pdserve.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if eq .Values.image.variant "cuda" }}
+{{- $tag = printf "%s-cuda" $tag }}
+{{- end }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the API key; empty when the API is open. */}}
+{{- define "pdserve.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.create }}
+{{- printf "%s-api-key" (include "pdserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.cacheClaimName" -}}
+{{- default (printf "%s-cache" (include "pdserve.fullname" .)) .Values.cache.pvc.existingClaim }}
+{{- end }}
+
+{{/*
+Addresses the gateway dials. Schedulers are StatefulSet pods behind a headless Service, so each has a
+stable DNS name: (list $ "decode") -> "<name>-0.<name>.<ns>.svc.<domain>:<port>,<name>-1...", one
+per replica ("" for 0 replicas = colocated). Stateless roles are reached through their headless
+Service's name, which resolves to the IP of every ready pod.
+*/}}
+{{- define "pdserve.podAddresses" -}}
+{{- $root := index . 0 }}
+{{- $component := index . 1 }}
+{{- $values := index $root.Values $component }}
+{{- $name := include "pdserve.componentName" . }}
+{{- $addresses := list }}
+{{- range $i := until (int $values.replicas) }}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc.%s:%d" $name $i $name $root.Release.Namespace $root.Values.clusterDomain (int $values.port)) }}
+{{- end }}
+{{- join "," $addresses }}
+{{- end }}
+
+{{- define "pdserve.serviceAddress" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) }}
+{{- printf "%s.%s.svc.%s:%d" (include "pdserve.componentName" .) $root.Release.Namespace $root.Values.clusterDomain (int $values.port) }}
+{{- end }}
+
+{{/* The gRPC service each role registers; its readiness probe asks grpc.health.v1 for it. */}}
+{{- define "pdserve.grpcServiceName" -}}
+{{- get (dict "tokenizer" "pdserve.v1.Tokenizer" "detokenizer" "pdserve.v1.Detokenizer" "prefill" "pdserve.v1.PrefillScheduler" "decode" "pdserve.v1.DecodeScheduler") . }}
+{{- end }}
+
+{{/* Values that the schema cannot check on their own. */}}
+{{- define "pdserve.validate" -}}
+{{- $gpuRoles := list }}
+{{- range $component := list "gateway" "tokenizer" "detokenizer" "prefill" "decode" }}
+{{- if gt (int (index $.Values $component).gpus) 0 }}
+{{- $gpuRoles = append $gpuRoles $component }}
+{{- end }}
+{{- end }}
+{{- if and $gpuRoles (ne .Values.image.variant "cuda") }}
+{{- fail (printf "%s request GPUs: set image.variant=cuda" (join ", " $gpuRoles)) }}
+{{- end }}
+{{- if and (eq .Values.engine.attentionBackend "flashinfer") (eq (int .Values.decode.gpus) 0) }}
+{{- fail "engine.attentionBackend=flashinfer runs on CUDA only: set decode.gpus (and prefill.gpus)" }}
+{{- end }}
+{{- if and (eq .Values.model.source.type "pvc") (not .Values.model.source.pvc.claimName) }}
+{{- fail "model.source.type=pvc needs model.source.pvc.claimName" }}
+{{- end }}
+{{- if and (eq .Values.model.source.type "hostPath") (not .Values.model.source.hostPath.path) }}
+{{- fail "model.source.type=hostPath needs model.source.hostPath.path" }}
+{{- end }}
+{{- if and (eq .Values.model.source.type "initContainer") (not .Values.model.source.initContainer.image) }}
+{{- fail "model.source.type=initContainer needs model.source.initContainer.image" }}
+{{- end }}
+{{- end }}
+
+{{/* (list $ port service) -> startup/liveness on the server's overall health, readiness on its service */}}
+{{- define "pdserve.grpcProbes" -}}
+{{- $root := index . 0 -}}
+startupProbe:
+  grpc:
+    port: {{ index . 1 }}
+  {{- toYaml $root.Values.probes.startup | nindent 2 }}
+livenessProbe:
+  grpc:
+    port: {{ index . 1 }}
+  {{- toYaml $root.Values.probes.liveness | nindent 2 }}
+readinessProbe:
+  grpc:
+    port: {{ index . 1 }}
+    service: {{ index . 2 }}
+  {{- toYaml $root.Values.probes.readiness | nindent 2 }}
+{{- end }}
+
+{{/*
+The pod template every workload uses. dict: root, component, ports (YAML list), env (YAML list of the
+role's own variables), probes (YAML). Prefill/decode additionally get the engine ConfigMap, the KV
+transfer settings, /dev/shm and (with RDMA) the RDMA device, IPC_LOCK and optionally hostIPC.
+*/}}
+{{- define "pdserve.podTemplate" -}}
+{{- $root := .root }}
+{{- $component := .component }}
+{{- $values := index $root.Values $component }}
+{{- $engine := has $component (list "prefill" "decode") }}
+{{- $rdma := and $engine $root.Values.kvTransfer.rdma.enabled }}
+{{- $securityContext := deepCopy $root.Values.securityContext }}
+{{- if $rdma }}
+{{- $capabilities := default (dict) $securityContext.capabilities }}
+{{- $_ := set $capabilities "add" (append (default (list) $capabilities.add) "IPC_LOCK") }}
+{{- $_ := set $securityContext "capabilities" $capabilities }}
+{{- end }}
+{{- $resources := deepCopy (default (dict) $values.resources) }}
+{{- $devices := dict }}
+{{- if gt (int $values.gpus) 0 }}
+{{- $_ := set $devices "nvidia.com/gpu" (int $values.gpus) }}
+{{- end }}
+{{- if $rdma }}
+{{- $_ := set $devices $root.Values.kvTransfer.rdma.resourceName (int $root.Values.kvTransfer.rdma.resourceCount) }}
+{{- end }}
+{{- if $devices }}
+{{- $_ := set $resources "limits" (mergeOverwrite (default (dict) $resources.limits) $devices) }}
+{{- $_ := set $resources "requests" (mergeOverwrite (default (dict) $resources.requests) $devices) }}
+{{- end }}
+{{- $source := $root.Values.model.source -}}
+metadata:
+  labels:
+    {{- include "pdserve.componentLabels" (list $root $component) | nindent 4 }}
+  annotations:
+    checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+    {{- with $values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+  automountServiceAccountToken: false
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  {{- if and $rdma $root.Values.kvTransfer.rdma.hostIPC }}
+  hostIPC: true
+  {{- end }}
+  {{- with $values.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ int $values.terminationGracePeriodSeconds }}
+  {{- with $values.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $values.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $values.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- if eq $source.type "initContainer" }}
+  initContainers:
+    - name: fetch-model
+      image: {{ $source.initContainer.image }}
+      {{- with $source.initContainer.command }}
+      command:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $source.initContainer.args }}
+      args:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      env:
+        - name: MODEL_DIR
+          value: {{ $source.mountPath }}
+        {{- with $source.initContainer.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.securityContext | nindent 8 }}
+      {{- with $source.initContainer.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        - name: model
+          mountPath: {{ $source.mountPath }}
+  {{- end }}
+  containers:
+    - name: {{ $component }}
+      image: {{ include "pdserve.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      args:
+        - {{ $component }}
+        {{- with $values.extraArgs }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      ports:
+        {{- .ports | nindent 8 }}
+      envFrom:
+        - configMapRef:
+            name: {{ include "pdserve.fullname" $root }}-common
+        {{- if $engine }}
+        - configMapRef:
+            name: {{ include "pdserve.fullname" $root }}-engine
+        {{- end }}
+      env:
+        - name: POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: POD_NAMESPACE
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.namespace
+        - name: POD_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        - name: HOME
+          value: /tmp
+        - name: PDSERVE_HOST
+          value: 0.0.0.0
+        {{- .env | nindent 8 }}
+        {{- if $engine }}
+        {{- with $root.Values.kvTransfer.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- end }}
+        {{- with $values.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- .probes | nindent 6 }}
+      {{- with $resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $securityContext | nindent 8 }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        - name: cache
+          mountPath: {{ $root.Values.cache.mountPath }}
+        {{- if ne $source.type "none" }}
+        - name: model
+          mountPath: {{ $source.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if and $engine $root.Values.kvTransfer.shm.enabled }}
+        - name: shm
+          mountPath: /dev/shm
+        {{- end }}
+  volumes:
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $root.Values.scratch.sizeLimit }}
+    - name: cache
+      {{- if eq $root.Values.cache.type "pvc" }}
+      persistentVolumeClaim:
+        claimName: {{ include "pdserve.cacheClaimName" $root }}
+      {{- else if eq $root.Values.cache.type "hostPath" }}
+      hostPath:
+        {{- toYaml $root.Values.cache.hostPath | nindent 8 }}
+      {{- else }}
+      emptyDir:
+        {{- toYaml $root.Values.cache.emptyDir | nindent 8 }}
+      {{- end }}
+    {{- if eq $source.type "pvc" }}
+    - name: model
+      persistentVolumeClaim:
+        claimName: {{ $source.pvc.claimName }}
+        readOnly: true
+    {{- else if eq $source.type "hostPath" }}
+    - name: model
+      hostPath:
+        {{- toYaml $source.hostPath | nindent 8 }}
+    {{- else if eq $source.type "initContainer" }}
+    - name: model
+      emptyDir:
+        sizeLimit: {{ $source.initContainer.sizeLimit }}
+    {{- end }}
+    {{- if and $engine $root.Values.kvTransfer.shm.enabled }}
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $root.Values.kvTransfer.shm.sizeLimit }}
+    {{- end }}
+{{- end }}

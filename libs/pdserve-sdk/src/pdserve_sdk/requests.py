@@ -1,0 +1,135 @@
+"""Building ``pdserve.v1.GenerateRequest`` messages from the clients' arguments."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from pdserve_sdk import _wire
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """Sampling parameters (``pdserve.v1.SamplingParams``); unset ones take the server's defaults.
+
+    ``temperature=0`` is greedy; ``max_new_tokens`` counts generated tokens; ``stop`` strings are
+    matched on the output text; ``n`` > 1 asks for parallel samples; with ``return_logprob`` each
+    token carries its logprob (natural log) and ``top_logprobs_num`` alternatives.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    max_new_tokens: int
+    min_new_tokens: int
+    ignore_eos: bool
+    stop_token_ids: Sequence[int]
+    stop: str | Sequence[str]
+    include_stop_str_in_output: bool
+    seed: int
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    n: int
+    return_logprob: bool
+    top_logprobs_num: int
+
+
+class RequestKwargs(SamplingKwargs, total=False):
+    """Per-request options of ``generate``/``stream``: the model id (default: the client's, then the
+    server's) and a request id (default: the gateway makes one), plus the sampling parameters."""
+
+    model: str
+    rid: str
+
+
+class ChatKwargs(RequestKwargs, total=False):
+    """``RequestKwargs`` plus chat-template options: ``add_generation_prompt`` (default True),
+    ``continue_final_message``, ``tools`` (JSON-able tool specs) and ``chat_template_kwargs``."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    tools: Sequence[Mapping[str, Any]]
+    chat_template_kwargs: Mapping[str, Any]
+
+
+def sampling_params(sampling: Mapping[str, Any]) -> Any:
+    """A ``SamplingParams`` message from ``SamplingKwargs``; ``None`` values are left unset.
+
+    Raises:
+        TypeError: on a name that is not a sampling parameter, or a value of the wrong type.
+        ValueError: on a value the field cannot hold (e.g. an int beyond int32).
+    """
+    unknown = sorted(sampling.keys() - SamplingKwargs.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unknown parameter(s): {', '.join(unknown)}")
+    params = _wire.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        try:
+            params.MergeFrom(_wire.SamplingParams(**{name: value}))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"sampling parameter {name}={value!r}: {err}") from None
+    return params
+
+
+def generate_request(
+    prompt: str | None, input_ids: Sequence[int] | None, default_model: str, kwargs: RequestKwargs
+) -> Any:
+    """A ``GenerateRequest`` for a text prompt or a list of token ids (exactly one of them).
+
+    Raises:
+        TypeError: when both or neither of ``prompt`` and ``input_ids`` are given, or on a bad kwarg.
+    """
+    if (prompt is None) == (input_ids is None):
+        raise TypeError("pass exactly one of prompt and input_ids")
+    request = _request(default_model, kwargs)
+    if prompt is not None:
+        request.text = prompt
+    else:
+        request.input_ids.ids.extend(input_ids)
+    return request
+
+
+def chat_request(messages: Sequence[Mapping[str, str]], default_model: str, kwargs: ChatKwargs) -> Any:
+    """A ``GenerateRequest`` whose prompt is ``messages`` rendered by the model's chat template.
+
+    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``).
+
+    Raises:
+        TypeError: when a message lacks ``role`` or ``content`` or has other keys, or on a bad kwarg.
+    """
+    options: dict[str, Any] = dict(kwargs)
+    tools = options.pop("tools", None)
+    template_kwargs = options.pop("chat_template_kwargs", None)
+    chat = _wire.ChatMessages(
+        add_generation_prompt=options.pop("add_generation_prompt", True),
+        continue_final_message=options.pop("continue_final_message", False),
+        tools_json=json.dumps(list(tools)) if tools else "",
+        chat_template_kwargs_json=json.dumps(dict(template_kwargs)) if template_kwargs else "",
+    )
+    for message in messages:
+        if not {"role", "content"} <= message.keys() <= {"role", "content", "name"}:
+            raise TypeError(
+                f"a chat message has keys role, content and optionally name; got {sorted(message)}"
+            )
+        chat.messages.add(**message)
+    request = _request(default_model, options)
+    request.chat.CopyFrom(chat)
+    return request
+
+
+def _request(default_model: str, kwargs: Mapping[str, Any]) -> Any:
+    """A ``GenerateRequest`` with model, rid and sampling parameters from ``kwargs``, and no input yet."""
+    sampling = dict(kwargs)
+    return _wire.GenerateRequest(
+        model=sampling.pop("model", default_model),
+        rid=sampling.pop("rid", ""),
+        sampling_params=sampling_params(sampling),
+    )

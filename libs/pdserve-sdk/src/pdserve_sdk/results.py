@@ -1,0 +1,145 @@
+"""What the clients return: streamed ``Delta`` pieces, whole ``GenerateResult`` s, model cards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdserve_sdk import _wire
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Logprob (natural log) of one generated token and its top alternatives (before sampling filters)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of a request: prompt, generated, and prompt tokens served from the radix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One streamed piece of choice ``index``: new ``text`` and ``token_ids`` since the previous piece.
+
+    ``finish_reason``, ``matched_stop`` (the stop string or token that ended it, ``""`` if none) and
+    ``usage`` are set on the last piece of a choice only.
+    """
+
+    rid: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One whole sample: the concatenation of its deltas."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """A finished request: ``choices`` ordered by index (one unless ``n`` > 1).
+
+    ``text``, ``token_ids``, ``logprobs`` and ``finish_reason`` are those of choice 0. ``usage``
+    counts the prompt once and the completion tokens of all choices.
+    """
+
+    rid: str
+    choices: list[Choice]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.choices[0].logprobs
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.choices[0].finish_reason
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """A served model: its id (the ``model`` to request) and context length in tokens."""
+
+    id: str
+    context_length: int
+
+
+def delta_from_pb(pb: Any) -> Delta:
+    """A ``Delta`` from one ``pdserve.v1.GenerateResponse``."""
+    finish = _wire.FINISH_REASONS[pb.finish_reason].removeprefix("FINISH_REASON_").lower()
+    return Delta(
+        rid=pb.rid,
+        index=pb.index,
+        text=pb.text,
+        token_ids=tuple(pb.token_ids),
+        logprobs=tuple(
+            TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
+            for lp in pb.logprobs
+        ),
+        finish_reason=None if finish == "unspecified" else finish,
+        matched_stop=pb.matched_stop,
+        usage=Usage(pb.usage.prompt_tokens, pb.usage.completion_tokens, pb.usage.cached_tokens)
+        if pb.HasField("usage")
+        else None,
+    )
+
+
+def collect(deltas: Iterable[Delta]) -> GenerateResult:
+    """Concatenate a request's deltas into its ``GenerateResult``."""
+    rid, choices, usages = "", {}, {}
+    for delta in deltas:
+        rid = rid or delta.rid
+        choice = choices.setdefault(delta.index, Choice(delta.index))
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.matched_stop = delta.finish_reason, delta.matched_stop
+        if delta.usage is not None:
+            usages[delta.index] = delta.usage
+    return GenerateResult(rid, [choices[i] for i in sorted(choices)], _total_usage(usages))
+
+
+def _total_usage(usages: dict[int, Usage]) -> Usage:
+    if not usages:
+        return Usage(0, 0, 0)
+    first = usages[min(usages)]
+    return Usage(first.prompt_tokens, sum(u.completion_tokens for u in usages.values()), first.cached_tokens)

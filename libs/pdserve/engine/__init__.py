@@ -1,0 +1,1 @@
+"""The transport-free engine: ``ModelRunner`` and its ``ForwardBatch`` contract."""

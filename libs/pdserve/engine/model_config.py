@@ -1,0 +1,98 @@
+"""``ModelConfig``: the facts of a checkpoint the engine and scheduler need, read with transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """``auto`` → bfloat16 where the device computes it natively (CUDA with bf16, CPUs with
+    AVX512-BF16/AMX), else float32; otherwise the named dtype.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype == "auto":
+        if str(device).startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shapes and token facts of a decoder-only checkpoint.
+
+    Attributes:
+        hf_config: the transformers config (model code reads its architecture-specific fields).
+        architecture: ``architectures[0]`` of config.json, the model registry key.
+        context_length: longest sequence served; ``max_position_embeddings``, capped at the
+            sliding window where the model uses one (attention here is always full).
+        eos_token_ids: ids that end generation (config.json and generation_config.json).
+        dtype: weight, activation and KV dtype.
+    """
+
+    hf_config: Any
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int
+    eos_token_ids: list[int]
+    dtype: torch.dtype
+
+    @classmethod
+    def from_pretrained(cls, model_path: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> ModelConfig:
+        """Read ``model_path/config.json`` (and ``generation_config.json`` when present)."""
+        from transformers import AutoConfig, GenerationConfig
+
+        hf = AutoConfig.from_pretrained(model_path)
+        eos = _as_list(hf.eos_token_id)
+        try:
+            eos += [t for t in _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id) if t not in eos]
+        except OSError:
+            pass
+        context_length = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+        if window:
+            context_length = min(context_length, window)
+        num_heads = hf.num_attention_heads
+        return cls(
+            hf_config=hf,
+            architecture=(hf.architectures or ["LlamaForCausalLM"])[0],
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            hidden_size=hf.hidden_size,
+            vocab_size=hf.vocab_size,
+            context_length=context_length,
+            eos_token_ids=eos,
+            dtype=resolve_dtype(dtype, device),
+        )
+
+
+def _as_list(token_ids: int | list[int] | None) -> list[int]:
+    if token_ids is None:
+        return []
+    return [token_ids] if isinstance(token_ids, int) else list(token_ids)

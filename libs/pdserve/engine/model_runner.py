@@ -1,0 +1,100 @@
+"""``ModelRunner``: owns the weights, the KV pools, the attention backend and the sampler of one
+scheduler, and runs one ``ForwardBatch`` into next tokens (SGLang's ``model_runner.py``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_config import ModelConfig
+from pdserve.layers.attention import create_attention_backend
+from pdserve.mem_cache.memory_pool import KVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool, num_pages_for_budget
+from pdserve.models.loader import load_model
+from pdserve.sampling.sampler import GenerationBatchResult, Sampler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_FRACTION = 0.25  # of the free memory, when no KV budget is given
+
+
+class ModelRunner:
+    """One model replica with its KV memory.
+
+    Args:
+        model_path: Hugging Face-style checkpoint directory (config.json, *.safetensors).
+        dtype: ``auto`` (bfloat16 where native, else float32), ``float32``, ``bfloat16`` or ``float16``.
+        attention_backend: ``auto``, ``torch_native`` or ``flashinfer``.
+        page_size: tokens per KV page.
+        max_total_tokens: KV pool size in tokens; else ``kv_cache_memory`` bytes; else a quarter of
+            the free memory, at most what ``max_running_requests`` full-context requests need.
+        max_running_requests: request slots of ``req_to_token``.
+        device: ``cpu`` or ``cuda[:i]``.
+
+    Attributes:
+        model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend, device.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        dtype: str = "auto",
+        attention_backend: str = "auto",
+        page_size: int = 16,
+        max_total_tokens: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_running_requests: int = 64,
+        device: str = "cpu",
+    ):
+        self.device = torch.device(device)
+        self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
+        self.model = load_model(model_path, cfg.hf_config, cfg.architecture, cfg.context_length, cfg.dtype, self.device)
+        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        if max_total_tokens is None and kv_cache_memory is None:
+            kv_cache_memory = min(
+                int(_free_memory(self.device) * _DEFAULT_KV_FRACTION),
+                max_running_requests * cfg.context_length * bytes_per_token,
+            )
+        num_pages = num_pages_for_budget(page_size, bytes_per_token, max_total_tokens, kv_cache_memory)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
+        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
+        self.kv_pool = KVPool(
+            num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, self.device
+        )
+        self.attn_backend = create_attention_backend(attention_backend, self)
+        self.sampler = Sampler()
+        logger.info(
+            "loaded %s (%s, %s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
+            cfg.architecture,
+            model_path,
+            cfg.dtype,
+            self.device,
+            num_pages,
+            page_size,
+            self.kv_pool.kv_data.nbytes / 2**20,
+            type(self.attn_backend).__name__,
+        )
+
+    @torch.inference_mode()
+    def forward_batch_generation(self, forward_batch: ForwardBatch) -> GenerationBatchResult:
+        """Run the batch, write its KV, and sample one next token per request from the logits of
+        each request's last computed position."""
+        fb = forward_batch
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        last = torch.cumsum(fb.extend_seq_lens, 0) - 1
+        logits = self.model.compute_logits(hidden[last])
+        return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums)
+
+
+def _free_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` (host memory available for CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+__all__ = ["GenerationBatchResult", "ModelRunner"]

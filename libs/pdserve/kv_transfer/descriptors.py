@@ -1,0 +1,61 @@
+"""Page lists → NIXL transfer descriptors over the pool layout ``[layer, kv, page, slot, head, dim]``.
+
+The bytes of (layer ``l``, k/v ``c``, page ``p``) start at
+``base + ((l * 2 + c) * num_pages + p) * page_bytes`` and consecutive pages are contiguous, so a run
+of ``n`` pages that is consecutive on both sides moves as one descriptor per (layer, k/v) plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdserve.kv_transfer.layout import KVAgentInfo
+
+PageRun = tuple[int, int, int]
+"""``(src_start, dst_start, n)``: pages ``src_start + i`` go to ``dst_start + i`` for ``i < n``."""
+
+
+def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
+    """Merge page pairs into runs that are consecutive on both sides.
+
+    Pairs are ordered by source page first (a WRITE does not depend on order), so
+    ``src=[5, 3, 4], dst=[7, 5, 6]`` is the single run ``(3, 5, 3)``.
+
+    Raises:
+        ValueError: the lists differ in length, or a destination page appears twice.
+    """
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    if len(set(dst_pages)) != len(dst_pages):
+        raise ValueError("a destination page appears more than once")
+    runs: list[PageRun] = []
+    for src, dst in sorted(zip(src_pages, dst_pages, strict=True)):
+        if runs:
+            src_start, dst_start, n = runs[-1]
+            if src == src_start + n and dst == dst_start + n:
+                runs[-1] = (src_start, dst_start, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
+
+
+def page_run_descs(pool: KVAgentInfo, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """NIXL ``(addr, len, dev_id)`` rows for runs of ``counts[i]`` pages from ``starts[i]`` in ``pool``.
+
+    Args:
+        pool: the pool's agent info (base address, pages per plane, layout, device).
+        starts, counts: int64 arrays ``[num_runs]``.
+
+    Returns:
+        uint64 array ``[num_layers * 2 * num_runs, 3]``, plane-major (layer, then k/v, then run).
+    """
+    page_bytes = pool.layout.page_bytes
+    planes = np.arange(pool.layout.num_layers * 2, dtype=np.uint64)[:, None]
+    addrs = pool.base_addr + (planes * pool.num_pages + starts.astype(np.uint64)) * page_bytes
+    descs = np.empty((addrs.size, 3), dtype=np.uint64)
+    descs[:, 0] = addrs.ravel()
+    descs[:, 1] = np.broadcast_to(counts.astype(np.uint64) * page_bytes, addrs.shape).ravel()
+    descs[:, 2] = max(pool.device_id, 0)
+    return descs

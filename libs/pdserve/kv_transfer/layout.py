@@ -1,0 +1,86 @@
+"""What two schedulers exchange before KV pages can be written across: layout and agent identity.
+
+Both dataclasses match the protobuf messages ``pdserve.v1.KVLayout`` / ``pdserve.v1.KVAgentInfo``
+field for field, so the servicers convert them with ``Message(**vars(obj))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from pdserve.kv_transfer.errors import KVLayoutMismatch
+
+POOL_LAYOUT = "layer,kv,page,slot,head,dim"
+"""Axis order of the KV pool tensor ``kv_data`` (k = 0, v = 1 on the ``kv`` axis)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The facts that must be equal on both sides for a page to mean the same thing.
+
+    Attributes:
+        model: model name or path (informational, but compared).
+        dtype: torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``.
+        page_size: tokens per KV page.
+        num_layers, num_kv_heads, head_dim: the KV tensor geometry of one page slot.
+        layout: axis order of the pool tensor; this library supports ``POOL_LAYOUT`` only.
+    """
+
+    model: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = POOL_LAYOUT
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one (layer, k/v, page) block: ``page_size * num_kv_heads * head_dim * itemsize``."""
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown KV dtype {self.dtype!r}")
+        return self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise ``KVLayoutMismatch`` naming every differing field, e.g. ``"page_size: local 16, remote 32"``."""
+    diffs = [
+        f"{f.name}: local {getattr(local, f.name)!r}, remote {getattr(remote, f.name)!r}"
+        for f in fields(KVLayout)
+        if getattr(local, f.name) != getattr(remote, f.name)
+    ]
+    if diffs:
+        raise KVLayoutMismatch("KV layouts differ: " + "; ".join(diffs))
+
+
+@dataclass(frozen=True)
+class KVAgentInfo:
+    """One scheduler's NIXL agent and the KV pool it exposes (sent once per peer, cached by name).
+
+    Attributes:
+        agent_name: unique NIXL agent name of the scheduler process.
+        agent_metadata: ``nixl_agent.get_agent_metadata()`` bytes (connection info and registrations).
+        layout: the pool's ``KVLayout``.
+        base_addr: address of ``kv_data`` (host virtual address, or CUDA device address).
+        num_bytes: size of the registered pool in bytes.
+        device_id: CUDA device index of the pool, or -1 for host memory (NIXL ``DRAM``).
+        num_pages: pages per (layer, k/v) plane of the pool.
+        incarnation: random id of this agent instance; a restarted scheduler has a new one.
+    """
+
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    base_addr: int
+    num_bytes: int
+    device_id: int
+    num_pages: int
+    incarnation: str
+
+    @property
+    def mem_type(self) -> str:
+        """NIXL memory segment of the pool: ``"DRAM"`` or ``"VRAM"``."""
+        return "DRAM" if self.device_id < 0 else "VRAM"

@@ -1,0 +1,33 @@
+"""The attention backend interface every kernel family implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.layers.radix_attention import RadixAttention
+
+
+class AttentionBackend(ABC):
+    """Paged attention over the KV pool for a batch mixing extends (with cached prefixes) and decodes.
+
+    Invariants: ``init_forward_metadata`` runs once per forward, before any layer, and derives
+    everything that is the same for all layers (index maps, masks, kernel plans); ``forward`` runs
+    once per layer and first stores the new k/v at ``forward_batch.out_cache_loc``, so each token
+    attends to its own key. Request ``b``'s query at position ``p`` attends to its keys at
+    positions ``[0, p]``, read through ``req_to_token[req_pool_indices[b]]``.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Prepare the per-batch metadata."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → attention output ``[T, Hq * D]`` (q's dtype)."""

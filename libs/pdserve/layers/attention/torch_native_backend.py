@@ -1,0 +1,125 @@
+"""CPU attention in plain PyTorch: each request's KV gathered into a padded batch, one SDPA per layer.
+
+Requests are split into at most two groups, decoding ones (one query token) and extending ones
+(a ragged chunk after a cached prefix), so a MIXED batch does not pad its decodes to the longest
+extend. Within a group, queries are padded to ``Lq`` (the longest chunk) and keys to ``Lk`` (the
+longest sequence); a boolean mask keeps, for the query at position ``p``, the keys at positions
+``[0, p]`` of its own request. GQA needs no K/V repeat: the ``G = Hq / Hkv`` query heads sharing a
+KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
+    from pdserve.layers.radix_attention import RadixAttention
+
+
+@dataclass(slots=True)
+class _Group:
+    """Index maps of ``Bg`` requests attended together (padded to ``Lq`` queries, ``Lk`` keys).
+
+    Attributes:
+        query_index: int64 ``[Bg, Lq]``: flat token index of each padded query (padding → 0).
+        query_valid: bool ``[Bg, Lq]``, or None when no query is padding (decode).
+        out_index: int64 ``[n]``: flat token index of each valid query in row-major order, or None
+            when that is simply ``0..T-1`` (the group is the whole batch).
+        kv_slots: int64 ``[Bg, Lk]``: KV token slot of each padded key (padding → 0, masked).
+        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key.
+    """
+
+    query_index: torch.Tensor
+    query_valid: torch.Tensor | None
+    out_index: torch.Tensor | None
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with."""
+
+    def __init__(self, runner: Any):
+        self.num_heads = runner.model_config.num_heads
+        self.num_kv_heads = runner.model_config.num_kv_heads
+        self.head_dim = runner.model_config.head_dim
+        self.groups: list[_Group] = []
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        is_decode = fb.extend_seq_lens == 1
+        decode_rows = is_decode.nonzero().squeeze(1)
+        extend_rows = (~is_decode).nonzero().squeeze(1)
+        if len(decode_rows) == 0 or len(extend_rows) == 0:
+            self.groups = [self._group(fb, None)]
+        else:
+            self.groups = [self._group(fb, decode_rows), self._group(fb, extend_rows)]
+
+    def _group(self, fb: ForwardBatch, rows: torch.Tensor | None) -> _Group:
+        """Metadata of the requests ``rows`` (all when None)."""
+        ext, prefix, seq = fb.extend_seq_lens, fb.extend_prefix_lens, fb.seq_lens
+        starts = torch.cumsum(ext, 0) - ext
+        pool_rows = fb.req_pool_indices
+        if rows is not None:
+            ext, prefix, seq, starts, pool_rows = ext[rows], prefix[rows], seq[rows], starts[rows], pool_rows[rows]
+        max_q, max_k = int(ext.max()), int(seq.max())
+        device = ext.device
+        q_pos = torch.arange(max_q, device=device)[None, :]
+        query_valid = q_pos < ext[:, None]
+        query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
+        k_pos = torch.arange(max_k, device=device)[None, :]
+        k_valid = k_pos < seq[:, None]
+        kv_slots = torch.where(k_valid, fb.req_to_token_pool.req_to_token[pool_rows, :max_k], 0)
+        causal = k_pos[:, None, :] <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
+        mask = causal & k_valid[:, None, :]
+        group_size = self.num_heads // self.num_kv_heads
+        mask = mask[:, None, None].expand(-1, 1, group_size, -1, -1).reshape(len(ext), 1, group_size * max_q, max_k)
+        return _Group(
+            query_index=query_index,
+            query_valid=None if max_q == 1 else query_valid,
+            out_index=None if rows is None else query_index[query_valid],
+            kv_slots=kv_slots,
+            mask=mask,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = forward_batch.token_to_kv_pool
+        num_tokens = q.shape[0]
+        pool.set_kv(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
+        k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if len(self.groups) == 1:
+            return self._attend(q, k_buffer, v_buffer, self.groups[0], layer.scaling)
+        out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
+        for group in self.groups:
+            out[group.out_index] = self._attend(q, k_buffer, v_buffer, group, layer.scaling)
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group: _Group, scaling: float
+    ) -> torch.Tensor:
+        """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
+        rows, max_q = group.query_index.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        g = self.num_heads // hkv
+        # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
+        qg = q[group.query_index].view(rows, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
+        kg = k_buffer[group.kv_slots].to(q.dtype).transpose(1, 2)  # [Bg, Hkv, Lk, D]
+        vg = v_buffer[group.kv_slots].to(q.dtype).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
+        out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
+        return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]

@@ -1,0 +1,1 @@
+"""Model code (Llama family, Qwen2, Qwen3) and its checkpoint loader."""

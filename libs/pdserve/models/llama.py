@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral), with Hugging Face module and parameter names.
+
+Touvron et al. 2023: pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP.
+q/k/v and gate/up are fused into one matmul each; ``packed_modules_mapping`` tells the loader
+which checkpoint matrices go where. Qwen2 and Qwen3 subclass this with their attention options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.embedding import VocabEmbedding
+from pdserve.layers.layernorm import RMSNorm
+from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.radix_attention import RadixAttention
+from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
+
+if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """Where attention variants of the family differ: projection biases and per-head q/k RMSNorm."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], ["q", "k", "v"], bias=options.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = options.qk_norm
+        self.rotary_emb = rotary_emb
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate", "up"], bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_position: int, options: AttentionOptions):
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_emb = get_rope(config, head_dim, max_position)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, options) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits``
+    turns selected rows into float32 logits ``[N, vocab]``. Tied embeddings share one parameter."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: Any, max_position: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_position, self.attention_options(config))
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    @staticmethod
+    def attention_options(config: Any) -> AttentionOptions:
+        bias = getattr(config, "attention_bias", False)
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with GQA; its sliding window caps the context length (see ModelConfig)."""

@@ -1,0 +1,87 @@
+"""Build a registered model and fill it from a safetensors checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pdserve.layers.linear import MergedLinear, default_weight_loader
+from pdserve.models.registry import get_model_class
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+def load_model(model_path: Path, hf_config, architecture: str, max_position: int, dtype: torch.dtype, device) -> nn.Module:
+    """Instantiate ``architecture`` with ``dtype`` parameters on ``device`` and load its weights."""
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = get_model_class(architecture)(hf_config, max_position)
+        finally:
+            torch.set_default_dtype(previous)
+    load_weights(model, Path(model_path))
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_path: Path) -> None:
+    """Copy every ``*.safetensors`` tensor of ``model_path`` into its parameter.
+
+    Checkpoint names are Hugging Face's; ``model.packed_modules_mapping`` maps fused ones
+    (``q_proj`` → shard ``q`` of ``qkv_proj``) and a parameter's own ``weight_loader`` places them.
+    With tied embeddings a checkpoint may hold the shared matrix as ``lm_head.weight``, as
+    ``model.embed_tokens.weight`` or both; either fills the one shared parameter.
+
+    Raises:
+        FileNotFoundError: no safetensors file in ``model_path``.
+        KeyError: a checkpoint tensor has no parameter to go to.
+        ValueError: some parameter got no value, or shapes differ.
+    """
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {model_path}")
+    params = dict(model.named_parameters())
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[tuple[str, str | None]] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                target, shard = _target(name, mapping)
+                if tied and target == "lm_head.weight":
+                    target = _TIED_EMBEDDING
+                if target not in params:
+                    raise KeyError(f"checkpoint tensor {name} has no parameter {target} in {type(model).__name__}")
+                param = params[target]
+                tensor = checkpoint.get_tensor(name)
+                if shard is None:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard)
+                loaded.add((target, shard))
+    missing = sorted({name for name, shard in _expected(params) if (name, shard) not in loaded})
+    if missing:
+        raise ValueError(f"checkpoint {model_path} has no values for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+
+
+def _expected(params: dict[str, nn.Parameter]) -> list[tuple[str, str | None]]:
+    """Every (parameter, shard) pair a complete checkpoint fills."""
+    pairs: list[tuple[str, str | None]] = []
+    for name, param in params.items():
+        owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
+        pairs += [(name, shard) for shard in owner.shards] if isinstance(owner, MergedLinear) else [(name, None)]
+    return pairs
+
+
+def _target(name: str, mapping: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
+    """Parameter name and shard of checkpoint tensor ``name``."""
+    for checkpoint_part, (fused_part, shard) in mapping.items():
+        if f".{checkpoint_part}." in name:
+            return name.replace(f".{checkpoint_part}.", f".{fused_part}."), shard
+    return name, None

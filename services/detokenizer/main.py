@@ -1,0 +1,56 @@
+"""Detokenizer service entry point: ``python -m pdserve.services.detokenizer.main --model M --port P``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from pdserve.detokenize import IncrementalDetokenizer
+from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.detokenizer.servicer import SERVICE_NAME, DetokenizerServicer
+from pdserve.tokenization import Tokenizer
+from pdserve.v1 import output_pb2_grpc
+
+DEFAULT_PORT = 30002
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags; each defaults to env PDSERVE_<FLAG> when set."""
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="pdserve detokenizer", description=__doc__)
+    parser.add_argument("--model", default=env("PDSERVE_MODEL"), help="model as resolve_model takes it")
+    parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
+    parser.add_argument(
+        "--port", type=int, default=int(env("PDSERVE_PORT", DEFAULT_PORT)), help="0 = any free"
+    )
+    return parser
+
+
+async def start_server(args: argparse.Namespace) -> tuple[GrpcServer, DetokenizerServicer]:
+    """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops both."""
+    tokenizer = await asyncio.to_thread(Tokenizer.load, args.model)
+    server = GrpcServer(f"{args.host}:{args.port}", [SERVICE_NAME])
+    servicer = DetokenizerServicer(IncrementalDetokenizer(tokenizer), worker=server.address)
+    server.add(output_pb2_grpc.add_DetokenizerServicer_to_server, servicer)
+    await server.start()
+    await server.set_serving(True)
+    return server, servicer
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    server, servicer = await start_server(args)
+    await stop.wait()
+    await server.stop()
+    await servicer.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    run_service(lambda stop: serve(args, stop))
+
+
+if __name__ == "__main__":
+    main()

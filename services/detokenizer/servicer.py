@@ -1,0 +1,110 @@
+"""DetokenizerServicer: BatchTokenIDOutput streams in, one BatchStrOutput per gateway out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve.detokenize import IncrementalDetokenizer
+from pdserve.rpc.client_stream import ClientStreamPool
+from pdserve.services.detokenizer.convert import (
+    Route,
+    is_first_output,
+    to_route,
+    to_str_output,
+    to_token_step,
+)
+from pdserve.services.detokenizer.metrics import DetokenizerMetrics
+from pdserve.services.detokenizer.scheduler_abort import SchedulerAborter
+from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = output_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+
+
+class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
+    """Owns the per-rid decode states and the routes of their outputs.
+
+    Args:
+        detokenizer: the batched incremental detokenizer (holds ``DecodeStatus`` per rid).
+        worker: this process's address, reported in ``GetMetrics``.
+
+    A rid's state opens on its first TokenIDOutput (which carries gateway and scheduler addresses
+    and decode options) and is dropped when it finishes: by the scheduler (EOS, length, abort and
+    error pass through with their error text) or by a stop string, in which case this servicer
+    sends the STOP output and calls ``DecodeScheduler.Abort(rid, reason="stop")`` so generation
+    ends within a step. Ids that still arrive for a finished rid are ignored.
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer, worker: str) -> None:
+        self.detokenizer = detokenizer
+        self.worker = worker
+        self.metrics = DetokenizerMetrics()
+        self._routes: dict[str, Route] = {}
+        self._gateways = ClientStreamPool(lambda ch: output_pb2_grpc.GatewayOutputStub(ch).StreamStrOutputs)
+        self._aborter = SchedulerAborter()
+
+    async def StreamTokenIDs(
+        self,
+        request_iterator: AsyncIterator[output_pb2.BatchTokenIDOutput],
+        context: grpc.aio.ServicerContext,
+    ) -> output_pb2.StreamAck:
+        self.metrics.scheduler_streams.inc()
+        try:
+            async for batch in request_iterator:
+                self.handle_batch(batch)
+        except ValueError as e:
+            logger.error("bad BatchTokenIDOutput from %s: %s", context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.metrics.scheduler_streams.dec()
+        return output_pb2.StreamAck()
+
+    async def GetMetrics(
+        self, request: common_pb2.MetricsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.MetricsResponse:
+        return common_pb2.MetricsResponse(role="detokenizer", worker=self.worker, text=self.metrics.render())
+
+    def handle_batch(self, batch: output_pb2.BatchTokenIDOutput) -> None:
+        """Detokenize one step of one scheduler and queue the text to each gateway concerned.
+
+        Raises:
+            ValueError: the batch breaks the contract (a rid twice, ids out of the vocabulary);
+                no state changed, and the stream call ends with INVALID_ARGUMENT.
+        """
+        with self.metrics.batch_seconds.time():
+            deltas = self.detokenizer.step([to_token_step(out) for out in batch.outputs])
+            per_gateway: dict[str, list[output_pb2.StrOutput]] = {}
+            for out, delta in zip(batch.outputs, deltas, strict=True):
+                if delta is None:
+                    continue
+                if is_first_output(out):
+                    self._routes[out.rid] = to_route(out)
+                route = self._routes[out.rid]
+                per_gateway.setdefault(route.gateway_address, []).append(
+                    to_str_output(out, delta, route.index)
+                )
+                self.metrics.tokens.inc(len(out.token_ids))
+                if delta.finished:
+                    del self._routes[out.rid]
+                if delta.matched_stop is not None:
+                    self._stop_generation(out, route)
+            for address, outputs in per_gateway.items():
+                self._gateways.send(address, output_pb2.BatchStrOutput(outputs=outputs))
+            self.metrics.active_streams.set(self.detokenizer.num_active)
+
+    def _stop_generation(self, out: output_pb2.TokenIDOutput, route: Route) -> None:
+        self.metrics.stop_string_matches.inc()
+        if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            return  # the scheduler has already finished it
+        if route.scheduler_address:
+            self._aborter.abort(route.scheduler_address, out.rid, "stop")
+        else:
+            logger.warning("rid %s hit a stop string but carries no scheduler_address to abort", out.rid)
+
+    async def close(self) -> None:
+        """Flush queued outputs and Abort calls, and close their channels."""
+        await self._aborter.close()
+        await self._gateways.close()

@@ -1,0 +1,171 @@
+"""The FastAPI application: routes, OpenAI-shaped error handlers, and middlewares.
+
+Middlewares, outermost first: request counting, request id (``X-Request-Id`` in, echoed out), API
+key (401 before the body is read), body-size limit (413). Every error a client can
+cause answers in OpenAI's ``{"error": {...}}`` shape with its status, never 500; unexpected
+exceptions answer 500 in the same shape and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pdserve.services.gateway.auth import ApiKeyMiddleware
+from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.errors import GatewayError, http_error
+from pdserve.services.gateway.health import check_health
+from pdserve.services.gateway.metrics import (
+    GatewayMetrics,
+    RequestCountMiddleware,
+    render_merged,
+    scrape_backends,
+)
+from pdserve.services.gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from pdserve.services.gateway.native_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    NativeGenerateRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pdserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.protocol_responses import ModelCard, ModelList
+from pdserve.services.gateway.router import WorkerPool
+from pdserve.services.gateway.serving_chat import OpenAIServingChat
+from pdserve.services.gateway.serving_common import ServingContext
+from pdserve.services.gateway.serving_completions import OpenAIServingCompletion
+from pdserve.services.gateway.serving_generate import NativeServing
+from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = (
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/generate",
+    "/tokenize", "/detokenize", "/health", "/metrics",
+)  # fmt: skip
+
+
+@dataclass
+class GatewayState:
+    """Everything the routes use. ``worker_name`` labels the gateway's own metrics."""
+
+    ctx: ServingContext
+    monitor: WorkerMonitor
+    clients: BackendClients
+    metrics: GatewayMetrics
+    metric_pools: list[WorkerPool]
+    worker_name: str
+
+
+def build_app(
+    state: GatewayState, api_key: str | None = None, max_request_bytes: int | None = None
+) -> FastAPI:
+    """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics."""
+    app = FastAPI(title="pdserve gateway", strict_content_type=False)
+    chat = OpenAIServingChat(state.ctx)
+    completions = OpenAIServingCompletion(state.ctx)
+    native = NativeServing(state.ctx)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        try:
+            context_length = (await state.ctx.manager.model_info()).context_length
+        except GatewayError:
+            context_length = None
+        return ModelList(data=[ModelCard(id=state.ctx.served_model_name, max_model_len=context_length)])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.post("/generate")
+    async def generate(body: NativeGenerateRequest, request: Request) -> Response:
+        return await native.generate(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await native.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await native.detokenize(body)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy, body = await check_health(state.monitor)
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        backends = await scrape_backends(state.clients, state.metric_pools)
+        text = render_merged(state.metrics, state.worker_name, backends)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    _add_error_handlers(app)
+    # add_middleware wraps: the last added runs first.
+    if max_request_bytes is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestCountMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
+    return app
+
+
+def _error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(validation_to_gateway_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else None
+        return _error_response(http_error(exc.status_code, detail, headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return _error_response(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
+    """A 400 naming the first offending field (``param``), e.g. ``"temperature: Input should be ..."``."""
+    errors = exc.errors()
+    if not errors:
+        return GatewayError(400, "invalid request")
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return GatewayError(400, f"invalid JSON body: {(err.get('ctx') or {}).get('error', err['msg'])}")
+    loc = [str(p) for p in err["loc"][1:] if not _is_union_tag(p)] if err["loc"][:1] == ("body",) else []
+    param = (err.get("ctx") or {}).get("param") or ".".join(loc) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        message = f"'{param}' is required" if param else "request body is required"
+    else:
+        message = f"{param}: {msg}" if param and param not in msg else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return GatewayError(400, message, param=param)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the union member tried in ``loc`` (``str``, ``list[int]``); not a field name."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)

@@ -1,0 +1,154 @@
+"""gRPC channels and typed calls to the backend services (tokenizer, decode, prefill, detokenizer).
+
+One ``grpc.aio`` channel per address, shared by every call. Each method returns ``io_struct`` values
+and raises ``GatewayError`` (mapped from the backend's status code) on failure.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.rpc.server import GRPC_OPTIONS
+from pdserve.services.gateway import convert
+from pdserve.services.gateway.errors import from_rpc_error
+from pdserve.services.gateway.io_struct import ModelInfo, Prompt, SamplingParams, TokenizedPrompt
+from pdserve.v1 import (
+    common_pb2,
+    output_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+Role = Literal["tokenizer", "decode", "prefill", "detokenizer"]
+
+_STUBS = {
+    "tokenizer": tokenizer_pb2_grpc.TokenizerStub,
+    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
+    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
+    "detokenizer": output_pb2_grpc.DetokenizerStub,
+    "health": health_pb2_grpc.HealthStub,
+}
+
+
+class BackendClients:
+    """Channels (one per "host:port") and stubs, created on first use.
+
+    Args:
+        rpc_timeout: seconds allowed for request-path calls (tokenize, generate ack, abort).
+        probe_timeout: seconds allowed for health, load and metrics probes.
+    """
+
+    def __init__(self, rpc_timeout: float = 30.0, probe_timeout: float = 2.0) -> None:
+        self.rpc_timeout = rpc_timeout
+        self.probe_timeout = probe_timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, str], object] = {}
+
+    def _stub(self, kind: str, address: str):
+        key = (kind, address)
+        stub = self._stubs.get(key)
+        if stub is None:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            stub = self._stubs[key] = _STUBS[kind](channel)
+        return stub
+
+    async def tokenize(self, address: str, prompt: Prompt, add_special_tokens: bool) -> TokenizedPrompt:
+        """Token ids of a text or chat prompt (chat goes through the model's chat template)."""
+        request = convert.tokenize_request(prompt, add_special_tokens)
+        try:
+            resp = await self._stub("tokenizer", address).Tokenize(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return convert.tokenized_prompt_from_pb(resp)
+
+    async def tokenize_batch(
+        self, address: str, prompts: list[Prompt], add_special_tokens: bool
+    ) -> list[TokenizedPrompt]:
+        request = tokenizer_pb2.TokenizeBatchRequest(
+            requests=[convert.tokenize_request(p, add_special_tokens) for p in prompts]
+        )
+        try:
+            resp = await self._stub("tokenizer", address).TokenizeBatch(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return [convert.tokenized_prompt_from_pb(r) for r in resp.responses]
+
+    async def detokenize(self, address: str, ids: list[int], skip_special_tokens: bool) -> str:
+        request = tokenizer_pb2.DetokenizeRequest(input_ids=ids, skip_special_tokens=skip_special_tokens)
+        try:
+            resp = await self._stub("tokenizer", address).Detokenize(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return resp.text
+
+    async def model_info(self, address: str) -> ModelInfo:
+        try:
+            resp = await self._stub("tokenizer", address).GetInfo(
+                tokenizer_pb2.TokenizerInfoRequest(), timeout=self.rpc_timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return convert.model_info_from_pb(resp)
+
+    async def generate(
+        self,
+        address: str,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        **routing: str | float,
+    ) -> None:
+        """Hand one tokenized request to a decode-scheduler (``DecodeScheduler.Generate``).
+
+        ``routing``: prefill_address, output_address, gateway_address, deadline_unix_s, arrival_unix_s.
+        """
+        request = convert.tokenized_req_to_pb(rid, input_ids, sampling_params, **routing)
+        try:
+            await self._stub("decode", address).Generate(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"decode-scheduler {address}") from e
+
+    async def abort(self, address: str, rid: str, reason: str) -> bool:
+        """``DecodeScheduler.Abort``; True when the scheduler still held ``rid``."""
+        request = scheduler_pb2.AbortRequest(rid=rid, reason=reason)
+        try:
+            resp = await self._stub("decode", address).Abort(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, f"decode-scheduler {address}") from e
+        return resp.found
+
+    async def load(self, role: Literal["decode", "prefill"], address: str) -> int:
+        """Queued plus running requests the scheduler reports (``GetLoad``)."""
+        resp = await self._stub(role, address).GetLoad(
+            scheduler_pb2.LoadRequest(), timeout=self.probe_timeout
+        )
+        return resp.num_running_reqs + resp.num_queue_reqs
+
+    async def metrics(self, role: Role, address: str) -> tuple[str, str, str]:
+        """``(role, worker, prometheus text)`` of one scheduler or detokenizer (``GetMetrics``)."""
+        resp = await self._stub(role, address).GetMetrics(
+            common_pb2.MetricsRequest(), timeout=self.probe_timeout
+        )
+        return resp.role or role, resp.worker or address, resp.text
+
+    async def is_serving(self, address: str) -> bool:
+        """True when ``address`` answers grpc.health.v1 Check with SERVING."""
+        try:
+            resp = await self._stub("health", address).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.probe_timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()

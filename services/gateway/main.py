@@ -1,0 +1,213 @@
+"""Gateway entry point: ``pdserve gateway [flags]`` (every flag also from env ``PDSERVE_<FLAG>``).
+
+One asyncio loop (uvloop) runs both servers: uvicorn for the HTTP API and one grpc.aio server for
+the public ``PdServe`` API and the internal ``GatewayOutput`` stream from the detokenizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+import uvicorn
+from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
+from pdserve.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_dir, default_gguf_path
+from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.gateway.app import GatewayState, build_app
+from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.grpc_api import PdServeServicer
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.request_manager import ManagerConfig, RequestManager
+from pdserve.services.gateway.request_state import GatewayOutputServicer, RequestRegistry
+from pdserve.services.gateway.router import POLICIES, Router, WorkerPool
+from pdserve.services.gateway.serving_common import ServingContext
+from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.v1 import api_pb2, api_pb2_grpc, output_pb2, output_pb2_grpc
+
+logger = logging.getLogger("pdserve.gateway")
+
+GRPC_SERVICES = [
+    api_pb2.DESCRIPTOR.services_by_name["PdServe"].full_name,
+    output_pb2.DESCRIPTOR.services_by_name["GatewayOutput"].full_name,
+]
+ROLES = ("tokenizer", "detokenizer", "decode", "prefill")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve gateway", description=__doc__)
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address both servers bind")
+    p.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port; 0 = any free")
+    p.add_argument(
+        "--grpc-port", type=int, default=50051, help="gRPC port (PdServe + GatewayOutput); 0 = any"
+    )
+    p.add_argument(
+        "--advertise-host", default="127.0.0.1", help="host the detokenizers reach this gateway at"
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    for role in ROLES:
+        p.add_argument(
+            f"--{role}-addresses", default="", help=f"comma-separated host:port of the {role} workers"
+        )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (HTTP and gRPC)")
+    p.add_argument("--router-policy", default="cache_aware", choices=POLICIES)
+    p.add_argument(
+        "--max-pending-requests", type=int, default=1024, help="in flight before 429; 0 = no limit"
+    )
+    p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    p.add_argument("--default-max-tokens", type=int, default=4096, help="cap of the default max_tokens")
+    p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker probes")
+    p.add_argument("--log-level", default="info")
+    apply_env_defaults(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for role in ("tokenizer", "detokenizer", "decode"):
+        if not addresses(getattr(args, f"{role}_addresses")):
+            parser.error(f"--{role}-addresses is required")
+    return args
+
+
+def addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def default_served_name(model: str | None) -> str:
+    """The model id for ``--model``: SmolLM2-135M-Instruct for the default model (also for its
+    converted cache directory, which the launcher passes), else the file or directory name."""
+    if model is None or model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.parent == cache_dir() and path.name.startswith(f"{default_gguf_path().stem}-"):
+        return DEFAULT_MODEL_NAME
+    return path.name.removesuffix(".gguf")
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside a running loop: signals are the caller's (``run_service`` sets ``stop_event``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Gateway:
+    """Both servers of one gateway replica, started by ``start`` and stopped by ``stop``.
+
+    Attributes:
+        http_port, grpc_port: the bound ports (useful with port 0).
+        grpc_address: the advertised "host:port" that detokenizers push outputs to.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        pools = {role: WorkerPool(role, addresses(getattr(args, f"{role}_addresses"))) for role in ROLES}
+        self.clients = BackendClients()
+        self.metrics = GatewayMetrics()
+        self.registry = RequestRegistry()
+        self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
+        self.monitor = WorkerMonitor(self.clients, pools, self.router, args.health_check_interval)
+        self.grpc = GrpcServer(f"{args.host}:{args.grpc_port}", GRPC_SERVICES)
+        self.grpc_port = self.grpc.port
+        self.grpc_address = f"{args.advertise_host}:{self.grpc_port}"
+        config = ManagerConfig(
+            gateway_address=self.grpc_address,
+            max_pending_requests=args.max_pending_requests,
+            request_timeout=args.request_timeout,
+            default_max_tokens=args.default_max_tokens,
+        )
+        self.manager = RequestManager(
+            config,
+            self.clients,
+            self.router,
+            pools["tokenizer"],
+            pools["detokenizer"],
+            self.registry,
+            self.metrics,
+        )
+        self.ctx = ctx = ServingContext(
+            self.manager, args.served_model_name or default_served_name(args.model)
+        )
+        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx, args.api_key))
+        self.grpc.add(
+            output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
+        )
+        state = GatewayState(
+            ctx=ctx,
+            monitor=self.monitor,
+            clients=self.clients,
+            metrics=self.metrics,
+            metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
+            worker_name=self.grpc_address,
+        )
+        app = build_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+        uv_config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            loop="uvloop",
+            log_level=args.log_level.lower(),
+            access_log=args.log_level.lower() == "debug",
+            timeout_graceful_shutdown=5,
+        )
+        self.http = _EmbeddedUvicorn(uv_config)
+        self.http_port = args.port
+        self._http_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the gRPC server (SERVING), the worker monitor, then uvicorn; returns once both listen.
+
+        Raises:
+            RuntimeError: uvicorn failed to start (e.g. the port is taken).
+        """
+        await self.grpc.start()
+        await self.grpc.set_serving(True)
+        self.monitor.start()
+        self._http_task = asyncio.get_running_loop().create_task(self.http.serve())
+        while not self.http.started:
+            if self._http_task.done():
+                await self.stop()
+                raise RuntimeError(f"HTTP server failed to start on {self.args.host}:{self.args.port}")
+            await asyncio.sleep(0.05)
+        self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
+        args = self.args
+        logger.info(
+            "gateway up: HTTP %s:%d, gRPC %s, model %r, router %s",
+            args.host, self.http_port, self.grpc_address, self.ctx.served_model_name, args.router_policy,
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        """Stop taking requests, abort those in flight, and close both servers and all channels."""
+        self.http.should_exit = True
+        if self._http_task is not None:
+            with contextlib.suppress(SystemExit, Exception):
+                await self._http_task
+        await self.manager.drain()
+        await self.monitor.stop()
+        await self.grpc.stop(grace=2.0)
+        await self.clients.close()
+
+
+async def serve(args: argparse.Namespace, stop_event: asyncio.Event) -> None:
+    """Run a gateway until ``stop_event`` is set."""
+    gateway = Gateway(args)
+    await gateway.start()
+    await stop_event.wait()
+    await gateway.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level, "gateway")
+    run_service(lambda stop: serve(args, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""ASGI middlewares of the HTTP API: the request id, and the request body size limit.
+
+Both answer errors in OpenAI's JSON shape (starlette's own body limit answers plain text).
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+MAX_RID_LENGTH = 256
+
+
+async def _send_error(error: GatewayError, scope: Scope, receive: Receive, send: Send) -> None:
+    await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """The rid of each request: ``X-Request-Id`` (at most 256 characters) or a fresh one; echoed back.
+
+    Stored as ``request.state.rid``; a handler may replace it (native ``rid``) before it responds.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = (Headers(scope=scope).get(REQUEST_ID_HEADER) or "").strip()
+        if len(given) > MAX_RID_LENGTH:
+            message = f"{REQUEST_ID_HEADER} is longer than {MAX_RID_LENGTH} characters"
+            await _send_error(GatewayError(400, message, param=REQUEST_ID_HEADER), scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["rid"] = given or new_rid()
+
+        async def send_with_rid(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", state["rid"].encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_rid)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a streamed body passes the limit (FastAPI re-raises HTTPException)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is larger than {limit} bytes")
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over ``max_bytes``: at once from Content-Length, else while the body is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            message = BodyTooLarge(self.max_bytes).detail
+            await _send_error(GatewayError(413, message, code="request_too_large"), scope, receive, send)
+            return
+        received = 0
+
+        async def receive_with_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, receive_with_limit, send)

@@ -1,0 +1,140 @@
+"""Pydantic models of the native endpoints: SGLang-style /generate, vLLM-style /tokenize and /detokenize.
+
+``NativeSamplingParams`` also validates the public gRPC API's ``SamplingParams`` (same field names).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pdserve.services.gateway.io_struct import SamplingParams
+from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, param_error
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class NativeSamplingParams(BaseModel):
+    """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    max_new_tokens: int | None = Field(None, ge=1)
+    min_new_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] = Field(default_factory=list)
+    stop: str | list[str] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool = True
+    n: int = Field(1, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _check(self):
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if any(s == "" for s in stops):
+            raise param_error("sampling_params.stop", "stop strings must not be empty")
+        if self.max_new_tokens is not None and (self.min_new_tokens or 0) > self.max_new_tokens:
+            raise param_error(
+                "sampling_params.min_new_tokens",
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})",
+            )
+        return self
+
+    def to_sampling_params(self, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
+        fields = self.model_dump(exclude={"n", "stop"})
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return SamplingParams(
+            **fields, stop=stop, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
+        )
+
+
+class NativeGenerateRequest(BaseModel):
+    """POST /generate: exactly one of ``text`` / ``input_ids``; n > 1 answers a list (or indexed chunks)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str | None = Field(None, min_length=1)
+    input_ids: list[NonNegInt] | None = Field(None, min_length=1)
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = Field(None, min_length=1, max_length=256)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise param_error("text", "give exactly one of 'text' and 'input_ids'")
+        return self
+
+
+class FinishReasonInfo(BaseModel):
+    type: str
+    matched: str | int | None = None
+
+
+class MetaInfo(BaseModel):
+    id: str
+    finish_reason: FinishReasonInfo | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    e2e_latency: float | None = None
+    # [logprob, token_id, None] per output token, as SGLang returns it.
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+
+
+class NativeGenerateResponse(BaseModel):
+    """One choice of /generate; streamed chunks carry the text and ids so far (SGLang's default)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int = 0
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: ``prompt`` (plain text) or ``messages`` (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise param_error("prompt", "give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[NonNegInt]
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

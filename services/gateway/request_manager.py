@@ -1,0 +1,232 @@
+"""The request path of one gateway replica: tokenize, validate, route, send, and abort.
+
+The gateway's share of SGLang's TokenizerManager (``generate_request``): the tokenizer and the
+detokenizer are separate services here, so this module holds what is left in the entry process:
+admission control, length checks against the context, the default ``max_new_tokens``, fan-out of
+``n`` samples into sub-requests, routing, ``DecodeScheduler.Generate``, and ``Abort`` when a
+request ends early. Outputs arrive through ``request_state.GatewayOutputServicer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Coroutine
+
+from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.errors import GatewayError, invalid_request
+from pdserve.services.gateway.io_struct import GenerateReqInput, ModelInfo, Prompt, TokenizedPrompt
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
+from pdserve.services.gateway.router import Router, WorkerPool
+from pdserve.services.gateway.token_texts import TokenTexts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class ManagerConfig:
+    """Args:
+    gateway_address: this replica's advertised gRPC address (where outputs come back).
+    max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
+    request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
+    default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
+    """
+
+    gateway_address: str
+    max_pending_requests: int = 0
+    request_timeout: float | None = None
+    default_max_tokens: int = 4096
+
+
+class RequestManager:
+    """Owns this replica's in-flight requests (rid -> ``RequestHandle``)."""
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        clients: BackendClients,
+        router: Router,
+        tokenizers: WorkerPool,
+        detokenizers: WorkerPool,
+        registry: RequestRegistry,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.config = config
+        self.clients = clients
+        self.router = router
+        self.tokenizers = tokenizers
+        self.detokenizers = detokenizers
+        self.registry = registry
+        self.metrics = metrics
+        self.handles: dict[str, RequestHandle] = {}
+        self.token_texts = TokenTexts(lambda i: self.detokenize([i], skip_special_tokens=False))
+        self._model_info: ModelInfo | None = None
+        self._background: set[asyncio.Task] = set()
+        metrics.in_flight.set_function(lambda: len(self.handles))
+
+    async def model_info(self) -> ModelInfo:
+        """The tokenizer service's ``GetInfo`` (fetched once). Raises ``GatewayError`` (503 when down)."""
+        if self._model_info is None:
+            self._model_info = await self.clients.model_info(self.tokenizers.next().address)
+        return self._model_info
+
+    async def tokenize(self, prompts: list[Prompt], add_special_tokens: bool = True) -> list[TokenizedPrompt]:
+        """Token ids of each prompt; token-id prompts pass through, text and chat go to a tokenizer."""
+        todo = [p for p in prompts if not isinstance(p, list)]
+        address = self.tokenizers.next().address if todo else ""
+        if len(todo) == 1:
+            done = [await self.clients.tokenize(address, todo[0], add_special_tokens)]
+        else:
+            done = await self.clients.tokenize_batch(address, todo, add_special_tokens) if todo else []
+        it = iter(done)
+        return [TokenizedPrompt(list(p)) if isinstance(p, list) else next(it) for p in prompts]
+
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await self.clients.detokenize(self.tokenizers.next().address, ids, skip_special_tokens)
+
+    async def submit(self, obj: GenerateReqInput, timeout: float | None = None) -> RequestHandle:
+        """Tokenize, check, route and send every choice of ``obj``; returns the handle to read outputs from.
+
+        Args:
+            timeout: seconds until the request's deadline (e.g. a gRPC deadline); the shorter of it
+                and ``--request-timeout`` applies.
+
+        Raises:
+            GatewayError: 429 too many requests in flight, 400 rid in flight or prompt too long for
+                the context, 503 no healthy worker, 504 deadline passed, or a backend call's error.
+                Choices already sent are aborted before it is raised.
+        """
+        cfg = self.config
+        if cfg.max_pending_requests and len(self.handles) >= cfg.max_pending_requests:
+            raise GatewayError(
+                429,
+                f"too many requests in flight ({len(self.handles)}); retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        if obj.rid in self.handles:
+            raise GatewayError(
+                400, f"request id {obj.rid!r} is already in flight", param="rid", code="duplicate_rid"
+            )
+        timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
+        budget = min(timeouts) if timeouts else None
+        handle = RequestHandle(
+            rid=obj.rid,
+            registry=self.registry,
+            metrics=self.metrics,
+            abort_backend=self._abort_choice,
+            on_close=lambda h: self.handles.pop(h.rid, None),
+            deadline=None if budget is None else time.monotonic() + budget,
+        )
+        self.handles[obj.rid] = handle
+        try:
+            async with asyncio.timeout(budget):
+                await self._dispatch(obj, handle, budget)
+        except TimeoutError:
+            handle.close("deadline")
+            raise GatewayError(
+                504, f"request {obj.rid} passed its deadline before it was scheduled"
+            ) from None
+        except BaseException:
+            handle.close("failed to dispatch")
+            raise
+        return handle
+
+    async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
+        tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
+        info = await self.model_info()
+        multi = len(obj.prompts) * obj.n > 1
+        for j, prompt in enumerate(tokenized):
+            sp = obj.sampling_params
+            max_new = self._max_new_tokens(len(prompt.input_ids), sp.max_new_tokens, info.context_length)
+            handle.prompt_tokens.append(len(prompt.input_ids))
+            for i in range(obj.n):
+                index = j * obj.n + i
+                seed = None if sp.seed is None else sp.seed + i
+                handle.add_choice(
+                    ReqState(
+                        rid=f"{obj.rid}-{index}" if multi else obj.rid,
+                        index=index,
+                        input_ids=prompt.input_ids,
+                        sampling_params=dataclasses.replace(sp, max_new_tokens=max_new, seed=seed),
+                        owner=handle,
+                    )
+                )
+        arrival = time.time()
+        deadline = 0.0 if budget is None else arrival + budget
+        for state in handle.states:
+            state.route = self.router.route(state.input_ids)
+        results = await asyncio.gather(
+            *(self._send(state, arrival, deadline) for state in handle.states), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
+        state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
+        await self.clients.generate(
+            state.route.decode.address,
+            state.rid,
+            state.input_ids,
+            state.sampling_params,
+            prefill_address=state.route.prefill_address,
+            output_address=self.detokenizers.next().address,
+            gateway_address=self.config.gateway_address,
+            deadline_unix_s=deadline,
+            arrival_unix_s=arrival,
+        )
+
+    def _max_new_tokens(self, prompt_len: int, requested: int | None, context_length: int) -> int:
+        """``requested``, or the context left (capped by ``default_max_tokens``); 400 when it does not fit."""
+        if context_length <= 0:  # the tokenizer does not know the context length
+            return requested or self.config.default_max_tokens
+        if prompt_len >= context_length:
+            raise invalid_request(
+                f"This model's maximum context length is {context_length} tokens, but the prompt has "
+                f"{prompt_len} tokens. Please shorten the prompt.",
+                param="messages",
+            )
+        if requested is None:
+            return min(context_length - prompt_len, self.config.default_max_tokens)
+        if prompt_len + requested > context_length:
+            raise invalid_request(
+                f"This model's maximum context length is {context_length} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+                f"completion). Please reduce the length of the prompt or the completion.",
+                param="max_tokens",
+            )
+        return requested
+
+    def abort(self, rid: str, reason: str = "aborted by client") -> bool:
+        """End the request ``rid`` of this replica (every choice, finish_reason "abort"); False if unknown."""
+        handle = self.handles.get(rid)
+        if handle is None:
+            return False
+        handle.abort(reason)
+        return True
+
+    def _abort_choice(self, state: ReqState, reason: str) -> None:
+        """Tell the decode-scheduler to drop ``state`` (in the background: callers may be cancelled)."""
+        self._spawn(self._send_abort(state.route.decode.address, state.rid, reason))
+
+    async def _send_abort(self, address: str, rid: str, reason: str) -> None:
+        try:
+            await self.clients.abort(address, rid, reason)
+        except GatewayError as e:
+            logger.warning("abort of %s at %s failed: %s", rid, address, e.message)
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Abort every request in flight and wait for the abort calls (at shutdown)."""
+        for handle in list(self.handles.values()):
+            handle.close("gateway shutting down")
+        if self._background:
+            await asyncio.wait(self._background, timeout=5.0)

@@ -1,0 +1,188 @@
+"""This replica's in-flight requests (rid -> state) and the servicer the detokenizers push outputs into.
+
+A client request is one ``RequestHandle`` with one ``ReqState`` per choice (sub-request, its own
+rid). The ``GatewayOutputServicer`` looks each incoming ``StrOutput`` up by rid and pushes it into
+the owning handle's queue; outputs for rids this replica no longer holds (aborted, timed out) are
+dropped. A choice leaves the registry, and its route is released, on its last output or on close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve.services.gateway import convert
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.io_struct import ChoiceDelta, SamplingParams
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.router import Route
+from pdserve.v1 import output_pb2, output_pb2_grpc
+
+
+@dataclass(slots=True, eq=False)
+class ReqState:
+    """One choice of a request: what was sent, where, and its token timing."""
+
+    rid: str
+    index: int
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    owner: RequestHandle
+    route: Route | None = None
+    sent: bool = False
+    finished: bool = False
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class RequestRegistry:
+    """rid -> ``ReqState`` for every choice this replica has in flight."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, ReqState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._states
+
+    def get(self, rid: str) -> ReqState | None:
+        return self._states.get(rid)
+
+    def add(self, state: ReqState) -> None:
+        """Raises ``GatewayError`` 400 when ``state.rid`` is already in flight."""
+        if state.rid in self._states:
+            raise GatewayError(
+                400, f"request id {state.rid!r} is already in flight", param="rid", code="duplicate_rid"
+            )
+        self._states[state.rid] = state
+
+    def remove(self, rid: str) -> None:
+        self._states.pop(rid, None)
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The outputs of one client request, merged over its choices in arrival order.
+
+    Iterate it for ``ChoiceDelta`` pieces until every choice has finished; use it as an async
+    context manager (or call ``close``) so that choices still running are aborted when the consumer
+    stops early (client gone, cancelled, timed out).
+
+    Args:
+        rid: the client-visible request id.
+        registry: where its choices are registered.
+        metrics: TTFT / ITL / e2e histograms.
+        abort_backend: called with each choice that was sent but not finished when closing.
+        on_close: called once when the handle closes.
+        deadline: ``time.monotonic()`` after which iteration raises ``GatewayError`` 504; None = none.
+    """
+
+    rid: str
+    registry: RequestRegistry
+    metrics: GatewayMetrics
+    abort_backend: Callable[[ReqState, str], None]
+    on_close: Callable[[RequestHandle], None]
+    deadline: float | None = None
+    states: list[ReqState] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)  # per prompt
+    arrival: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue[ChoiceDelta | None] = field(default_factory=asyncio.Queue)
+    closed: bool = False
+    close_reason: str = ""
+    _pending_finishes: int = 0
+
+    def add_choice(self, state: ReqState) -> None:
+        self.registry.add(state)
+        self.states.append(state)
+        self._pending_finishes += 1
+
+    def push(self, state: ReqState, delta: ChoiceDelta) -> None:
+        """Deliver one output of ``state`` (called by the output servicer and by ``abort``)."""
+        if state.finished:
+            return
+        now = time.monotonic()
+        if delta.token_ids:
+            if state.first_token_at is None:
+                state.first_token_at = now
+                self.metrics.ttft.observe(now - self.arrival)
+            elif state.last_token_at is not None:
+                gap = (now - state.last_token_at) / len(delta.token_ids)
+                for _ in delta.token_ids:
+                    self.metrics.itl.observe(gap)
+            state.last_token_at = now
+        delta.prompt_tokens = len(state.input_ids)
+        if delta.finish_reason is not None:
+            self._finish(state)
+        self.queue.put_nowait(delta)
+
+    def _finish(self, state: ReqState) -> None:
+        state.finished = True
+        self.registry.remove(state.rid)
+        if state.route is not None:
+            state.route.release()
+
+    def abort(self, reason: str) -> None:
+        """End every running choice now with finish_reason "abort" and abort it in the backend."""
+        for state in self.states:
+            if not state.finished:
+                if state.sent:
+                    self.abort_backend(state, reason)
+                self.push(state, ChoiceDelta(index=state.index, finish_reason="abort", error=reason))
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        while self._pending_finishes > 0:
+            try:
+                async with asyncio.timeout(
+                    None if self.deadline is None else self.deadline - time.monotonic()
+                ):
+                    delta = await self.queue.get()
+            except TimeoutError:
+                raise GatewayError(504, f"request {self.rid} passed its deadline") from None
+            if delta is None:
+                raise GatewayError(499, f"request {self.rid} was closed: {self.close_reason}")
+            if delta.finish_reason is not None:
+                self._pending_finishes -= 1
+            yield delta
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    def close(self, reason: str = "client gone") -> None:
+        """Abort unfinished choices, unregister everything; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        for state in self.states:
+            if not state.finished:
+                if state.sent:
+                    self.abort_backend(state, reason)
+                self._finish(state)
+        self.on_close(self)
+        self.queue.put_nowait(None)  # wakes a consumer still iterating
+
+    async def __aenter__(self) -> RequestHandle:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close()
+
+
+class GatewayOutputServicer(output_pb2_grpc.GatewayOutputServicer):
+    """``GatewayOutput.StreamStrOutputs``: one long-lived client stream per detokenizer."""
+
+    def __init__(self, registry: RequestRegistry) -> None:
+        self.registry = registry
+
+    async def StreamStrOutputs(
+        self, request_iterator: AsyncIterator[output_pb2.BatchStrOutput], context: grpc.aio.ServicerContext
+    ) -> output_pb2.StreamAck:
+        async for batch in request_iterator:
+            for out in batch.outputs:
+                state = self.registry.get(out.rid)
+                if state is not None:
+                    state.owner.push(state, convert.choice_delta_from_pb(out, state.index))
+        return output_pb2.StreamAck()

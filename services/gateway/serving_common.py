@@ -1,0 +1,129 @@
+"""What every HTTP serving module needs: the model check, the request id, disconnect watching, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.io_struct import ChoiceDelta, TokenLogprob
+from pdserve.services.gateway.request_manager import RequestManager
+from pdserve.services.gateway.request_state import RequestHandle
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class ServingContext:
+    """What the serving modules share: the manager and the served model name."""
+
+    def __init__(self, manager: RequestManager, served_model_name: str) -> None:
+        self.manager = manager
+        self.served_model_name = served_model_name
+
+    def check_model(self, model: str | None, required: bool = True) -> None:
+        """Raises ``GatewayError`` 404 unless ``model`` is the served model (or absent where optional)."""
+        if model is None and not required:
+            return
+        if model != self.served_model_name:
+            raise GatewayError(
+                404, f"The model '{model}' does not exist (served: '{self.served_model_name}')",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+
+def request_id(request: Request) -> str:
+    """The rid of this HTTP request (``X-Request-Id`` or generated; set by ``RequestIdMiddleware``)."""
+    return request.state.rid
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def watch_disconnect(request: Request, handle: RequestHandle) -> asyncio.Task:
+    """Close ``handle`` (aborting its running choices) as soon as the HTTP client goes away.
+
+    Listens on the ASGI ``receive`` channel, which yields ``http.disconnect`` when the connection
+    drops (or once the response is complete, when closing is a no-op). Cancel the task when done.
+    """
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.close("client disconnected")
+
+    return asyncio.get_running_loop().create_task(watch())
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """A whole choice, accumulated from its ``ChoiceDelta`` pieces."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        """Append ``delta``; raises ``GatewayError`` 500 when the runtime failed the choice."""
+        if delta.finish_reason == "error":
+            raise GatewayError(500, f"generation failed: {delta.error or 'unknown error'}")
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.completion_tokens = max(delta.completion_tokens, len(self.token_ids))
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.matched_stop = delta.matched_stop
+
+
+async def collect(request: Request, handle: RequestHandle) -> list[ChoiceResult]:
+    """Every choice of ``handle``, whole; aborts the request if the client disconnects first."""
+    results = [ChoiceResult(state.index) for state in handle.states]
+    watcher = watch_disconnect(request, handle)
+    try:
+        async with handle:
+            async for delta in handle:
+                results[delta.index].add(delta)
+    finally:
+        watcher.cancel()
+    return results
+
+
+def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> tuple[int, int, int]:
+    """``(prompt, completion, cached)`` tokens: each prompt counts once; cached is its first sample's."""
+    completion = sum(r.completion_tokens for r in results)
+    cached = sum(results[j * n].cached_tokens for j in range(len(handle.prompt_tokens)))
+    return sum(handle.prompt_tokens), completion, cached
+
+
+def sse_response(request: Request, handle: RequestHandle, events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events ``data: <json>`` from ``events``, then ``data: [DONE]``.
+
+    An error after the stream has started is sent as one ``data: {"error": ...}`` event (the status
+    is already 200). The handle is closed, and its running choices aborted, when the client goes away.
+    """
+
+    async def body() -> AsyncIterator[str]:
+        watcher = watch_disconnect(request, handle)
+        try:
+            async with handle:
+                async for event in events:
+                    yield f"data: {event}\n\n"
+        except GatewayError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            watcher.cancel()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

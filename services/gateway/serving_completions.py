@@ -1,0 +1,118 @@
+"""POST /v1/completions: OpenAI text completions, for one prompt or a batch, streamed or not.
+
+Choice ``j * n + i`` is sample i of prompt j. ``echo`` prepends the prompt text (decoded by the
+tokenizer service for token-id prompts); ``echo`` with ``logprobs`` is refused with 400 because the
+runtime does not compute prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.protocol import CompletionRequest
+from pdserve.services.gateway.protocol_responses import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    UsageInfo,
+)
+from pdserve.services.gateway.request_state import RequestHandle
+from pdserve.services.gateway.serving_common import (
+    ChoiceResult,
+    ServingContext,
+    collect,
+    request_id,
+    sse_response,
+    usage_counts,
+)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: CompletionRequest, request: Request) -> Response:
+        """Serve one completions request. Raises ``GatewayError`` for every failure before streaming."""
+        self.ctx.check_model(body.model)
+        rid = request_id(request)
+        prompts = body.prompts()
+        sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0)
+        echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
+        handle = await self.ctx.manager.submit(GenerateReqInput(rid, prompts, sampling, n=body.n))
+        if body.stream:
+            return sse_response(request, handle, self._chunks(body, handle, echoes))
+        results = await collect(request, handle)
+        choices = []
+        for r in results:
+            prefix = echoes[r.index // body.n] if echoes else ""
+            logprobs = await self._logprobs(r.logprobs, 0) if body.logprobs is not None else None
+            choices.append(
+                CompletionChoice(
+                    index=r.index,
+                    text=prefix + r.text,
+                    logprobs=logprobs,
+                    finish_reason=r.finish_reason,
+                    matched_stop=r.matched_stop,
+                )
+            )
+        response = CompletionResponse(
+            id=f"cmpl-{rid}",
+            model=self.ctx.served_model_name,
+            choices=choices,
+            usage=UsageInfo.of(*usage_counts(handle, results, body.n)),
+        )
+        return JSONResponse(response.model_dump())
+
+    async def _prompt_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else await self.ctx.manager.detokenize(prompt)
+
+    async def _chunks(
+        self, body: CompletionRequest, handle: RequestHandle, echoes: list[str] | None
+    ) -> AsyncIterator[str]:
+        model, chunk_id = self.ctx.served_model_name, f"cmpl-{handle.rid}"
+        results = [ChoiceResult(s.index) for s in handle.states]
+        offsets = [0] * len(results)  # text_offset of each choice's next token
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return CompletionChunk(id=chunk_id, model=model, choices=choices, usage=usage).model_dump_json()
+
+        if echoes:
+            for r in results:
+                yield chunk([CompletionChoice(index=r.index, text=echoes[r.index // body.n])])
+        async for delta in handle:
+            results[delta.index].add(delta)
+            if not (delta.text or delta.finish_reason or delta.logprobs):
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = await self._logprobs(delta.logprobs, offsets[delta.index])
+                offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(
+                index=delta.index,
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                matched_stop=delta.matched_stop,
+            )
+            usage = UsageInfo.of(*usage_counts(handle, results, body.n)) if body.continuous_usage else None
+            yield chunk([choice], usage)
+        if body.include_usage:
+            yield chunk([], UsageInfo.of(*usage_counts(handle, results, body.n)))
+
+    async def _logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        """Legacy completions logprobs; ``text_offset`` counts token text lengths from ``offset``."""
+        texts = await self.ctx.manager.token_texts.get(
+            [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
+        )
+        out = CompletionLogprobs()
+        for lp in logprobs:
+            out.tokens.append(texts[lp.token_id])
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({texts[t.token_id]: t.logprob for t in lp.top})
+            out.text_offset.append(offset)
+            offset += len(texts[lp.token_id])
+        return out

@@ -1,0 +1,73 @@
+"""The serving benchmark's command line: defaults, targets, and a run whose server refuses every request."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from benchmarks.serving import config_from_args, main, openai_base_url, parse_args
+from benchmarks.serving_lib.launch import LaunchSpec, parse_compare
+from benchmarks.serving_lib.tokens import TokenCounter, estimate_tokens
+
+
+@pytest.fixture
+def closed_url() -> str:
+    """A localhost URL where nothing listens (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_defaults_follow_the_workload():
+    random_cfg = config_from_args(parse_args([]))
+    assert (random_cfg.mode, random_cfg.levels, random_cfg.output_tokens) == ("concurrency", [1, 16, 64], 64)
+    assert (random_cfg.requests_at(1), random_cfg.requests_at(64)) == (8, 128)
+    assert random_cfg.ignore_eos and random_cfg.prompt_tokens == 128
+    shared = config_from_args(parse_args(["--workload", "shared-prefix", "--request-rate", "0.5,2"]))
+    assert (shared.mode, shared.levels, shared.output_tokens, shared.requests_at(2.0)) == (
+        "request_rate",
+        [0.5, 2.0],
+        32,
+        64,
+    )
+    assert not config_from_args(parse_args(["--no-ignore-eos"])).ignore_eos
+    with pytest.raises(SystemExit):
+        parse_args(["--base-url", "http://x", "--launch", "--colocated"])
+
+
+def test_targets():
+    assert openai_base_url("http://h:8000") == "http://h:8000/v1"
+    assert openai_base_url("http://h:8000/v1/") == "http://h:8000/v1"
+    assert parse_compare("no cache = --colocated --disable-radix-cache") == LaunchSpec(
+        "no cache", "--colocated --disable-radix-cache"
+    )
+    with pytest.raises(ValueError):
+        parse_compare("--colocated")
+
+
+async def test_token_counter_falls_back_to_estimates(closed_url):
+    counter = await TokenCounter.connect(closed_url, "m")
+    try:
+        assert counter.source == "estimate"
+        assert await counter.count(["one two three.", "Question 12: why?"]) == [4, 6]
+        assert await counter.count(["one two"]) == [estimate_tokens("one two")]
+        assert await counter.tokens_per_word() == 1.0
+    finally:
+        await counter.aclose()
+
+
+def test_refused_requests_are_counted_as_errors(closed_url, capsys):
+    argv = ["--base-url", closed_url, "--model", "m", "--concurrency", "1,2", "--num-requests", "3"]
+    doc = main([*argv, "--warmup", "0", "--prompt-tokens", "16", "--plot", ""])
+    last = json.loads(capsys.readouterr().out.rstrip("\n").split("\n")[-1])
+    assert last == doc
+    assert last["base_url"] == f"{closed_url}/v1"
+    assert [(lv["level"], lv["num_requests"], lv["errors"], lv["completed"]) for lv in last["levels"]] == [
+        (1, 3, 3, 0),
+        (2, 3, 3, 0),
+    ]
+    assert "APIConnectionError" in last["levels"][0]["error_samples"][0]
+    assert last["runs"][0]["token_counter"] == "estimate"

@@ -1,0 +1,283 @@
+"""The rendered objects fit together: selectors, ports, probes, addresses, references, security."""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any
+
+import pytest
+from pdserve.v1 import output_pb2, scheduler_pb2, tokenizer_pb2
+
+from tests.deploy.conftest import CHART_DIR, NAMESPACE, RELEASE, Rendered, load_values, render
+
+SCHEDULERS = ("prefill", "decode")
+GRPC_SERVICES = {
+    "tokenizer": tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name,
+    "detokenizer": output_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name,
+    "prefill": scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name,
+    "decode": scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name,
+}
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def selected_workloads(chart: Rendered, selector: dict[str, str]) -> list[str]:
+    return [name for name, w in chart.workloads().items() if selects(selector, pod_labels(w))]
+
+
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def service_of(chart: Rendered, component: str) -> dict[str, Any]:
+    return chart.kind("Service")[f"{RELEASE}-pdserve-{component}"]
+
+
+def test_every_service_selects_one_workload_and_its_ports(rendered: Rendered) -> None:
+    for name, service in rendered.kind("Service").items():
+        targets = selected_workloads(rendered, service["spec"]["selector"])
+        assert targets == [name], f"Service {name} selects {targets}"
+        ports = container_ports(rendered.workloads()[name]["spec"]["template"]["spec"]["containers"][0])
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in ports, f"{name}: {port}"
+            assert port["port"] == ports[port["targetPort"]]
+
+
+def test_workload_selectors_match_their_own_pods(rendered: Rendered) -> None:
+    for name, workload in rendered.workloads().items():
+        assert selected_workloads(rendered, workload["spec"]["selector"]["matchLabels"]) == [name]
+
+
+def test_every_probe_targets_a_declared_container_port(rendered: Rendered) -> None:
+    for name, workload in rendered.workloads().items():
+        container = pod_spec(workload)["containers"][0]
+        ports = container_ports(container)
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = container[kind]
+            if "grpc" in probe:
+                assert probe["grpc"]["port"] in ports.values(), f"{name} {kind}"
+            else:
+                assert probe["httpGet"]["port"] in ports, f"{name} {kind}"
+
+
+def test_readiness_asks_health_for_the_service_each_role_registers(rendered: Rendered) -> None:
+    for component, service_name in GRPC_SERVICES.items():
+        if f"{RELEASE}-pdserve-{component}" not in rendered.workloads():
+            continue  # prefill with 0 replicas is not deployed
+        probes = rendered.container(component)
+        assert probes["readinessProbe"]["grpc"]["service"] == service_name
+        assert "service" not in probes["livenessProbe"]["grpc"]  # "" = the server as a whole
+    gateway = rendered.container("gateway")
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gateway["livenessProbe"]["grpc"]["port"] == container_ports(gateway)["grpc"]
+
+
+def test_every_role_listens_on_its_declared_port(rendered: Rendered) -> None:
+    for name, workload in rendered.workloads().items():
+        component = name.removeprefix(f"{RELEASE}-pdserve-")
+        container = pod_spec(workload)["containers"][0]
+        env = rendered.env(component)
+        ports = container_ports(container)
+        assert container["args"][0] == component
+        assert env["PDSERVE_HOST"] == "0.0.0.0"
+        if component == "gateway":
+            assert (int(env["PDSERVE_PORT"]), int(env["PDSERVE_GRPC_PORT"])) == (ports["http"], ports["grpc"])
+        else:
+            assert int(env["PDSERVE_PORT"]) == ports["grpc"]
+
+
+def test_gateway_addresses_are_the_schedulers_pod_dns_names(rendered: Rendered) -> None:
+    """decode/prefill: one <pod>.<headless service>.<ns>.svc address per StatefulSet replica."""
+    env = rendered.env("gateway")
+    for component in SCHEDULERS:
+        addresses = [a for a in env[f"PDSERVE_{component.upper()}_ADDRESSES"].split(",") if a]
+        replicas = rendered.values.get(component, {}).get("replicas", 1 if component == "decode" else 0)
+        assert len(addresses) == replicas
+        if not replicas:
+            continue
+        statefulset = rendered.workload(component)
+        headless = rendered.kind("Service")[statefulset["spec"]["serviceName"]]
+        assert headless["spec"]["clusterIP"] == "None"
+        assert headless["spec"]["publishNotReadyAddresses"] is True
+        assert selects(headless["spec"]["selector"], pod_labels(statefulset))
+        port = headless["spec"]["ports"][0]["port"]
+        pods = [f"{statefulset['metadata']['name']}-{i}" for i in range(statefulset["spec"]["replicas"])]
+        suffix = f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+        assert addresses == [f"{pod}.{suffix}:{port}" for pod in pods]
+        # Each scheduler advertises (to detokenizers and peers) the same name the gateway dials.
+        advertise = rendered.env(component)["PDSERVE_ADVERTISE_HOST"]
+        assert [advertise.replace("$(POD_NAME)", pod) + f":{port}" for pod in pods] == addresses
+
+
+def test_gateway_reaches_stateless_roles_through_their_headless_services(rendered: Rendered) -> None:
+    env = rendered.env("gateway")
+    for component in ("tokenizer", "detokenizer"):
+        service = service_of(rendered, component)
+        assert service["spec"]["clusterIP"] == "None"
+        assert "publishNotReadyAddresses" not in service["spec"]  # only ready pods resolve
+        port = service["spec"]["ports"][0]["port"]
+        expected = f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
+        assert env[f"PDSERVE_{component.upper()}_ADDRESSES"] == expected
+    # Detokenizers stream text back to the gateway pod that owns the request, on its gRPC port.
+    assert env["PDSERVE_ADVERTISE_HOST"] == "$(POD_IP)"
+    assert [
+        e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in rendered.container("gateway")["env"]
+        if e["name"] == "POD_IP"
+    ] == ["status.podIP"]
+
+
+def test_env_references_resolve(rendered: Rendered) -> None:
+    """Every $(VAR) is defined earlier in the list; every ConfigMap and chart-made Secret exists."""
+    secrets = rendered.kind("Secret")
+    for name, workload in rendered.workloads().items():
+        container = pod_spec(workload)["containers"][0]
+        defined: set[str] = set()
+        for entry in container["env"]:
+            for ref in re.findall(r"\$\((\w+)\)", entry.get("value", "")):
+                assert ref in defined, f"{name}: {entry['name']} uses $({ref}) before it is defined"
+            if secret_ref := entry.get("valueFrom", {}).get("secretKeyRef"):
+                assert secret_ref["key"] in secrets[secret_ref["name"]]["data"]
+            defined.add(entry["name"])
+        for source in container["envFrom"]:
+            assert source["configMapRef"]["name"] in rendered.kind("ConfigMap")
+
+
+def test_api_key_secret_reaches_gateway_and_helm_test_only(rendered: Rendered) -> None:
+    (secret_name,) = rendered.kind("Secret")
+    key = base64.b64decode(rendered.kind("Secret")[secret_name]["data"]["api-key"]).decode()
+    assert len(key) == 40 and key.isalnum()
+    users = {
+        name
+        for name, obj in {**rendered.workloads(), **rendered.kind("Pod")}.items()
+        for container in (obj["spec"].get("template", obj)["spec"]["containers"])
+        for entry in container.get("env", [])
+        if entry.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == secret_name
+    }
+    assert users == {f"{RELEASE}-pdserve-gateway", f"{RELEASE}-pdserve-test-chat"}
+
+
+def test_autoscalers_and_disruption_budgets_target_real_workloads(rendered: Rendered) -> None:
+    for hpa in rendered.kind("HorizontalPodAutoscaler").values():
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] in rendered.kind("Deployment")
+        assert "replicas" not in rendered.kind("Deployment")[target["name"]]["spec"]
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    budgets = rendered.kind("PodDisruptionBudget")
+    assert sorted(budgets) == sorted(rendered.workloads())
+    for name, pdb in budgets.items():
+        assert selected_workloads(rendered, pdb["spec"]["selector"]["matchLabels"]) == [name]
+
+
+def test_network_policies_let_only_the_intended_peers_in(gpu_chart: Rendered) -> None:
+    allowed: dict[str, set[tuple[str, str]]] = {}
+    for policy in gpu_chart.kind("NetworkPolicy").values():
+        (target,) = selected_workloads(gpu_chart, policy["spec"]["podSelector"]["matchLabels"])
+        target_port = container_ports(pod_spec(gpu_chart.workloads()[target])["containers"][0])["grpc"]
+        for rule in policy["spec"]["ingress"]:
+            (peer,) = [
+                w
+                for f in rule["from"]
+                for w in selected_workloads(gpu_chart, f["podSelector"]["matchLabels"])
+            ]
+            ports = [p["port"] for p in rule.get("ports", [])]
+            assert ports in ([target_port], [])
+            allowed.setdefault(target.rsplit("-", 1)[1], set()).add(
+                (peer.rsplit("-", 1)[1], "grpc" if ports else "all")
+            )
+    assert allowed == {
+        "tokenizer": {("gateway", "grpc")},
+        "detokenizer": {("gateway", "grpc"), ("decode", "grpc")},
+        "prefill": {("gateway", "grpc"), ("decode", "all")},
+        "decode": {("gateway", "grpc"), ("detokenizer", "grpc"), ("prefill", "all")},
+    }
+
+
+def test_pods_run_non_root_on_a_read_only_root_with_writable_tmp_and_cache(rendered: Rendered) -> None:
+    rdma = rendered.values.get("kvTransfer", {}).get("rdma", {}).get("enabled", False)
+    pods = {name: pod_spec(w) for name, w in rendered.workloads().items()}
+    pods.update({name: pod["spec"] for name, pod in rendered.kind("Pod").items()})
+    for name, spec in pods.items():
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] != 0
+        assert spec["automountServiceAccountToken"] is False
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+            scheduler = name.rsplit("-", 1)[1] in SCHEDULERS
+            assert context["capabilities"].get("add", []) == (["IPC_LOCK"] if rdma and scheduler else [])
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            assert {m["name"] for m in mounts.values()} <= set(volumes)
+            assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+            if name in rendered.workloads():
+                cache = mounts[rendered.env(name.rsplit("-", 1)[1])["PDSERVE_CACHE_DIR"]]
+                assert not cache.get("readOnly", False)
+
+
+def test_schedulers_get_shared_memory_and_rdma_only_where_asked(rendered: Rendered) -> None:
+    kv = rendered.values.get("kvTransfer", {})
+    for component in SCHEDULERS:
+        if f"{RELEASE}-pdserve-{component}" not in rendered.workloads():
+            continue
+        spec = pod_spec(rendered.workload(component))
+        shm = {v["name"]: v for v in spec["volumes"]}["shm"]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}["shm"] == "/dev/shm"
+        limits = spec["containers"][0]["resources"]["limits"]
+        assert ("rdma/hca_shared_devices_a" in limits) == kv.get("rdma", {}).get("enabled", False)
+    for component in ("gateway", "tokenizer", "detokenizer"):
+        spec = pod_spec(rendered.workload(component))
+        assert "shm" not in {v["name"] for v in spec["volumes"]} and "hostIPC" not in spec
+
+
+def test_config_changes_roll_the_pods(default_chart: Rendered) -> None:
+    changed = render(load_values("default", {"engine": {"dtype": "float32"}}))
+
+    def checksum(chart: Rendered) -> str:
+        return chart.workload("decode")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    assert changed.env("decode")["PDSERVE_DTYPE"] == "float32"
+    assert checksum(changed) != checksum(default_chart)
+
+
+def test_service_monitor_scrapes_the_gateway_metrics() -> None:
+    chart = render(load_values("default", {"serviceMonitor": {"enabled": True}}))
+    (monitor,) = chart.kind("ServiceMonitor").values()
+    gateway = service_of(chart, "gateway")
+    assert selects(monitor["spec"]["selector"]["matchLabels"], gateway["metadata"]["labels"])
+    assert not selects(
+        monitor["spec"]["selector"]["matchLabels"], service_of(chart, "decode")["metadata"]["labels"]
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (
+        endpoint["port"] in {p["name"] for p in gateway["spec"]["ports"]} and endpoint["path"] == "/metrics"
+    )
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [NAMESPACE]
+
+
+@pytest.mark.parametrize("variant", ["default", "gpu-pd"])
+def test_helm_test_pod_runs_the_chat_check_against_the_gateway(variant: str) -> None:
+    chart = render(load_values(variant))
+    (pod,) = chart.kind("Pod").values()
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    container = pod["spec"]["containers"][0]
+    assert container["command"][:2] == ["python", "-c"]
+    assert container["command"][2] == (CHART_DIR / "files" / "chat_smoke_test.py").read_text()
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    gateway = service_of(chart, "gateway")
+    http = {p["name"]: p["port"] for p in gateway["spec"]["ports"]}["http"]
+    assert env["PDSERVE_TEST_URL"] == f"http://{gateway['metadata']['name']}:{http}"
+    assert container["image"] == chart.container("gateway")["image"]

@@ -1,0 +1,116 @@
+"""A tiny scheduler stand-in for engine tests: allocates pages, fills ``req_to_token``, builds batches.
+
+The real scheduler (``pdserve.scheduler``) does the same bookkeeping with admission, radix
+caching and retraction on top; here every sequence simply owns its pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.mem_cache.memory_pool import slots_for_pages
+from pdserve.sampling.sampler import GenerationBatchResult
+from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
+from pdserve.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class Seq:
+    """One sequence: its prompt, outputs, KV pages and how many of its tokens have KV."""
+
+    prompt: list[int]
+    params: SamplingParams
+    req_pool_idx: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt + self.output_ids
+
+
+class Driver:
+    """Runs sequences through a ``ModelRunner`` the way a scheduler would."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.page_size = runner.token_to_kv_pool_allocator.page_size
+
+    def add(self, prompt: list[int], params: SamplingParams | None = None) -> Seq:
+        idx = self.runner.req_to_token_pool.alloc()
+        assert idx is not None, "out of request slots"
+        return Seq(list(prompt), params or SamplingParams(temperature=0.0), idx)
+
+    def release(self, *seqs: Seq) -> None:
+        for seq in seqs:
+            self.runner.token_to_kv_pool_allocator.free(seq.pages)
+            self.runner.req_to_token_pool.free(seq.req_pool_idx)
+            seq.pages = []
+
+    def step(self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None) -> GenerationBatchResult:
+        """One forward: each ``(seq, n)`` computes its next ``n`` uncomputed tokens (all when None).
+
+        A sequence whose every token then has KV records the sampled token as its next output.
+        """
+        input_ids: list[int] = []
+        out_cache_loc = []
+        prefix_lens, extend_lens = [], []
+        for seq, n in work:
+            fill = seq.fill_ids
+            n = len(fill) - seq.num_computed if n is None else n
+            start, end = seq.num_computed, seq.num_computed + n
+            self._ensure_pages(seq, end)
+            slots = slots_for_pages(seq.pages, start, end, self.page_size)
+            self.runner.req_to_token_pool.req_to_token[seq.req_pool_idx, start:end] = slots
+            input_ids += fill[start:end]
+            out_cache_loc.append(slots)
+            prefix_lens.append(start)
+            extend_lens.append(n)
+        seqs = [seq for seq, _ in work]
+        params = [seq.params for seq in seqs]
+        info = SamplingBatchInfo.build(
+            params,
+            output_ids=[seq.output_ids for seq in seqs],
+            prompt_ids=[seq.prompt for seq in seqs],
+            eos_token_ids=self.runner.model_config.eos_token_ids,
+            vocab_size=self.runner.model_config.vocab_size,
+            device=self.runner.device,
+        )
+        fb = ForwardBatch.init_new(
+            forward_mode=mode,
+            input_ids=input_ids,
+            req_pool_indices=[seq.req_pool_idx for seq in seqs],
+            seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
+            extend_prefix_lens=prefix_lens,
+            out_cache_loc=[int(s) for slots in out_cache_loc for s in slots],
+            sampling_info=info,
+            return_logprob=True,
+            top_logprobs_nums=[p.top_logprobs_num for p in params],
+            runner=self.runner,
+        )
+        result = self.runner.forward_batch_generation(fb)
+        for i, (seq, n) in enumerate(zip(seqs, extend_lens, strict=True)):
+            seq.num_computed += n
+            if seq.num_computed == len(seq.fill_ids):
+                seq.output_ids.append(result.next_token_ids[i])
+                seq.logprobs.append(result.next_token_logprobs[i])
+                seq.top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
+        return result
+
+    def generate(self, seqs: list[Seq], max_new_tokens: int) -> None:
+        """Extend every sequence in one batch, then decode them together to ``max_new_tokens`` each."""
+        self.step([(seq, None) for seq in seqs])
+        for _ in range(max_new_tokens - 1):
+            self.step([(seq, None) for seq in seqs])
+
+    def _ensure_pages(self, seq: Seq, num_tokens: int) -> None:
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need > 0:
+            pages = self.runner.token_to_kv_pool_allocator.alloc(need)
+            assert pages is not None, "out of KV pages"
+            seq.pages += pages

@@ -1,0 +1,62 @@
+"""A real gateway (uvicorn + grpc.aio, in this test process) with a real tokenizer service and no schedulers.
+
+The decode and detokenizer addresses point at ports nothing listens on, so every request that
+passes validation ends with 503 UNAVAILABLE: what the gateway must do before any scheduler is
+involved can be checked without one.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest_asyncio
+from pdserve.rpc.server import wait_for_health
+from pdserve.services.gateway.main import Gateway, parse_args
+from pdserve.services.tokenizer.main import build_parser, start_server
+
+API_KEY = "sk-gateway-test"
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalGateway:
+    gateway: Gateway
+    tokenizer_address: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self.gateway.grpc_address
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def local_gateway():
+    tokenizer = await start_server(build_parser().parse_args(["--port", "0"]))
+    assert await wait_for_health(tokenizer.address, timeout=30)
+    args = parse_args(
+        [
+            "--port", "0", "--grpc-port", "0",
+            "--tokenizer-addresses", tokenizer.address,
+            "--decode-addresses", f"127.0.0.1:{closed_port()}",
+            "--detokenizer-addresses", f"127.0.0.1:{closed_port()}",
+            "--api-key", API_KEY,
+            "--max-request-bytes", str(MAX_REQUEST_BYTES),
+            "--log-level", "warning",
+        ]
+    )  # fmt: skip
+    gateway = Gateway(args)
+    await gateway.start()
+    yield LocalGateway(gateway, tokenizer.address)
+    await gateway.stop()
+    await tokenizer.stop(0)

@@ -1,0 +1,199 @@
+"""Bad requests against a real gateway (uvicorn) + real tokenizer: status, OpenAI error shape, named field.
+
+Expected context numbers come from the checkpoint's config.json and the HF tokenizer's chat template,
+not from the gateway.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from pdserve.model_source import resolve_model
+from transformers import AutoConfig
+
+from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
+from tests.reference import chat_ids
+
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+@functools.cache
+def context_length() -> int:
+    return AutoConfig.from_pretrained(resolve_model()).max_position_embeddings
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": HELLO, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", **fields}
+
+
+@dataclass
+class Case:
+    id: str
+    status: int
+    body: dict | list | bytes | Callable[[], dict] | None = None
+    path: str = "/v1/chat/completions"
+    method: str = "POST"
+    headers: dict = field(default_factory=lambda: dict(AUTH))
+    param: str | None = None
+    code: str | None = None
+    contains: Callable[[], list[str]] = lambda: []
+
+
+def _too_long_for_context() -> dict:
+    return chat(max_tokens=context_length())
+
+
+def _context_numbers() -> list[str]:
+    p, c = len(chat_ids(HELLO)), context_length()
+    return [str(c), str(p + c), f"{p} in the prompt"]
+
+
+CASES = [
+    Case("malformed-json", 400, b'{"model": "x", "messages": [', contains=lambda: ["JSON"]),
+    Case("body-not-object", 400, [1, 2, 3]),
+    Case("empty-body", 400, b""),
+    Case("messages-wrong-type", 400, chat(messages="hi"), param="messages"),
+    Case("messages-missing", 400, {"model": MODEL}, param="messages", contains=lambda: ["required"]),
+    Case("messages-empty", 400, chat(messages=[]), param="messages"),
+    Case("role-unknown", 400, chat(messages=[{"role": "robot", "content": "x"}]), param="messages.0.role"),
+    Case("image-part", 400, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
+    Case("n-zero", 400, chat(n=0), param="n"),
+    Case("n-too-many", 400, chat(n=1000), param="n"),
+    Case("temperature-negative", 400, chat(temperature=-1), param="temperature"),
+    Case("temperature-string", 400, chat(temperature="hot"), param="temperature"),
+    Case("top-p-two", 400, chat(top_p=2), param="top_p"),
+    Case("presence-penalty-three", 400, chat(presence_penalty=3), param="presence_penalty"),
+    Case("max-tokens-zero", 400, chat(max_tokens=0), param="max_tokens"),
+    Case("min-tokens-above-max", 400, chat(max_tokens=4, min_tokens=8), param="min_tokens"),
+    Case("unknown-model", 404, chat(model="gpt-17"), param="model", code="model_not_found"),
+    Case("missing-key", 401, chat(), headers={}, code="invalid_api_key"),
+    Case("wrong-key", 401, chat(), headers={"Authorization": "Bearer sk-wrong"}, code="invalid_api_key"),
+    Case("body-too-large", 413, chat(messages=[{"role": "user", "content": "x" * MAX_REQUEST_BYTES}])),
+    Case("response-format-json", 400, chat(response_format={"type": "json_object"}), param="response_format"),
+    Case(
+        "response-format-schema",
+        400,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        param="response_format",
+    ),
+    Case("tools-auto", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
+    Case("tool-message", 400, chat(messages=[{"role": "tool", "content": "1", "tool_call_id": "a"}])),
+    Case("logit-bias", 400, chat(logit_bias={"50": 5}), param="logit_bias"),
+    Case("unknown-field", 400, chat(best_guess=True), param="best_guess"),
+    Case(
+        "stream-options-without-stream",
+        400,
+        chat(stream_options={"include_usage": True}),
+        param="stream_options",
+    ),
+    Case("top-logprobs-21", 400, chat(logprobs=True, top_logprobs=21), param="top_logprobs"),
+    Case("top-logprobs-without-logprobs", 400, chat(top_logprobs=2), param="top_logprobs"),
+    Case(
+        "max-tokens-over-context", 400, _too_long_for_context, param="max_tokens", contains=_context_numbers
+    ),
+    Case("completion-logprobs-21", 400, completion(logprobs=21), path="/v1/completions", param="logprobs"),
+    Case(
+        "completion-echo-logprobs",
+        400,
+        completion(echo=True, logprobs=1),
+        path="/v1/completions",
+        param="echo",
+    ),
+    Case("completion-empty-prompt", 400, completion(prompt=[]), path="/v1/completions", param="prompt"),
+    Case(
+        "completion-prompt-over-context",
+        400,
+        lambda: completion(prompt=[1] * context_length()),
+        path="/v1/completions",
+        contains=lambda: [str(context_length())],
+    ),
+    Case("completion-best-of", 400, completion(best_of=3), path="/v1/completions", param="best_of"),
+    Case("generate-text-and-ids", 400, {"text": "a", "input_ids": [1]}, path="/generate", param="text"),
+    Case(
+        "generate-top-p-zero",
+        400,
+        {"text": "a", "sampling_params": {"top_p": 0}},
+        path="/generate",
+        param="sampling_params.top_p",
+    ),  # fmt: skip
+    Case(
+        "generate-regex",
+        400,
+        {"text": "a", "sampling_params": {"regex": "a+"}},
+        path="/generate",
+        param="sampling_params.regex",
+    ),  # fmt: skip
+    Case(
+        "request-id-too-long", 400, chat(), headers={**AUTH, "X-Request-Id": "r" * 300}, param="X-Request-Id"
+    ),
+    Case("wrong-method", 405, None, method="GET"),
+    Case("unknown-path", 404, {}, path="/v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+async def test_bad_request(local_gateway, case: Case) -> None:
+    body = case.body() if callable(case.body) else case.body
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    headers = {"Content-Type": "application/json", "X-Request-Id": f"bad-{case.id}", **case.headers}
+    async with httpx.AsyncClient(base_url=local_gateway.base_url, timeout=30) as client:
+        r = await client.request(case.method, case.path, headers=headers, **kwargs)
+    assert r.status_code == case.status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if case.param is not None:
+        assert error["param"] == case.param, error
+    if case.code is not None:
+        assert error["code"] == case.code, error
+    for text in case.contains():
+        assert text in error["message"], error["message"]
+    if case.id != "request-id-too-long":
+        assert r.headers["x-request-id"] == f"bad-{case.id}"
+
+
+async def test_valid_request_without_schedulers_is_503_with_retry_after(local_gateway) -> None:
+    async with httpx.AsyncClient(base_url=local_gateway.base_url, headers=AUTH, timeout=30) as client:
+        r = await client.post("/v1/chat/completions", json=chat(max_tokens=4))
+        health = await client.get("/health")
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert health.status_code == 503
+    roles = health.json()["roles"]
+    assert roles["tokenizer"] == {local_gateway.tokenizer_address: "SERVING"}
+    assert set(roles["decode"].values()) == {"NOT_SERVING"}
+
+
+async def test_still_serving_after_bad_requests(local_gateway) -> None:
+    """After every case above (and in any order), the gateway answers normally."""
+    async with httpx.AsyncClient(base_url=local_gateway.base_url, headers=AUTH, timeout=30) as client:
+        for case in CASES[:5]:
+            await client.post(case.path, content=b"{not json")
+        models = await client.get("/v1/models")
+        tokens = await client.post("/tokenize", json={"model": MODEL, "messages": HELLO})
+        metrics = await client.get("/metrics")
+    assert models.status_code == 200
+    assert models.json()["data"][0] == {
+        **models.json()["data"][0],
+        "id": MODEL,
+        "object": "model",
+        "max_model_len": context_length(),
+    }
+    assert tokens.json() == {
+        "tokens": chat_ids(HELLO),
+        "count": len(chat_ids(HELLO)),
+        "max_model_len": context_length(),
+    }
+    assert 'endpoint="/v1/chat/completions",role="gateway",status="400"' in metrics.text

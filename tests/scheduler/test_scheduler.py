@@ -1,0 +1,190 @@
+"""Scheduler core on the real model, transport-free: chunking, admission, retraction, abort, cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.model_source import resolve_model
+from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.policy import SchedulePolicy
+from pdserve.scheduler.req import FinishReason, Req, ReqState
+from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.reference import chat_ids, hf_greedy, hf_tokenizer
+
+PAGE = 16
+
+
+def make_runner(max_total_tokens: int) -> ModelRunner:
+    torch.set_num_threads(2)
+    return ModelRunner(resolve_model(), dtype="float32", page_size=PAGE, max_total_tokens=max_total_tokens)
+
+
+@pytest.fixture(scope="module")
+def big_runner() -> ModelRunner:
+    return make_runner(8192)
+
+
+@pytest.fixture(scope="module")
+def small_runner() -> ModelRunner:
+    return make_runner(12 * PAGE)
+
+
+def ids(text: str) -> list[int]:
+    return hf_tokenizer()(text)["input_ids"]
+
+
+def req(rid: str, prompt: list[int], max_new: int = 16, **params) -> Req:
+    return Req(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=max_new, **params))
+
+
+def drive(sched: Scheduler, max_steps: int = 2000, on_step=None) -> dict[str, Req]:
+    """Run steps until idle; returns every finished request by rid."""
+    done: dict[str, Req] = {}
+    for step in range(max_steps):
+        if on_step is not None:
+            on_step(step, sched)
+        batch = sched.schedule()
+        outputs = sched.pop_aborted()
+        if batch is not None:
+            outputs += sched.process_result(batch, sched.run_batch(batch))
+        for out in outputs:
+            if out.finished:
+                done[out.req.rid] = out.req
+        sched.check_invariants()
+        if batch is None and not sched.has_work() and not outputs:
+            break
+    assert not sched.has_work(), "scheduler did not drain"
+    assert sched.ledger.used_pages() == 0
+    return done
+
+
+def fresh(runner: ModelRunner, **config) -> Scheduler:
+    sched = Scheduler(runner, SchedulerConfig(**config))
+    sched.ledger.tree.reset()
+    return sched
+
+
+def test_chunked_prefill_and_continuous_batching_match_hf(big_runner):
+    prompts = {
+        "short": ids("Hi"),
+        "medium": ids("Write one sentence about the sea."),
+        "long": ids(" ".join(["Summarize: the quick brown fox jumps over the lazy dog."] * 10)),
+    }
+    sched = fresh(big_runner, role="mixed", chunked_prefill_size=32)
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, max_new=12))
+    first = sched.schedule()
+    # the budget of 32 tokens is split: no step extends more than the chunk size
+    assert sum(first.extend_lens[: first.num_extend]) <= 32
+    done = {o.req.rid: o.req for o in sched.process_result(first, sched.run_batch(first)) if o.finished}
+    done |= drive(sched)
+    for rid, prompt in prompts.items():
+        assert done[rid].output_ids == hf_greedy(prompt, 12), rid
+        assert done[rid].state is ReqState.FINISHED
+
+
+def test_radix_hit_extends_only_the_suffix_and_gives_the_same_tokens(big_runner):
+    shared = ids(" ".join(["You are a helpful assistant who answers briefly."] * 8))
+    a, b = shared + ids(" Question: what is 2+2?"), shared + ids(" Question: name a colour.")
+    sched = fresh(big_runner, role="mixed")
+    sched.add_request(req("a", a))
+    drive(sched)
+    r = req("b", b)
+    sched.add_request(r)
+    drive(sched)
+    assert r.cached_tokens == len(shared) // PAGE * PAGE
+    assert r.output_ids == hf_greedy(b, 16)
+    assert sched.ledger.cached_pages() > 0
+
+    nocache = fresh(big_runner, role="mixed", disable_radix_cache=True)
+    r2 = req("b2", b)
+    nocache.add_request(r2)
+    drive(nocache)
+    assert r2.cached_tokens == 0 and r2.output_ids == r.output_ids
+    assert nocache.ledger.cached_pages() == 0
+
+
+def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runner):
+    questions = ("Tell me a story about a dragon.", "Describe a city at night.", "Write a poem about rain.")
+    prompts = [chat_ids([{"role": "user", "content": q}]) for q in questions]
+    sched = fresh(small_runner, role="mixed", new_token_reserve=0)
+    for i, p in enumerate(prompts):
+        sched.add_request(req(f"r{i}", p, max_new=48))
+    before = sched.metrics.retracted._value.get()
+    done = drive(sched)
+    assert sched.metrics.retracted._value.get() > before, "the pool was meant to be too small"
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"].output_ids == hf_greedy(p, 48), i
+
+
+def test_admission_respects_max_running_requests(big_runner):
+    sched = fresh(big_runner, role="mixed", max_running_requests=2)
+    for i in range(4):
+        sched.add_request(req(f"r{i}", ids(f"Count to {i + 3}."), max_new=4))
+    batch = sched.schedule()
+    assert len(batch.reqs) == 2 and len(sched.waiting) == 2
+    sched.process_result(batch, sched.run_batch(batch))
+    assert len(drive(sched)) == 4
+
+
+def test_abort_in_every_state_frees_every_page_once(big_runner):
+    sched = fresh(big_runner, role="mixed", max_running_requests=2, chunked_prefill_size=16)
+    long_prompt = ids(" ".join(["word"] * 60))
+    for rid in ("running", "prefilling", "waiting"):
+        sched.add_request(req(rid, long_prompt if rid == "prefilling" else ids("Hello there"), max_new=40))
+
+    def on_step(step, s: Scheduler):
+        if step == 2:
+            assert s.reqs["running"].state is ReqState.RUNNING
+            assert s.reqs["prefilling"].state is ReqState.PREFILLING
+            assert s.reqs["waiting"].state is ReqState.WAITING
+            for rid in ("running", "prefilling", "waiting"):
+                assert s.abort_request(rid, "test")
+
+    done = drive(sched, on_step=on_step)
+    assert {r.finish_reason for r in done.values()} == {FinishReason.ABORT}
+    assert sched.abort_request("running") is False  # already gone
+    assert sched.ledger.free_pages() + sched.ledger.cached_pages() == sched.usable_pages
+
+
+def test_abort_of_a_request_inside_the_running_forward_applies_after_the_step(big_runner):
+    sched = fresh(big_runner, role="mixed")
+    sched.add_request(req("x", ids("Hello"), max_new=30))
+    batch = sched.schedule()
+    assert sched.abort_request("x", "client gone")  # arrives while the forward would run
+    outputs = sched.process_result(batch, sched.run_batch(batch))
+    assert outputs[0].finished and outputs[0].req.finish_reason is FinishReason.ABORT
+    sched.check_invariants()
+    assert sched.ledger.used_pages() == 0
+
+
+def test_bad_requests_are_refused_with_clear_errors(big_runner):
+    sched = fresh(big_runner, role="mixed")
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(req("e", []))
+    with pytest.raises(ValueError, match="context length"):
+        sched.add_request(req("c", [1] * (sched.context_len + 1)))
+    sched.add_request(req("d", [1, 2]))
+    with pytest.raises(ValueError, match="duplicate rid"):
+        sched.add_request(req("d", [1, 2]))
+    sched.abort_request("d")
+    drive(sched)
+
+
+def test_lpm_orders_by_cached_prefix_and_guards_against_starvation():
+    a, b, c = (Req(x, [1, 2], SamplingParams()) for x in "abc")
+    prefix = {"a": 0, "b": 64, "c": 16}
+    policy = SchedulePolicy("lpm", lambda r: prefix[r.rid], starvation_s=60)
+    queue = [a, b, c]
+    policy.order(queue)
+    assert [r.rid for r in queue] == ["b", "c", "a"]
+    a.arrival_time -= 120  # a has waited too long: it goes first
+    policy.order(queue)
+    assert queue[0] is a
+    fcfs = SchedulePolicy("fcfs", lambda r: 0)
+    fcfs.order(queue)
+    assert [r.rid for r in queue] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="unknown schedule policy"):
+        SchedulePolicy("random", lambda r: 0)

@@ -1,0 +1,87 @@
+"""Leaving a stream, deadlines, aborts and server-side errors: the SDK against the launched PD stack."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from pdserve_sdk import AsyncClient, Client, DeadlineExceededError, InvalidRequestError, NotFoundError
+
+from tests.stack import Stack
+
+LONG = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
+PROMPT = "Count from one to one thousand:"
+
+
+def running(stack: Stack) -> float:
+    return sum(stack.scheduler_values("pdserve:num_running_reqs").values())
+
+
+def wait_not_running(stack: Stack, within: float) -> float:
+    """Seconds until no scheduler reports a running request; fails after ``within`` seconds."""
+    start = time.monotonic()
+    while running(stack):
+        assert time.monotonic() - start < within, f"requests still running after {within} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_breaking_out_of_a_stream_aborts_the_request(stack):
+    with Client(stack.grpc_address) as client:
+        for i, _delta in enumerate(client.stream(PROMPT, **LONG)):
+            if i == 1:
+                assert running(stack) == 1
+                break
+        wait_not_running(stack, within=2.0)
+        stream = client.stream(PROMPT, **LONG)
+        with stream:
+            next(stream)
+        wait_not_running(stack, within=2.0)
+        assert list(stream) == []
+
+
+async def test_async_break_and_aclose_abort_the_request(stack):
+    async with AsyncClient(stack.grpc_address) as client:
+        async for _delta in client.stream(PROMPT, **LONG):
+            break
+        wait_not_running(stack, within=2.0)
+        stream = client.stream(PROMPT, **LONG)
+        await anext(stream)
+        await stream.aclose()
+        wait_not_running(stack, within=2.0)
+
+
+def test_timeout_raises_deadline_exceeded_and_frees_the_server(stack):
+    with Client(stack.grpc_address) as client:
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as info:
+            client.generate(PROMPT, timeout=0.05, **LONG)
+        assert time.monotonic() - start < 1.0
+        assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_not_running(stack, within=2.0)
+        # the default timeout of the client applies the same way
+        with Client(stack.grpc_address, timeout=0.05) as short, pytest.raises(DeadlineExceededError):
+            short.generate(PROMPT, **LONG)
+        wait_not_running(stack, within=2.0)
+
+
+def test_abort_by_rid_ends_the_stream(stack):
+    with Client(stack.grpc_address) as client:
+        stream = client.stream(PROMPT, rid="sdk-abort-me", **LONG)
+        first = next(stream)
+        assert client.abort("sdk-abort-me") is True
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) < LONG["max_new_tokens"]
+        assert client.abort("sdk-abort-me") is False
+
+
+def test_invalid_parameter_raises_with_the_servers_message(stack):
+    with Client(stack.grpc_address) as client:
+        with pytest.raises(InvalidRequestError) as info:
+            client.generate("Hi", top_p=1.5)
+        assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "top_p" in info.value.message and "less than or equal to 1" in info.value.message
+        with pytest.raises(NotFoundError, match="no-such-model"):
+            client.generate("Hi", model="no-such-model", max_new_tokens=2)

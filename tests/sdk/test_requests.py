@@ -1,0 +1,75 @@
+"""Request building: the SDK's GenerateRequest bytes as the server's own generated code parses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.protobuf.json_format import MessageToDict
+from pdserve.v1 import api_pb2
+from pdserve_sdk.requests import chat_request, generate_request
+
+
+def as_server_sees(request) -> dict:
+    """Parse the SDK's wire bytes with the server's generated ``pdserve.v1`` classes."""
+    parsed = api_pb2.GenerateRequest.FromString(request.SerializeToString())
+    return MessageToDict(parsed, preserving_proto_field_name=True)
+
+
+def test_text_prompt_with_sampling():
+    request = generate_request(
+        "Hello", None, "default-model", {"temperature": 0.0, "max_new_tokens": 5, "stop": "\n", "seed": 7}
+    )
+    assert as_server_sees(request) == {
+        "model": "default-model",
+        "text": "Hello",
+        # temperature 0 is kept: the field is proto3 optional, so "set to 0" differs from "unset"
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 5, "stop": ["\n"], "seed": "7"},
+    }
+
+
+def test_input_ids_rid_and_model_override():
+    request = generate_request(
+        None, [1, 2, 3], "default-model", {"model": "other", "rid": "r1", "top_k": None}
+    )
+    assert as_server_sees(request) == {
+        "rid": "r1",
+        "model": "other",
+        "input_ids": {"ids": [1, 2, 3]},
+        "sampling_params": {},
+    }
+
+
+def test_chat_request_renders_messages_and_template_options():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ann"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    request = chat_request(messages, "", {"tools": tools, "chat_template_kwargs": {"x": 1}, "n": 2})
+    seen = as_server_sees(request)
+    assert seen["chat"]["messages"] == messages
+    assert seen["chat"]["add_generation_prompt"] is True
+    assert "continue_final_message" not in seen["chat"]
+    assert json.loads(seen["chat"]["tools_json"]) == tools
+    assert json.loads(seen["chat"]["chat_template_kwargs_json"]) == {"x": 1}
+    assert seen["sampling_params"] == {"n": 2}
+    continued = chat_request(messages, "", {"add_generation_prompt": False, "continue_final_message": True})
+    assert as_server_sees(continued)["chat"]["continue_final_message"] is True
+    assert "add_generation_prompt" not in as_server_sees(continued)["chat"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "input_ids", "kwargs", "match"),
+    [
+        (None, None, {}, "exactly one of prompt and input_ids"),
+        ("a", [1], {}, "exactly one of prompt and input_ids"),
+        ("a", None, {"max_tokens": 3}, "unknown parameter"),
+        ("a", None, {"temperature": "hot"}, "temperature='hot'"),
+    ],
+)
+def test_bad_arguments_raise_type_error(prompt, input_ids, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        generate_request(prompt, input_ids, "", kwargs)
+
+
+def test_bad_chat_message_raises_type_error():
+    with pytest.raises(TypeError, match="role, content"):
+        chat_request([{"role": "user", "text": "hi"}], "", {})

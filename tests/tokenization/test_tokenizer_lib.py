@@ -1,0 +1,126 @@
+"""pdserve.tokenization against transformers on the real SmolLM2 tokenizer and checkpoints built from it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from pdserve.model_source import resolve_model
+from pdserve.tokenization import ChatMessage, ChatTemplateError, Tokenizer
+from transformers import AutoConfig, AutoTokenizer
+
+CONVERSATION = [
+    ChatMessage("system", "You answer in one word."),
+    ChatMessage("user", "Capital of France?"),
+    ChatMessage("assistant", "Paris."),
+    ChatMessage("user", "And of Italy? 你好 😀"),
+]
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>{% endif %}{% endif %}"
+)
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {}) for m in messages]
+
+
+def hf_chat_ids(hf, messages: list[ChatMessage], **kwargs) -> list[int]:
+    out = hf.apply_chat_template(as_dicts(messages), tokenize=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.fixture(scope="module")
+def custom_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default checkpoint's config and tokenizer with a tools-aware template and extra EOS ids."""
+    src = resolve_model()
+    dst = tmp_path_factory.mktemp("ckpt")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    (dst / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return dst
+
+
+def test_encode_decode_match_transformers(tokenizer: Tokenizer) -> None:
+    text = "Hello world! 你好，世界 😀 naïve café\n\tcode: x = [1, 2]"
+    assert tokenizer.encode(text) == tokenizer.hf.encode(text)
+    assert tokenizer.encode_batch([text, "ab"], False) == [
+        tokenizer.hf.encode(text, add_special_tokens=False),
+        tokenizer.hf.encode("ab", add_special_tokens=False),
+    ]
+    ids = [1, *tokenizer.encode(text), 2]
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.hf.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_decode_rejects_ids_out_of_range(tokenizer: Tokenizer) -> None:
+    for bad in ([tokenizer.info.vocab_size], [5, -1]):
+        with pytest.raises(ValueError, match="out of range"):
+            tokenizer.decode(bad)
+
+
+def test_chat_ids_equal_transformers(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    assert prompt.input_ids == hf_chat_ids(tokenizer.hf, CONVERSATION, add_generation_prompt=True)
+    assert prompt.text == tokenizer.hf.apply_chat_template(
+        as_dicts(CONVERSATION), tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.text.startswith("<|im_start|>system\nYou answer in one word.<|im_end|>")
+
+
+def test_continue_final_message_continues_assistant_text(tokenizer: Tokenizer) -> None:
+    messages = [*CONVERSATION, ChatMessage("assistant", "The capital is R")]
+    prompt = tokenizer.apply_chat_template(messages, continue_final_message=True)
+    assert prompt.text.endswith("<|im_start|>assistant\nThe capital is R")
+    assert prompt.input_ids == hf_chat_ids(tokenizer.hf, messages, continue_final_message=True)
+    closed = tokenizer.apply_chat_template(messages)
+    assert closed.text == prompt.text + "<|im_end|>\n"
+
+
+def test_bad_chat_input_raises(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="at least one message"):
+        tokenizer.apply_chat_template([])
+    with pytest.raises(ChatTemplateError, match="exclude each other"):
+        tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="may not set tokenize"):
+        tokenizer.apply_chat_template(CONVERSATION, template_kwargs={"tokenize": True})
+
+
+def test_tools_names_and_kwargs_reach_the_template(custom_checkpoint: Path) -> None:
+    ours = Tokenizer.load(str(custom_checkpoint))
+    hf = AutoTokenizer.from_pretrained(custom_checkpoint)
+    messages = [ChatMessage("user", "Weather in Paris?", name="alice")]
+    prompt = ours.apply_chat_template(
+        messages, add_generation_prompt=True, tools=[WEATHER_TOOL], template_kwargs={"think": True}
+    )
+    expected = hf.apply_chat_template(
+        as_dicts(messages), tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False, think=True
+    )
+    assert prompt.text == expected
+    assert prompt.text.startswith("TOOLS:get_weather;<|im_start|>user(alice)")
+    assert prompt.text.endswith("<|im_start|>assistant\n<think>")
+    assert prompt.input_ids == hf.encode(expected, add_special_tokens=False)
+
+
+def test_info_reads_config_and_generation_config(tokenizer: Tokenizer, custom_checkpoint: Path) -> None:
+    config = AutoConfig.from_pretrained(resolve_model())
+    info = tokenizer.info
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.vocab_size == len(tokenizer.hf)
+    assert info.context_length == config.max_position_embeddings
+    assert info.eos_token_ids == [tokenizer.hf.eos_token_id]
+    custom = Tokenizer.load(str(custom_checkpoint)).info
+    assert custom.model_name == custom_checkpoint.name
+    generation = json.loads((custom_checkpoint / "generation_config.json").read_text())["eos_token_id"]
+    assert set(custom.eos_token_ids) == {tokenizer.hf.eos_token_id, config.eos_token_id, *generation}
+    assert len(custom.eos_token_ids) == len(set(custom.eos_token_ids))
