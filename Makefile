@@ -50,5 +50,8 @@ bench-engine: install
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
 
+bench-detok: install
+	$(PYTHON) -m benchmarks.detokenizer $(ARGS)
+
 clean:
 	rm -rf $(VENV) libs/pdserve/v1 .pytest_cache .ruff_cache

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import multiprocessing as mp
 import statistics
@@ -25,6 +26,8 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 from pdserve.kv_transfer import KVLayout, KVTransferAgent, coalesce
+
+logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, among the table
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 NUM_PAGES = 512  # pool pages per (layer, k/v) plane: room for a 4,000-token prompt, scattered

@@ -30,7 +30,7 @@ from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
 from benchmarks.serving_lib.load import LoadMode, run_level
 from benchmarks.serving_lib.report import json_line, plot, table
-from benchmarks.serving_lib.stats import LevelResult, summarize
+from benchmarks.serving_lib.stats import LevelResult, RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
 from benchmarks.serving_lib.workload import PromptSource, WorkloadKind
 
@@ -80,39 +80,42 @@ async def bench_server(
     tokens were counted). Raises openai.OpenAIError if the model list cannot be read.
     """
     base_url = openai_base_url(base_url)
-    client = openai.AsyncOpenAI(
-        base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=cfg.request_timeout_s
-    )
-    model = cfg.model or (await client.models.list()).data[0].id
-    counter = await TokenCounter.connect(base_url.removesuffix("/v1"), model, api_key)
-    tokens_per_word = await counter.tokens_per_word(cfg.seed)
-    source = PromptSource(cfg.workload, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word)
-    target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
+    key, timeout = api_key or "none", cfg.request_timeout_s
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=timeout) as client:
+        model = cfg.model or (await client.models.list()).data[0].id
+        async with await TokenCounter.connect(base_url.removesuffix("/v1"), model, api_key) as counter:
+            tokens_per_word = await counter.tokens_per_word(cfg.seed)
+            source = PromptSource(
+                cfg.workload, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word
+            )
+            target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
+            results = await sweep(target, counter, source, cfg, label)
+    run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
+    return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
 
-    async def send(item: tuple[str, int]):
+
+async def sweep(
+    target: CompletionTarget, counter: TokenCounter, source: PromptSource, cfg: BenchConfig, label: str
+) -> list[LevelResult]:
+    """``cfg.warmup`` uncounted requests, then each level of ``cfg`` in turn with fresh prompts."""
+
+    async def send(item: tuple[str, int]) -> RequestRecord:
         return await stream_completion(target, *item)
 
     async def prompts(count: int) -> list[tuple[str, int]]:
         texts = source.take(count)
         return list(zip(texts, await counter.count(texts), strict=True))
 
+    if cfg.warmup:
+        await run_level(send, await prompts(cfg.warmup), "concurrency", cfg.warmup, desc=f"{label} warmup")
     results = []
-    try:
-        if cfg.warmup:
-            await run_level(
-                send, await prompts(cfg.warmup), "concurrency", cfg.warmup, desc=f"{label} warmup"
-            )
-        for i, level in enumerate(cfg.levels):
-            items = await prompts(cfg.requests_at(level))
-            desc = f"{label} {cfg.mode}={level:g}"
-            records = await run_level(send, items, cfg.mode, level, seed=cfg.seed + i, desc=desc)
-            results.append(summarize(label, cfg.mode, level, records))
-            log.info("%s: %.1f out tok/s, %d errors", desc, results[-1].output_throughput, results[-1].errors)
-    finally:
-        await counter.aclose()
-        await client.close()
-    run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
-    return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
+    for i, level in enumerate(cfg.levels):
+        desc = f"{label} {cfg.mode}={level:g}"
+        items = await prompts(cfg.requests_at(level))
+        records = await run_level(send, items, cfg.mode, level, seed=cfg.seed + i, desc=desc)
+        results.append(summarize(label, cfg.mode, level, records))
+        log.info("%s: %.1f out tok/s, %d errors", desc, results[-1].output_throughput, results[-1].errors)
+    return results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -169,7 +172,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark from command-line ``argv``; print the table and the JSON line, return that JSON."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("benchmarks").setLevel(logging.INFO)
     args = parse_args(argv)
     cfg = config_from_args(args)
     results: list[LevelResult] = []

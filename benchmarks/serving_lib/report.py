@@ -95,6 +95,7 @@ def plot(results: Sequence[LevelResult], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import StrMethodFormatter
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +109,13 @@ def plot(results: Sequence[LevelResult], path: str | Path) -> Path:
     xlabel = MODE_AXIS.get(results[0].mode, "level") if results else "level"
     ax_tput.set(xlabel=xlabel, ylabel="output tokens/s", title="Output throughput")
     ax_lat.set(xlabel=xlabel, ylabel="ms", title="Latency (p50)", yscale="log")
+    plain = StrMethodFormatter("{x:g}")
+    ax_lat.yaxis.set_major_formatter(plain)
+    ax_lat.yaxis.set_minor_formatter(plain)
     for ax in (ax_tput, ax_lat):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r.level for r in results}))
+        ax.xaxis.set_major_formatter(plain)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()

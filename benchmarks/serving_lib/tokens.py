@@ -44,7 +44,8 @@ ENDPOINTS = (
 class TokenCounter:
     """Counts prompt tokens through a server's tokenize endpoint, or estimates them.
 
-    Build it with :meth:`connect`; ``source`` then says which endpoint answers (or ``"estimate"``).
+    Build it with :meth:`connect` and use it as an async context manager (which closes its HTTP
+    client); ``source`` says which endpoint answers (or ``"estimate"``).
 
     Args:
         root_url: the server's root URL (no ``/v1``), e.g. ``http://127.0.0.1:8000``.
@@ -97,7 +98,10 @@ class TokenCounter:
         text = random_words(random.Random(seed), CALIBRATION_WORDS)
         return (await self._remote_count(self._endpoint, text)) / CALIBRATION_WORDS
 
-    async def aclose(self) -> None:
+    async def __aenter__(self) -> TokenCounter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
     async def _remote_count(self, endpoint: _Endpoint, text: str) -> int:

@@ -6,7 +6,7 @@ import argparse
 import uuid
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.kv_transfer import KVLayout, KVTransferAgent
+from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent
 from pdserve.model_source import resolve_model
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -38,13 +38,13 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str) -> KVTransferA
     runner = scheduler.runner
     cfg = runner.model_config
     layout = KVLayout(
-        model=str(cfg.name),
+        model=f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:vocab{cfg.vocab_size}",
         dtype=str(cfg.dtype).removeprefix("torch."),
         page_size=scheduler.page_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        layout="layer,kv,page,slot,head,dim",
+        layout=POOL_LAYOUT,
     )
     name = f"{role}-{address}-{uuid.uuid4().hex[:8]}"
     return KVTransferAgent(name, runner.kv_pool.kv_data, layout)

@@ -113,7 +113,6 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
-        self.monitor = WorkerMonitor(self.clients, pools, self.router, args.health_check_interval)
         self.grpc = GrpcServer(f"{args.host}:{args.grpc_port}", GRPC_SERVICES)
         self.grpc_port = self.grpc.port
         self.grpc_address = f"{args.advertise_host}:{self.grpc_port}"
@@ -131,6 +130,9 @@ class Gateway:
             pools["detokenizer"],
             self.registry,
             self.metrics,
+        )
+        self.monitor = WorkerMonitor(
+            self.clients, pools, self.router, self.manager.fail_worker, args.health_check_interval
         )
         self.ctx = ctx = ServingContext(
             self.manager, args.served_model_name or default_served_name(args.model)

@@ -140,6 +140,7 @@ class RequestManager:
         info = await self.model_info()
         multi = len(obj.prompts) * obj.n > 1
         for j, prompt in enumerate(tokenized):
+            _check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
             max_new = self._max_new_tokens(len(prompt.input_ids), sp.max_new_tokens, info.context_length)
             handle.prompt_tokens.append(len(prompt.input_ids))
@@ -167,6 +168,7 @@ class RequestManager:
             raise errors[0]
 
     async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
+        state.output_address = self.detokenizers.next().address
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
         await self.clients.generate(
             state.route.decode.address,
@@ -174,7 +176,7 @@ class RequestManager:
             state.input_ids,
             state.sampling_params,
             prefill_address=state.route.prefill_address,
-            output_address=self.detokenizers.next().address,
+            output_address=state.output_address,
             gateway_address=self.config.gateway_address,
             deadline_unix_s=deadline,
             arrival_unix_s=arrival,
@@ -187,8 +189,7 @@ class RequestManager:
         if prompt_len >= context_length:
             raise invalid_request(
                 f"This model's maximum context length is {context_length} tokens, but the prompt has "
-                f"{prompt_len} tokens. Please shorten the prompt.",
-                param="messages",
+                f"{prompt_len} tokens. Please shorten the prompt."
             )
         if requested is None:
             return min(context_length - prompt_len, self.config.default_max_tokens)
@@ -208,6 +209,23 @@ class RequestManager:
             return False
         handle.abort(reason)
         return True
+
+    def fail_worker(self, role: str, address: str) -> None:
+        """End (finish_reason "error") every choice that depends on a worker that went down.
+
+        Its outputs would never arrive: a dead decode-scheduler holds the request, a dead
+        detokenizer carries its text. (A dead prefill-scheduler is the decode-scheduler's to handle.)
+        """
+        for handle in list(self.handles.values()):
+            lost = [
+                s
+                for s in handle.states
+                if not s.finished
+                and s.route is not None
+                and (s.route.decode.address if role == "decode" else s.output_address) == address
+            ]
+            if lost:
+                handle.abort(f"{role} worker {address} is down", lost, finish_reason="error")
 
     def _abort_choice(self, state: ReqState, reason: str) -> None:
         """Tell the decode-scheduler to drop ``state`` (in the background: callers may be cancelled)."""
@@ -230,3 +248,13 @@ class RequestManager:
             handle.close("gateway shutting down")
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)
+
+
+def _check_ids(input_ids: list[int], vocab_size: int) -> None:
+    """400 for an empty prompt or a token id outside ``[0, vocab_size)`` (0 = vocab size unknown)."""
+    if not input_ids:
+        raise invalid_request("the prompt is empty (no tokens)", param="prompt")
+    if vocab_size and max(input_ids) >= vocab_size:
+        raise invalid_request(
+            f"token id {max(input_ids)} is outside the vocabulary [0, {vocab_size})", param="prompt"
+        )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.io_struct import ChoiceDelta, SamplingParams
+from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Route
 from pdserve.v1 import output_pb2, output_pb2_grpc
@@ -32,6 +32,7 @@ class ReqState:
     sampling_params: SamplingParams
     owner: RequestHandle
     route: Route | None = None
+    output_address: str = ""  # the detokenizer that turns its tokens into text
     sent: bool = False
     finished: bool = False
     first_token_at: float | None = None
@@ -126,13 +127,15 @@ class RequestHandle:
         if state.route is not None:
             state.route.release()
 
-    def abort(self, reason: str) -> None:
-        """End every running choice now with finish_reason "abort" and abort it in the backend."""
-        for state in self.states:
+    def abort(
+        self, reason: str, states: list[ReqState] | None = None, finish_reason: FinishReason = "abort"
+    ) -> None:
+        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend."""
+        for state in self.states if states is None else states:
             if not state.finished:
                 if state.sent:
                     self.abort_backend(state, reason)
-                self.push(state, ChoiceDelta(index=state.index, finish_reason="abort", error=reason))
+                self.push(state, ChoiceDelta(index=state.index, finish_reason=finish_reason, error=reason))
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         while self._pending_finishes > 0:

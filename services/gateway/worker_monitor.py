@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import grpc
 from pdserve.services.gateway.backend_clients import BackendClients
@@ -28,15 +29,22 @@ class WorkerMonitor:
         clients: backend channels.
         pools: role -> pool, for every configured role (tokenizer, detokenizer, decode, prefill).
         router: told to forget a worker that went unhealthy.
+        on_down: called with ``(role, address)`` when a worker goes unhealthy.
         interval: seconds between rounds.
     """
 
     def __init__(
-        self, clients: BackendClients, pools: dict[str, WorkerPool], router: Router, interval: float = 1.0
+        self,
+        clients: BackendClients,
+        pools: dict[str, WorkerPool],
+        router: Router,
+        on_down: Callable[[str, str], None],
+        interval: float = 1.0,
     ) -> None:
         self.clients = clients
         self.pools = {role: pool for role, pool in pools.items() if pool}
         self.router = router
+        self.on_down = on_down
         self.interval = interval
         self._task: asyncio.Task | None = None
 
@@ -55,6 +63,7 @@ class WorkerMonitor:
             logger.warning("%s worker %s is %s", role, worker.address, "back" if ok else "down; taken out")
             if not ok:
                 self.router.forget(role, worker)
+                self.on_down(role, worker.address)
         worker.healthy = ok
         if ok and role in SCHEDULER_ROLES and self.router.policy_name != "round_robin":
             try:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 
+from pdserve.cli_args import add_model_arg, add_server_args, apply_env_defaults, setup_logging
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from pdserve.tokenization import Tokenizer
@@ -17,13 +16,10 @@ DEFAULT_PORT = 30001
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags; each defaults to env PDSERVE_<FLAG> when set."""
-    env = os.environ.get
     parser = argparse.ArgumentParser(prog="pdserve tokenizer", description=__doc__)
-    parser.add_argument("--model", default=env("PDSERVE_MODEL"), help="model as resolve_model takes it")
-    parser.add_argument("--host", default=env("PDSERVE_HOST", "127.0.0.1"))
-    parser.add_argument(
-        "--port", type=int, default=int(env("PDSERVE_PORT", DEFAULT_PORT)), help="0 = any free"
-    )
+    add_model_arg(parser)
+    add_server_args(parser, DEFAULT_PORT)
+    apply_env_defaults(parser)
     return parser
 
 
@@ -44,8 +40,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, "tokenizer")
     run_service(lambda stop: serve(args, stop))
 
 

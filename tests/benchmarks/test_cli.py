@@ -49,14 +49,11 @@ def test_targets():
 
 
 async def test_token_counter_falls_back_to_estimates(closed_url):
-    counter = await TokenCounter.connect(closed_url, "m")
-    try:
+    async with await TokenCounter.connect(closed_url, "m") as counter:
         assert counter.source == "estimate"
         assert await counter.count(["one two three.", "Question 12: why?"]) == [4, 6]
         assert await counter.count(["one two"]) == [estimate_tokens("one two")]
         assert await counter.tokens_per_word() == 1.0
-    finally:
-        await counter.aclose()
 
 
 def test_refused_requests_are_counted_as_errors(closed_url, capsys):

@@ -16,7 +16,7 @@ from pdserve.model_source import resolve_model
 from transformers import AutoConfig
 
 from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
-from tests.reference import chat_ids
+from tests.reference import chat_ids, hf_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -116,6 +116,15 @@ CASES = [
         lambda: completion(prompt=[1] * context_length()),
         path="/v1/completions",
         contains=lambda: [str(context_length())],
+    ),
+    Case("completion-empty-text", 400, completion(prompt=""), path="/v1/completions", param="prompt"),
+    Case(
+        "completion-id-outside-vocab",
+        400,
+        lambda: completion(prompt=[len(hf_tokenizer())]),
+        path="/v1/completions",
+        param="prompt",
+        contains=lambda: [str(len(hf_tokenizer()))],
     ),
     Case("completion-best-of", 400, completion(best_of=3), path="/v1/completions", param="best_of"),
     Case("generate-text-and-ids", 400, {"text": "a", "input_ids": [1]}, path="/generate", param="text"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -45,11 +46,11 @@ async def test_async_break_and_aclose_abort_the_request(stack):
     async with AsyncClient(stack.grpc_address) as client:
         async for _delta in client.stream(PROMPT, **LONG):
             break
-        wait_not_running(stack, within=2.0)
+        await asyncio.to_thread(wait_not_running, stack, 2.0)
         stream = client.stream(PROMPT, **LONG)
         await anext(stream)
         await stream.aclose()
-        wait_not_running(stack, within=2.0)
+        await asyncio.to_thread(wait_not_running, stack, 2.0)
 
 
 def test_timeout_raises_deadline_exceeded_and_frees_the_server(stack):

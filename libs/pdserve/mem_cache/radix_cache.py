@@ -205,7 +205,8 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             node.parent = None
-            if False:
+            break
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
 

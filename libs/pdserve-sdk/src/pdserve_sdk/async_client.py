@@ -125,7 +125,7 @@ class AsyncClient(ClientBase):
             response = await self._stubs.abort(
                 _wire.PublicAbortRequest(rid=rid), **self._call_kwargs(timeout)
             )
-        return response.found
+        return bool(response.found)
 
     async def health(self, service: str = _wire.PDSERVE_SERVICE, *, timeout: float | None = None) -> str:
         """``grpc.health.v1`` status of ``service`` ("" for the whole server).

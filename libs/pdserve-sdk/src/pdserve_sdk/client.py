@@ -118,7 +118,7 @@ class Client(ClientBase):
         """Abort request ``rid`` (running on any client); ``False`` if the server does not know it."""
         with translated_errors():
             response = self._stubs.abort(_wire.PublicAbortRequest(rid=rid), **self._call_kwargs(timeout))
-        return response.found
+        return bool(response.found)
 
     def health(self, service: str = _wire.PDSERVE_SERVICE, *, timeout: float | None = None) -> str:
         """``grpc.health.v1`` status of ``service`` ("" for the whole server).

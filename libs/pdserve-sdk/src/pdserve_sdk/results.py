@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pdserve_sdk import _wire
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+# pdserve.v1.FinishReason number -> "stop", "length", ... (UNSPECIFIED, i.e. not finished, left out)
+_FINISH_REASONS = cast(
+    dict[int, FinishReason],
+    {n: name.removeprefix("FINISH_REASON_").lower() for n, name in _wire.FINISH_REASONS.items() if n},
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +110,6 @@ class ModelCard:
 
 def delta_from_pb(pb: Any) -> Delta:
     """A ``Delta`` from one ``pdserve.v1.GenerateResponse``."""
-    finish = _wire.FINISH_REASONS[pb.finish_reason].removeprefix("FINISH_REASON_").lower()
     return Delta(
         rid=pb.rid,
         index=pb.index,
@@ -114,7 +119,7 @@ def delta_from_pb(pb: Any) -> Delta:
             TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
             for lp in pb.logprobs
         ),
-        finish_reason=None if finish == "unspecified" else finish,
+        finish_reason=_FINISH_REASONS.get(pb.finish_reason),
         matched_stop=pb.matched_stop,
         usage=Usage(pb.usage.prompt_tokens, pb.usage.completion_tokens, pb.usage.cached_tokens)
         if pb.HasField("usage")
@@ -124,7 +129,9 @@ def delta_from_pb(pb: Any) -> Delta:
 
 def collect(deltas: Iterable[Delta]) -> GenerateResult:
     """Concatenate a request's deltas into its ``GenerateResult``."""
-    rid, choices, usages = "", {}, {}
+    rid = ""
+    choices: dict[int, Choice] = {}
+    usages: dict[int, Usage] = {}
     for delta in deltas:
         rid = rid or delta.rid
         choice = choices.setdefault(delta.index, Choice(delta.index))

@@ -1,9 +1,10 @@
-"""CPU attention in plain PyTorch: each request's KV gathered into a padded batch, one SDPA per layer.
+"""CPU attention in plain PyTorch: each request's KV pages gathered into a padded batch, one SDPA per layer.
 
 Requests are split into at most two groups, decoding ones (one query token) and extending ones
 (a ragged chunk after a cached prefix), so a MIXED batch does not pad its decodes to the longest
 extend. Within a group, queries are padded to ``Lq`` (the longest chunk) and keys to ``Lk`` (the
-longest sequence); a boolean mask keeps, for the query at position ``p``, the keys at positions
+longest sequence, in whole pages: KV is gathered page by page, position ``p`` of a request being
+offset ``p % page_size`` of page ``req_to_token[p] // page_size``); a boolean mask keeps, for the query at position ``p``, the keys at positions
 ``[0, p]`` of its own request. GQA needs no K/V repeat: the ``G = Hq / Hkv`` query heads sharing a
 KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
 """
@@ -32,14 +33,15 @@ class _Group:
         query_valid: bool ``[Bg, Lq]``, or None when no query is padding (decode).
         out_index: int64 ``[n]``: flat token index of each valid query in row-major order, or None
             when that is simply ``0..T-1`` (the group is the whole batch).
-        kv_slots: int64 ``[Bg, Lk]``: KV token slot of each padded key (padding → 0, masked).
+        page_table: int64 ``[Bg * Lk / page_size]``: KV pages of each request, padded with page 0
+            (masked), flattened row-major.
         mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key.
     """
 
     query_index: torch.Tensor
     query_valid: torch.Tensor | None
     out_index: torch.Tensor | None
-    kv_slots: torch.Tensor
+    page_table: torch.Tensor
     mask: torch.Tensor
 
 
@@ -50,6 +52,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.num_heads = runner.model_config.num_heads
         self.num_kv_heads = runner.model_config.num_kv_heads
         self.head_dim = runner.model_config.head_dim
+        self.page_size = runner.kv_pool.page_size
         self.groups: list[_Group] = []
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -69,14 +72,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool_rows = fb.req_pool_indices
         if rows is not None:
             ext, prefix, seq, starts, pool_rows = ext[rows], prefix[rows], seq[rows], starts[rows], pool_rows[rows]
-        max_q, max_k = int(ext.max()), int(seq.max())
-        device = ext.device
+        ps, device = self.page_size, ext.device
+        num_pages = (seq + ps - 1) // ps
+        max_q, max_pages = int(ext.max()), int(num_pages.max())
+        max_k = max_pages * ps
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
         k_pos = torch.arange(max_k, device=device)[None, :]
         k_valid = k_pos < seq[:, None]
-        kv_slots = torch.where(k_valid, fb.req_to_token_pool.req_to_token[pool_rows, :max_k], 0)
+        first_slots = fb.req_to_token_pool.req_to_token[pool_rows, :max_k:ps]
+        page_valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
+        page_table = torch.where(page_valid, first_slots // ps, 0)
         causal = k_pos[:, None, :] <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
         mask = causal & k_valid[:, None, :]
         group_size = self.num_heads // self.num_kv_heads
@@ -85,7 +92,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
             out_index=None if rows is None else query_index[query_valid],
-            kv_slots=kv_slots,
+            page_table=page_table.flatten(),
             mask=mask,
         )
 
@@ -100,17 +107,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
         )
-        k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
+        k_pages, v_pages = pool.kv_data[layer.layer_id]  # [num_pages, page_size, Hkv, D] each
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if len(self.groups) == 1:
-            return self._attend(q, k_buffer, v_buffer, self.groups[0], layer.scaling)
+            return self._attend(q, k_pages, v_pages, self.groups[0], layer.scaling)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
         for group in self.groups:
-            out[group.out_index] = self._attend(q, k_buffer, v_buffer, group, layer.scaling)
+            out[group.out_index] = self._attend(q, k_pages, v_pages, group, layer.scaling)
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, group: _Group, scaling: float
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, group: _Group, scaling: float
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
@@ -118,8 +125,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         g = self.num_heads // hkv
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
         qg = q[group.query_index].view(rows, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
-        kg = k_buffer[group.kv_slots].to(q.dtype).transpose(1, 2)  # [Bg, Hkv, Lk, D]
-        vg = v_buffer[group.kv_slots].to(q.dtype).transpose(1, 2)
+        kg = k_pages.index_select(0, group.page_table).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
+        vg = v_pages.index_select(0, group.page_table).view(rows, -1, hkv, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]

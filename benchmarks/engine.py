@@ -1,0 +1,117 @@
+"""Engine decode throughput beside Hugging Face ``generate()``: ``python -m benchmarks.engine``.
+
+For each dtype and batch size, ``B`` random prompts of ``--prompt-len`` tokens are prefilled in one
+extend and decoded together for ``--new-tokens`` tokens (greedy, no early stop). Decode throughput
+is ``B * (new_tokens - 1) / decode seconds``; for HF it is measured the same way, as the time of
+``generate(new_tokens)`` minus the time of ``generate(1)`` (its prefill). Prints a table, then as
+the last line one JSON object with every number and the engine/HF ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.model_source import resolve_model
+from pdserve.sampling.sampling_params import SamplingParams
+from tests.engine.driver import Driver
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_decode(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of our engine for one batch."""
+    driver = Driver(runner)
+    seqs = [driver.add(p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens)) for p in prompts]
+    start = time.perf_counter()
+    driver.step([(s, None) for s in seqs])
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        driver.step([(s, None) for s in seqs])
+    decode = time.perf_counter() - start
+    driver.release(*seqs)
+    return sum(map(len, prompts)) / prefill, len(prompts) * (new_tokens - 1) / decode
+
+
+def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of HF ``generate()`` (greedy, ``min_new_tokens`` so no row stops early)."""
+    ids = torch.tensor(prompts)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id,
+            )
+        return time.perf_counter() - start
+
+    prefill = run(1)
+    return len(prompts) * (new_tokens - 1) / max(run(new_tokens) - prefill, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--skip-hf", action="store_true", help="measure only the engine")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    generator = torch.Generator().manual_seed(0)
+    results: dict[str, float] = {}
+    rows = []
+    for dtype in args.dtypes.split(","):
+        runner = ModelRunner(
+            path,
+            dtype=dtype,
+            attention_backend="torch_native",
+            max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
+            max_running_requests=max(batch_sizes),
+        )
+        hf = None
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        vocab = runner.model_config.vocab_size
+        for batch in batch_sizes:
+            prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
+            prefill_tps, decode_tps = engine_decode(runner, prompts, args.new_tokens)
+            hf_tps = hf_decode(hf, prompts, args.new_tokens) if hf is not None else float("nan")
+            key = f"{dtype}_b{batch}"
+            results |= {
+                f"{key}_engine_tok_s": decode_tps,
+                f"{key}_hf_tok_s": hf_tps,
+                f"{key}_ratio": decode_tps / hf_tps,
+            }
+            results[f"{key}_prefill_tok_s"] = prefill_tps
+            rows.append((dtype, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
+        del runner, hf
+    print(
+        f"{'dtype':>9} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
+    )
+    for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
+        print(f"{dtype:>9} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_tps:>9.1f} {ratio:>6.2f}")
+    print(json.dumps({k: round(v, 3) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
