@@ -6,11 +6,14 @@ import pytest
 
 from tests.stack import Stack, launch_stack
 
+# fp32 so greedy outputs equal the HF reference; a modest KV pool per scheduler (32k tokens, ~0.7 GiB)
+COMMON = ("--dtype", "float32", "--max-total-tokens", "32768")
+
 
 @pytest.fixture(scope="session")
 def pd_stack() -> Stack:
     """1 prefill + 1 decode worker (KV over NIXL), fp32 so outputs match the HF reference exactly."""
-    stack = launch_stack("--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", log_name="pd")
+    stack = launch_stack("--num-prefill", "1", "--num-decode", "1", *COMMON, log_name="pd")
     yield stack
     stack.stop()
 
@@ -18,7 +21,7 @@ def pd_stack() -> Stack:
 @pytest.fixture(scope="session")
 def colocated_stack() -> Stack:
     """One decode worker that prefills itself (mixed role), fp32."""
-    stack = launch_stack("--colocated", "--dtype", "float32", log_name="colocated")
+    stack = launch_stack("--colocated", *COMMON, log_name="colocated")
     yield stack
     stack.stop()
 

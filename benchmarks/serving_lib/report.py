@@ -53,10 +53,13 @@ def table(results: Sequence[LevelResult]) -> str:
     labels = list(dict.fromkeys(r.label for r in results))
     ratios = {(c["label"], c["mode"], c["level"]): c["output_throughput_ratio"] for c in comparison(results)}
     headers = ["label", "mode", "level", "ok", "err", "req/s", "out tok/s"]
+    floatfmt = ["", "", "g", "", "", ".2f", ".1f"]
     if len(labels) > 1:
         headers.append(f"tput x {labels[0]}")
+        floatfmt.append(".2f")
     for metric in ("TTFT", "ITL", "E2E"):
         headers += [f"{metric} p50", f"{metric} p90", f"{metric} p99"]
+        floatfmt += [".1f"] * 3
     rows = []
     for r in sorted(results, key=lambda r: (r.mode, r.level, labels.index(r.label))):
         row = [r.label, r.mode, r.level, r.completed, r.errors, r.request_throughput, r.output_throughput]
@@ -65,7 +68,7 @@ def table(results: Sequence[LevelResult]) -> str:
         for pcts in (r.ttft_ms, r.itl_ms, r.e2e_ms):
             row += [pcts["p50"], pcts["p90"], pcts["p99"]]
         rows.append(row)
-    return tabulate(rows, headers=headers, floatfmt=".1f", missingval="-")
+    return tabulate(rows, headers=headers, floatfmt=floatfmt, missingval="-")
 
 
 def json_line(results: Sequence[LevelResult], runs: Sequence[dict], config: dict) -> str:

@@ -93,6 +93,15 @@ def invalid_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param)
 
 
+def generation_failed(error: str) -> GatewayError:
+    """A choice the runtime ended with finish_reason "error" (500)."""
+    return GatewayError(500, f"generation failed: {error or 'unknown error'}")
+
+
+def duplicate_rid(rid: str) -> GatewayError:
+    return GatewayError(400, f"request id {rid!r} is already in flight", param="rid", code="duplicate_rid")
+
+
 def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
     """Map a backend call's failure: INVALID_ARGUMENT->400, RESOURCE_EXHAUSTED->429, UNAVAILABLE->503, ..."""
     status = _FROM_GRPC.get(err.code(), 500)

@@ -9,21 +9,18 @@ With an API key configured, every method first checks the call's ``authorization
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.auth import check_grpc_key
-from pdserve.services.gateway.errors import GatewayError, invalid_request
+from pdserve.services.gateway.errors import GatewayError, generation_failed, invalid_request
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.native_protocol import NativeSamplingParams
 from pdserve.services.gateway.protocol import MAX_TOP_LOGPROBS
 from pdserve.services.gateway.serving_common import ServingContext, new_rid
 from pdserve.v1 import api_pb2, api_pb2_grpc
 from pydantic import ValidationError
-
-logger = logging.getLogger(__name__)
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
@@ -46,7 +43,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             async with handle:
                 async for delta in handle:
                     if delta.finish_reason == "error":
-                        raise GatewayError(500, f"generation failed: {delta.error or 'unknown error'}")
+                        raise generation_failed(delta.error)
                     yield convert.generate_response_to_pb(obj.rid, delta)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)

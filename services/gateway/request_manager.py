@@ -16,7 +16,7 @@ import time
 from collections.abc import Coroutine
 
 from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.errors import GatewayError, invalid_request
+from pdserve.services.gateway.errors import GatewayError, duplicate_rid, invalid_request
 from pdserve.services.gateway.io_struct import GenerateReqInput, ModelInfo, Prompt, TokenizedPrompt
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
@@ -28,11 +28,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class ManagerConfig:
-    """Args:
-    gateway_address: this replica's advertised gRPC address (where outputs come back).
-    max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
-    request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
-    default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
+    """Request-path settings of one replica.
+
+    Attributes:
+        gateway_address: this replica's advertised gRPC address (where outputs come back).
+        max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
+        request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
+        default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
     """
 
     gateway_address: str
@@ -108,9 +110,7 @@ class RequestManager:
                 headers={"Retry-After": "1"},
             )
         if obj.rid in self.handles:
-            raise GatewayError(
-                400, f"request id {obj.rid!r} is already in flight", param="rid", code="duplicate_rid"
-            )
+            raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
         budget = min(timeouts) if timeouts else None
         handle = RequestHandle(
@@ -216,14 +216,14 @@ class RequestManager:
         Its outputs would never arrive: a dead decode-scheduler holds the request, a dead
         detokenizer carries its text. (A dead prefill-scheduler is the decode-scheduler's to handle.)
         """
+        if role == "decode":
+            depends = lambda s: s.route is not None and s.route.decode.address == address
+        elif role == "detokenizer":
+            depends = lambda s: s.output_address == address
+        else:
+            return
         for handle in list(self.handles.values()):
-            lost = [
-                s
-                for s in handle.states
-                if not s.finished
-                and s.route is not None
-                and (s.route.decode.address if role == "decode" else s.output_address) == address
-            ]
+            lost = [s for s in handle.states if not s.finished and depends(s)]
             if lost:
                 handle.abort(f"{role} worker {address} is down", lost, finish_reason="error")
 

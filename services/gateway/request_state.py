@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from pdserve.services.gateway import convert
-from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.errors import GatewayError, duplicate_rid
 from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Route
@@ -45,21 +45,13 @@ class RequestRegistry:
     def __init__(self) -> None:
         self._states: dict[str, ReqState] = {}
 
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._states
-
     def get(self, rid: str) -> ReqState | None:
         return self._states.get(rid)
 
     def add(self, state: ReqState) -> None:
         """Raises ``GatewayError`` 400 when ``state.rid`` is already in flight."""
         if state.rid in self._states:
-            raise GatewayError(
-                400, f"request id {state.rid!r} is already in flight", param="rid", code="duplicate_rid"
-            )
+            raise duplicate_rid(state.rid)
         self._states[state.rid] = state
 
     def remove(self, rid: str) -> None:

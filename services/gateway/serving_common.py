@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, TokenLogprob
 from pdserve.services.gateway.request_manager import RequestManager
 from pdserve.services.gateway.request_state import RequestHandle
@@ -76,7 +76,7 @@ class ChoiceResult:
     def add(self, delta: ChoiceDelta) -> None:
         """Append ``delta``; raises ``GatewayError`` 500 when the runtime failed the choice."""
         if delta.finish_reason == "error":
-            raise GatewayError(500, f"generation failed: {delta.error or 'unknown error'}")
+            raise generation_failed(delta.error)
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs

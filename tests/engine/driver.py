@@ -52,7 +52,9 @@ class Driver:
             self.runner.req_to_token_pool.free(seq.req_pool_idx)
             seq.pages = []
 
-    def step(self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None) -> GenerationBatchResult:
+    def step(
+        self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None
+    ) -> GenerationBatchResult:
         """One forward: each ``(seq, n)`` computes its next ``n`` uncomputed tokens (all when None).
 
         A sequence whose every token then has KV records the sampled token as its next output.
@@ -89,7 +91,7 @@ class Driver:
             extend_prefix_lens=prefix_lens,
             out_cache_loc=[int(s) for slots in out_cache_loc for s in slots],
             sampling_info=info,
-            return_logprob=True,
+            return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num for p in params],
             runner=self.runner,
         )
@@ -98,7 +100,8 @@ class Driver:
             seq.num_computed += n
             if seq.num_computed == len(seq.fill_ids):
                 seq.output_ids.append(result.next_token_ids[i])
-                seq.logprobs.append(result.next_token_logprobs[i])
+                if result.next_token_logprobs is not None:
+                    seq.logprobs.append(result.next_token_logprobs[i])
                 seq.top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
         return result
 

@@ -1,8 +1,8 @@
 """Model-based test of RadixCache (hypothesis stateful) against a dict of cached page-aligned prefixes.
 
 Random admit / cache / abort / match / evict / reset sequences must never evict a locked page,
-never free a page twice, always return the longest cached prefix, evict least recently used
-leaves first, and keep free + cached + held-by-requests == pool size.
+never free a page twice (the real allocator raises on one), always return the longest cached
+prefix, evict least recently used leaves first, and keep free + cached + held == pool size.
 """
 
 from dataclasses import dataclass

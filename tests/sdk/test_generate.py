@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from tests.reference import chat_ids, hf_tokenizer
 
-PROMPT = "Write one sentence about the sea."
+PROMPT = "Once upon a time, in a small village by the sea,"
 MESSAGES = [{"role": "user", "content": "Tell me a short fact about cats."}]
 MAX_TOKENS = 16
 
@@ -36,7 +36,7 @@ def test_greedy_generate_equals_openai_completion(stack, oai, model_id):
         )
         by_ids = client.generate(input_ids=prompt_ids, temperature=0, max_new_tokens=MAX_TOKENS)
     assert result.text == expected.text
-    assert result.finish_reason == expected.finish_reason
+    assert result.finish_reason == expected.finish_reason == "length"
     assert result.text == hf_tokenizer().decode(result.token_ids, skip_special_tokens=True)
     assert by_ids.token_ids == result.token_ids
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (

@@ -102,10 +102,15 @@ class ForwardBatch:
         prefix = as_long(extend_prefix_lens) if extend_prefix_lens is not None else seq - ext
         ids, loc = as_long(input_ids), as_long(out_cache_loc)
         num_tokens = int(ext.sum())
-        if not (len(ids) == len(loc) == num_tokens) or bool((prefix + ext != seq).any()) or bool((ext < 1).any()):
+        if (
+            not (len(ids) == len(loc) == num_tokens)
+            or bool((prefix + ext != seq).any())
+            or bool((ext < 1).any())
+        ):
             raise ValueError(
-                f"inconsistent batch: {len(ids)} input ids, {len(loc)} KV slots, extend lens {ext.tolist()} "
-                f"(each >= 1, summing to the tokens), prefix {prefix.tolist()} + extend must equal seq {seq.tolist()}"
+                f"inconsistent batch: {len(ids)} input ids, {len(loc)} KV slots, extend lens "
+                f"{ext.tolist()} (each >= 1, summing to the tokens), prefix {prefix.tolist()} + extend "
+                f"must equal seq {seq.tolist()}"
             )
         starts = torch.cumsum(ext, 0) - ext
         positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(starts - prefix, ext)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,16 +63,17 @@ class ModelConfig:
     dtype: torch.dtype
 
     @classmethod
-    def from_pretrained(cls, model_path: Path, dtype: str = "auto", device: str | torch.device = "cpu") -> ModelConfig:
+    def from_pretrained(
+        cls, model_path: Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    ) -> ModelConfig:
         """Read ``model_path/config.json`` (and ``generation_config.json`` when present)."""
         from transformers import AutoConfig, GenerationConfig
 
         hf = AutoConfig.from_pretrained(model_path)
         eos = _as_list(hf.eos_token_id)
-        try:
-            eos += [t for t in _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id) if t not in eos]
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # no generation_config.json
+            generation_eos = _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
+            eos += [t for t in generation_eos if t not in eos]
         context_length = hf.max_position_embeddings
         window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
         if window:

@@ -12,7 +12,12 @@ import torch
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
-from pdserve.mem_cache.memory_pool import KVPool, PagedTokenToKVPoolAllocator, ReqToTokenPool, num_pages_for_budget
+from pdserve.mem_cache.memory_pool import (
+    KVPool,
+    PagedTokenToKVPoolAllocator,
+    ReqToTokenPool,
+    num_pages_for_budget,
+)
 from pdserve.models.loader import load_model
 from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 
@@ -51,7 +56,9 @@ class ModelRunner:
     ):
         self.device = torch.device(device)
         self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
-        self.model = load_model(model_path, cfg.hf_config, cfg.architecture, cfg.context_length, cfg.dtype, self.device)
+        self.model = load_model(
+            model_path, cfg.hf_config, cfg.architecture, cfg.context_length, cfg.dtype, self.device
+        )
         bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         if max_total_tokens is None and kv_cache_memory is None:
             kv_cache_memory = min(

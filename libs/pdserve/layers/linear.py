@@ -21,7 +21,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
         ValueError: the shapes differ.
     """
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -45,10 +47,14 @@ class MergedLinear(Linear):
         shard_names: the name a checkpoint uses for each shard (e.g. ``["q", "k", "v"]``).
     """
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], shard_names: Sequence[str], bias: bool = False):
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], shard_names: Sequence[str], bias: bool = False
+    ):
         super().__init__(in_features, sum(output_sizes), bias)
         offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self.shards = {name: (off, size) for name, off, size in zip(shard_names, offsets, output_sizes, strict=True)}
+        self.shards = {
+            name: (off, size) for name, off, size in zip(shard_names, offsets, output_sizes, strict=True)
+        }
         self.output_sizes = list(output_sizes)
         self.weight.weight_loader = self.weight_loader
         if self.bias is not None:

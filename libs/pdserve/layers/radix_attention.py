@@ -32,6 +32,8 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → ``[T, Hq * D]``; stores k/v in the pool."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

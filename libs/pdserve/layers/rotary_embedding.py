@@ -23,10 +23,14 @@ class RotaryEmbedding(nn.Module):
         attention_scaling: factor on cos/sin (1 except for yarn-like scalings).
     """
 
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    def __init__(
+        self, head_dim: int, max_position: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0
+    ):
         super().__init__()
         if inv_freq.numel() * 2 != head_dim:
-            raise ValueError(f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)")
+            raise ValueError(
+                f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)"
+            )
         self.head_dim = head_dim
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling

@@ -25,7 +25,9 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         if size <= 0 or max_context_len <= 0:
-            raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size}, {max_context_len}")
+            raise ValueError(
+                f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size}, {max_context_len}"
+            )
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)

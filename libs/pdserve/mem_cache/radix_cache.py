@@ -109,7 +109,6 @@ class RadixCache:
         key = self._page_aligned(token_ids)
         tick = next(self._clock)
         node = self.root
-        node.last_access = tick
         pages: list[int] = []
         pos = 0
         while pos < len(key) and (child := node.children.get(key[pos : pos + self.page_size])):
@@ -131,8 +130,9 @@ class RadixCache:
         under another index, the caller's page is a duplicate: it is returned, in token order, and
         the caller must free it. Every other page passes to the tree, which frees it on eviction.
         Pages equal to the tree's own (they came from a match) are neither returned nor taken again.
-        A caller that keeps running (chunked prefill) unlocks its old node, matches again and locks
-        the new ``last_node``. Raises ValueError on a page count that does not fit.
+        A caller that keeps running (chunked prefill) then matches again, locks the new
+        ``last_node``, unlocks its old one, and uses the matched pages in place of its duplicates.
+        Raises ValueError on a page count that does not fit.
         """
         num_pages = len(token_ids) // self.page_size
         if len(page_indices) != num_pages:
@@ -145,7 +145,6 @@ class RadixCache:
         key = self._page_aligned(token_ids)
         tick = next(self._clock)
         node = self.root
-        node.last_access = tick
         duplicates: list[int] = []
         pos = 0
         while pos < len(key):
@@ -205,7 +204,6 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             node.parent = None
-            break
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed

@@ -43,7 +43,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], ["q", "k", "v"], bias=options.qkv_bias
+            config.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            ["q", "k", "v"],
+            bias=options.qkv_bias,
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
         if options.qk_norm:
@@ -51,9 +54,13 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
         self.rotary_emb = rotary_emb
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
@@ -113,7 +120,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -148,7 +157,9 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

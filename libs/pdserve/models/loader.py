@@ -15,7 +15,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
-def load_model(model_path: Path, hf_config, architecture: str, max_position: int, dtype: torch.dtype, device) -> nn.Module:
+def load_model(
+    model_path: Path, hf_config, architecture: str, max_position: int, dtype: torch.dtype, device
+) -> nn.Module:
     """Instantiate ``architecture`` with ``dtype`` parameters on ``device`` and load its weights."""
     with torch.device(device):
         previous = torch.get_default_dtype()
@@ -57,7 +59,9 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                 if tied and target == "lm_head.weight":
                     target = _TIED_EMBEDDING
                 if target not in params:
-                    raise KeyError(f"checkpoint tensor {name} has no parameter {target} in {type(model).__name__}")
+                    raise KeyError(
+                        f"checkpoint tensor {name} has no parameter {target} in {type(model).__name__}"
+                    )
                 param = params[target]
                 tensor = checkpoint.get_tensor(name)
                 if shard is None:
@@ -67,7 +71,9 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                 loaded.add((target, shard))
     missing = sorted({name for name, shard in _expected(params) if (name, shard) not in loaded})
     if missing:
-        raise ValueError(f"checkpoint {model_path} has no values for {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint {model_path} has no values for {missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )
 
 
 def _expected(params: dict[str, nn.Parameter]) -> list[tuple[str, str | None]]:
@@ -75,7 +81,9 @@ def _expected(params: dict[str, nn.Parameter]) -> list[tuple[str, str | None]]:
     pairs: list[tuple[str, str | None]] = []
     for name, param in params.items():
         owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
-        pairs += [(name, shard) for shard in owner.shards] if isinstance(owner, MergedLinear) else [(name, None)]
+        pairs += (
+            [(name, shard) for shard in owner.shards] if isinstance(owner, MergedLinear) else [(name, None)]
+        )
     return pairs
 
 

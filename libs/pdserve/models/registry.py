@@ -21,6 +21,8 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ValueError: the architecture is not supported.
     """
     if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}")
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
+        )
     module_name, class_name = MODEL_REGISTRY[architecture].split(":")
     return getattr(importlib.import_module(module_name), class_name)

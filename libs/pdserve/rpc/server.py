@@ -25,6 +25,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # servers accept the clients' 10 s keepalive pings (the default minimum is 5 minutes)
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
 ]
 
 
@@ -65,7 +68,8 @@ class GrpcServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0) -> None:
-        await self.set_serving(False)
+        """Report NOT_SERVING to every health watcher, then stop; in-flight calls get ``grace`` seconds."""
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
 

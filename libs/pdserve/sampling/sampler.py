@@ -46,7 +46,9 @@ class Sampler:
             result.next_token_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
         if raw_logprobs is not None and top_k_max:
             values, indices = raw_logprobs.topk(top_k_max, dim=-1)
-            pairs = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+            pairs = [
+                list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+            ]
             result.top_logprobs = [row[:n] for row, n in zip(pairs, top_logprobs_nums, strict=True)]
         return result
 
@@ -65,7 +67,9 @@ class Sampler:
 def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Repetition penalty (CTRL, Keskar et al. 2019), then the additive bias (frequency/presence, bans)."""
     if info.repetition_mask is not None:
-        penalised = torch.where(logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties)
+        penalised = torch.where(
+            logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties
+        )
         logits = torch.where(info.repetition_mask, penalised, logits)
     if info.logit_bias is not None:
         logits = logits + info.logit_bias

@@ -91,9 +91,9 @@ class SamplingBatchInfo:
             seen = [prompt + out for prompt, out in zip(prompt_ids, output_ids, strict=True)]
             repetition_mask = _token_counts(seen, batch, vocab_size, device) > 0
         return cls(
-            temperatures=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32)[
-                :, None
-            ],
+            temperatures=tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+            )[:, None],
             top_ps=tensor([p.top_p for p in params], torch.float32),
             top_ks=tensor([p.top_k if p.top_k_enabled else vocab_size for p in params], torch.int64),
             min_ps=tensor([p.min_p for p in params], torch.float32),
@@ -103,7 +103,8 @@ class SamplingBatchInfo:
             need_top_k=any(p.top_k_enabled for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             step_seeds=[
-                None if p.seed is None else step_seed(p.seed, len(out)) for p, out in zip(params, output_ids, strict=True)
+                None if p.seed is None else step_seed(p.seed, len(out))
+                for p, out in zip(params, output_ids, strict=True)
             ],
             logit_bias=logit_bias,
             repetition_penalties=repetition_penalties,
@@ -112,7 +113,9 @@ class SamplingBatchInfo:
         )
 
 
-def _token_counts(ids: list[list[int]], batch: int, vocab_size: int, device: str | torch.device) -> torch.Tensor:
+def _token_counts(
+    ids: list[list[int]], batch: int, vocab_size: int, device: str | torch.device
+) -> torch.Tensor:
     """float32 ``[batch, vocab_size]``: how often each token occurs in each row of ``ids``."""
     counts = torch.zeros((batch, vocab_size), dtype=torch.float32, device=device)
     lengths = torch.tensor([len(row) for row in ids], device=device)

@@ -75,7 +75,10 @@ class SamplingParams:
             ValueError: naming the first field out of range and its allowed range.
         """
         checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be >= 0, got {self.temperature}",
+            ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
@@ -83,12 +86,19 @@ class SamplingParams:
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}",
             ),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (
                 0 <= self.min_new_tokens <= self.max_new_tokens,
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}",
             ),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
@@ -99,8 +109,14 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}",
             ),
-            (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}"),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                f"stop must be non-empty strings, got {self.stop}",
+            ),
+            (
+                self.seed is None or isinstance(self.seed, int),
+                f"seed must be an int or None, got {self.seed!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -7,8 +7,6 @@
 # Detokenizers stream a request's text back to the replica that owns it: this pod's IP.
 - name: PDSERVE_ADVERTISE_HOST
   value: $(POD_IP)
-- name: PDSERVE_LOG_LEVEL
-  value: {{ .Values.logLevel }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
 {{- with .Values.model.servedModelName }}
@@ -45,8 +43,6 @@ pods, decode runs colocated (prefills itself).
   value: {{ printf "$(POD_NAME).%s.%s.svc.%s" (include "pdserve.componentName" .) $root.Release.Namespace $root.Values.clusterDomain }}
 - name: PDSERVE_WORKER_ID
   value: $(POD_NAME)
-- name: PDSERVE_LOG_LEVEL
-  value: {{ $root.Values.logLevel }}
 - name: PDSERVE_SCHEDULE_POLICY
   value: {{ $values.schedulePolicy }}
 {{- with $values.maxRunningRequests }}

@@ -24,13 +24,17 @@ def resolve_attention_backend(name: str, device: str) -> str:
         on_cuda = str(device).startswith("cuda")
         return "flashinfer" if on_cuda and importlib.util.find_spec("flashinfer") else "torch_native"
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {sorted(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose auto or one of {sorted(ATTENTION_BACKENDS)}"
+        )
     return name
 
 
 def create_attention_backend(name: str, runner: Any) -> AttentionBackend:
     """Instantiate backend ``name`` (or ``auto``) for a ``ModelRunner`` (its config, pools, device)."""
-    module_name, class_name = ATTENTION_BACKENDS[resolve_attention_backend(name, str(runner.device))].split(":")
+    module_name, class_name = ATTENTION_BACKENDS[resolve_attention_backend(name, str(runner.device))].split(
+        ":"
+    )
     return getattr(importlib.import_module(module_name), class_name)(runner)
 
 

@@ -28,6 +28,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → attention output ``[T, Hq * D]`` (q's dtype)."""
+        """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → output ``[T, Hq * D]`` in q's dtype."""

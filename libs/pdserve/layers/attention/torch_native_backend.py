@@ -1,12 +1,15 @@
-"""CPU attention in plain PyTorch: each request's KV pages gathered into a padded batch, one SDPA per layer.
+"""Attention in PyTorch ops (any device), with a C decode kernel on CPU: the CPU backend.
 
 Requests are split into at most two groups, decoding ones (one query token) and extending ones
 (a ragged chunk after a cached prefix), so a MIXED batch does not pad its decodes to the longest
-extend. Within a group, queries are padded to ``Lq`` (the longest chunk) and keys to ``Lk`` (the
-longest sequence, in whole pages: KV is gathered page by page, position ``p`` of a request being
-offset ``p % page_size`` of page ``req_to_token[p] // page_size``); a boolean mask keeps, for the query at position ``p``, the keys at positions
-``[0, p]`` of its own request. GQA needs no K/V repeat: the ``G = Hq / Hkv`` query heads sharing a
-KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+extend. A decode group on CPU runs ``cpu_decode_kernel``, which reads the pool in place. Otherwise
+each request's KV pages are gathered into a padded batch and attended with one SDPA per layer:
+queries padded to ``Lq`` (the longest chunk), keys to ``Lk`` (the longest sequence, in whole
+pages; position ``p`` of a request is offset ``p % page_size`` of page
+``req_to_token[p] // page_size``), and a boolean mask keeps, for the query at position ``p``,
+the keys at positions ``[0, p]`` of its own request. GQA needs no K/V repeat: the ``G = Hq / Hkv``
+query heads sharing a KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads
+of ``G * Lq`` queries.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.attention.base import AttentionBackend
+from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
@@ -33,8 +37,8 @@ class _Group:
         query_valid: bool ``[Bg, Lq]``, or None when no query is padding (decode).
         out_index: int64 ``[n]``: flat token index of each valid query in row-major order, or None
             when that is simply ``0..T-1`` (the group is the whole batch).
-        page_table: int64 ``[Bg * Lk / page_size]``: KV pages of each request, padded with page 0
-            (masked), flattened row-major.
+        page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
+        seq_lens: int64 ``[Bg]``: keys of each request.
         mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key.
     """
 
@@ -42,13 +46,24 @@ class _Group:
     query_valid: torch.Tensor | None
     out_index: torch.Tensor | None
     page_table: torch.Tensor
+    seq_lens: torch.Tensor
     mask: torch.Tensor
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with."""
+    """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with.
 
-    def __init__(self, runner: Any):
+    Args:
+        runner: the ``ModelRunner`` (model config, KV pool, device).
+        use_decode_kernel: on CPU, run decode groups with the C kernel of ``cpu_decode_kernel``
+            (when it builds here) instead of gather + SDPA.
+    """
+
+    def __init__(self, runner: Any, use_decode_kernel: bool = True):
+        kernel = load_decode_kernel() if use_decode_kernel and runner.device.type == "cpu" else None
+        self.decode_kernel = (
+            kernel if kernel is not None and kernel.supports(runner.model_config.dtype) else None
+        )
         self.num_heads = runner.model_config.num_heads
         self.num_kv_heads = runner.model_config.num_kv_heads
         self.head_dim = runner.model_config.head_dim
@@ -71,7 +86,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         starts = torch.cumsum(ext, 0) - ext
         pool_rows = fb.req_pool_indices
         if rows is not None:
-            ext, prefix, seq, starts, pool_rows = ext[rows], prefix[rows], seq[rows], starts[rows], pool_rows[rows]
+            ext, prefix, seq, starts, pool_rows = (
+                ext[rows],
+                prefix[rows],
+                seq[rows],
+                starts[rows],
+                pool_rows[rows],
+            )
         ps, device = self.page_size, ext.device
         num_pages = (seq + ps - 1) // ps
         max_q, max_pages = int(ext.max()), int(num_pages.max())
@@ -87,17 +108,27 @@ class TorchNativeAttnBackend(AttentionBackend):
         causal = k_pos[:, None, :] <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
         mask = causal & k_valid[:, None, :]
         group_size = self.num_heads // self.num_kv_heads
-        mask = mask[:, None, None].expand(-1, 1, group_size, -1, -1).reshape(len(ext), 1, group_size * max_q, max_k)
+        mask = (
+            mask[:, None, None]
+            .expand(-1, 1, group_size, -1, -1)
+            .reshape(len(ext), 1, group_size * max_q, max_k)
+        )
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
             out_index=None if rows is None else query_index[query_valid],
-            page_table=page_table.flatten(),
+            page_table=page_table.contiguous(),
+            seq_lens=seq.contiguous(),
             mask=mask,
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         num_tokens = q.shape[0]
@@ -121,12 +152,17 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
+        if max_q == 1 and self.decode_kernel is not None:
+            queries = q[group.query_index[:, 0]]
+            out = self.decode_kernel(queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling)
+            return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
-        qg = q[group.query_index].view(rows, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
-        kg = k_pages.index_select(0, group.page_table).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
-        vg = v_pages.index_select(0, group.page_table).view(rows, -1, hkv, d).transpose(1, 2)
+        qg = q[group.query_index].view(rows, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(rows, hkv, -1, d)
+        pages = group.page_table.view(-1)
+        kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
+        vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]
