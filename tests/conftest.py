@@ -12,8 +12,8 @@ COMMON = ("--dtype", "float32", "--max-total-tokens", "32768")
 
 @pytest.fixture(scope="session")
 def pd_stack() -> Stack:
-    """1 prefill + 1 decode worker (KV over NIXL), fp32 so outputs match the HF reference exactly."""
-    stack = launch_stack("--num-prefill", "1", "--num-decode", "1", *COMMON, log_name="pd")
+    """2 prefill + 2 decode workers (KV over NIXL), fp32 so outputs match the HF reference exactly."""
+    stack = launch_stack("--num-prefill", "2", "--num-decode", "2", *COMMON, log_name="pd")
     yield stack
     stack.stop()
 

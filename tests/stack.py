@@ -45,6 +45,7 @@ class Stack:
     proc: subprocess.Popen
     port: int
     grpc_port: int
+    internal_port_base: int
     log_path: str
     extra: dict = field(default_factory=dict)
 
@@ -67,7 +68,9 @@ class Stack:
         return out
 
     def scheduler_values(self, name: str) -> dict[tuple, float]:
-        return {k: v for k, v in self.metrics().get(name, {}).items() if k[0] in ("prefill", "decode", "mixed")}
+        return {
+            k: v for k, v in self.metrics().get(name, {}).items() if k[0] in ("prefill", "decode", "mixed")
+        }
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, dict[tuple, float]]:
         """Wait until no scheduler has running requests or used pages; return the last metrics.
@@ -123,7 +126,7 @@ def launch_stack(*flags: str, log_name: str = "stack", timeout: float = 600.0) -
         "--internal-port-base", str(base), *flags,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(proc, port, port + 1, log_path)
+    stack = Stack(proc, port, port + 1, base, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

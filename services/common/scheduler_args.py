@@ -14,9 +14,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
-    parser.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch_native", "flashinfer"]
-    )
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "flashinfer"])
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens extended per step")
     parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])

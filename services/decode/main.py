@@ -20,7 +20,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve decode", description=__doc__)
     add_scheduler_args(parser, port=30020)
     parser.add_argument(
-        "--colocated", action="store_true", help="prefill locally (mixed role) instead of using prefill workers"
+        "--colocated",
+        action="store_true",
+        help="prefill locally (mixed role) instead of using prefill workers",
+    )
+    parser.add_argument(
+        "--prefill-retries", type=int, default=1, help="other prefill workers to retry a failed prefill on"
     )
     apply_env_defaults(parser)
     return parser
@@ -28,11 +33,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     role = "mixed" if args.colocated else "decode"
-    server = GrpcServer(f"{args.host}:{args.port}", [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
+    server = GrpcServer(
+        f"{args.host}:{args.port}", [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name]
+    )
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await asyncio.to_thread(build_scheduler, args, role)
     agent = build_kv_agent(scheduler, role, address) if role == "decode" else None
-    servicer = DecodeServicer(scheduler, address, agent)
+    servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

@@ -34,7 +34,9 @@ class PrefillPeer:
 
         Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout mismatch).
         """
-        info = await self.stub.ExchangeKVAgentInfo(kv_agent_info_to_pb(self.agent.local_info()), timeout=timeout)
+        info = await self.stub.ExchangeKVAgentInfo(
+            kv_agent_info_to_pb(self.agent.local_info()), timeout=timeout
+        )
         self.agent.add_peer(kv_agent_info_from_pb(info))
         self.peer_incarnation = info.incarnation
 

@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent
+from pdserve.kv_transfer import KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import ClientStreamPool
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -20,6 +20,8 @@ from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, s
 logger = logging.getLogger(__name__)
 
 PREFILL_TIMEOUT_S = 120.0
+# errors that another prefill worker would return too
+_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
 
 
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
@@ -29,10 +31,14 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         scheduler: the scheduler core (role ``decode`` or ``mixed``).
         address: this service's advertised "host:port" (the detokenizer aborts here on stop strings).
         agent: the NIXL agent (role ``decode`` only).
+        prefill_retries: how many other prefill workers a failed prefill is retried on.
     """
 
-    def __init__(self, scheduler: Scheduler, address: str, agent: KVTransferAgent | None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, address: str, agent: KVTransferAgent | None, prefill_retries: int = 1
+    ) -> None:
         self.scheduler = scheduler
+        self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
         self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills)
@@ -42,7 +48,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.started: set[str] = set()  # rids whose first output went out
 
     # ---- gRPC ---------------------------------------------------------------------------
-    async def Generate(self, request: scheduler_pb2.TokenizedGenerateReqInput, context) -> scheduler_pb2.GenerateAck:
+    async def Generate(
+        self, request: scheduler_pb2.TokenizedGenerateReqInput, context
+    ) -> scheduler_pb2.GenerateAck:
         try:
             params = sampling_params_from_pb(request.sampling_params)
         except (ValueError, TypeError) as e:
@@ -57,6 +65,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             arrival_time=request.arrival_unix_s or time.time(),
             meta={
                 "prefill_address": request.prefill_address,
+                "fallback_prefill_addresses": list(request.fallback_prefill_addresses),
                 "output_address": request.output_address,
                 "gateway_address": request.gateway_address,
                 "scheduler_address": self.address,
@@ -81,7 +90,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return load_info(self.scheduler)
 
     async def GetMetrics(self, request, context) -> common_pb2.MetricsResponse:
-        return common_pb2.MetricsResponse(role=self.scheduler.role, worker=self.address, text=self.scheduler.metrics.text())
+        return common_pb2.MetricsResponse(
+            role=self.scheduler.role, worker=self.address, text=self.scheduler.metrics.text()
+        )
 
     # ---- outputs ------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
@@ -116,30 +127,57 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return peer
 
     async def _prefill(self, req: Req) -> None:
+        """Get ``req``'s prompt KV from a prefill worker, trying the router's fallbacks on failure.
+
+        A worker that is unreachable, dies mid-transfer or times out costs one attempt; the decode
+        pages stay reserved and the next worker overwrites them. Invalid requests are not retried.
+        """
         rid = req.rid
-        timeout = min(PREFILL_TIMEOUT_S, req.deadline - time.time()) if req.deadline else PREFILL_TIMEOUT_S
+        addresses = [req.meta["prefill_address"], *req.meta.get("fallback_prefill_addresses", ())]
+        attempts = addresses[: 1 + self.prefill_retries]
+        errors: list[str] = []
         try:
-            resp = await self._peer(req.meta["prefill_address"]).prefill(req, timeout)
-            await self.agent.wait_for_notification(rid.encode(), timeout_s=10.0)
+            resp = None
+            for address in attempts:
+                try:
+                    resp = await self._prefill_once(req, address)
+                    break
+                except (grpc.aio.AioRpcError, KVTransferError) as e:
+                    msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    errors.append(f"{address}: {msg}")
+                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
+                    if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
+                        break
+            if resp is None:
+                out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors))
+            else:
+                self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
+                req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
+                logprob = None
+                if resp.HasField("first_logprob"):
+                    lp = resp.first_logprob
+                    logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                out = self.scheduler.kv_ready(rid, resp.first_token_id, logprob)
         except asyncio.CancelledError:
             return
-        except Exception as e:
-            msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            logger.warning("prefill of %s failed: %s", rid, msg)
-            out = self.scheduler.kv_failed(rid, f"prefill failed: {msg}")
-        else:
-            self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
-            req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
-            logprob = None
-            if resp.HasField("first_logprob"):
-                lp = resp.first_logprob
-                logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-            out = self.scheduler.kv_ready(rid, resp.first_token_id, logprob)
         finally:
             self.prefill_tasks.pop(rid, None)
         if out is not None:
             self._emit([out])
         self.loop.wake()
+
+    async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
+        """One Prefill call; returns once the response and the NIXL notification both arrived."""
+        timeout = PREFILL_TIMEOUT_S
+        if req.deadline:
+            timeout = max(0.1, min(timeout, req.deadline - time.time()))
+        notified = asyncio.create_task(self.agent.wait_for_notification(req.rid.encode(), timeout_s=timeout))
+        try:
+            resp = await self._peer(address).prefill(req, timeout)
+            await notified
+        finally:
+            notified.cancel()
+        return resp
 
     async def close(self) -> None:
         for task in self.prefill_tasks.values():

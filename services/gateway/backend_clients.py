@@ -102,11 +102,11 @@ class BackendClients:
         rid: str,
         input_ids: list[int],
         sampling_params: SamplingParams,
-        **routing: str | float,
+        **routing: str | float | list[str],
     ) -> None:
         """Hand one tokenized request to a decode-scheduler (``DecodeScheduler.Generate``).
 
-        ``routing``: prefill_address, output_address, gateway_address, deadline_unix_s, arrival_unix_s.
+        ``routing``: prefill_address, fallback_prefill_addresses, output_address, gateway_address, deadline_unix_s, arrival_unix_s.
         """
         request = convert.tokenized_req_to_pb(rid, input_ids, sampling_params, **routing)
         try:

@@ -176,6 +176,7 @@ class RequestManager:
             state.input_ids,
             state.sampling_params,
             prefill_address=state.route.prefill_address,
+            fallback_prefill_addresses=state.route.fallback_prefill_addresses,
             output_address=state.output_address,
             gateway_address=self.config.gateway_address,
             deadline_unix_s=deadline,

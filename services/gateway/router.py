@@ -156,6 +156,7 @@ class Route:
 
     decode: Worker
     prefill: Worker | None
+    fallback_prefill_addresses: list[str] = field(default_factory=list)  # decode retries on these
     _released: bool = field(default=False, repr=False)
 
     @property
@@ -191,11 +192,14 @@ class Router:
         """
         decode = self._decode_policy.select(self.decode.available(), input_ids)
         prefill = None
+        fallbacks: list[str] = []
         if self.prefill:
-            prefill = self._prefill_policy.select(self.prefill.available(), input_ids)
+            available = self.prefill.available()
+            prefill = self._prefill_policy.select(available, input_ids)
             prefill.in_flight += 1
+            fallbacks = [w.address for w in available if w is not prefill]
         decode.in_flight += 1
-        return Route(decode, prefill)
+        return Route(decode, prefill, fallbacks)
 
     def forget(self, role: str, worker: Worker) -> None:
         """Drop what the policy remembers about ``worker`` (it went unhealthy)."""

@@ -25,7 +25,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--internal-port-base", type=int, default=30000, help="internal services use base+1 ...")
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
-    p.add_argument("--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves")
+    p.add_argument(
+        "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size per scheduler, in tokens")
@@ -35,7 +37,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
     p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
+    p.add_argument(
+        "--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"]
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None, help="require this key on the HTTP and gRPC APIs")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -53,7 +57,8 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()
-            print(f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1, gRPC at {args.host}:{args.grpc_port}")
+            api = f"http://{args.host}:{args.port}/v1"
+            print(f"pdserve is up: OpenAI API at {api}, gRPC at {args.host}:{args.grpc_port}", flush=True)
             await supervisor.watch(stop)
         else:
             starting.cancel()

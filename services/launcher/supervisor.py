@@ -69,9 +69,14 @@ class Supervisor:
             results = await asyncio.gather(*(self._healthy(s, self.startup_timeout) for s in group))
             for spec, ok in zip(group, results, strict=True):
                 if not ok:
-                    raise RuntimeError(f"{spec.name} did not become healthy within {self.startup_timeout:.0f} s")
+                    raise RuntimeError(
+                        f"{spec.name} did not become healthy within {self.startup_timeout:.0f} s"
+                    )
                 done += 1
-                print(f"[{done}/{len(self.specs)}] {spec.name} ready ({time.monotonic() - t0:.1f} s)", flush=True)
+                print(
+                    f"[{done}/{len(self.specs)}] {spec.name} ready ({time.monotonic() - t0:.1f} s)",
+                    flush=True,
+                )
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Restart a crashed service with exponential backoff until ``stop`` is set."""
@@ -83,7 +88,11 @@ class Supervisor:
                 n = self.restarts.get(spec.name, 0)
                 backoff = min(MAX_BACKOFF_S, 2.0**n)
                 logger.warning(
-                    "%s exited with code %s; restarting in %.0f s (restart #%d)", spec.name, proc.returncode, backoff, n + 1
+                    "%s exited with code %s; restarting in %.0f s (restart #%d)",
+                    spec.name,
+                    proc.returncode,
+                    backoff,
+                    n + 1,
                 )
                 self.restarts[spec.name] = n + 1
                 del self.procs[spec.name]

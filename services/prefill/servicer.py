@@ -42,7 +42,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, asyncio.Task] = {}
 
-    async def ExchangeKVAgentInfo(self, request: scheduler_pb2.KVAgentInfo, context) -> scheduler_pb2.KVAgentInfo:
+    async def ExchangeKVAgentInfo(
+        self, request: scheduler_pb2.KVAgentInfo, context
+    ) -> scheduler_pb2.KVAgentInfo:
         try:
             self.agent.add_peer(kv_agent_info_from_pb(request))
         except KVLayoutMismatch as e:
@@ -51,7 +53,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     async def Prefill(self, request: scheduler_pb2.PrefillRequest, context) -> scheduler_pb2.PrefillResponse:
         if not self.agent.has_peer(request.dst_agent_name, request.dst_incarnation):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown decode agent: exchange agent info first")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "unknown decode agent: exchange agent info first"
+            )
         try:
             params = sampling_params_from_pb(request.sampling_params)
         except (ValueError, TypeError) as e:
@@ -90,7 +94,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         return load_info(self.scheduler)
 
     async def GetMetrics(self, request, context) -> common_pb2.MetricsResponse:
-        return common_pb2.MetricsResponse(role="prefill", worker=self.address, text=self.scheduler.metrics.text())
+        return common_pb2.MetricsResponse(
+            role="prefill", worker=self.address, text=self.scheduler.metrics.text()
+        )
 
     # ---- internals ----------------------------------------------------------------------
     def _abort(self, rid: str, reason: str) -> bool:

@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model_source import resolve_model
 

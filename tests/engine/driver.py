@@ -52,15 +52,11 @@ class Driver:
             self.runner.req_to_token_pool.free(seq.req_pool_idx)
             seq.pages = []
 
-    def step(
-        self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None
-    ) -> GenerationBatchResult:
-        """One forward: each ``(seq, n)`` computes its next ``n`` uncomputed tokens (all when None).
-
-        A sequence whose every token then has KV records the sampled token as its next output.
-        """
+    def prepare(self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None) -> ForwardBatch:
+        """The batch in which each ``(seq, n)`` computes its next ``n`` uncomputed tokens (all when
+        None): allocates pages and writes ``req_to_token`` for them, as a scheduler does."""
         input_ids: list[int] = []
-        out_cache_loc = []
+        out_cache_loc: list[int] = []
         prefix_lens, extend_lens = [], []
         for seq, n in work:
             fill = seq.fill_ids
@@ -70,7 +66,7 @@ class Driver:
             slots = slots_for_pages(seq.pages, start, end, self.page_size)
             self.runner.req_to_token_pool.req_to_token[seq.req_pool_idx, start:end] = slots
             input_ids += fill[start:end]
-            out_cache_loc.append(slots)
+            out_cache_loc += slots.tolist()
             prefix_lens.append(start)
             extend_lens.append(n)
         seqs = [seq for seq, _ in work]
@@ -83,20 +79,27 @@ class Driver:
             vocab_size=self.runner.model_config.vocab_size,
             device=self.runner.device,
         )
-        fb = ForwardBatch.init_new(
+        return ForwardBatch.init_new(
             forward_mode=mode,
             input_ids=input_ids,
             req_pool_indices=[seq.req_pool_idx for seq in seqs],
             seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
             extend_prefix_lens=prefix_lens,
-            out_cache_loc=[int(s) for slots in out_cache_loc for s in slots],
+            out_cache_loc=out_cache_loc,
             sampling_info=info,
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num for p in params],
             runner=self.runner,
         )
+
+    def step(
+        self, work: list[tuple[Seq, int | None]], mode: ForwardMode | None = None
+    ) -> GenerationBatchResult:
+        """Run ``prepare(work, mode)``; a sequence whose every token then has KV records the sampled
+        token as its next output."""
+        fb = self.prepare(work, mode)
         result = self.runner.forward_batch_generation(fb)
-        for i, (seq, n) in enumerate(zip(seqs, extend_lens, strict=True)):
+        for i, (seq, n) in enumerate(zip([s for s, _ in work], fb.extend_seq_lens.tolist(), strict=True)):
             seq.num_computed += n
             if seq.num_computed == len(seq.fill_ids):
                 seq.output_ids.append(result.next_token_ids[i])

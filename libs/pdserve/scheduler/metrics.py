@@ -21,7 +21,9 @@ class SchedulerMetrics:
         self.kv_pages_used = Gauge("pdserve:kv_pages_used", "KV pages owned by requests", registry=r)
         self.kv_pages_free = Gauge("pdserve:kv_pages_free", "KV pages on the free list", registry=r)
         self.kv_pages_total = Gauge("pdserve:kv_pages_total", "Usable KV pages of the pool", registry=r)
-        self.kv_pages_cached = Gauge("pdserve:kv_pages_cached", "KV pages held by the radix cache", registry=r)
+        self.kv_pages_cached = Gauge(
+            "pdserve:kv_pages_cached", "KV pages held by the radix cache", registry=r
+        )
         self.kv_transfer_bytes = Counter(
             "pdserve:kv_transfer_bytes", "KV bytes moved between prefill and decode over NIXL", registry=r
         )
@@ -30,7 +32,9 @@ class SchedulerMetrics:
         self.prefix_cache_hit_tokens = Counter(
             "pdserve:prefix_cache_hit_tokens", "Prompt tokens found in the radix cache", registry=r
         )
-        self.retracted = Counter("pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r)
+        self.retracted = Counter(
+            "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
+        )
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

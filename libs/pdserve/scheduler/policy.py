@@ -44,6 +44,11 @@ class SchedulePolicy:
 
         def key(r: Req) -> tuple:
             starving = now - r.arrival_time > self.starvation_s
-            return (not r.output_ids, not starving, -self.prefix_len(r) if not starving else 0, r.arrival_time)
+            return (
+                not r.output_ids,
+                not starving,
+                -self.prefix_len(r) if not starving else 0,
+                r.arrival_time,
+            )
 
         waiting.sort(key=key)

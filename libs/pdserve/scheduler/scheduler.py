@@ -105,7 +105,9 @@ class Scheduler:
             raise ValueError("input_ids is empty")
         total = len(req.origin_input_ids) + (1 if self.role == "prefill" else 0)
         if total > self.context_len:
-            raise ValueError(f"prompt has {len(req.origin_input_ids)} tokens; context length is {self.context_len}")
+            raise ValueError(
+                f"prompt has {len(req.origin_input_ids)} tokens; context length is {self.context_len}"
+            )
         if self.ledger.pages_for(len(req.origin_input_ids) + 1) > self.usable_pages:
             raise ValueError(
                 f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"

@@ -2,11 +2,10 @@
 
 Decode attention does almost no arithmetic (one query per request) but must read every cached
 key and value; PyTorch ops need a gathered copy of the KV plus a generic SDPA, which costs
-several times the reads themselves. This kernel reads each request's K/V rows in place through
-its page table, one pass per (request, KV head), with the ``G`` query heads of the group sharing
-each key read (the CPU decode kernel idea of SGLang's ``sgl-kernel``, written anew here).
-Softmax runs in float32 with a max-subtracted exponent; bfloat16 inputs are widened on load and
-the output rounded to nearest-even.
+several times the reads themselves. This kernel reads each request's K/V pages in place through
+its page table, one pass per request with an online softmax per query head (flash-decoding
+style; the CPU decode kernel idea of SGLang's ``sgl-kernel``, written anew here). Arithmetic is
+float32; bfloat16 inputs are widened on load and the output rounded to nearest-even.
 
 The shared library is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the source, flags and
 the CPU's flags; without a C compiler ``load_decode_kernel`` returns None and callers fall back
@@ -62,9 +61,9 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int64_t* page_table,
   const int64_t page_bytes = page_size * stride * (int64_t)sizeof(T);                              \
   _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                           \
   for (int64_t b = 0; b < batch; ++b) {                                                            \
-    float* qf = malloc(sizeof(float) * (num_heads * (2 * head_dim + page_size + 2) + head_dim));   \
+    float* qf = malloc(sizeof(float) * num_heads * (2 * head_dim + page_size + 2));                \
     float *acc = qf + num_heads * head_dim, *p = acc + num_heads * head_dim;                       \
-    float *m = p + num_heads * page_size, *l = m + num_heads, *row = l + num_heads;                \
+    float *m = p + num_heads * page_size, *l = m + num_heads;                                      \
     for (int64_t hq = 0; hq < num_heads; ++hq) {                                                   \
       const T* qp = q + (b * num_heads + hq) * head_dim;                                           \
       for (int64_t d = 0; d < head_dim; ++d) qf[hq * head_dim + d] = LOAD(qp[d]) * scale;          \
@@ -84,21 +83,17 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int64_t* page_table,
           __builtin_prefetch(nv + off);                                                            \
         }                                                                                          \
       }                                                                                            \
-      for (int64_t hk = 0; hk < num_kv_heads; ++hk) {  /* scores; each K row widened once */       \
+      for (int64_t hq = 0; hq < num_heads; ++hq) {                                                 \
+        const int64_t hk = hq / group;                                                             \
+        const float* qh = qf + hq * head_dim;                                                      \
+        float *ph = p + hq * page_size, *ah = acc + hq * head_dim, page_max = -FLT_MAX, sum = 0.f; \
         for (int64_t t = 0; t < n; ++t) {                                                          \
           const T* kt = kp + t * stride + hk * head_dim;                                           \
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(kt[d]);                             \
-          for (int64_t hq = hk * group; hq < (hk + 1) * group; ++hq) {                             \
-            const float* qh = qf + hq * head_dim;                                                  \
-            float s = 0.f;                                                                         \
-            for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * row[d];                            \
-            p[hq * page_size + t] = s;                                                             \
-          }                                                                                        \
+          float s = 0.f;                                                                           \
+          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * LOAD(kt[d]);                         \
+          ph[t] = s;                                                                               \
+          page_max = s > page_max ? s : page_max;                                                  \
         }                                                                                          \
-      }                                                                                            \
-      for (int64_t hq = 0; hq < num_heads; ++hq) {  /* online softmax update */                    \
-        float *ph = p + hq * page_size, *ah = acc + hq * head_dim, page_max = -FLT_MAX, sum = 0.f; \
-        for (int64_t t = 0; t < n; ++t) page_max = ph[t] > page_max ? ph[t] : page_max;            \
         const float new_max = page_max > m[hq] ? page_max : m[hq];                                 \
         const float correction = expf(m[hq] - new_max);                                            \
         for (int64_t t = 0; t < n; ++t) {                                                          \
@@ -108,16 +103,10 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int64_t* page_table,
         l[hq] = l[hq] * correction + sum;                                                          \
         m[hq] = new_max;                                                                           \
         for (int64_t d = 0; d < head_dim; ++d) ah[d] *= correction;                                \
-      }                                                                                            \
-      for (int64_t hk = 0; hk < num_kv_heads; ++hk) {  /* weighted V; each V row widened once */   \
         for (int64_t t = 0; t < n; ++t) {                                                          \
           const T* vt = vp + t * stride + hk * head_dim;                                           \
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(vt[d]);                             \
-          for (int64_t hq = hk * group; hq < (hk + 1) * group; ++hq) {                             \
-            const float pt = p[hq * page_size + t];                                                \
-            float* ah = acc + hq * head_dim;                                                       \
-            for (int64_t d = 0; d < head_dim; ++d) ah[d] += pt * row[d];                           \
-          }                                                                                        \
+          const float pt = ph[t];                                                                  \
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] += pt * LOAD(vt[d]);                        \
         }                                                                                          \
       }                                                                                            \
     }                                                                                              \

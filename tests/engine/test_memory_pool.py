@@ -1,0 +1,143 @@
+"""Memory pools, the page→slot map, KV-pool sizing, and ForwardBatch construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.mem_cache.memory_pool import (
+    KVPool,
+    PagedTokenToKVPoolAllocator,
+    ReqToTokenPool,
+    num_pages_for_budget,
+    slots_for_pages,
+)
+
+
+def test_allocator_hands_out_lowest_pages_first_and_coalesces_after_free():
+    alloc = PagedTokenToKVPoolAllocator(num_pages=10, page_size=4)
+    a = alloc.alloc(3)
+    b = alloc.alloc(4)
+    assert a == [0, 1, 2] and b == [3, 4, 5, 6]
+    assert alloc.available_size() == 3
+    alloc.free(a)
+    assert alloc.alloc(5) == [0, 1, 2, 7, 8]
+    assert alloc.available_size() == 1
+    assert alloc.alloc(2) is None  # short: nothing taken
+    assert alloc.available_size() == 1
+    assert alloc.alloc(0) == []
+
+
+def test_allocator_rejects_double_free_and_foreign_pages_atomically():
+    alloc = PagedTokenToKVPoolAllocator(num_pages=4, page_size=16)
+    pages = alloc.alloc(2)
+    alloc.free(pages[:1])
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free(pages)  # pages[1] must not have been freed by the failed call
+    assert alloc.available_size() == 3
+    with pytest.raises(ValueError, match="freed twice"):
+        alloc.free([pages[1], pages[1]])
+    with pytest.raises(ValueError, match="out of range"):
+        alloc.free([4])
+    alloc.free([pages[1]])
+    assert alloc.available_size() == 4
+
+
+def test_req_to_token_pool_slots():
+    pool = ReqToTokenPool(size=2, max_context_len=8)
+    assert pool.req_to_token.shape == (2, 8) and pool.req_to_token.dtype == torch.int64
+    first, second = pool.alloc(), pool.alloc()
+    assert {first, second} == {0, 1} and pool.alloc() is None
+    pool.free(first)
+    with pytest.raises(ValueError, match="twice"):
+        pool.free(first)
+    with pytest.raises(ValueError, match="out of range"):
+        pool.free(2)
+    assert pool.available_size() == 1 and pool.alloc() == first
+
+
+def test_slots_for_pages_maps_positions_through_pages():
+    pages = [7, 2, 5]
+    expected = [pages[p // 4] * 4 + p % 4 for p in range(3, 10)]
+    assert slots_for_pages(pages, 3, 10, page_size=4).tolist() == expected
+    assert slots_for_pages(pages, 0, 0, page_size=4).tolist() == []
+    with pytest.raises(ValueError):
+        slots_for_pages(pages, 0, 13, page_size=4)
+
+
+def test_kv_pool_layout_views_and_page_bytes():
+    pool = KVPool(num_pages=6, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    assert pool.kv_data.shape == (3, 2, 6, 4, 2, 8) and pool.kv_data.is_contiguous()
+    assert pool.page_nbytes == 4 * 2 * 8 * 2
+    loc = torch.tensor([5, 17])  # page 1 offset 1, page 4 offset 1
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    pool.set_kv(1, loc, k, v)
+    assert torch.equal(pool.kv_data[1, 0, 1, 1], k[0].bfloat16())
+    assert torch.equal(pool.kv_data[1, 1, 4, 1], v[1].bfloat16())
+    assert torch.equal(pool.k_buffer(1)[17], k[1].bfloat16())
+    assert pool.k_buffer(1).data_ptr() == pool.kv_data[1, 0].data_ptr()
+    # one request's consecutive pages of one layer's K are one contiguous byte range
+    start = pool.kv_data[2, 0, 3].data_ptr()
+    assert pool.kv_data[2, 0, 4].data_ptr() - start == pool.page_nbytes
+
+
+def test_pool_sizing_from_tokens_or_bytes():
+    per_token = KVPool.bytes_per_token(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    assert per_token == 30 * 2 * 3 * 64 * 4
+    assert num_pages_for_budget(16, per_token, max_total_tokens=1000) == 62
+    assert num_pages_for_budget(16, per_token, kv_cache_memory=per_token * 16 * 5 + 1) == 5
+    with pytest.raises(ValueError, match="at least one"):
+        num_pages_for_budget(16, per_token, max_total_tokens=8)
+    with pytest.raises(ValueError, match="give"):
+        num_pages_for_budget(16, per_token)
+
+
+class _Runner:
+    """What ForwardBatch.init_new reads from a ModelRunner."""
+
+    device = torch.device("cpu")
+    req_to_token_pool = kv_pool = attn_backend = None
+
+
+def test_forward_batch_derives_positions_lengths_and_mode():
+    fb = ForwardBatch.init_new(
+        input_ids=[11, 12, 13, 21, 31, 32],
+        req_pool_indices=[0, 1, 2],
+        seq_lens=[3, 9, 6],
+        extend_prefix_lens=[0, 8, 4],
+        out_cache_loc=list(range(6)),
+        runner=_Runner(),
+    )
+    assert fb.forward_mode is ForwardMode.EXTEND and fb.batch_size == 3
+    assert fb.positions.tolist() == [0, 1, 2, 8, 4, 5]
+    assert fb.extend_seq_lens.tolist() == [3, 1, 2]
+    decode = ForwardBatch.init_new(
+        input_ids=[1, 2],
+        req_pool_indices=[0, 1],
+        seq_lens=[5, 7],
+        extend_seq_lens=[1, 1],
+        out_cache_loc=[4, 6],
+        runner=_Runner(),
+    )
+    assert decode.forward_mode is ForwardMode.DECODE and decode.extend_prefix_lens.tolist() == [4, 6]
+    assert decode.positions.tolist() == [4, 6]
+    with pytest.raises(ValueError, match="inconsistent"):
+        ForwardBatch.init_new(
+            input_ids=[1, 2],
+            req_pool_indices=[0],
+            seq_lens=[3],
+            extend_prefix_lens=[0],
+            out_cache_loc=[0, 1],
+            runner=_Runner(),
+        )
+    with pytest.raises(ValueError, match="one token per request"):
+        ForwardBatch.init_new(
+            input_ids=[1, 2],
+            req_pool_indices=[0],
+            seq_lens=[2],
+            extend_prefix_lens=[0],
+            out_cache_loc=[0, 1],
+            runner=_Runner(),
+            forward_mode=ForwardMode.DECODE,
+        )
