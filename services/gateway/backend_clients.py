@@ -10,6 +10,7 @@ from typing import Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import from_rpc_error
@@ -22,6 +23,14 @@ from pdserve.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+
+# Reconnect to a restarted worker within a second or two (gRPC's default backoff grows to 120 s).
+_CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 Role = Literal["tokenizer", "decode", "prefill", "detokenizer"]
 
@@ -54,7 +63,8 @@ class BackendClients:
         if stub is None:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._channels[address] = channel
             stub = self._stubs[key] = _STUBS[kind](channel)
         return stub
 
@@ -106,7 +116,8 @@ class BackendClients:
     ) -> None:
         """Hand one tokenized request to a decode-scheduler (``DecodeScheduler.Generate``).
 
-        ``routing``: prefill_address, fallback_prefill_addresses, output_address, gateway_address, deadline_unix_s, arrival_unix_s.
+        ``routing``: prefill_address, fallback_prefill_addresses, output_address, gateway_address,
+        deadline_unix_s, arrival_unix_s.
         """
         request = convert.tokenized_req_to_pb(rid, input_ids, sampling_params, **routing)
         try:

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
+
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
     ChoiceDelta,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+from pydantic import ValidationError
+
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.auth import check_grpc_key
 from pdserve.services.gateway.errors import GatewayError, generation_failed, invalid_request
@@ -20,7 +22,6 @@ from pdserve.services.gateway.native_protocol import NativeSamplingParams
 from pdserve.services.gateway.protocol import MAX_TOP_LOGPROBS
 from pdserve.services.gateway.serving_common import ServingContext, new_rid
 from pdserve.v1 import api_pb2, api_pb2_grpc
-from pydantic import ValidationError
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):

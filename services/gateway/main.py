@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import uvicorn
+
 from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
 from pdserve.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_dir, default_gguf_path
 from pdserve.rpc.server import GrpcServer, run_service

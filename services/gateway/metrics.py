@@ -17,12 +17,13 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.router import WorkerPool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.router import WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,12 @@ Both answer errors in OpenAI's JSON shape (starlette's own body limit answers pl
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
-from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
 
 MAX_RID_LENGTH = 256
 

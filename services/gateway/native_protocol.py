@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from pdserve.services.gateway.io_struct import SamplingParams
 from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, param_error
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pdserve.services.gateway.io_struct import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from pdserve.services.gateway.io_struct import SamplingParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20

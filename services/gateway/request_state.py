@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import GatewayError, duplicate_rid
 from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams

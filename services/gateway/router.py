@@ -37,6 +37,7 @@ class Worker:
 
     address: str
     healthy: bool = True
+    failed_probes: int = 0  # consecutive failed health checks
     reported_load: int = 0
     in_flight: int = 0
 

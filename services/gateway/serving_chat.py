@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+
 from pdserve.services.gateway.io_struct import ChatPrompt, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.protocol import ChatCompletionRequest
 from pdserve.services.gateway.protocol_responses import (

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+
 from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, TokenLogprob
 from pdserve.services.gateway.request_manager import RequestManager

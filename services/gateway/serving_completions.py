@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+
 from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.protocol import CompletionRequest
 from pdserve.services.gateway.protocol_responses import (

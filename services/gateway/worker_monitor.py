@@ -1,9 +1,10 @@
 """Background health checks of every backend worker and load polling of the schedulers.
 
-Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check; a worker that does
-not answer SERVING is taken out of routing (and the router forgets its cache) and put back once it
-answers SERVING again. Healthy schedulers are asked ``GetLoad`` for the least-load and cache-aware
-policies.
+Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check. A worker that fails
+``failure_threshold`` probes in a row (one slow answer on a saturated machine is not a death) is
+taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
+it is put back as soon as it answers SERVING again. Healthy schedulers are asked ``GetLoad`` for the
+least-load and cache-aware policies.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from collections.abc import Callable
 
 import grpc
+
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.router import Router, Worker, WorkerPool
 
@@ -29,8 +31,9 @@ class WorkerMonitor:
         clients: backend channels.
         pools: role -> pool, for every configured role (tokenizer, detokenizer, decode, prefill).
         router: told to forget a worker that went unhealthy.
-        on_down: called with ``(role, address)`` when a worker goes unhealthy.
+        on_down: called with ``(role, address)`` when a worker is taken out.
         interval: seconds between rounds.
+        failure_threshold: failed probes in a row that take a worker out.
     """
 
     def __init__(
@@ -40,16 +43,18 @@ class WorkerMonitor:
         router: Router,
         on_down: Callable[[str, str], None],
         interval: float = 1.0,
+        failure_threshold: int = 3,
     ) -> None:
         self.clients = clients
         self.pools = {role: pool for role, pool in pools.items() if pool}
         self.router = router
         self.on_down = on_down
         self.interval = interval
+        self.failure_threshold = failure_threshold
         self._task: asyncio.Task | None = None
 
     async def check_once(self) -> dict[str, dict[str, bool]]:
-        """Probe every worker now; returns role -> address -> serving."""
+        """Probe every worker now; returns role -> address -> answered SERVING to this probe."""
         pairs = [(role, w) for role, pool in self.pools.items() for w in pool.workers]
         results = await asyncio.gather(*(self._probe(role, w) for role, w in pairs))
         status: dict[str, dict[str, bool]] = {role: {} for role in self.pools}
@@ -59,12 +64,17 @@ class WorkerMonitor:
 
     async def _probe(self, role: str, worker: Worker) -> bool:
         ok = await self.clients.is_serving(worker.address)
-        if ok != worker.healthy:
-            logger.warning("%s worker %s is %s", role, worker.address, "back" if ok else "down; taken out")
-            if not ok:
-                self.router.forget(role, worker)
-                self.on_down(role, worker.address)
-        worker.healthy = ok
+        worker.failed_probes = 0 if ok else worker.failed_probes + 1
+        if ok and not worker.healthy:
+            logger.warning("%s worker %s is back", role, worker.address)
+            worker.healthy = True
+        elif worker.healthy and worker.failed_probes >= self.failure_threshold:
+            logger.warning(
+                "%s worker %s failed %d probes: taken out", role, worker.address, worker.failed_probes
+            )
+            worker.healthy = False
+            self.router.forget(role, worker)
+            self.on_down(role, worker.address)
         if ok and role in SCHEDULER_ROLES and self.router.policy_name != "round_robin":
             try:
                 worker.reported_load = await self.clients.load(role, worker.address)

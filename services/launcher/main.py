@@ -1,75 +1,184 @@
-"""``pdserve launch``: a whole pdserve topology on one machine, supervised in the foreground."""
+"""``pdserve launch``: a whole pdserve topology on one machine, supervised in the foreground.
+
+Starts the tokenizer and detokenizer, then the prefill and decode schedulers, then the gateway, each
+stage once the previous one answers its health checks; restarts a service that crashes (with
+backoff); on Ctrl-C or SIGTERM drains the gateway first and stops every process it started (a second
+Ctrl-C kills them at once). Children die with the launcher even if it is SIGKILLed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 
-from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
+from pdserve.cli_args import add_model_arg, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import run_service
+from pdserve.services.launcher import config
+from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.supervisor import Supervisor
 from pdserve.services.launcher.topology import build_topology
 
 logger = logging.getLogger("pdserve.launch")
 
+EPILOG = """\
+Every option can also be set as an environment variable PDSERVE_<OPTION> (e.g. PDSERVE_NUM_DECODE=2,
+PDSERVE_COLOCATED=1) or in a YAML file given with --config (or PDSERVE_CONFIG) whose keys are the
+option names, with dashes or underscores (num-decode: 2, max_total_tokens: 16384, colocated: true).
+Precedence: command line > environment > config file > defaults. Other PDSERVE_<FLAG> variables
+reach the services, which read their own flags (e.g. PDSERVE_MAX_PENDING_REQUESTS) from them.
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's and epilog's line breaks; shows each option's default unless unset."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=110)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve launch", description=__doc__)
+    """The ``pdserve launch`` options (environment and config file are applied by ``parse_args``)."""
+    p = argparse.ArgumentParser(
+        prog="pdserve launch",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument("--config", default=None, help="YAML file of option values (see below)")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="gateway HTTP/gRPC bind address")
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port")
     p.add_argument("--internal-host", default="127.0.0.1", help="address the internal services bind")
-    p.add_argument("--internal-port-base", type=int, default=30000, help="internal services use base+1 ...")
+    p.add_argument(
+        "--internal-port-base",
+        type=int,
+        default=30000,
+        help="internal ports: +1 tokenizer, +2 detokenizer, +10+i prefill-i, +20+i decode-i",
+    )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
     p.add_argument(
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights dtype")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size per scheduler, in tokens")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size per scheduler, in bytes")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "flashinfer"])
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])
-    p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument(
-        "--router-policy", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"]
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch_native", "flashinfer"],
+        help="attention kernels (auto: flashinfer on CUDA, else torch_native)",
     )
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-running-requests", type=int, default=64, help="running batch size per scheduler")
+    p.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens prefilled per step")
+    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        choices=["round_robin", "least_load", "cache_aware"],
+        help="how the gateway picks workers",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
     p.add_argument("--api-key", default=None, help="require this key on the HTTP and gRPC APIs")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--log-level", default="info")
-    apply_env_defaults(p)
+    p.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds a service may take to become healthy"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on shutdown, seconds the gateway gets to finish or abort in-flight requests",
+    )
+    p.add_argument("--log-level", default="info", help="log level of the launcher and every service")
     return p
 
 
-async def launch(args: argparse.Namespace, stop: asyncio.Event) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options from command line, environment and config file (see ``config.parse_args``).
+
+    Exits with status 2 and a message for a bad config file or an impossible topology.
+    """
+    parser = make_parser()
+    args = config.parse_args(parser, argv)
+    if args.num_decode < 1:
+        parser.error("--num-decode must be at least 1")
+    if args.num_prefill < 1 and not args.colocated:
+        parser.error("--num-prefill must be at least 1 (or use --colocated)")
+    if args.drain_timeout < 0:
+        parser.error("--drain-timeout must not be negative")
+    return args
+
+
+async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console) -> None:
+    """Start the topology, supervise it until ``stop`` is set (or a signal arrives), then stop it."""
+    console.status("resolving the model ...")
     model_dir = str(await asyncio.to_thread(resolve_model, args.model))
-    supervisor = Supervisor(build_topology(args, model_dir), startup_timeout=args.startup_timeout)
+    console.status("")
+    supervisor = Supervisor(
+        build_topology(args, model_dir),
+        console,
+        startup_timeout=args.startup_timeout,
+        drain_timeout=args.drain_timeout,
+    )
+
+    def on_signal() -> None:
+        if stop.is_set():
+            logger.warning("second signal: killing every service now")
+            supervisor.kill_all()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
     try:
-        starting = asyncio.create_task(supervisor.start_all())
-        stopped = asyncio.create_task(stop.wait())
+        starting = asyncio.ensure_future(supervisor.start_all())
+        stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            starting.result()
-            api = f"http://{args.host}:{args.port}/v1"
-            print(f"pdserve is up: OpenAI API at {api}, gRPC at {args.host}:{args.grpc_port}", flush=True)
-            await supervisor.watch(stop)
-        else:
+        stopped.cancel()
+        if not starting.done():
+            logger.info("stop requested during start-up")
             starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            return
+        try:
+            starting.result()
+        except RuntimeError as e:
+            logger.error("start-up failed: %s", e)
+            raise SystemExit(1) from None
+        console.print(
+            f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1, "
+            f"gRPC at {args.host}:{args.grpc_port} (Ctrl-C to stop)"
+        )
+        await supervisor.supervise(stop)
+        logger.info("shutting down: draining the gateway (up to %.0f s)", args.drain_timeout)
     finally:
         await supervisor.stop_all()
+        logger.info("every service stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    args = parse_args(argv)
     setup_logging(args.log_level, "launch")
-    run_service(lambda stop: launch(args, stop))
+    console = Console()
+    handler = ConsoleHandler(console)
+    root = logging.getLogger()
+    handler.setFormatter(root.handlers[0].formatter)
+    root.handlers = [handler]
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not every health poll
+    run_service(lambda stop: launch(args, stop, console))
 
 
 if __name__ == "__main__":

@@ -1,123 +1,207 @@
-"""Start services in order, wait for their health checks, restart crashes, stop them all on exit."""
+"""Start services in order, wait for their health checks, restart crashes, drain and stop them all on exit."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-import os
 import signal
 import time
 
 import httpx
 
 from pdserve.rpc.server import wait_for_health
+from pdserve.services.launcher.child import Child, describe_exit
+from pdserve.services.launcher.console import Console
 from pdserve.services.launcher.topology import ServiceSpec
 
 logger = logging.getLogger("pdserve.launch")
 
 MAX_BACKOFF_S = 30.0
+# a child that stayed up this long before crashing restarts after the shortest backoff again
+BACKOFF_RESET_S = 60.0
+CRASH_TAIL_LINES = 5
+SPINNER = "|/-\\"
 
 
 class Supervisor:
     """Owns every child process of a ``pdserve launch``.
 
     Args:
-        specs: the services, in start order.
-        startup_timeout: seconds each start-up group may take to become healthy.
-        grace: seconds a child gets between SIGTERM and SIGKILL when stopping.
+        specs: the services (see ``topology.build_topology``).
+        console: where progress, the children's output and the restart log go.
+        startup_timeout: seconds a service may take to become healthy (at start and after a restart).
+        drain_timeout: seconds the gateway gets, once told to stop, to finish or abort in-flight
+            requests and exit before it is killed.
+        grace: seconds every other service gets between SIGTERM and SIGKILL.
+
+    Attributes:
+        children: name -> the running ``Child``.
+        restarts: name -> how many times it was restarted.
     """
 
-    def __init__(self, specs: list[ServiceSpec], startup_timeout: float = 600.0, grace: float = 10.0) -> None:
+    def __init__(
+        self,
+        specs: list[ServiceSpec],
+        console: Console,
+        startup_timeout: float = 600.0,
+        drain_timeout: float = 30.0,
+        grace: float = 10.0,
+    ) -> None:
         self.specs = specs
+        self.console = console
+        console.name_width = max(len(s.name) for s in specs)
         self.startup_timeout = startup_timeout
+        self.drain_timeout = drain_timeout
         self.grace = grace
-        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.children: dict[str, Child] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
+        self._keepers: list[asyncio.Task] = []
 
-    async def _spawn(self, spec: ServiceSpec) -> None:
-        self.procs[spec.name] = await asyncio.create_subprocess_exec(*spec.command, env=os.environ.copy())
-        logger.info("started %s (pid %d)", spec.name, self.procs[spec.name].pid)
+    def stages(self) -> list[list[ServiceSpec]]:
+        """The specs grouped by start stage, in start order."""
+        ordered = sorted(self.specs, key=lambda s: s.stage)
+        return [list(g) for _, g in itertools.groupby(ordered, key=lambda s: s.stage)]
 
-    async def _healthy(self, spec: ServiceSpec, timeout: float) -> bool:
+    async def _spawn(self, spec: ServiceSpec) -> Child:
+        child = await Child.spawn(spec.name, spec.command, self.console.child_line)
+        self.children[spec.name] = child
+        logger.info("started %s (pid %d)", spec.name, child.pid)
+        return child
+
+    async def _poll_health(self, spec: ServiceSpec) -> bool:
         if not spec.health.startswith("http"):
-            return await wait_for_health(spec.health, timeout)
-        deadline = time.monotonic() + timeout
+            return await wait_for_health(spec.health, self.startup_timeout)
+        deadline = time.monotonic() + self.startup_timeout
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(spec.health)).status_code == 200:
                         return True
-                except httpx.HTTPError:
-                    pass
                 await asyncio.sleep(0.3)
         return False
 
-    async def start_all(self) -> None:
-        """Start roles group by group (text services, schedulers, gateway), waiting for each.
+    async def _ready(self, spec: ServiceSpec, child: Child) -> None:
+        """Wait until ``spec`` answers its health check.
 
-        Raises RuntimeError naming the service that did not become healthy.
+        Raises RuntimeError if the child exits first or ``startup_timeout`` passes.
         """
-        groups: list[list[ServiceSpec]] = [[], [], []]
-        for spec in self.specs:
-            groups[{"tokenizer": 0, "detokenizer": 0, "gateway": 2}.get(spec.role, 1)].append(spec)
+        health = asyncio.ensure_future(self._poll_health(spec))
+        exited = asyncio.ensure_future(child.wait())
+        await asyncio.wait({health, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not health.done():
+            health.cancel()
+            raise RuntimeError(f"{spec.name} {describe_exit(child.returncode)} while starting{_tail(child)}")
+        if not health.result():
+            raise RuntimeError(f"{spec.name} did not become healthy within {self.startup_timeout:.0f} s")
+
+    async def start_all(self) -> None:
+        """Start the stages in order, each only once the previous one is healthy; show progress.
+
+        Prints ``[k/n] name ready (t s)`` as each service becomes healthy (plus a live status line on
+        a TTY). Raises RuntimeError naming the first service that failed to start.
+        """
         t0 = time.monotonic()
+        waiting: list[str] = []
         done = 0
-        for group in groups:
-            for spec in group:
-                await self._spawn(spec)
-            results = await asyncio.gather(*(self._healthy(s, self.startup_timeout) for s in group))
-            for spec, ok in zip(group, results, strict=True):
-                if not ok:
-                    raise RuntimeError(
-                        f"{spec.name} did not become healthy within {self.startup_timeout:.0f} s"
-                    )
-                done += 1
-                print(
-                    f"[{done}/{len(self.specs)}] {spec.name} ready ({time.monotonic() - t0:.1f} s)",
-                    flush=True,
-                )
 
-    async def watch(self, stop: asyncio.Event) -> None:
-        """Restart a crashed service with exponential backoff until ``stop`` is set."""
-        while not stop.is_set():
-            for spec in self.specs:
-                proc = self.procs.get(spec.name)
-                if proc is None or proc.returncode is None or self.stopping:
-                    continue
-                n = self.restarts.get(spec.name, 0)
-                backoff = min(MAX_BACKOFF_S, 2.0**n)
-                logger.warning(
-                    "%s exited with code %s; restarting in %.0f s (restart #%d)",
-                    spec.name,
-                    proc.returncode,
-                    backoff,
-                    n + 1,
+        async def ready(spec: ServiceSpec, child: Child) -> None:
+            nonlocal done
+            await self._ready(spec, child)
+            done += 1
+            waiting.remove(spec.name)
+            elapsed = time.monotonic() - t0
+            self.console.print(f"[{done}/{len(self.specs)}] {spec.name} ready ({elapsed:.1f} s)")
+
+        async def show_progress() -> None:
+            for tick in itertools.count():
+                spin = SPINNER[tick % len(SPINNER)]
+                elapsed = time.monotonic() - t0
+                self.console.status(
+                    f"{spin} [{done}/{len(self.specs)}] waiting for {', '.join(waiting)} ({elapsed:.0f} s)"
                 )
-                self.restarts[spec.name] = n + 1
-                del self.procs[spec.name]
-                asyncio.create_task(self._restart(spec, backoff))
+                await asyncio.sleep(0.25)
+
+        progress = asyncio.ensure_future(show_progress())
+        try:
+            for stage in self.stages():
+                children = [await self._spawn(spec) for spec in stage]
+                waiting.extend(spec.name for spec in stage)
+                async with asyncio.TaskGroup() as group:
+                    for spec, child in zip(stage, children, strict=True):
+                        group.create_task(ready(spec, child))
+        except* RuntimeError as failed:
+            raise failed.exceptions[0] from None
+        finally:
+            progress.cancel()
+            self.console.status("")
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Keep every service running (restarting crashed ones with backoff) until ``stop`` is set."""
+        self._keepers = [asyncio.ensure_future(self._keep_alive(spec)) for spec in self.specs]
+        await stop.wait()
+
+    async def _keep_alive(self, spec: ServiceSpec) -> None:
+        """Restart ``spec`` whenever its process exits: after 1, 2, 4 ... 30 s of backoff (doubling
+        over consecutive quick crashes), logging how it exited and its last output lines."""
+        failures = 0
+        while True:
+            child = self.children[spec.name]
+            code = await child.wait()
+            if self.stopping:
+                return
+            child.signal(signal.SIGKILL)  # whatever it left behind in its process group
+            uptime = child.uptime
+            failures = 1 if uptime >= BACKOFF_RESET_S else failures + 1
+            delay = min(MAX_BACKOFF_S, 2.0 ** (failures - 1))
+            self.restarts[spec.name] = self.restarts.get(spec.name, 0) + 1
+            logger.warning(
+                "%s (pid %d) %s after %.0f s up; restarting it in %.0f s (restart #%d)%s",
+                spec.name, child.pid, describe_exit(code), uptime, delay, self.restarts[spec.name],
+                _tail(child),
+            )  # fmt: skip
+            await asyncio.sleep(delay)
+            child = await self._spawn(spec)
             try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except TimeoutError:
-                pass
-
-    async def _restart(self, spec: ServiceSpec, delay: float) -> None:
-        await asyncio.sleep(delay)
-        if not self.stopping:
-            await self._spawn(spec)
+                await self._ready(spec, child)
+            except RuntimeError as e:
+                logger.error("restart of %s failed: %s", spec.name, e)
+                child.signal(signal.SIGKILL)
+                continue
+            logger.info("%s is back (pid %d, %.1f s after restart)", spec.name, child.pid, child.uptime)
 
     async def stop_all(self) -> None:
-        """SIGTERM every child (gateway first, so it stops taking requests), SIGKILL after ``grace``."""
+        """Drain and stop everything, in reverse start order.
+
+        The gateway goes first: it stops accepting requests, finishes or aborts those in flight and
+        exits (killed after ``drain_timeout`` s). Then the schedulers, then the tokenizer and
+        detokenizer (each killed after ``grace`` s). Every child's process group is SIGKILLed at
+        the end, so nothing it started survives.
+        """
         self.stopping = True
-        for spec in reversed(self.specs):
-            proc = self.procs.get(spec.name)
-            if proc is not None and proc.returncode is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            try:
-                await asyncio.wait_for(proc.wait(), self.grace)
-            except TimeoutError:
-                logger.warning("%s did not stop within %.0f s; killing it", name, self.grace)
-                proc.kill()
-                await proc.wait()
+        for keeper in self._keepers:
+            keeper.cancel()
+        for stage in reversed(self.stages()):
+            children = [self.children[s.name] for s in stage if s.name in self.children]
+            timeout = self.drain_timeout if any(s.role == "gateway" for s in stage) else self.grace
+            names = ", ".join(c.name for c in children)
+            if names:
+                logger.info("stopping %s", names)
+            graceful = await asyncio.gather(*(c.stop(timeout) for c in children))
+            for child, ok in zip(children, graceful, strict=True):
+                if not ok:
+                    logger.warning("%s did not stop within %.0f s; killed it", child.name, timeout)
+
+    def kill_all(self) -> None:
+        """SIGKILL every child's process group now (a second Ctrl-C)."""
+        self.stopping = True
+        for child in self.children.values():
+            child.signal(signal.SIGKILL)
+
+
+def _tail(child: Child) -> str:
+    lines = list(child.tail)[-CRASH_TAIL_LINES:]
+    return "; last output:\n" + "\n".join(f"    {line}" for line in lines) if lines else ""

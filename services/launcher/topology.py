@@ -1,10 +1,17 @@
-"""Which processes a one-machine deployment runs, with their flags and ports."""
+"""Which processes a one-machine deployment runs, with their flags and ports.
+
+Ports: the gateway binds ``--port`` (HTTP) and ``--grpc-port``; the internal services bind
+``--internal-port-base`` + 1 (tokenizer), + 2 (detokenizer), + 10 + i (prefill-i) and + 20 + i (decode-i;
+with more than 10 prefill workers the decode ports start right after the last prefill port).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass
+
+STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway": 2}
 
 
 @dataclass
@@ -22,6 +29,11 @@ class ServiceSpec:
     @property
     def command(self) -> list[str]:
         return [sys.executable, "-m", "pdserve.cli", self.role, *self.argv]
+
+    @property
+    def stage(self) -> int:
+        """Start order (0: tokenizer and detokenizer, 1: schedulers, 2: gateway); stop in reverse."""
+        return STAGES[self.role]
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -55,7 +67,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     ]
     num_prefill = 0 if args.colocated else args.num_prefill
     prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
-    decodes = [f"{host}:{base + 20 + i}" for i in range(args.num_decode)]
+    first_decode = base + 10 + max(10, num_prefill)
+    decodes = [f"{host}:{first_decode + i}" for i in range(args.num_decode)]
     for i, addr in enumerate(prefills):
         argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
         specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr))

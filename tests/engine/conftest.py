@@ -13,7 +13,7 @@ from pdserve.model_source import resolve_model
 
 @pytest.fixture(scope="session")
 def model_path():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
     return resolve_model()
 
 

@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass
 
 import pytest_asyncio
+
 from pdserve.rpc.server import wait_for_health
 from pdserve.services.gateway.main import Gateway, parse_args
 from pdserve.services.tokenizer.main import build_parser, start_server

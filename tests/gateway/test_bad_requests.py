@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from pdserve.model_source import resolve_model
 from transformers import AutoConfig
 
+from pdserve.model_source import resolve_model
 from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
 from tests.reference import chat_ids, hf_tokenizer
 

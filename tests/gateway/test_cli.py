@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.model_source import DEFAULT_MODEL_NAME, resolve_model
 from pdserve.services.gateway.main import default_served_name, parse_args
 

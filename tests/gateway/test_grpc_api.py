@@ -8,10 +8,10 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.model_source import resolve_model
-from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2, output_pb2, output_pb2_grpc, tokenizer_pb2
 from transformers import AutoConfig
 
+from pdserve.model_source import resolve_model
+from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2, output_pb2, output_pb2_grpc, tokenizer_pb2
 from tests.gateway.conftest import API_KEY
 from tests.reference import chat_ids
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.services.gateway.metrics import GatewayMetrics, render_merged
-from prometheus_client.parser import text_string_to_metric_families
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

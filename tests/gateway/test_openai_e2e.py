@@ -13,9 +13,9 @@ import time
 import grpc
 import httpx
 import openai
+
 from pdserve.services.gateway.main import Gateway, parse_args
 from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
-
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 
 MODEL = "SmolLM2-135M-Instruct"

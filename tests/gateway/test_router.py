@@ -7,6 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.prefix_tree import ApproxPrefixTree
 from pdserve.services.gateway.router import CacheAwarePolicy, Router, WorkerPool
@@ -23,6 +24,7 @@ def test_round_robin_cycles_healthy_workers_and_fails_with_none() -> None:
     routes = [r.route([1, 2, 3]) for _ in range(6)]
     assert [x.decode.address for x in routes] == DECODES * 2
     assert [x.prefill_address for x in routes] == ["p0:1", "p1:1"] * 3
+    assert [x.fallback_prefill_addresses for x in routes[:2]] == [["p1:1"], ["p0:1"]]
     r.decode.workers[1].healthy = False
     assert {r.route([1]).decode.address for _ in range(4)} == {"d0:1", "d2:1"}
     for w in r.decode.workers:

@@ -75,7 +75,7 @@ def test_second_turn_transfers_only_the_new_pages(stack):
 @pytest.fixture(scope="module")
 def two_prefill_stack():
     stack = launch_stack(
-        "--num-prefill", "2", "--num-decode", "1", "--dtype", "float32", "--max-total-tokens", "32768",
+        "--num-prefill", "2", "--num-decode", "1", "--dtype", "float32", "--max-total-tokens", "16384",
         "--router-policy", "round_robin", log_name="pd-kill",
     )  # fmt: skip
     yield stack

@@ -188,3 +188,29 @@ def test_lpm_orders_by_cached_prefix_and_guards_against_starvation():
     assert [r.rid for r in queue] == ["a", "b", "c"]
     with pytest.raises(ValueError, match="unknown schedule policy"):
         SchedulePolicy("random", lambda r: 0)
+
+
+def test_long_prompt_is_chunked_beside_the_decoding_batch(big_runner):
+    """With 8 requests decoding, a 3,000-token prompt never stalls them: every step while it is
+    prefilled is one chunk of at most chunked_prefill_size tokens run beside all 8 decodes, so their
+    worst inter-token gap is one chunk step."""
+    sched = fresh(big_runner, role="mixed", chunked_prefill_size=256)
+    for i in range(8):
+        sched.add_request(req(f"d{i}", ids(f"Count from {i} to one hundred:"), max_new=64, ignore_eos=True))
+    for _ in range(3):  # all eight are decoding now
+        batch = sched.schedule()
+        sched.process_result(batch, sched.run_batch(batch))
+    assert len(sched.running) == 8
+    long_prompt = ids(" ".join(["history"] * 3000))[:3000]
+    sched.add_request(req("long", long_prompt, max_new=4))
+    chunk_steps = 0
+    while sched.reqs["long"].state is not ReqState.RUNNING:
+        before = {r.rid: len(r.output_ids) for r in sched.running}
+        batch = sched.schedule()
+        assert batch.num_extend == 1 and batch.extend_lens[0] <= 256
+        assert {r.rid for r in batch.reqs[1:]} == set(before)  # every decoding request runs this step
+        sched.process_result(batch, sched.run_batch(batch))
+        assert all(len(sched.reqs[rid].output_ids) == n + 1 for rid, n in before.items() if rid in sched.reqs)
+        chunk_steps += 1
+    assert chunk_steps == -(-3000 // 256)
+    drive(sched)

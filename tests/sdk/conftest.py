@@ -8,8 +8,8 @@ from concurrent import futures
 
 import grpc
 import pytest
-from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
+from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 from tests.stack import Stack, launch_stack
 
 API_KEY = "k"

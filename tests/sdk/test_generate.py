@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import openai
 import pytest
-from pdserve.model_source import resolve_model
 from pdserve_sdk import AsyncClient, Client, ModelCard
 from transformers import AutoConfig
 
+from pdserve.model_source import resolve_model
 from tests.reference import chat_ids, hf_tokenizer
 
 PROMPT = "Once upon a time, in a small village by the sea,"

@@ -6,8 +6,9 @@ import json
 
 import pytest
 from google.protobuf.json_format import MessageToDict
-from pdserve.v1 import api_pb2
 from pdserve_sdk.requests import chat_request, generate_request
+
+from pdserve.v1 import api_pb2
 
 
 def as_server_sees(request) -> dict:

@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from pdserve.v1 import api_pb2_grpc
 from pdserve_sdk import Client, NotFoundError, RetryPolicy, ServiceUnavailableError, TlsConfig
 
+from pdserve.v1 import api_pb2_grpc
 from tests.sdk.conftest import ScriptedPdServe
 
 SERVER_NAME = "pdserve.test"

@@ -159,7 +159,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
-        qg = q[group.query_index].view(rows, max_q, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(rows, hkv, -1, d)
+        qg = q[group.query_index].view(rows, max_q, hkv, g, d)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
         pages = group.page_table.view(-1)
         kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
         vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)

@@ -1,0 +1,64 @@
+"""The launcher's terminal output: its own log lines, its children's output, and a live status line.
+
+Everything goes to one stream, one line at a time. On a TTY a status line (start-up progress) stays at
+the bottom and is redrawn in place under the lines printed above it; on anything else (a file, a pipe)
+the status line is not drawn and the output is plain text.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+CLEAR_LINE = "\r\x1b[2K"
+
+
+class Console:
+    """Line-oriented output with an optional live status line.
+
+    Args:
+        stream: where to write (default ``sys.stdout``).
+        live: draw the status line; default: whether ``stream`` is a TTY.
+    """
+
+    def __init__(self, stream: TextIO | None = None, live: bool | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.live = self.stream.isatty() if live is None else live
+        self._status = ""
+        self.name_width = 0
+
+    def print(self, text: str) -> None:
+        """Write ``text`` as whole line(s) above the status line."""
+        if self.live and self._status:
+            self.stream.write(CLEAR_LINE)
+        self.stream.write(text + "\n")
+        if self.live and self._status:
+            self.stream.write(self._status)
+        self.stream.flush()
+
+    def child_line(self, name: str, line: str) -> None:
+        """A line of a child's output, prefixed with its name: ``"decode-0    | ..."``."""
+        self.print(f"{name:<{self.name_width}} | {line}")
+
+    def status(self, text: str) -> None:
+        """Replace the live status line (``""`` removes it); a no-op when not live."""
+        if not self.live:
+            return
+        self._status = text
+        self.stream.write(CLEAR_LINE + text)
+        self.stream.flush()
+
+
+class ConsoleHandler(logging.Handler):
+    """A logging handler that prints records through a ``Console`` (so they don't break its status line)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(self.format(record))
+        except Exception:
+            self.handleError(record)

@@ -1,0 +1,56 @@
+"""Which processes ``pdserve launch`` starts, on which ports, in which order."""
+
+from __future__ import annotations
+
+from pdserve.services.launcher.main import make_parser
+from pdserve.services.launcher.topology import build_topology
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_pd_topology_names_ports_and_stages() -> None:
+    args = make_parser().parse_args(
+        ["--num-prefill", "1", "--num-decode", "2", "--internal-port-base", "40000"]
+    )
+    specs = build_topology(args, "/m")
+    assert [s.name for s in specs] == [
+        "tokenizer",
+        "detokenizer",
+        "prefill-0",
+        "decode-0",
+        "decode-1",
+        "gateway",
+    ]
+    assert [s.stage for s in specs] == [0, 0, 1, 1, 1, 2]
+    ports = {s.name: int(_flag(s.argv, "--port")) for s in specs}
+    assert ports == {
+        "tokenizer": 40001,
+        "detokenizer": 40002,
+        "prefill-0": 40010,
+        "decode-0": 40020,
+        "decode-1": 40021,
+        "gateway": 8000,
+    }
+    gateway = specs[-1].argv
+    assert _flag(gateway, "--decode-addresses") == "127.0.0.1:40020,127.0.0.1:40021"
+    assert _flag(gateway, "--prefill-addresses") == "127.0.0.1:40010"
+    assert specs[-1].health == "http://127.0.0.1:8000/health"
+    assert all(_flag(s.argv, "--model") == "/m" for s in specs)
+    assert specs[3].command[-len(specs[3].argv) - 1 :] == ["decode", *specs[3].argv]
+
+
+def test_colocated_has_no_prefill_pool() -> None:
+    args = make_parser().parse_args(["--colocated", "--num-decode", "2"])
+    specs = build_topology(args, "/m")
+    assert [s.role for s in specs] == ["tokenizer", "detokenizer", "decode", "decode", "gateway"]
+    assert all("--colocated" in s.argv for s in specs if s.role == "decode")
+    assert _flag(specs[-1].argv, "--prefill-addresses") == ""
+
+
+def test_many_prefill_workers_do_not_collide_with_decode_ports() -> None:
+    args = make_parser().parse_args(["--num-prefill", "12", "--num-decode", "3", "--internal-port-base", "0"])
+    ports = [int(_flag(s.argv, "--port")) for s in build_topology(args, "/m")[:-1]]
+    assert len(set(ports)) == len(ports)
+    assert ports[2:14] == list(range(10, 22)) and ports[14:] == [22, 23, 24]
