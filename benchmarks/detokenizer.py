@@ -23,6 +23,7 @@ import sys
 import time
 
 import grpc
+
 from pdserve.detokenize import DecodeOptions, IncrementalDetokenizer, TokenStep
 from pdserve.rpc.client_stream import ClientStreamSender
 from pdserve.rpc.server import GrpcServer, wait_for_health

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
 from pdserve.kv_transfer import KVLayout, KVTransferAgent, coalesce
 
 logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, among the table

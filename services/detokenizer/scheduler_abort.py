@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import grpc
+
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 

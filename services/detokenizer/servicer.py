@@ -6,6 +6,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from pdserve.detokenize import IncrementalDetokenizer
 from pdserve.rpc.client_stream import ClientStreamPool
 from pdserve.services.detokenizer.convert import (

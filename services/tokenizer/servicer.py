@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+
 from pdserve.services.tokenizer.convert import info_to_pb, tokenize
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc

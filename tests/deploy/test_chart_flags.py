@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
+
 from pdserve import cli
 from pdserve.model_source import cache_dir
-
 from tests.deploy.conftest import CHART_DIR, RELEASE, Rendered, load_values, render
 
 ROLES = ("gateway", "tokenizer", "detokenizer", "prefill", "decode")

@@ -21,8 +21,8 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.model_source import cache_dir
 
+from pdserve.model_source import cache_dir
 from tests.deploy.conftest import Rendered, load_values, render
 from tests.stack import free_port_block
 

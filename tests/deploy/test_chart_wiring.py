@@ -7,8 +7,8 @@ import re
 from typing import Any
 
 import pytest
-from pdserve.v1 import output_pb2, scheduler_pb2, tokenizer_pb2
 
+from pdserve.v1 import output_pb2, scheduler_pb2, tokenizer_pb2
 from tests.deploy.conftest import CHART_DIR, NAMESPACE, RELEASE, Rendered, load_values, render
 
 SCHEDULERS = ("prefill", "decode")

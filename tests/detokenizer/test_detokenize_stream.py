@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from pdserve.detokenize import DecodeOptions, IncrementalDetokenizer, TextDelta, TokenStep
 from pdserve.tokenization import Tokenizer
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 FFFD = "\ufffd"
 SETTINGS = settings(

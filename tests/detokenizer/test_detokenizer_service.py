@@ -9,12 +9,13 @@ from collections import defaultdict
 import grpc
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdserve.rpc.client_stream import ClientStreamSender
 from pdserve.rpc.server import GrpcServer, wait_for_health
 from pdserve.services.detokenizer.main import build_parser, start_server
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 TEXT = "The quick brown fox jumps over the lazy dog. 你好世界 😀 and the end."
 STOP = "lazy"

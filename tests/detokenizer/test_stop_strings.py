@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pdserve.detokenize import DecodeOptions, IncrementalDetokenizer, TextDelta, TokenStep
 from pdserve.tokenization import Tokenizer
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
+
 from pdserve.kv_transfer import KVAgentInfo, KVLayout, KVTransferAgent, KVTransferError
 
 LAYOUT = KVLayout(

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import torch
+
 from pdserve.kv_transfer import (
     KVLayout,
     KVLayoutMismatch,
@@ -16,7 +17,6 @@ from pdserve.kv_transfer import (
     KVTransferError,
     KVTransferTimeout,
 )
-
 from tests.kv_transfer.peer import pool_shape, seeded_pool
 
 LAYOUT = KVLayout(

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pdserve.kv_transfer import KVAgentInfo, KVLayout, coalesce
 from pdserve.kv_transfer.descriptors import page_run_descs
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVLayoutMismatch, check_compatible
 from pdserve.v1 import scheduler_pb2
 

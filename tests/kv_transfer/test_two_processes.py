@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.kv_transfer import KVTransferAgent, KVTransferError, KVTransferTimeout
 
+from pdserve.kv_transfer import KVTransferAgent, KVTransferError, KVTransferTimeout
 from tests.kv_transfer.peer import LAYOUT, NUM_PAGES, seeded_pool, start_peer
 
 SRC_PAGES = 48  # prefill's pool is smaller than decode's, so base/num_pages mix-ups show

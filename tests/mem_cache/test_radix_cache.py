@@ -1,6 +1,7 @@
 """Unit tests of RadixCache: edge splits, duplicate pages on insert, locks, LRU eviction order."""
 
 import pytest
+
 from pdserve.mem_cache.radix_cache import RadixCache
 
 

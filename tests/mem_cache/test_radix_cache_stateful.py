@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.radix_cache import RadixCache, TreeNode
 

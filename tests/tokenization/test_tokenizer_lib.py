@@ -7,9 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig, AutoTokenizer
+
 from pdserve.model_source import resolve_model
 from pdserve.tokenization import ChatMessage, ChatTemplateError, Tokenizer
-from transformers import AutoConfig, AutoTokenizer
 
 CONVERSATION = [
     ChatMessage("system", "You answer in one word."),

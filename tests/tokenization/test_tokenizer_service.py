@@ -5,13 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 import pytest_asyncio
+from transformers import AutoConfig
+
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import wait_for_health
 from pdserve.services.tokenizer.main import build_parser, start_server
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import tokenizer_pb2 as pb
 from pdserve.v1 import tokenizer_pb2_grpc
-from transformers import AutoConfig
 
 MESSAGES = [("system", "Be brief."), ("user", "Hi! 你好"), ("assistant", "Hello."), ("user", "Name a color.")]
 
