@@ -1,16 +1,18 @@
 """Engine decode throughput beside Hugging Face ``generate()``: ``python -m benchmarks.engine``.
 
 For each dtype and batch size, ``B`` random prompts of ``--prompt-len`` tokens are prefilled in one
-extend and decoded together for ``--new-tokens`` tokens (greedy, no early stop). Decode throughput
-is ``B * (new_tokens - 1) / decode seconds``; for HF it is measured the same way, as the time of
-``generate(new_tokens)`` minus the time of ``generate(1)`` (its prefill). Prints a table, then as
-the last line one JSON object with every number and the engine/HF ratios.
+extend and decoded together for ``--new-tokens`` tokens (greedy, no early stop), by our engine and
+by HF ``generate()`` on the same machine in the same run. Decode throughput is ``B / median
+decode-step seconds`` for both (HF's steps are timed through a streamer), so a noisy shared
+machine skews the two alike. Prints a table, then as the last line one JSON object with every
+number and the engine/HF ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -27,36 +29,44 @@ def engine_decode(runner: ModelRunner, prompts: list[list[int]], new_tokens: int
     """(prefill tokens/s, decode tokens/s) of our engine for one batch."""
     driver = Driver(runner)
     seqs = [driver.add(p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens)) for p in prompts]
-    start = time.perf_counter()
-    driver.step([(s, None) for s in seqs])
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(new_tokens - 1):
+    steps = []
+    for _ in range(new_tokens):
+        start = time.perf_counter()
         driver.step([(s, None) for s in seqs])
-    decode = time.perf_counter() - start
+        steps.append(time.perf_counter() - start)
     driver.release(*seqs)
-    return sum(map(len, prompts)) / prefill, len(prompts) * (new_tokens - 1) / decode
+    return sum(map(len, prompts)) / steps[0], len(prompts) / statistics.median(steps[1:])
+
+
+class _StepClock:
+    """A ``generate()`` streamer that only timestamps each call: the prompt, then every step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s of HF ``generate()`` (greedy, ``min_new_tokens`` so no row stops early)."""
     ids = torch.tensor(prompts)
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=model.config.eos_token_id,
-            )
-        return time.perf_counter() - start
-
-    prefill = run(1)
-    return len(prompts) * (new_tokens - 1) / max(run(new_tokens) - prefill, 1e-9)
+    clock = _StepClock()
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+            streamer=clock,
+        )
+    decode_steps = [b - a for a, b in zip(clock.times[1:], clock.times[2:], strict=False)]
+    return len(prompts) / statistics.median(decode_steps)
 
 
 def main() -> None:

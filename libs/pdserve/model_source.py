@@ -66,6 +66,17 @@ def resolve_model(model: str | None = None) -> Path:
     return convert_gguf(gguf)
 
 
+def served_model_name(model: str | None) -> str:
+    """The model id clients use for ``--model``: SmolLM2-135M-Instruct for the default model (also
+    for its converted cache directory, which the launcher passes on), else the file or directory name."""
+    if model is None or model == DEFAULT_MODEL:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.parent == cache_dir() and path.name.startswith(f"{default_gguf_path().stem}-"):
+        return DEFAULT_MODEL_NAME
+    return path.name.removesuffix(".gguf")
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` to fp32 safetensors once; concurrent callers wait on a file lock."""
     stat = gguf.stat()

@@ -1,9 +1,9 @@
 """API-key authentication (``Authorization: Bearer <key>``) for the HTTP API and the public gRPC API.
 
-HTTP: an ASGI middleware that answers 401 in OpenAI's error shape before the body is read, for every
-path except the open ones (``/health``, ``/metrics``). gRPC: the public ``pdserve.v1.PdServe``
-methods abort with UNAUTHENTICATED; the internal services (``GatewayOutput``, health, reflection)
-stay open.
+HTTP: an ASGI middleware that answers 401 in OpenAI's error shape before the body is read, for
+every path except the open ones (``/health``, ``/metrics``). gRPC: a server interceptor answers
+calls to the public ``pdserve.v1.PdServe`` methods with UNAUTHENTICATED; the internal services
+(``GatewayOutput``, health, reflection) stay open.
 """
 
 from __future__ import annotations
@@ -49,15 +49,32 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def check_grpc_key(context: grpc.aio.ServicerContext, api_key: str | None) -> None:
-    """Abort the call with UNAUTHENTICATED unless its ``authorization`` metadata carries ``api_key``.
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Deny calls to ``protected`` methods (``/pdserve.v1.PdServe/...``) with UNAUTHENTICATED unless
+    their ``authorization`` metadata carries the API key; other services pass through."""
 
-    Called at the top of each public ``PdServe`` method. (An interceptor would be the natural
-    place, but ``pdserve.rpc.server.GrpcServer`` builds its ``grpc.aio.server`` without one.)
-    """
-    if api_key is None:
-        return
-    metadata = dict(context.invocation_metadata() or ())
-    error = check_bearer(metadata.get("authorization"), api_key)
-    if error is not None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+    def __init__(self, api_key: str, protected: str = "/pdserve.v1.PdServe/") -> None:
+        self.api_key = api_key
+        self.protected = protected
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.protected):
+            return handler
+        error = check_bearer(dict(details.invocation_metadata or ()).get("authorization"), self.api_key)
+        if error is None:
+            return handler
+
+        async def deny(request, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            deny,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -15,7 +15,6 @@ import grpc
 from pydantic import ValidationError
 
 from pdserve.services.gateway import convert
-from pdserve.services.gateway.auth import check_grpc_key
 from pdserve.services.gateway.errors import GatewayError, generation_failed, invalid_request
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.native_protocol import NativeSamplingParams
@@ -25,14 +24,12 @@ from pdserve.v1 import api_pb2, api_pb2_grpc
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
-    def __init__(self, ctx: ServingContext, api_key: str | None = None) -> None:
+    def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-        self.api_key = api_key
 
     async def Generate(
         self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
-        await check_grpc_key(context, self.api_key)
         try:
             obj = self._to_generate_req(request)
             handle = await self.ctx.manager.submit(obj, timeout=context.time_remaining())
@@ -89,13 +86,11 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
     async def Abort(
         self, request: api_pb2.PublicAbortRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PublicAbortResponse:
-        await check_grpc_key(context, self.api_key)
         return api_pb2.PublicAbortResponse(found=self.ctx.manager.abort(request.rid))
 
     async def ListModels(
         self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.ListModelsResponse:
-        await check_grpc_key(context, self.api_key)
         try:
             info = await self.ctx.manager.model_info()
         except GatewayError as e:

@@ -10,14 +10,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 import uvicorn
 
 from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
-from pdserve.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, cache_dir, default_gguf_path
+from pdserve.model_source import served_model_name
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.gateway.app import GatewayState, build_app
+from pdserve.services.gateway.auth import ApiKeyInterceptor
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.grpc_api import PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
@@ -80,17 +80,6 @@ def addresses(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
 
-def default_served_name(model: str | None) -> str:
-    """The model id for ``--model``: SmolLM2-135M-Instruct for the default model (also for its
-    converted cache directory, which the launcher passes), else the file or directory name."""
-    if model is None or model == DEFAULT_MODEL:
-        return DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    if path.parent == cache_dir() and path.name.startswith(f"{default_gguf_path().stem}-"):
-        return DEFAULT_MODEL_NAME
-    return path.name.removesuffix(".gguf")
-
-
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside a running loop: signals are the caller's (``run_service`` sets ``stop_event``)."""
 
@@ -114,7 +103,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
-        self.grpc = GrpcServer(f"{args.host}:{args.grpc_port}", GRPC_SERVICES)
+        interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+        self.grpc = GrpcServer(f"{args.host}:{args.grpc_port}", GRPC_SERVICES, interceptors)
         self.grpc_port = self.grpc.port
         self.grpc_address = f"{args.advertise_host}:{self.grpc_port}"
         config = ManagerConfig(
@@ -135,10 +125,8 @@ class Gateway:
         self.monitor = WorkerMonitor(
             self.clients, pools, self.router, self.manager.fail_worker, args.health_check_interval
         )
-        self.ctx = ctx = ServingContext(
-            self.manager, args.served_model_name or default_served_name(args.model)
-        )
-        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx, args.api_key))
+        self.ctx = ctx = ServingContext(self.manager, args.served_model_name or served_model_name(args.model))
+        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx))
         self.grpc.add(
             output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
         )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.model_source import DEFAULT_MODEL_NAME, resolve_model
-from pdserve.services.gateway.main import default_served_name, parse_args
+from pdserve.model_source import DEFAULT_MODEL_NAME, resolve_model, served_model_name
+from pdserve.services.gateway.main import parse_args
 
 BACKENDS = ["--tokenizer-addresses", "t:1", "--decode-addresses", "d:1,d:2", "--detokenizer-addresses", "k:1"]
 
@@ -32,7 +32,7 @@ def test_backends_are_required(monkeypatch) -> None:
 
 
 def test_served_name_of_the_default_model_and_its_cache_dir(tmp_path) -> None:
-    assert default_served_name(None) == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
-    assert default_served_name(str(resolve_model())) == DEFAULT_MODEL_NAME
-    assert default_served_name(str(tmp_path / "Llama-3.2-1B")) == "Llama-3.2-1B"
-    assert default_served_name(str(tmp_path / "qwen.gguf")) == "qwen"
+    assert served_model_name(None) == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    assert served_model_name(str(resolve_model())) == DEFAULT_MODEL_NAME
+    assert served_model_name(str(tmp_path / "Llama-3.2-1B")) == "Llama-3.2-1B"
+    assert served_model_name(str(tmp_path / "qwen.gguf")) == "qwen"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 import uvloop
@@ -37,13 +37,19 @@ class GrpcServer:
     Args:
         address: "host:port" to bind; port 0 picks a free one (see ``port``).
         service_names: full names of the services registered (for health and reflection).
+        interceptors: grpc.aio server interceptors (cross-cutting concerns such as authentication).
 
     Usage: ``server.add(add_XServicer_to_server, servicer)`` for each servicer, then ``await start()``;
     call ``set_serving(True)`` once the service is ready to take traffic.
     """
 
-    def __init__(self, address: str, service_names: Iterable[str]) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+    def __init__(
+        self,
+        address: str,
+        service_names: Iterable[str],
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
         self.port = self.server.add_insecure_port(address)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.service_names = list(service_names)

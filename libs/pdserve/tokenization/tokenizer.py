@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pdserve.model_source import DEFAULT_MODEL, DEFAULT_MODEL_NAME, resolve_model
+from pdserve.model_source import resolve_model, served_model_name
 from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, render_chat
 from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
 
@@ -40,11 +40,7 @@ class Tokenizer:
             FileNotFoundError: the model path does not exist.
         """
         checkpoint = resolve_model(model)
-        if model is None or model == DEFAULT_MODEL:
-            name = DEFAULT_MODEL_NAME
-        else:
-            name = Path(model).name.removesuffix(".gguf")
-        return cls(AutoTokenizer.from_pretrained(checkpoint), checkpoint, name)
+        return cls(AutoTokenizer.from_pretrained(checkpoint), checkpoint, served_model_name(model))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds."""
