@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import signal
 import time
@@ -37,7 +38,8 @@ async def test_a_service_that_exits_while_starting_is_named_with_its_output() ->
     await supervisor.stop_all()
 
 
-async def test_a_crashed_service_is_restarted_and_everything_stops_at_the_end() -> None:
+async def test_a_crashed_service_is_restarted_and_everything_stops_at_the_end(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="pdserve.launch")
     spec = tokenizer_spec()
     out = io.StringIO()
     supervisor = Supervisor([spec], Console(out), startup_timeout=300, grace=10)
@@ -49,14 +51,15 @@ async def test_a_crashed_service_is_restarted_and_everything_stops_at_the_end() 
         first = supervisor.children["tokenizer"]
         os.kill(first.pid, signal.SIGKILL)
         deadline = time.monotonic() + 300
-        while "tokenizer is back" not in out.getvalue():
-            assert time.monotonic() < deadline, out.getvalue()[-3000:]
+        while "tokenizer is back" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text[-3000:]
             await asyncio.sleep(0.2)
         second = supervisor.children["tokenizer"]
         assert second.pid != first.pid and second.returncode is None
         assert supervisor.restarts == {"tokenizer": 1}
         assert await wait_for_health(spec.health, 10)
-        assert "killed by SIGKILL" in out.getvalue() and "restarting it in 1 s (restart #1)" in out.getvalue()
+        assert f"tokenizer (pid {first.pid}) killed by SIGKILL" in caplog.text
+        assert "restarting it in 1 s (restart #1)" in caplog.text
     finally:
         stop.set()
         await supervisor.stop_all()

@@ -14,7 +14,7 @@ _DYNAMIC_ROPE_TYPES = {"dynamic", "longrope"}  # frequencies change with the seq
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads from a precomputed float32 cos/sin cache.
+    """Precomputed float32 cos/sin of every position; ``forward`` looks up a batch's once per forward.
 
     Args:
         head_dim: rotated dimension (the whole head).
@@ -28,26 +28,23 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         if inv_freq.numel() * 2 != head_dim:
-            raise ValueError(
-                f"partial rotary embeddings are not supported ({inv_freq.numel() * 2} of {head_dim} dims)"
-            )
-        self.head_dim = head_dim
+            rotated = inv_freq.numel() * 2
+            raise ValueError(f"partial rotary embeddings are not supported ({rotated} of {head_dim} dims)")
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, Hq * D]`` and ``k`` ``[T, Hkv * D]`` at ``positions`` (int64 ``[T]``)."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype)[:, None, :].chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each ``[T, 1, head_dim // 2]`` in ``dtype``, at ``positions`` (int64 ``[T]``)."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype)[:, None, :].chunk(2, dim=-1)
+        return cos, sin
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H * D]`` (halves ``[x1, x2]`` → ``[x1 cos - x2 sin, x2 cos + x1 sin]``)."""
+    shape = x.shape
+    x1, x2 = x.view(shape[0], -1, 2 * cos.shape[-1]).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
 
 
 def get_rope(hf_config, head_dim: int, max_position: int) -> RotaryEmbedding:

@@ -19,10 +19,12 @@ from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.linear import Linear, MergedLinear
 from pdserve.layers.radix_attention import RadixAttention
-from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
+from pdserve.layers.rotary_embedding import apply_rotary, get_rope
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at the batch's positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,7 @@ class AttentionOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+    def __init__(self, config: Any, layer_id: int, options: AttentionOptions):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -53,19 +55,16 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
@@ -85,16 +84,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, options: AttentionOptions):
+    def __init__(self, config: Any, layer_id: int, options: AttentionOptions):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, options)
+        self.self_attn = LlamaAttention(config, layer_id, options)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
@@ -104,7 +103,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden = self.self_attn(rope, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -113,10 +112,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, max_position: int, options: AttentionOptions):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_emb = get_rope(config, head_dim, max_position)
+        self.rotary_emb = get_rope(config, head_dim, max_position)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, options) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -124,9 +123,10 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)  # looked up once, used by every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, forward_batch)
+            hidden, residual = layer(rope, hidden, residual, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -53,10 +53,18 @@ static inline uint16_t store_bf16(float f) {
    page_table[b][j / page_size] * page_size + j % page_size. One task per request walks its pages
    in order (each page's K and V rows of all heads are contiguous, and the next page is
    prefetched), keeping an online softmax (running max m, sum l) per query head. */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                        \
-void NAME(const T* q, const T* k, const T* v, T* out, const int64_t* page_table,                   \
-          const int64_t* seq_lens, int64_t batch, int64_t max_pages, int64_t page_size,             \
-          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) { \
+#define DECODE_PARAMS(T)                                                                           \
+  const T* q, const T* k, const T* v, T* out, const int64_t* page_table, const int64_t* seq_lens,  \
+  int64_t batch, int64_t max_pages, int64_t page_size, int64_t num_heads, int64_t num_kv_heads,     \
+  int64_t head_dim_arg, float scale, int num_threads
+#define DECODE_ARGS                                                                                \
+  q, k, v, out, page_table, seq_lens, batch, max_pages, page_size, num_heads, num_kv_heads,         \
+  head_dim_arg, scale, num_threads
+
+/* HEAD_DIM is a constant for the common sizes, so the inner loops compile to fixed vector code. */
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, HEAD_DIM)                                              \
+static void NAME(DECODE_PARAMS(T)) {                                                               \
+  const int64_t head_dim = HEAD_DIM;                                                               \
   const int64_t group = num_heads / num_kv_heads, stride = num_kv_heads * head_dim;                \
   const int64_t page_bytes = page_size * stride * (int64_t)sizeof(T);                              \
   _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                           \
@@ -119,8 +127,18 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int64_t* page_table,
   }                                                                                                \
 }
 
-DEFINE_DECODE(decode_attention_f32, float, load_f32, store_f32)
-DEFINE_DECODE(decode_attention_bf16, uint16_t, load_bf16, store_bf16)
+#define DEFINE_DISPATCH(NAME, T, LOAD, STORE)                                                      \
+DEFINE_DECODE(NAME##_64, T, LOAD, STORE, 64)                                                       \
+DEFINE_DECODE(NAME##_128, T, LOAD, STORE, 128)                                                     \
+DEFINE_DECODE(NAME##_any, T, LOAD, STORE, head_dim_arg)                                            \
+void NAME(DECODE_PARAMS(T)) {                                                                      \
+  if (head_dim_arg == 64) NAME##_64(DECODE_ARGS);                                                  \
+  else if (head_dim_arg == 128) NAME##_128(DECODE_ARGS);                                           \
+  else NAME##_any(DECODE_ARGS);                                                                    \
+}
+
+DEFINE_DISPATCH(decode_attention_f32, float, load_f32, store_f32)
+DEFINE_DISPATCH(decode_attention_bf16, uint16_t, load_bf16, store_bf16)
 """
 
 # -ffast-math lets the dot products and exponentials vectorise (no inf/NaN: masks are lengths here)
