@@ -28,14 +28,20 @@ class Console:
         self._status = ""
         self.name_width = 0
 
+    def _write(self, text: str) -> None:
+        """Write and flush; once the stream fails (its terminal closed), output is dropped."""
+        if self.stream.closed:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except OSError:
+            self.stream.close()
+
     def print(self, text: str) -> None:
         """Write ``text`` as whole line(s) above the status line."""
-        if self.live and self._status:
-            self.stream.write(CLEAR_LINE)
-        self.stream.write(text + "\n")
-        if self.live and self._status:
-            self.stream.write(self._status)
-        self.stream.flush()
+        redraw = self.live and self._status
+        self._write(f"{CLEAR_LINE if redraw else ''}{text}\n{self._status if redraw else ''}")
 
     def child_line(self, name: str, line: str) -> None:
         """A line of a child's output, prefixed with its name: ``"decode-0    | ..."``."""
@@ -46,8 +52,7 @@ class Console:
         if not self.live:
             return
         self._status = text
-        self.stream.write(CLEAR_LINE + text)
-        self.stream.flush()
+        self._write(CLEAR_LINE + text)
 
 
 class ConsoleHandler(logging.Handler):

@@ -2,7 +2,7 @@
 
 Starts the tokenizer and detokenizer, then the prefill and decode schedulers, then the gateway, each
 stage once the previous one answers its health checks; restarts a service that crashes (with
-backoff); on Ctrl-C or SIGTERM drains the gateway first and stops every process it started (a second
+backoff); on Ctrl-C, SIGTERM or SIGHUP drains the gateway first and stops every process it started (a second
 Ctrl-C kills them at once). Children die with the launcher even if it is SIGKILLed.
 """
 
@@ -140,7 +140,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         stop.set()
 
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
     try:
         starting = asyncio.ensure_future(supervisor.start_all())

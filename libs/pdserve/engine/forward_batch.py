@@ -3,6 +3,10 @@
 The scheduler decides everything in it — which tokens run, their positions and the KV slots they
 write — and has already written ``req_to_token[req_pool_idx, prefix_len:seq_len]`` (the slots in
 ``out_cache_loc``) before the forward. The model and attention backend only consume it.
+
+Slots are paged: position ``p`` of a request lives at ``page * page_size + p % page_size`` of the
+page holding its ``p // page_size``-th block (``slots_for_pages`` writes exactly that), which is
+what lets attention backends read KV page by page.
 """
 
 from __future__ import annotations

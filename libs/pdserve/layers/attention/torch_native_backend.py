@@ -39,7 +39,8 @@ class _Group:
             when that is simply ``0..T-1`` (the group is the whole batch).
         page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
         seq_lens: int64 ``[Bg]``: keys of each request.
-        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key.
+        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key (None for
+            a decode group the C kernel runs).
     """
 
     query_index: torch.Tensor
@@ -47,7 +48,7 @@ class _Group:
     out_index: torch.Tensor | None
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -82,17 +83,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _group(self, fb: ForwardBatch, rows: torch.Tensor | None) -> _Group:
         """Metadata of the requests ``rows`` (all when None)."""
-        ext, prefix, seq = fb.extend_seq_lens, fb.extend_prefix_lens, fb.seq_lens
-        starts = torch.cumsum(ext, 0) - ext
-        pool_rows = fb.req_pool_indices
+        starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+        per_request = (fb.extend_seq_lens, fb.extend_prefix_lens, fb.seq_lens, starts, fb.req_pool_indices)
         if rows is not None:
-            ext, prefix, seq, starts, pool_rows = (
-                ext[rows],
-                prefix[rows],
-                seq[rows],
-                starts[rows],
-                pool_rows[rows],
-            )
+            per_request = tuple(t[rows] for t in per_request)
+        ext, prefix, seq, starts, pool_rows = per_request
         ps, device = self.page_size, ext.device
         num_pages = (seq + ps - 1) // ps
         max_q, max_pages = int(ext.max()), int(num_pages.max())
@@ -100,19 +95,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
-        k_pos = torch.arange(max_k, device=device)[None, :]
-        k_valid = k_pos < seq[:, None]
         first_slots = fb.req_to_token_pool.req_to_token[pool_rows, :max_k:ps]
         page_valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
         page_table = torch.where(page_valid, first_slots // ps, 0)
-        causal = k_pos[:, None, :] <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
-        mask = causal & k_valid[:, None, :]
-        group_size = self.num_heads // self.num_kv_heads
-        mask = (
-            mask[:, None, None]
-            .expand(-1, 1, group_size, -1, -1)
-            .reshape(len(ext), 1, group_size * max_q, max_k)
-        )
+        mask = None
+        if max_q > 1 or self.decode_kernel is None:  # the decode kernel needs only the lengths
+            k_pos = torch.arange(max_k, device=device)[None, None, :]
+            causal = k_pos <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
+            g = self.num_heads // self.num_kv_heads
+            mask = (causal & (k_pos < seq[:, None, None]))[:, None, None].expand(-1, 1, g, -1, -1)
+            mask = mask.reshape(len(ext), 1, g * max_q, max_k)
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
