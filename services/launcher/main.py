@@ -124,8 +124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console) -> None:
     """Start the topology, supervise it until ``stop`` is set (or a signal arrives), then stop it."""
     console.status("resolving the model ...")
-    model_dir = str(await asyncio.to_thread(resolve_model, args.model))
-    console.status("")
+    try:
+        model_dir = str(await asyncio.to_thread(resolve_model, args.model))
+    except (OSError, ValueError) as e:
+        logger.error("cannot use the model: %s", e)
+        raise SystemExit(1) from None
+    finally:
+        console.status("")
     supervisor = Supervisor(
         build_topology(args, model_dir),
         console,
@@ -143,30 +148,36 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
     try:
-        starting = asyncio.ensure_future(supervisor.start_all())
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        stopped.cancel()
-        if not starting.done():
-            logger.info("stop requested during start-up")
-            starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await starting
-            return
-        try:
-            starting.result()
-        except RuntimeError as e:
-            logger.error("start-up failed: %s", e)
-            raise SystemExit(1) from None
-        console.print(
-            f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1, "
-            f"gRPC at {args.host}:{args.grpc_port} (Ctrl-C to stop)"
-        )
-        await supervisor.supervise(stop)
-        logger.info("shutting down: draining the gateway (up to %.0f s)", args.drain_timeout)
+        if await _start(supervisor, stop):
+            console.print(
+                f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1, "
+                f"gRPC at {args.host}:{args.grpc_port} (Ctrl-C to stop)"
+            )
+            await supervisor.supervise(stop)
+            logger.info("shutting down: draining the gateway (up to %.0f s)", args.drain_timeout)
     finally:
         await supervisor.stop_all()
         logger.info("every service stopped")
+
+
+async def _start(supervisor: Supervisor, stop: asyncio.Event) -> bool:
+    """Start every service; False if ``stop`` was set first. Exits with status 1 if one fails to start."""
+    starting = asyncio.ensure_future(supervisor.start_all())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not starting.done():
+        logger.info("stop requested during start-up")
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+    try:
+        starting.result()
+    except RuntimeError as e:
+        logger.error("start-up failed: %s", e)
+        raise SystemExit(1) from None
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
