@@ -47,6 +47,14 @@ def children(stack: Stack) -> dict[str, psutil.Process]:
     return out
 
 
+def alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def log_text(stack: Stack) -> str:
     with open(stack.log_path) as f:
         return f.read()
@@ -140,7 +148,7 @@ def test_sigterm_drains_the_gateway_first_and_leaves_no_process(stack: Stack) ->
     def watch() -> None:
         while len(gone_at) < len(tree) and not watching.is_set():
             for pid, proc in tree.items():
-                if pid not in gone_at and (not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE):
+                if pid not in gone_at and not alive(proc):
                     gone_at[pid] = time.monotonic()
             time.sleep(0.02)
 
@@ -191,7 +199,7 @@ def test_sigterm_drains_the_gateway_first_and_leaves_no_process(stack: Stack) ->
     assert set(gone_at) == set(tree)
     assert gone_at[gateway_pid] <= min(t for pid, t in gone_at.items() if pid != gateway_pid)
     # nothing the launcher started survived it
-    assert not [p for p in tree.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in tree.values() if alive(p)]
     ports = {str(stack.port), *(str(stack.internal_port_base + k) for k in range(40))}
     leftovers = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
