@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="measure only the engine")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each; the best counts")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each; the best counts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
