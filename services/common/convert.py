@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishReason, Req
@@ -43,13 +45,8 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(stop_token_ids=p.stop_token_ids or [], stop=p.stop or [])
-    for name in _OPTIONAL_FIELDS + _PLAIN_FIELDS:
-        value = getattr(p, name)
-        if value is not None:
-            setattr(pb, name, value)
-    pb.n = p.n or 1
-    return pb
+    """Every engine field has a proto field of the same name; ``None`` (no seed) stays unset."""
+    return common_pb2.SamplingParams(**{k: v for k, v in dataclasses.asdict(p).items() if v is not None})
 
 
 def token_logprob_to_pb(token: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:

@@ -20,7 +20,13 @@ class AttentionBackend(ABC):
     once per layer and first stores the new k/v at ``forward_batch.out_cache_loc``, so each token
     attends to its own key. Request ``b``'s query at position ``p`` attends to its keys at
     positions ``[0, p]``, read through ``req_to_token[req_pool_indices[b]]``.
+
+    Subclasses set ``num_heads``, ``num_kv_heads`` and ``head_dim`` from the model config.
     """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -36,3 +42,19 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → output ``[T, Hq * D]`` in q's dtype."""
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's ``k``/``v`` (``[T, Hkv * D]``) at ``out_cache_loc`` of ``layer``'s pool
+        pages; returns that layer's K and V pages, ``[num_pages, page_size, Hkv, D]`` each."""
+        pool = forward_batch.token_to_kv_pool
+        num_tokens = k.shape[0]
+        pool.set_kv(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
+        k_pages, v_pages = pool.kv_data[layer.layer_id]
+        return k_pages, v_pages

@@ -73,14 +73,7 @@ class FlashInferAttnBackend(AttentionBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        pool = forward_batch.token_to_kv_pool
+        k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         num_tokens = q.shape[0]
-        pool.set_kv(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
-        k_pages, v_pages = pool.kv_data[layer.layer_id]
         out = self.wrapper.run(q.view(num_tokens, self.num_heads, self.head_dim), (k_pages, v_pages))
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -122,15 +122,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: RadixAttention,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        pool = forward_batch.token_to_kv_pool
+        k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         num_tokens = q.shape[0]
-        pool.set_kv(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
-        k_pages, v_pages = pool.kv_data[layer.layer_id]  # [num_pages, page_size, Hkv, D] each
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if len(self.groups) == 1:
             return self._attend(q, k_pages, v_pages, self.groups[0], layer.scaling)
