@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml $(GEN) libs/pdserve-sdk/pyproject.toml
 	touch $@
 
 install: $(STAMP)
+	sh deploy/nginx/install.sh
 
 proto: $(TOOLS)
 	rm -f $(GEN)

@@ -1,8 +1,9 @@
-"""A real gateway (uvicorn + grpc.aio, in this test process) with a real tokenizer service and no schedulers.
+"""Gateways for the tests of this folder.
 
-The decode and detokenizer addresses point at ports nothing listens on, so every request that
-passes validation ends with 503 UNAVAILABLE: what the gateway must do before any scheduler is
-involved can be checked without one.
+``local_gateway``: a real gateway (uvicorn + grpc.aio, in this test process) with a real tokenizer
+service and no schedulers. The decode and detokenizer addresses point at ports nothing listens on, so
+every request that passes validation ends with 503 UNAVAILABLE: what the gateway must do before any
+scheduler is involved can be checked without one.
 """
 
 from __future__ import annotations

@@ -6,12 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.layers.cpu_fused_ops import load_fused_ops
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, the statistics in float32 (as Hugging Face's LlamaRMSNorm).
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)`` first adds ``residual``
-    and returns ``(normalised sum, sum)`` so the next residual needs no separate add.
+    and returns ``(normalised sum, sum)`` so the next residual needs no separate add; on CPU the
+    sum is written into ``residual`` in place (one fused C call, ``cpu_fused_ops``).
     Shapes: ``[..., hidden_size]``, any float dtype (kept).
     """
 
@@ -23,6 +26,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = load_fused_ops()
+        if ops is not None and ops.supports(x) and x.dim() == 2 and x.stride(1) == 1:
+            if residual is None:
+                return ops.add_rmsnorm(x, None, self.weight, self.eps)
+            if residual.is_contiguous():
+                return ops.add_rmsnorm(x, residual, self.weight, self.eps), residual
         if residual is not None:
             x = x + residual
             residual = x

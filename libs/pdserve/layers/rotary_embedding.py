@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.layers.cpu_fused_ops import load_fused_ops
+
 _DYNAMIC_ROPE_TYPES = {"dynamic", "longrope"}  # frequencies change with the sequence length
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed float32 cos/sin of every position; ``forward`` looks up a batch's once per forward.
+    """Precomputed float32 cos/sin of every position; ``forward`` rotates a batch's q and k.
 
     Args:
         head_dim: rotated dimension (the whole head).
@@ -30,20 +32,32 @@ class RotaryEmbedding(nn.Module):
         if inv_freq.numel() * 2 != head_dim:
             rotated = inv_freq.numel() * 2
             raise ValueError(f"partial rotary embeddings are not supported ({rotated} of {head_dim} dims)")
+        self.head_dim = head_dim
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, each ``[T, 1, head_dim // 2]`` in ``dtype``, at ``positions`` (int64 ``[T]``)."""
-        cos, sin = self.cos_sin_cache[positions].to(dtype)[:, None, :].chunk(2, dim=-1)
-        return cos, sin
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``q`` ``[T, Hq * D]`` and ``k`` ``[T, Hk * D]`` at ``positions`` (int64 ``[T]``).
+
+        On CPU both are rotated in place by one fused C call (``cpu_fused_ops``; rows may be
+        views into a fused qkv tensor); elsewhere new tensors are returned. cos/sin are cast to
+        the activation dtype first and each product rounded, as Hugging Face's ``apply_rotary_pos_emb``.
+        """
+        ops = load_fused_ops()
+        if ops is not None and ops.supports(q) and q.stride(1) == 1 and k.stride(1) == 1:
+            ops.rotary_(q, k, self.head_dim, self.cos_sin_cache, positions)
+            return q, k
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype)[:, None, :].chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, H * D]`` (halves ``[x1, x2]`` → ``[x1 cos - x2 sin, x2 cos + x1 sin]``)."""
     shape = x.shape
-    x1, x2 = x.view(shape[0], -1, 2 * cos.shape[-1]).chunk(2, dim=-1)
+    x1, x2 = x.reshape(shape[0], -1, 2 * cos.shape[-1]).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
 
 

@@ -11,20 +11,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.linear import Linear, MergedLinear, linear, prepack_weight
 from pdserve.layers.radix_attention import RadixAttention
-from pdserve.layers.rotary_embedding import apply_rotary, get_rope
+from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin at the batch's positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +56,18 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        rotary_emb: RotaryEmbedding,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
@@ -93,7 +96,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: Rope,
+        rotary_emb: RotaryEmbedding,
+        positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
@@ -103,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, forward_batch)
+        hidden = self.self_attn(rotary_emb, positions, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -123,10 +127,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)  # looked up once, used by every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, forward_batch)
+            hidden, residual = layer(self.rotary_emb, positions, hidden, residual, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -151,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head_packed: torch.Tensor | None = None
 
     @staticmethod
     def attention_options(config: Any) -> AttentionOptions:
@@ -162,8 +166,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, forward_batch)
 
+    def process_weights_after_loading(self) -> None:
+        """Pack the LM head (an untied one packed itself already; a tied one is the embedding)."""
+        head = self.lm_head
+        self.lm_head_packed = head.packed if isinstance(head, Linear) else prepack_weight(head.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight, None, self.lm_head_packed).float()
 
 
 class MistralForCausalLM(LlamaForCausalLM):

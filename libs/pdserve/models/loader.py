@@ -18,7 +18,8 @@ _TIED_EMBEDDING = "model.embed_tokens.weight"
 def load_model(
     model_path: Path, hf_config, architecture: str, max_position: int, dtype: torch.dtype, device
 ) -> nn.Module:
-    """Instantiate ``architecture`` with ``dtype`` parameters on ``device`` and load its weights."""
+    """Instantiate ``architecture`` with ``dtype`` parameters on ``device``, load its weights, then
+    run each module's ``process_weights_after_loading`` (weight repacking), children first."""
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -27,6 +28,9 @@ def load_model(
         finally:
             torch.set_default_dtype(previous)
     load_weights(model, Path(model_path))
+    for module in reversed(list(model.modules())):  # children before their parents
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()
 
 

@@ -1,0 +1,206 @@
+"""Fused element-wise ops for CPUs: residual-add + RMSNorm, in-place rotary embedding, SiLU-and-mul.
+
+A decoder layer is mostly small element-wise steps around its four matmuls; as PyTorch ops each
+costs a dispatch, a temporary and a pass over memory (``rms_norm`` alone is five ops with the
+float32 statistics and the dtype casts around it). At decode batch sizes those fixed costs, not
+arithmetic, set the step time, so each step here is one C call instead (SGLang's ``sgl-kernel``
+and vLLM's ``_C`` ops fuse the same three for the same reason; written anew here).
+
+Each op rounds exactly where the Hugging Face modules round in the same dtype (float32 statistics,
+results cast back to the activation dtype before the weight multiply, products rounded before
+sums in bfloat16 rotary), so outputs match the PyTorch ops they replace: bitwise in bfloat16
+apart from summation order in the RMS, and to float32 rounding in float32.
+
+Built by ``pdserve.layers.native``; ``load_fused_ops`` returns None without a C compiler and
+callers use PyTorch ops. Supported dtypes: float32 and bfloat16, contiguous rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from pdserve.layers.native import build_library
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float load_f32(float x) { return x; }
+static inline float round_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t store_bf16(float f) {
+  uint32_t u; memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+static inline float round_bf16(float f) { return load_bf16(store_bf16(f)); }
+
+/* rows run in parallel when there are enough of them to pay for waking the other threads */
+#define PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if(rows >= 8) num_threads(threads)")
+
+/* x, out: [rows, hidden] (row strides in elements); residual: NULL or [rows, hidden], contiguous.
+   With a residual: s = round(x + residual) is written back to residual (the next layer's
+   residual), then out = round(w * round(s * rsqrt(mean(s^2) + eps))). */
+#define DEFINE_ADD_RMSNORM(NAME, T, LOAD, STORE, ROUND)                                            \
+void NAME(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows,            \
+          int64_t hidden, float eps, int threads) {                                                \
+  PARALLEL_ROWS                                                                                    \
+  for (int64_t r = 0; r < rows; ++r) {                                                             \
+    const T* xr = x + r * x_stride;                                                                \
+    T* o = out + r * hidden;                                                                       \
+    float sum = 0.f;                                                                               \
+    if (residual) {                                                                                \
+      T* res = residual + r * hidden;                                                              \
+      for (int64_t i = 0; i < hidden; ++i) {                                                       \
+        float s = ROUND(LOAD(xr[i]) + LOAD(res[i]));                                              \
+        res[i] = STORE(s);                                                                         \
+        sum += s * s;                                                                              \
+      }                                                                                            \
+      xr = res;                                                                                    \
+    } else {                                                                                       \
+      for (int64_t i = 0; i < hidden; ++i) { float s = LOAD(xr[i]); sum += s * s; }               \
+    }                                                                                              \
+    const float inv = 1.f / sqrtf(sum / (float)hidden + eps);                                      \
+    for (int64_t i = 0; i < hidden; ++i) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));     \
+  }                                                                                                \
+}
+
+/* q: [tokens, num_q_heads * head_dim] and k: [tokens, num_k_heads * head_dim] with row strides
+   (elements), rotated in place in the NeoX "rotate half" layout: for i < head_dim / 2,
+   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). cos_sin: float32 [max_position, head_dim]
+   (cos of the half dims, then sin), cast to T as the activations are; positions: [tokens]. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                                 \
+static inline void NAME##_heads(T* x, int64_t heads, int64_t half, const float* cs) {              \
+  for (int64_t h = 0; h < heads; ++h) {                                                            \
+    T* x1 = x + h * 2 * half; T* x2 = x1 + half;                                                   \
+    for (int64_t i = 0; i < half; ++i) {                                                           \
+      const float c = ROUND(cs[i]), s = ROUND(cs[half + i]);                                       \
+      const float a = LOAD(x1[i]), b = LOAD(x2[i]);                                                \
+      x1[i] = STORE(ROUND(a * c) - ROUND(b * s));                                                  \
+      x2[i] = STORE(ROUND(b * c) + ROUND(a * s));                                                  \
+    }                                                                                              \
+  }                                                                                                \
+}                                                                                                  \
+void NAME(T* q, int64_t q_stride, int64_t num_q_heads, T* k, int64_t k_stride,                    \
+          int64_t num_k_heads, int64_t head_dim, const float* cos_sin, const int64_t* positions,   \
+          int64_t rows, int threads) {                                                             \
+  const int64_t half = head_dim / 2;                                                               \
+  PARALLEL_ROWS                                                                                    \
+  for (int64_t t = 0; t < rows; ++t) {                                                             \
+    const float* cs = cos_sin + positions[t] * head_dim;                                           \
+    NAME##_heads(q + t * q_stride, num_q_heads, half, cs);                                         \
+    NAME##_heads(k + t * k_stride, num_k_heads, half, cs);                                         \
+  }                                                                                                \
+}
+
+/* x: [rows, 2 * d] = [gate | up] (row stride 2d); out: [rows, d] = round(round(silu(gate)) * up). */
+#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                           \
+void NAME(const T* x, T* out, int64_t rows, int64_t d, int threads) {                              \
+  PARALLEL_ROWS                                                                                    \
+  for (int64_t r = 0; r < rows; ++r) {                                                             \
+    const T *gate = x + r * 2 * d, *up = gate + d;                                                 \
+    T* o = out + r * d;                                                                            \
+    for (int64_t i = 0; i < d; ++i) {                                                              \
+      const float g = LOAD(gate[i]);                                                               \
+      o[i] = STORE(ROUND(g / (1.f + expf(fminf(-g, 80.f)))) * LOAD(up[i]));                        \
+    }                                                                                              \
+  }                                                                                                \
+}
+
+#define DEFINE_ALL(SUFFIX, T, LOAD, STORE, ROUND)                                                  \
+DEFINE_ADD_RMSNORM(add_rmsnorm_##SUFFIX, T, LOAD, STORE, ROUND)                                    \
+DEFINE_ROTARY(rotary_##SUFFIX, T, LOAD, STORE, ROUND)                                              \
+DEFINE_SILU_AND_MUL(silu_and_mul_##SUFFIX, T, LOAD, STORE, ROUND)
+
+DEFINE_ALL(f32, float, load_f32, store_f32, round_f32)
+DEFINE_ALL(bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+"""
+
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "add_rmsnorm": [_P, _I, _P, _P, _P, _I, _I, _F, _C],
+    "rotary": [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _C],
+    "silu_and_mul": [_P, _P, _I, _I, _C],
+}
+
+
+class FusedOps:
+    """The fused ops of one built library; each checks nothing beyond what its docstring states."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIXES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.restype, fn.argtypes = None, argtypes
+                self._fns[name, dtype] = fn
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        """Whether ``x`` (an activation) can go through these ops: CPU, float32 or bfloat16."""
+        return x.device.type == "cpu" and x.dtype in _SUFFIXES
+
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """RMSNorm of ``x`` (``[T, H]``, unit stride along ``H``) or, with ``residual``, of
+        ``x + residual``, which is also written into ``residual`` (contiguous ``[T, H]``).
+        Returns a new ``[T, H]`` tensor; ``weight`` ``[H]`` in x's dtype."""
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        self._fns["add_rmsnorm", x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rotary_(
+        self, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """Rotate ``q`` ``[T, Hq * D]`` and ``k`` ``[T, Hk * D]`` in place (rows may be strided views
+        into one fused qkv tensor, unit stride within a row); ``cos_sin`` float32 ``[P, D]``,
+        ``positions`` int64 ``[T]``, all < P."""
+        self._fns["rotary", q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            q.shape[1] // head_dim,
+            k.data_ptr(),
+            k.stride(0),
+            k.shape[1] // head_dim,
+            head_dim,
+            cos_sin.data_ptr(),
+            positions.data_ptr(),
+            q.shape[0],
+            torch.get_num_threads(),
+        )
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of contiguous ``x = [gate | up]`` ``[T, 2d]`` → new ``[T, d]``."""
+        rows, width = x.shape
+        out = torch.empty((rows, width // 2), dtype=x.dtype)
+        self._fns["silu_and_mul", x.dtype](
+            x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+        )
+        return out
+
+
+@functools.cache
+def load_fused_ops() -> FusedOps | None:
+    """Build (once per source and CPU) and load the ops; None when no C compiler works here."""
+    lib = build_library("fused_ops", _SOURCE)
+    return None if lib is None else FusedOps(lib)

@@ -1,0 +1,82 @@
+"""The fused CPU ops against Hugging Face's own modules (LlamaRMSNorm, apply_rotary_pos_emb, SiLU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.cpu_fused_ops import load_fused_ops
+from pdserve.layers.layernorm import RMSNorm
+from pdserve.layers.rotary_embedding import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = load_fused_ops()
+    assert ops is not None, "the fused CPU ops did not build"
+    return ops
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: summation order and exp/rsqrt implementations only; bfloat16: where those land a
+    # value on the other side of a rounding boundary, up to two steps of 1/128 relative apart
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_add_rmsnorm_matches_hf(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden = 576
+    hf = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    hf.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+    ours = RMSNorm(hidden, eps=1e-5).to(dtype)
+    ours.weight.data = hf.weight.data.clone()
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+
+    assert_close(ours(x), hf(x), dtype)
+    expected_sum = x + residual  # HF adds in the activation dtype
+    out, new_residual = ours(x, residual.clone())
+    assert torch.equal(new_residual, expected_sum)
+    assert_close(out, hf(expected_sum), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_fused_qkv_matches_hf(ops, dtype):
+    gen = torch.Generator().manual_seed(0)
+    tokens, hq, hk, d = 11, 9, 3, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rope = RotaryEmbedding(d, 4096, inv_freq)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q, k, _ = qkv.clone().split([hq * d, hk * d, hk * d], dim=-1)  # strided views, as in the model
+
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q.reshape(tokens, hq, d).transpose(0, 1)[None],
+        k.reshape(tokens, hk, d).transpose(0, 1)[None],
+        emb.cos().to(dtype)[None],
+        emb.sin().to(dtype)[None],
+    )
+    q_out, k_out = rope(positions, q, k)
+    assert q_out.data_ptr() == q.data_ptr(), "rotated in place"
+    assert_close(q_out.view(tokens, hq, d), q_ref[0].transpose(0, 1), dtype)
+    assert_close(k_out.view(tokens, hk, d), k_ref[0].transpose(0, 1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(ops, dtype):
+    x = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    x[0, 0] = -200.0  # far tail of the sigmoid: 0, never NaN
+    gate, up = x.chunk(2, dim=-1)
+    out = SiluAndMul()(x)
+    assert_close(out, F.silu(gate) * up, dtype)
+    assert torch.isfinite(out).all() and abs(float(out[0, 0])) < 1e-20
