@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from pdserve.cli_args import apply_env_defaults, setup_logging
+from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler
 from pdserve.services.common.scheduler_args import add_scheduler_args
@@ -27,6 +28,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-retries", type=int, default=1, help="other prefill workers to retry a failed prefill on"
     )
+    parser.add_argument(
+        "--detokenizer-dead-after",
+        type=float,
+        default=DEFAULT_DEAD_AFTER_S,
+        help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -39,7 +46,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await asyncio.to_thread(build_scheduler, args, role)
     agent = build_kv_agent(scheduler, role, address) if role == "decode" else None
-    servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries)
+    servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

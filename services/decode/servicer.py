@@ -9,7 +9,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVTransferAgent, KVTransferError
-from pdserve.rpc.client_stream import ClientStreamPool
+from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
@@ -32,17 +32,28 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         address: this service's advertised "host:port" (the detokenizer aborts here on stop strings).
         agent: the NIXL agent (role ``decode`` only).
         prefill_retries: how many other prefill workers a failed prefill is retried on.
+        detokenizer_dead_after: seconds a detokenizer may stay unreachable before it counts as gone;
+            then every request whose outputs go there is aborted (pages freed by the normal abort path).
     """
 
     def __init__(
-        self, scheduler: Scheduler, address: str, agent: KVTransferAgent | None, prefill_retries: int = 1
+        self,
+        scheduler: Scheduler,
+        address: str,
+        agent: KVTransferAgent | None,
+        prefill_retries: int = 1,
+        detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
     ) -> None:
         self.scheduler = scheduler
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
         self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills)
-        self.outputs = ClientStreamPool(lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs)
+        self.outputs = ClientStreamPool(
+            lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
+            dead_after=detokenizer_dead_after,
+            on_dead=self._detokenizer_gone,
+        )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
         self.started: set[str] = set()  # rids whose first output went out
@@ -79,12 +90,16 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=len(self.scheduler.waiting))
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        task = self.prefill_tasks.pop(request.rid, None)
-        if task is not None:
-            task.cancel()
-        found = self.scheduler.abort_request(request.rid, request.reason or "aborted")
+        found = self._abort(request.rid, request.reason or "aborted")
         self.loop.wake()
         return scheduler_pb2.AbortResponse(found=found)
+
+    def _abort(self, rid: str, reason: str) -> bool:
+        """Stop a prefill in flight for ``rid`` and abort it in the scheduler; False if unknown."""
+        task = self.prefill_tasks.pop(rid, None)
+        if task is not None:
+            task.cancel()
+        return self.scheduler.abort_request(rid, reason)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -114,6 +129,21 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             batch.outputs.append(token_output_to_pb(req, out.new_token_ids, out.finished, first))
         for target, batch in batches.items():
             self.outputs.send(target, batch)
+
+    def _detokenizer_gone(self, address: str, dropped: list[output_pb2.BatchTokenIDOutput]) -> None:
+        """Abort every request whose outputs go to the detokenizer at ``address``: no one reads them."""
+        rids = [rid for rid, req in self.scheduler.reqs.items() if req.meta.get("output_address") == address]
+        logger.warning(
+            "detokenizer %s is gone: aborting its %d requests (%d output batches undelivered)",
+            address,
+            len(rids),
+            len(dropped),
+        )
+        for rid in rids:
+            self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
+            self.started.discard(rid)
+            self._abort(rid, f"detokenizer {address} is gone")
+        self.loop.wake()
 
     # ---- PD: ask prefill workers ------------------------------------------------------------
     def _start_prefills(self) -> None:

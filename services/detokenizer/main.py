@@ -7,6 +7,7 @@ import asyncio
 
 from pdserve.cli_args import add_model_arg, add_server_args, apply_env_defaults, setup_logging
 from pdserve.detokenize import IncrementalDetokenizer
+from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.detokenizer.servicer import SERVICE_NAME, DetokenizerServicer
 from pdserve.tokenization import Tokenizer
@@ -20,6 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve detokenizer", description=__doc__)
     add_model_arg(parser)
     add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument(
+        "--gateway-dead-after",
+        type=float,
+        default=DEFAULT_DEAD_AFTER_S,
+        help="seconds a gateway may stay unreachable before its requests are aborted",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -28,7 +35,9 @@ async def start_server(args: argparse.Namespace) -> tuple[GrpcServer, Detokenize
     """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops both."""
     tokenizer = await asyncio.to_thread(Tokenizer.load, args.model)
     server = GrpcServer(f"{args.host}:{args.port}", [SERVICE_NAME])
-    servicer = DetokenizerServicer(IncrementalDetokenizer(tokenizer), worker=server.address)
+    servicer = DetokenizerServicer(
+        IncrementalDetokenizer(tokenizer), worker=server.address, gateway_dead_after=args.gateway_dead_after
+    )
     server.add(output_pb2_grpc.add_DetokenizerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)

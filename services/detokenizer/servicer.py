@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.detokenize import IncrementalDetokenizer
-from pdserve.rpc.client_stream import ClientStreamPool
+from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.services.detokenizer.convert import (
     Route,
     is_first_output,
@@ -31,20 +31,34 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
     Args:
         detokenizer: the batched incremental detokenizer (holds ``DecodeStatus`` per rid).
         worker: this process's address, reported in ``GetMetrics``.
+        gateway_dead_after: seconds a gateway may stay unreachable before it counts as gone.
 
     A rid's state opens on its first TokenIDOutput (which carries gateway and scheduler addresses
     and decode options) and is dropped when it finishes: by the scheduler (EOS, length, abort and
     error pass through with their error text) or by a stop string, in which case this servicer
     sends the STOP output and calls ``DecodeScheduler.Abort(rid, reason="stop")`` so generation
     ends within a step. Ids that still arrive for a finished rid are ignored.
+
+    A gateway replica that is gone (its output stream cannot reconnect for ``gateway_dead_after``
+    seconds) owns no client any more: every rid routed to it is aborted at its decode-scheduler
+    (reason "gateway ... is gone") and its decode state dropped here.
     """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, worker: str) -> None:
+    def __init__(
+        self,
+        detokenizer: IncrementalDetokenizer,
+        worker: str,
+        gateway_dead_after: float = DEFAULT_DEAD_AFTER_S,
+    ) -> None:
         self.detokenizer = detokenizer
         self.worker = worker
         self.metrics = DetokenizerMetrics()
         self._routes: dict[str, Route] = {}
-        self._gateways = ClientStreamPool(lambda ch: output_pb2_grpc.GatewayOutputStub(ch).StreamStrOutputs)
+        self._gateways = ClientStreamPool(
+            lambda ch: output_pb2_grpc.GatewayOutputStub(ch).StreamStrOutputs,
+            dead_after=gateway_dead_after,
+            on_dead=self._gateway_gone,
+        )
         self._aborter = SchedulerAborter()
 
     async def StreamTokenIDs(
@@ -104,6 +118,23 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
             self._aborter.abort(route.scheduler_address, out.rid, "stop")
         else:
             logger.warning("rid %s hit a stop string but carries no scheduler_address to abort", out.rid)
+
+    def _gateway_gone(self, address: str, dropped: list[output_pb2.BatchStrOutput]) -> None:
+        """Abort every rid of the gateway at ``address`` at its scheduler and drop its decode state."""
+        rids = [rid for rid, route in self._routes.items() if route.gateway_address == address]
+        logger.warning(
+            "gateway %s is gone: aborting its %d requests (%d output batches undelivered)",
+            address,
+            len(rids),
+            len(dropped),
+        )
+        reason = f"gateway {address} is gone"
+        for rid in rids:
+            route = self._routes.pop(rid)
+            if route.scheduler_address:
+                self._aborter.abort(route.scheduler_address, rid, reason)
+        self.detokenizer.discard(rids)
+        self.metrics.active_streams.set(self.detokenizer.num_active)
 
     async def close(self) -> None:
         """Flush queued outputs and Abort calls, and close their channels."""

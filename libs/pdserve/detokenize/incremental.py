@@ -82,6 +82,11 @@ class IncrementalDetokenizer:
                 deltas[i] = delta
         return deltas
 
+    def discard(self, rids: Sequence[str]) -> None:
+        """Drop the states of ``rids`` without decoding anything (their text has no one to go to)."""
+        for rid in rids:
+            self._states.pop(rid, None)
+
     def _open(self, item: TokenStep) -> DecodeStatus | None:
         if item.options is not None:
             self._states[item.rid] = DecodeStatus(item.rid, item.options)

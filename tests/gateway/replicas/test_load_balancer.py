@@ -32,7 +32,7 @@ from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import Stack, free_port_block
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = Path(__file__).parents[2] / "deploy" / "nginx" / "pdserve.conf.template"
+TEMPLATE = Path(__file__).parents[3] / "deploy" / "nginx" / "pdserve.conf.template"
 QUESTIONS = ["Name one fruit.", "What colour is the sky?", "Say hello.", "Count to three."]
 MAX_TOKENS = 12
 
