@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--default-max-tokens", type=int, default=4096, help="cap of the default max_tokens")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker probes")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
+    )
     p.add_argument("--log-level", default="info")
     apply_env_defaults(p)
     return p
@@ -146,7 +152,7 @@ class Gateway:
             loop="uvloop",
             log_level=args.log_level.lower(),
             access_log=args.log_level.lower() == "debug",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=args.drain_timeout,
         )
         self.http = _EmbeddedUvicorn(uv_config)
         self.http_port = args.port

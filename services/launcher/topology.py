@@ -11,6 +11,8 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+_ABORT_MARGIN_S = 3.0  # of the launcher's drain timeout, kept for the gateway to abort what is left
+
 STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway": 2}
 
 
@@ -88,6 +90,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         "--decode-addresses", ",".join(decodes),
         "--prefill-addresses", ",".join(prefills),
         "--router-policy", args.router_policy,
+        # the launcher kills the gateway after its own drain timeout: leave time to abort the rest
+        "--drain-timeout", str(max(args.drain_timeout - _ABORT_MARGIN_S, 0.0)),
     ]  # fmt: skip
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]

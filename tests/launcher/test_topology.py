@@ -54,3 +54,12 @@ def test_many_prefill_workers_do_not_collide_with_decode_ports() -> None:
     ports = [int(_flag(s.argv, "--port")) for s in build_topology(args, "/m")[:-1]]
     assert len(set(ports)) == len(ports)
     assert ports[2:14] == list(range(10, 22)) and ports[14:] == [22, 23, 24]
+
+
+def test_gateway_drains_within_the_launchers_drain_timeout() -> None:
+    args = make_parser().parse_args(["--drain-timeout", "20"])
+    gateway = build_topology(args, "/m")[-1]
+    assert gateway.role == "gateway"
+    assert float(_flag(gateway.argv, "--drain-timeout")) == 17.0  # 3 s left to abort the rest
+    short = build_topology(make_parser().parse_args(["--drain-timeout", "1"]), "/m")[-1]
+    assert float(_flag(short.argv, "--drain-timeout")) == 0.0
