@@ -214,3 +214,48 @@ def test_long_prompt_is_chunked_beside_the_decoding_batch(big_runner):
         chunk_steps += 1
     assert chunk_steps == -(-3000 // 256)
     drive(sched)
+
+
+def test_requests_sharing_an_uncached_prefix_compute_it_once(big_runner):
+    """Three prompts sharing a ~500-token prefix arrive together: the first is prefilled (in chunks,
+    each chunk's full pages cached as soon as it is computed), the others wait for it and then
+    extend only their own suffixes; every output is still HF's greedy output."""
+    shared = ids(" ".join(["The committee reviewed the annual report in detail."] * 50))
+    prompts = {f"q{i}": shared + ids(f" Question {i}: what did the committee do?") for i in range(3)}
+    sched = fresh(big_runner, role="mixed", chunked_prefill_size=128)
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, max_new=8))
+    extended: dict[str, int] = {rid: 0 for rid in prompts}
+    cached_while_prefilling = []
+    done = {}
+    while sched.has_work():
+        if sched.prefilling:
+            cached_while_prefilling.append(sched.ledger.cached_pages())
+        batch = sched.schedule()
+        for i in range(batch.num_extend):
+            extended[batch.reqs[i].rid] += batch.extend_lens[i]
+        for out in sched.process_result(batch, sched.run_batch(batch)):
+            if out.finished:
+                done[out.req.rid] = out.req
+        sched.check_invariants()
+    shared_pages = len(shared) // PAGE * PAGE
+    assert extended["q0"] == len(prompts["q0"])
+    for rid in ("q1", "q2"):
+        assert done[rid].cached_tokens == shared_pages, rid
+        assert extended[rid] == len(prompts[rid]) - shared_pages, rid
+    assert sum(extended.values()) < len(shared) + 3 * 40  # the shared part was computed once
+    assert cached_while_prefilling[-1] > 0, "chunks are cached while their request still runs"
+    for rid, prompt in prompts.items():
+        assert done[rid].output_ids == hf_greedy(prompt, 8), rid
+    assert sched.ledger.used_pages() == 0
+
+
+def test_disabled_cache_does_not_hold_back_requests_sharing_a_prefix(big_runner):
+    shared = ids(" ".join(["A long shared instruction for every request."] * 10))
+    sched = fresh(big_runner, role="mixed", disable_radix_cache=True)
+    for i in range(3):
+        sched.add_request(req(f"n{i}", shared + ids(f" Item {i}."), max_new=2))
+    first = sched.schedule()
+    assert first.num_extend == 3  # nothing to wait for: all extend together
+    sched.process_result(first, sched.run_batch(first))
+    drive(sched)

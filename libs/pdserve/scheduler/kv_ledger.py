@@ -132,6 +132,28 @@ class KVLedger:
         slots = slots_for_pages(req.pages, start, end, self.page_size)
         self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = slots
 
+    def cache_unfinished(self, req: Req) -> None:
+        """Put the full pages of a still-running ``req``'s computed tokens into the radix cache.
+
+        Requests admitted later then share them at once instead of after ``req`` finishes (SGLang's
+        ``cache_unfinished_req``). ``req`` keeps using them: its lock moves to the new last node,
+        pages the tree already held under other indices replace its duplicates (which are freed)
+        in ``req.pages`` and in ``req_to_token``, and they stop counting as in use.
+        """
+        full = min(req.num_computed // self.page_size, len(req.pages))
+        if self.tree.disable or full <= req.num_prefix_pages:
+            return
+        key = req.fill_ids[: full * self.page_size]
+        self.allocator.free(self.tree.insert(key, req.pages[:full]))
+        match = self.tree.match_prefix(key)
+        self.tree.inc_lock_ref(match.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
+        req.pages[:full] = match.page_indices
+        req.num_prefix_pages = full
+        self.in_use[req.rid] = len(req.pages) - full
+        self._write_req_to_token(req, 0, full * self.page_size)
+
     # ---- release ------------------------------------------------------------------
     def release(self, req: Req, cache: bool) -> None:
         """Give back everything ``req`` holds, exactly once.

@@ -26,6 +26,7 @@ from pdserve.scheduler.schedule_batch import ScheduleBatch
 logger = logging.getLogger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
+IN_BATCH_PREFIX_TOKENS = 32  # a shared uncached prefix at least this long is computed once, not twice
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Scheduler:
         if req is None:
             return None
         req.num_computed = len(req.fill_ids)
+        self.ledger.cache_unfinished(req)
         self._append_token(req, first_token_id, logprob)
         req.set_state(ReqState.RUNNING)
         req.check_finished(self.eos_token_ids, self.context_len)
@@ -209,6 +211,8 @@ class Scheduler:
                 self._end(req, FinishReason.ABORT, req.to_abort)
                 outputs.append(StepOutput(req, finished=True))
                 continue
+            if i < batch.num_extend:
+                self.ledger.cache_unfinished(req)
             if not batch.is_last_chunk(i):
                 continue  # a non-final chunk of a long prompt: its sample is discarded
             logprob = None
@@ -314,7 +318,11 @@ class Scheduler:
             budget -= n
         self.policy.order(self.waiting)
         for req in list(self.waiting):
-            if budget <= 0 or self._can_run_more() <= 0 or not self._admit(req):
+            if budget <= 0 or self._can_run_more() <= 0:
+                break
+            if self._waits_for_shared_prefix(req):
+                continue
+            if not self._admit(req):
                 break
             req.set_state(ReqState.PREFILLING)
             self.prefilling.append(req)
@@ -323,6 +331,21 @@ class Scheduler:
             lens.append(n)
             budget -= n
         return reqs, lens
+
+    def _waits_for_shared_prefix(self, req: Req) -> bool:
+        """Whether ``req`` should wait a step because a request extending now computes a prefix it
+        shares, beyond what the cache holds, of at least ``IN_BATCH_PREFIX_TOKENS`` tokens.
+
+        Once that prefill is done its pages are in the cache and ``req`` extends only its own
+        suffix, instead of both computing the shared part side by side (SGLang's in-batch prefix
+        caching). Never with the cache disabled, where waiting saves nothing.
+        """
+        if self.config.disable_radix_cache or not self.prefilling:
+            return False
+        shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in self.prefilling)
+        if shared < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return shared - self._cached_prefix_len(req) >= IN_BATCH_PREFIX_TOKENS
 
     def _prepare_decodes(self) -> list[Req]:
         """Give every running request a KV slot for its next token, retracting the newest if short."""
@@ -380,3 +403,18 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""
         self.ledger.check_conservation(self.usable_pages)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality (C-speed compares)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
