@@ -9,7 +9,7 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
-.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok clean
+.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok bench-attn clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -57,6 +57,9 @@ bench-engine: install
 
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
+
+bench-attn: install
+	$(PYTHON) -m benchmarks.attention_kernel $(ARGS)
 
 bench-detok: install
 	$(PYTHON) -m benchmarks.detokenizer $(ARGS)

@@ -1,34 +1,49 @@
 """Paged decode attention for CPUs: a small OpenMP C kernel, built with the system C compiler on first use.
 
-Decode attention does almost no arithmetic (one query per request) but must read every cached
-key and value; PyTorch ops need a gathered copy of the KV plus a generic SDPA, which costs
-several times the reads themselves. This kernel reads each request's K/V pages in place through
-its page table, one pass per request with an online softmax per query head (flash-decoding
-style; the CPU decode kernel idea of SGLang's ``sgl-kernel``, written anew here). Arithmetic is
-float32; bfloat16 inputs are widened on load and the output rounded to nearest-even.
+Decode attention does little arithmetic per byte (one query per request) but must read every
+cached key and value; PyTorch ops need a gathered copy of the KV plus a generic SDPA, which costs
+several times the reads themselves. This kernel reads the K/V pages in place through the page
+table (flash-decoding, Dao et al. 2023; the CPU decode kernel idea of SGLang's ``sgl-kernel``,
+written anew here).
 
-The shared library is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by the source, flags and
-the CPU's flags; without a C compiler ``load_decode_kernel`` returns None and callers fall back
-to PyTorch ops.
+Layout: q and out ``[B, Hq, D]``; K and V ``[num_pages, page_size, Hkv, D]``: position ``j`` of
+request ``b`` is token slot ``page_table[b, j // page_size] * page_size + j % page_size``, whose
+K (V) row of KV head ``hk`` is ``D`` contiguous elements, and the rows of all ``Hkv`` heads of a
+page's tokens are one contiguous run.
+
+Algorithm. A work item is a request, or a range of its positions (a split, flash-decoding's
+split-K) when the batch alone would leave threads idle; a last pass merges the splits. An item
+walks its positions in blocks of 16 keys (any page size); while it computes one, it prefetches the
+next block's rows into L2, one per row computed (a steady stream keeps the memory busy). For each
+KV head, its ``G = Hq / Hkv`` query heads are done together, with AVX-512 in register tiles of up
+to 3 heads that load each 64-byte chunk of a K or V row once:
+
+1. scores ``s[g, t] = scale * q_g . k_t``: one vector of partial products per (head, key), the 16
+   keys' vectors then summed into one vector of 16 scores by a transpose-and-add tree; bfloat16
+   dot products by ``vdpbf16ps`` where the CPU has AVX512_BF16 (pairwise products, exact in
+   float32, summed in float32);
+2. online softmax per query head: the running max ``m`` is kept unless a score exceeds it (then
+   the accumulator is rescaled), the sums ``l`` are kept per lane and added up at the end, and
+   ``exp`` is a branch-free polynomial, vectorised over the block;
+3. ``acc[g] += sum_t p[g, t] * v_t``: a bfloat16 chunk of 32 elements read as 16 int32 lanes gives
+   its even and odd elements as floats by a shift and a mask, so V is never widened into a copy.
+
+Arithmetic is float32; bfloat16 outputs are rounded to nearest-even. The library is built with
+``-march=native`` on the machine that runs it: AVX-512 code for head_dim 64, 128 and 256, the
+same algorithm in portable C (which the compiler vectorises) for other head dims and CPUs.
+
+Built by ``pdserve.layers.native``; without a C compiler ``load_decode_kernel`` returns None and
+callers fall back to PyTorch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from pdserve.model_source import cache_dir
-
-logger = logging.getLogger(__name__)
+from pdserve.layers.native import build_library
 
 _SOURCE = r"""
 #include <float.h>
@@ -36,136 +51,453 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-static inline float load_bf16(uint16_t x) {
+#define BLOCK 16          /* keys scored together: one AVX-512 vector of float32 scores */
+#define MIN_SPLIT 64      /* fewest keys worth a split of their own */
+#define MAX_CHUNKS 16     /* AVX-512 accumulators of one head: head_dim <= 256 */
+#define MASKED (-FLT_MAX) /* the score of a block's lanes past its last key */
+#define INLINE static inline __attribute__((always_inline))
+
+enum { F32 = 0, BF16 = 1 };
+typedef uint16_t bf16;
+
+INLINE float bf16_to_f32(bf16 x) {
   uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
 }
-static inline uint16_t store_bf16(float f) {
+INLINE bf16 f32_to_bf16(float f) {
   uint32_t u; memcpy(&u, &f, 4);
   u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
-  return (uint16_t)(u >> 16);
+  return (bf16)(u >> 16);
+}
+INLINE float f32_to_f32(float x) { return x; }
+
+/* e^x for x <= 0 (relative error below 3e-7; 0 from x = -88 down, MASKED included): 2^n * e^r with
+   n = round(x / ln 2), |r| <= ln(2) / 2 and a degree-6 Taylor polynomial. Branch-free, so loops
+   over it vectorise. */
+INLINE float exp_nonpositive(float x) {
+  x = x > -88.f ? x : -88.f;
+  const float n = rintf(x * 1.44269504f);
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  /* ln 2 in two parts: n * hi is exact */
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r / 720)))));
+  const int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n; n = -127 gives the bits of 0.f */
+  float two_n;
+  memcpy(&two_n, &bits, 4);
+  return p * two_n;
 }
 
-/* q, out: [batch, num_heads, head_dim]; k, v: [num_pages * page_size, num_kv_heads, head_dim];
-   page_table: [batch, max_pages]; seq_lens: [batch]. Position j of request b is token slot
-   page_table[b][j / page_size] * page_size + j % page_size. One task per request walks its pages
-   in order (each page's K and V rows of all heads are contiguous, and the next page is
-   prefetched), keeping an online softmax (running max m, sum l) per query head. */
-#define DECODE_PARAMS(T)                                                                           \
-  const T* q, const T* k, const T* v, T* out, const int64_t* page_table, const int64_t* seq_lens,  \
-  int64_t batch, int64_t max_pages, int64_t page_size, int64_t num_heads, int64_t num_kv_heads,     \
-  int64_t head_dim_arg, float scale, int num_threads
-#define DECODE_ARGS                                                                                \
-  q, k, v, out, page_table, seq_lens, batch, max_pages, page_size, num_heads, num_kv_heads,         \
-  head_dim_arg, scale, num_threads
+/* The steps on one block for one KV head. q: its G query heads, [G, D] in the input dtype; the K
+   (V) row of key t < n <= BLOCK is the D elements at byte offset rows[t] of k (v); s, p: [G, BLOCK]
+   floats; acc: [G, D] floats. Along the way each step prefetches the next block's K (V) rows, at
+   offsets ahead[i] for i < n_ahead, one per row it computes: a steady stream keeps memory busy. */
+/* s[g][t] = scale * q_g . k_t, MASKED from t = n */
+typedef void ScoresFn(const void* q, const char* k, const int64_t* rows, int n, int64_t group,
+                      int64_t head_dim, float scale, float* s, const int64_t* ahead, int n_ahead);
+/* acc[g] += sum_t p[g][t] * v_t */
+typedef void ValuesFn(const float* p, const char* v, const int64_t* rows, int n, int64_t group,
+                      int64_t head_dim, float* acc, const int64_t* ahead, int n_ahead);
 
-/* HEAD_DIM is a constant for the common sizes, so the inner loops compile to fixed vector code. */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, HEAD_DIM)                                              \
-static void NAME(DECODE_PARAMS(T)) {                                                               \
-  const int64_t head_dim = HEAD_DIM;                                                               \
-  const int64_t group = num_heads / num_kv_heads, stride = num_kv_heads * head_dim;                \
-  const int64_t page_bytes = page_size * stride * (int64_t)sizeof(T);                              \
-  _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                           \
-  for (int64_t b = 0; b < batch; ++b) {                                                            \
-    float* qf = malloc(sizeof(float) * num_heads * (2 * head_dim + page_size + 2));                \
-    float *acc = qf + num_heads * head_dim, *p = acc + num_heads * head_dim;                       \
-    float *m = p + num_heads * page_size, *l = m + num_heads;                                      \
-    for (int64_t hq = 0; hq < num_heads; ++hq) {                                                   \
-      const T* qp = q + (b * num_heads + hq) * head_dim;                                           \
-      for (int64_t d = 0; d < head_dim; ++d) qf[hq * head_dim + d] = LOAD(qp[d]) * scale;          \
-      m[hq] = -FLT_MAX;                                                                            \
-      l[hq] = 0.f;                                                                                 \
-    }                                                                                              \
-    memset(acc, 0, sizeof(float) * num_heads * head_dim);                                          \
-    const int64_t len = seq_lens[b], *pages = page_table + b * max_pages;                          \
-    for (int64_t start = 0, i = 0; start < len; start += page_size, ++i) {                         \
-      const int64_t n = len - start < page_size ? len - start : page_size;                         \
-      const T *kp = k + pages[i] * page_size * stride, *vp = v + pages[i] * page_size * stride;    \
-      if (start + page_size < len) {                                                               \
-        const char *nk = (const char*)(k + pages[i + 1] * page_size * stride);                     \
-        const char *nv = (const char*)(v + pages[i + 1] * page_size * stride);                     \
-        for (int64_t off = 0; off < page_bytes; off += 64) {                                       \
-          __builtin_prefetch(nk + off);                                                            \
-          __builtin_prefetch(nv + off);                                                            \
-        }                                                                                          \
+INLINE void prefetch_row(const char* row, int64_t bytes) {  /* into L2 */
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
+}
+
+/* Portable C: the loops over head_dim vectorise under -O3 -ffast-math. */
+#define DEFINE_PORTABLE(NAME, T, LOAD)                                                             \
+static void NAME##_scores(const void* q, const char* k, const int64_t* rows, int n, int64_t group, \
+                          int64_t head_dim, float scale, float* s, const int64_t* ahead, int n_ahead) { \
+  for (int64_t g = 0; g < group; ++g) {                                                            \
+    const T* qg = (const T*)q + g * head_dim;                                                      \
+    for (int t = 0; t < BLOCK; ++t) {                                                              \
+      if (g == 0 && t < n_ahead) prefetch_row(k + ahead[t], head_dim * (int64_t)sizeof(T));        \
+      if (t >= n) {                                                                                \
+        s[g * BLOCK + t] = MASKED;                                                                 \
+        continue;                                                                                  \
       }                                                                                            \
-      for (int64_t hq = 0; hq < num_heads; ++hq) {                                                 \
-        const int64_t hk = hq / group;                                                             \
-        const float* qh = qf + hq * head_dim;                                                      \
-        float *ph = p + hq * page_size, *ah = acc + hq * head_dim, page_max = -FLT_MAX, sum = 0.f; \
-        for (int64_t t = 0; t < n; ++t) {                                                          \
-          const T* kt = kp + t * stride + hk * head_dim;                                           \
-          float s = 0.f;                                                                           \
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * LOAD(kt[d]);                         \
-          ph[t] = s;                                                                               \
-          page_max = s > page_max ? s : page_max;                                                  \
-        }                                                                                          \
-        const float new_max = page_max > m[hq] ? page_max : m[hq];                                 \
-        const float correction = expf(m[hq] - new_max);                                            \
-        for (int64_t t = 0; t < n; ++t) {                                                          \
-          ph[t] = expf(ph[t] - new_max);                                                           \
-          sum += ph[t];                                                                            \
-        }                                                                                          \
-        l[hq] = l[hq] * correction + sum;                                                          \
-        m[hq] = new_max;                                                                           \
-        for (int64_t d = 0; d < head_dim; ++d) ah[d] *= correction;                                \
-        for (int64_t t = 0; t < n; ++t) {                                                          \
-          const T* vt = vp + t * stride + hk * head_dim;                                           \
-          const float pt = ph[t];                                                                  \
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += pt * LOAD(vt[d]);                        \
-        }                                                                                          \
-      }                                                                                            \
+      const T* kt = (const T*)(k + rows[t]);                                                       \
+      float dot = 0.f;                                                                             \
+      _Pragma("omp simd reduction(+ : dot)")                                                       \
+      for (int64_t d = 0; d < head_dim; ++d) dot += LOAD(qg[d]) * LOAD(kt[d]);                     \
+      s[g * BLOCK + t] = scale * dot;                                                              \
     }                                                                                              \
-    for (int64_t hq = 0; hq < num_heads; ++hq) {                                                   \
-      T* op = out + (b * num_heads + hq) * head_dim;                                               \
-      const float inv = 1.f / l[hq];                                                               \
-      for (int64_t d = 0; d < head_dim; ++d) op[d] = STORE(acc[hq * head_dim + d] * inv);          \
-    }                                                                                              \
-    free(qf);                                                                                      \
   }                                                                                                \
+}                                                                                                  \
+static void NAME##_values(const float* p, const char* v, const int64_t* rows, int n, int64_t group,\
+                          int64_t head_dim, float* acc, const int64_t* ahead, int n_ahead) {       \
+  for (int64_t g = 0; g < group; ++g)                                                              \
+    for (int t = 0; t < n; ++t) {                                                                  \
+      if (g == 0 && t < n_ahead) prefetch_row(v + ahead[t], head_dim * (int64_t)sizeof(T));        \
+      const T* vt = (const T*)(v + rows[t]);                                                       \
+      const float pt = p[g * BLOCK + t];                                                           \
+      float* ag = acc + g * head_dim;                                                              \
+      _Pragma("omp simd")                                                                          \
+      for (int64_t d = 0; d < head_dim; ++d) ag[d] += pt * LOAD(vt[d]);                            \
+    }                                                                                              \
+}
+DEFINE_PORTABLE(portable_f32, float, f32_to_f32)
+DEFINE_PORTABLE(portable_bf16, bf16, bf16_to_f32)
+
+#ifdef __AVX512F__
+/* The AVX-512 steps work on 64-byte chunks of a row (16 float32 or 32 bfloat16 elements) and on
+   tiles of up to MAX_TILE heads of the group, so that each chunk of K or V is loaded once for all
+   of a tile's heads. */
+#define MAX_TILE 3
+
+/* A chunk kept in a register: without the empty asm the compiler folds the load into each head's
+   FMA, reading the chunk once per head after all. */
+INLINE __m512i load_chunk(const char* x) {
+  __m512i chunk = _mm512_loadu_si512(x);
+  __asm__("" : "+v"(chunk));
+  return chunk;
 }
 
-#define DEFINE_DISPATCH(NAME, T, LOAD, STORE)                                                      \
-DEFINE_DECODE(NAME##_64, T, LOAD, STORE, 64)                                                       \
-DEFINE_DECODE(NAME##_128, T, LOAD, STORE, 128)                                                     \
-DEFINE_DECODE(NAME##_any, T, LOAD, STORE, head_dim_arg)                                            \
-void NAME(DECODE_PARAMS(T)) {                                                                      \
-  if (head_dim_arg == 64) NAME##_64(DECODE_ARGS);                                                  \
-  else if (head_dim_arg == 128) NAME##_128(DECODE_ARGS);                                           \
-  else NAME##_any(DECODE_ARGS);                                                                    \
+/* 32 bfloat16 read as 16 int32 lanes hold elements 2i (low half) and 2i + 1 (high half) of lane i. */
+INLINE __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+INLINE __m512 bf16_odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
-DEFINE_DISPATCH(decode_attention_f32, float, load_f32, store_f32)
-DEFINE_DISPATCH(decode_attention_bf16, uint16_t, load_bf16, store_bf16)
+/* dot + q . k over a chunk, as 16 lanes of partial sums. */
+INLINE __m512 dot_chunk(int is_bf16, __m512 dot, __m512i q, __m512i k) {
+  if (!is_bf16) return _mm512_fmadd_ps(_mm512_castsi512_ps(q), _mm512_castsi512_ps(k), dot);
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(dot, (__m512bh)q, (__m512bh)k);
+#else
+  return _mm512_fmadd_ps(bf16_odd(q), bf16_odd(k), _mm512_fmadd_ps(bf16_even(q), bf16_even(k), dot));
+#endif
+}
+
+/* Lane i of each 128-bit lane L of the result: the sum of 128-bit lane L of v[i] (rows interleaved
+   and added in pairs, then in quads). */
+INLINE __m512 sum_4_vectors(const __m512 v[4]) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+}
+
+/* Lane t of the result: the total of row t, from sum_4_vectors of rows 0-3, 4-7, 8-11 and 12-15
+   (their 128-bit lanes added across vectors). */
+INLINE __m512 sum_quads(const __m512 quads[4]) {
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+/* Scores of `tile` heads, four keys at a time: a vector of partial sums per (head, key), reduced to
+   one vector of 16 scores per head. Keys from n on read key 0's row and are masked. */
+INLINE void scores_tile(int is_bf16, int tile, const char* q, const char* k, const int64_t* rows, int n,
+                        int64_t head_bytes, float scale, float* s, const int64_t* ahead, int n_ahead) {
+  __m512 quads[MAX_TILE][BLOCK / 4];
+  for (int r = 0; r < BLOCK / 4; ++r) {
+    for (int i = 4 * r; i < 4 * r + 4 && i < n_ahead; ++i) prefetch_row(k + ahead[i], head_bytes);
+    const char* keys[4];
+    __m512 dots[MAX_TILE][4];
+    for (int i = 0; i < 4; ++i) keys[i] = k + rows[4 * r + i < n ? 4 * r + i : 0];
+    for (int g = 0; g < tile; ++g)
+      for (int i = 0; i < 4; ++i) dots[g][i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < head_bytes; c += 64) {
+      __m512i chunks[4];
+      for (int i = 0; i < 4; ++i) chunks[i] = load_chunk(keys[i] + c);
+      for (int g = 0; g < tile; ++g) {
+        const __m512i qc = _mm512_loadu_si512(q + g * head_bytes + c);
+        for (int i = 0; i < 4; ++i) dots[g][i] = dot_chunk(is_bf16, dots[g][i], qc, chunks[i]);
+      }
+    }
+    for (int g = 0; g < tile; ++g) quads[g][r] = sum_4_vectors(dots[g]);
+  }
+  for (int g = 0; g < tile; ++g) {
+    const __m512 scores = _mm512_mul_ps(sum_quads(quads[g]), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(s + g * BLOCK,
+                     _mm512_mask_blend_ps((__mmask16)((1u << n) - 1), _mm512_set1_ps(MASKED), scores));
+  }
+}
+
+/* One head's D accumulators into / out of D / 16 registers; for bfloat16 each 32 are split into
+   (even, odd) elements, the order bf16_even / bf16_odd give V in. */
+INLINE void load_acc(int is_bf16, const float* acc, int64_t head_dim, __m512* sums) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  for (int64_t c = 0; c < head_dim / 16; c += 1 + is_bf16) {
+    const __m512 lo = _mm512_loadu_ps(acc + 16 * c);
+    if (is_bf16) {
+      const __m512 hi = _mm512_loadu_ps(acc + 16 * c + 16);
+      sums[c] = _mm512_permutex2var_ps(lo, even, hi);
+      sums[c + 1] = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+    } else {
+      sums[c] = lo;
+    }
+  }
+}
+INLINE void store_acc(int is_bf16, const __m512* sums, int64_t head_dim, float* acc) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  for (int64_t c = 0; c < head_dim / 16; c += 1 + is_bf16) {
+    if (is_bf16) {
+      const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+      _mm512_storeu_ps(acc + 16 * c, _mm512_permutex2var_ps(sums[c], first, sums[c + 1]));
+      _mm512_storeu_ps(acc + 16 * c + 16, _mm512_permutex2var_ps(sums[c], second, sums[c + 1]));
+    } else {
+      _mm512_storeu_ps(acc + 16 * c, sums[c]);
+    }
+  }
+}
+
+/* acc[g] += sum_t p[g][t] * v_t for `tile` heads, their accumulators in registers over the block. */
+INLINE void values_tile(int is_bf16, int tile, const float* p, const char* v, const int64_t* rows, int n,
+                        int64_t head_dim, float* acc, const int64_t* ahead, int n_ahead) {
+  __m512 sums[MAX_TILE][MAX_CHUNKS];
+  for (int g = 0; g < tile; ++g) load_acc(is_bf16, acc + g * head_dim, head_dim, sums[g]);
+  for (int t = 0; t < n; ++t) {
+    if (t < n_ahead) prefetch_row(v + ahead[t], head_dim * (is_bf16 ? 2 : 4));
+    __m512 pt[MAX_TILE];
+    for (int g = 0; g < tile; ++g) pt[g] = _mm512_set1_ps(p[g * BLOCK + t]);
+    for (int64_t c = 0; c < head_dim / 16; c += 1 + is_bf16) {
+      const __m512i x = load_chunk(v + rows[t] + c * 64 / (1 + is_bf16));
+      for (int g = 0; g < tile; ++g) {
+        if (is_bf16) {
+          sums[g][c] = _mm512_fmadd_ps(pt[g], bf16_even(x), sums[g][c]);
+          sums[g][c + 1] = _mm512_fmadd_ps(pt[g], bf16_odd(x), sums[g][c + 1]);
+        } else {
+          sums[g][c] = _mm512_fmadd_ps(pt[g], _mm512_castsi512_ps(x), sums[g][c]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < tile; ++g) store_acc(is_bf16, sums[g], head_dim, acc + g * head_dim);
+}
+
+/* The group's heads in tiles (a literal tile size each, so that the loops over it unroll); the first
+   tile prefetches. */
+INLINE void avx512_scores(int is_bf16, int64_t head_dim, const void* q, const char* k, const int64_t* rows,
+                          int n, int64_t group, float scale, float* s, const int64_t* ahead, int n_ahead) {
+  const int64_t head_bytes = head_dim * (is_bf16 ? 2 : 4);
+  for (int64_t g = 0; g < group; g += MAX_TILE) {
+    const char* qg = (const char*)q + g * head_bytes;
+    float* sg = s + g * BLOCK;
+    const int na = g ? 0 : n_ahead;
+    if (group - g >= 3) scores_tile(is_bf16, 3, qg, k, rows, n, head_bytes, scale, sg, ahead, na);
+    else if (group - g == 2) scores_tile(is_bf16, 2, qg, k, rows, n, head_bytes, scale, sg, ahead, na);
+    else scores_tile(is_bf16, 1, qg, k, rows, n, head_bytes, scale, sg, ahead, na);
+  }
+}
+INLINE void avx512_values(int is_bf16, int64_t head_dim, const float* p, const char* v, const int64_t* rows,
+                          int n, int64_t group, float* acc, const int64_t* ahead, int n_ahead) {
+  const int most = head_dim <= 128 ? MAX_TILE : 1;  /* head_dim 256: 16 accumulator registers a head */
+  for (int64_t g = 0, tile; g < group; g += tile) {
+    tile = group - g < most ? group - g : most;
+    const float* pg = p + g * BLOCK;
+    float* ag = acc + g * head_dim;
+    const int na = g ? 0 : n_ahead;
+    if (tile == 3) values_tile(is_bf16, 3, pg, v, rows, n, head_dim, ag, ahead, na);
+    else if (tile == 2) values_tile(is_bf16, 2, pg, v, rows, n, head_dim, ag, ahead, na);
+    else values_tile(is_bf16, 1, pg, v, rows, n, head_dim, ag, ahead, na);
+  }
+}
+
+/* The steps for one dtype and a constant head_dim, so that the loops over it unroll into registers. */
+#define DEFINE_AVX512_STEPS(NAME, IS_BF16, D)                                                      \
+static void NAME##_scores(const void* q, const char* k, const int64_t* rows, int n, int64_t group, \
+                          int64_t head_dim, float scale, float* s, const int64_t* ahead, int n_ahead) { \
+  (void)head_dim;                                                                                  \
+  avx512_scores(IS_BF16, D, q, k, rows, n, group, scale, s, ahead, n_ahead);                       \
+}                                                                                                  \
+static void NAME##_values(const float* p, const char* v, const int64_t* rows, int n, int64_t group,\
+                          int64_t head_dim, float* acc, const int64_t* ahead, int n_ahead) {       \
+  (void)head_dim;                                                                                  \
+  avx512_values(IS_BF16, D, p, v, rows, n, group, acc, ahead, n_ahead);                            \
+}
+DEFINE_AVX512_STEPS(avx512_f32_64, 0, 64)
+DEFINE_AVX512_STEPS(avx512_f32_128, 0, 128)
+DEFINE_AVX512_STEPS(avx512_f32_256, 0, 256)
+DEFINE_AVX512_STEPS(avx512_bf16_64, 1, 64)
+DEFINE_AVX512_STEPS(avx512_bf16_128, 1, 128)
+DEFINE_AVX512_STEPS(avx512_bf16_256, 1, 256)
+#endif
+
+typedef struct { ScoresFn* scores; ValuesFn* values; } Steps;
+
+static Steps pick_steps(int dtype, int64_t head_dim) {
+  (void)head_dim;
+#ifdef __AVX512F__
+#define AVX512_CASE(D)                                                                             \
+  if (head_dim == D)                                                                               \
+    return dtype == F32 ? (Steps){avx512_f32_##D##_scores, avx512_f32_##D##_values}                \
+                        : (Steps){avx512_bf16_##D##_scores, avx512_bf16_##D##_values};
+  AVX512_CASE(64)
+  AVX512_CASE(128)
+  AVX512_CASE(256)
+#endif
+  return dtype == F32 ? (Steps){portable_f32_scores, portable_f32_values}
+                      : (Steps){portable_bf16_scores, portable_bf16_values};
+}
+
+typedef struct {
+  Steps steps;
+  const char *q, *k, *v;
+  void* out;
+  const int64_t *page_table, *seq_lens;
+  int64_t max_pages, page_size, num_heads, num_kv_heads, head_dim, group, elem_size;
+  float scale;
+  int dtype;
+} Problem;
+
+/* Online softmax over one block's scores s [G, BLOCK] (overwritten with the probabilities p) for the
+   running max m [G], sums l [G, BLOCK] (per lane) and accumulator acc [G, D]. */
+static void softmax_step(float* s, int64_t group, int64_t head_dim, float* m, float* l, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    float *sg = s + g * BLOCK, *lg = l + g * BLOCK, mx = m[g];
+    int grows = 0;
+    #pragma omp simd reduction(| : grows)
+    for (int t = 0; t < BLOCK; ++t) grows |= sg[t] > mx;
+    if (grows) {
+      #pragma omp simd reduction(max : mx)
+      for (int t = 0; t < BLOCK; ++t) mx = fmaxf(mx, sg[t]);
+      const float correction = exp_nonpositive(m[g] - mx);
+      #pragma omp simd
+      for (int t = 0; t < BLOCK; ++t) lg[t] *= correction;
+      #pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] *= correction;
+      m[g] = mx;
+    }
+    #pragma omp simd
+    for (int t = 0; t < BLOCK; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - mx);
+      lg[t] += sg[t];
+    }
+  }
+}
+
+/* rows[t] = byte offset in the K and V pools of the token at position first + t, t < n. */
+static void token_rows(const Problem* P, const int64_t* pages, int64_t first, int64_t n, int64_t* rows) {
+  const int64_t ps = P->page_size, token_bytes = P->num_kv_heads * P->head_dim * P->elem_size;
+  for (int64_t t = 0, page = first / ps, offset = first % ps; t < n; ++t) {
+    rows[t] = (pages[page] * ps + offset) * token_bytes;
+    if (++offset == ps) offset = 0, ++page;
+  }
+}
+
+/* Attention of request b over positions [begin, end), all heads, unnormalised: part = acc [Hq, D],
+   m [Hq], l [Hq]. scratch: (G + Hq) * BLOCK floats. */
+static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, float* part, float* scratch) {
+  const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads;
+  const int64_t head_bytes = head_dim * P->elem_size;
+  float *acc = part, *m = acc + num_heads * head_dim, *l = m + num_heads;
+  float *s = scratch, *lanes = s + group * BLOCK; /* lanes: per-lane sums, [Hq, BLOCK] */
+  for (int64_t h = 0; h < num_heads; ++h) m[h] = -FLT_MAX;
+  memset(acc, 0, sizeof(float) * num_heads * head_dim);
+  memset(lanes, 0, sizeof(float) * num_heads * BLOCK);
+  const int64_t* pages = P->page_table + b * P->max_pages;
+  const char* q = P->q + b * num_heads * head_bytes;
+  int64_t rows[BLOCK], ahead[BLOCK];
+  for (int64_t pos = begin; pos < end; pos += BLOCK) {
+    const int n = end - pos < BLOCK ? (int)(end - pos) : BLOCK;
+    const int n_ahead = end - pos - n < BLOCK ? (int)(end - pos - n) : BLOCK;
+    token_rows(P, pages, pos, n, rows);
+    token_rows(P, pages, pos + n, n_ahead, ahead);
+    for (int64_t hk = 0; hk < P->num_kv_heads; ++hk) {
+      const char *k = P->k + hk * head_bytes, *v = P->v + hk * head_bytes;
+      const int64_t h = hk * group;
+      P->steps.scores(q + h * head_bytes, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
+      softmax_step(s, group, head_dim, m + h, lanes + h * BLOCK, acc + h * head_dim);
+      P->steps.values(s, v, rows, n, group, head_dim, acc + h * head_dim, ahead, n_ahead);
+    }
+  }
+  for (int64_t h = 0; h < num_heads; ++h) {
+    l[h] = 0.f;
+    for (int t = 0; t < BLOCK; ++t) l[h] += lanes[h * BLOCK + t];
+  }
+}
+
+/* Merge request b's splits (their parts) and write its output rows. scratch: D floats. */
+static void merge(const Problem* P, const float* parts, int64_t splits, int64_t b, float* scratch) {
+  const int64_t num_heads = P->num_heads, head_dim = P->head_dim, part_size = num_heads * (head_dim + 2);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float mx = -FLT_MAX, l = 0.f;
+    for (int64_t i = 0; i < splits; ++i) mx = fmaxf(mx, parts[i * part_size + num_heads * head_dim + h]);
+    memset(scratch, 0, sizeof(float) * head_dim);
+    for (int64_t i = 0; i < splits; ++i) {
+      const float* part = parts + i * part_size;
+      const float w = exp_nonpositive(part[num_heads * head_dim + h] - mx);
+      l += w * part[num_heads * (head_dim + 1) + h];
+      for (int64_t d = 0; d < head_dim; ++d) scratch[d] += w * part[h * head_dim + d];
+    }
+    const int64_t out = (b * num_heads + h) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      if (P->dtype == F32) ((float*)P->out)[out + d] = scratch[d] / l;
+      else ((bf16*)P->out)[out + d] = f32_to_bf16(scratch[d] / l);
+    }
+  }
+}
+
+/* Splits per request: enough work items that dynamic scheduling evens out ragged lengths across
+   threads (8 per thread), each split at least MIN_SPLIT keys. */
+static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
+  if (num_threads <= 1 || batch >= 8 * num_threads) return 1;
+  const int64_t want = (8 * num_threads + batch - 1) / batch, most = max_len / MIN_SPLIT;
+  return want < most ? want : most > 1 ? most : 1;
+}
+
+/* q, out: [batch, num_heads, head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim];
+   page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
+   (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. */
+void decode_attention(int dtype, const void* q, const void* k, const void* v, void* out,
+                      const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
+                      int64_t page_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      float scale, int num_threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, max_pages, page_size,
+                     num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  const int64_t splits = num_splits(batch, max_len, num_threads);
+  const int64_t span = ((max_len + splits - 1) / splits + BLOCK - 1) / BLOCK * BLOCK;
+  const int64_t part_size = num_heads * (head_dim + 2);
+  float* parts = malloc(sizeof(float) * batch * splits * part_size);
+  #pragma omp parallel num_threads(num_threads)
+  {
+    float* scratch = malloc(sizeof(float) * ((group + num_heads) * BLOCK + head_dim));
+    #pragma omp for schedule(dynamic) nowait
+    for (int64_t item = 0; item < batch * splits; ++item) {
+      const int64_t b = item / splits, begin = item % splits * span, end = begin + span;
+      attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
+      if (splits == 1) merge(&P, parts + item * part_size, 1, b, scratch);
+    }
+    if (splits > 1) {  /* the only barrier, as one waits out any thread the OS has descheduled */
+      #pragma omp barrier
+      #pragma omp for schedule(static)
+      for (int64_t b = 0; b < batch; ++b) merge(&P, parts + b * splits * part_size, splits, b, scratch);
+    }
+    free(scratch);
+  }
+  free(parts);
+}
 """
 
-# -ffast-math lets the dot products and exponentials vectorise (no inf/NaN: masks are lengths here)
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_SYMBOLS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's F32 and BF16
 
 
 class DecodeAttentionKernel:
     """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale) -> out``.
 
     Args (tensors on CPU, contiguous, q and pages of one dtype: float32 or bfloat16):
-        q: ``[B, Hq, D]``, one query per request.
+        q: ``[B, Hq, D]``, one query per request; ``Hq`` a multiple of ``Hkv``.
         k_pages / v_pages: ``[num_pages, page_size, Hkv, D]``, one layer's K and V.
-        page_table: int64 ``[B, max_pages]``; seq_lens: int64 ``[B]`` (keys ``[0, seq_len)``).
+        page_table: int64 ``[B, max_pages]``; seq_lens: int64 ``[B]``, each >= 1 (keys ``[0, seq_len)``).
+        scale: softmax scale (usually ``D ** -0.5``).
+        num_threads: OpenMP threads (default ``torch.get_num_threads()``).
     Returns ``[B, Hq, D]`` in q's dtype.
     """
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fns = {}
-        for dtype, symbol in _SYMBOLS.items():
-            fn = getattr(lib, symbol)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-            self._fns[dtype] = fn
+        self._fn = lib.decode_attention
+        self._fn.restype = None
+        self._fn.argtypes = (
+            [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+        )
 
     def supports(self, dtype: torch.dtype) -> bool:
-        return dtype in self._fns
+        return dtype in _DTYPES
 
     def __call__(
         self,
@@ -175,12 +507,14 @@ class DecodeAttentionKernel:
         page_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        num_threads: int | None = None,
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
         q = q.contiguous()
         out = torch.empty_like(q)
-        self._fns[q.dtype](
+        self._fn(
+            _DTYPES[q.dtype],
             q.data_ptr(),
             k_pages.data_ptr(),
             v_pages.data_ptr(),
@@ -194,7 +528,7 @@ class DecodeAttentionKernel:
             num_kv_heads,
             head_dim,
             scale,
-            torch.get_num_threads(),
+            num_threads or torch.get_num_threads(),
         )
         return out
 
@@ -202,31 +536,5 @@ class DecodeAttentionKernel:
 @functools.cache
 def load_decode_kernel() -> DecodeAttentionKernel | None:
     """Build (once per source and CPU) and load the kernel; None when no C compiler works here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention falls back to PyTorch ops")
-        return None
-    key = hashlib.sha1("\n".join([_SOURCE, *_FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"decode_attention-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            source, built = Path(tmp) / "decode_attention.c", Path(tmp) / "lib.so"
-            source.write_text(_SOURCE)
-            run = subprocess.run(
-                [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True
-            )
-            if run.returncode != 0:
-                logger.warning("building the CPU decode kernel failed, using PyTorch ops:\n%s", run.stderr)
-                return None
-            built.replace(path)  # atomic: concurrent builders each install a complete file
-    return DecodeAttentionKernel(ctypes.CDLL(str(path)))
-
-
-def _cpu_flags() -> str:
-    try:
-        return next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return ""
+    lib = build_library("decode_attention", _SOURCE)
+    return None if lib is None else DecodeAttentionKernel(lib)

@@ -1,0 +1,121 @@
+"""The CPU decode-attention kernel against plain float64 PyTorch attention on random paged pools."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
+
+RAGGED = (1, 15, 16, 17, 33, 100, 257)  # one key, around page boundaries, not multiples of the page
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = load_decode_kernel()
+    assert kernel is not None, "the CPU decode kernel did not build"
+    return kernel
+
+
+def make_pool(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    q_scale: float = 1.0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """q, K/V pages, a shuffled page table and seq lens. Every slot no request may read (spare pages,
+    the page table's padding page, a last page's tail) holds NaN, so reading one shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(seq_lens)
+    pages_per = (lens + page_size - 1) // page_size
+    num_pages = int(pages_per.sum()) + 3
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_pages = torch.full(shape, math.nan)
+    v_pages = torch.full(shape, math.nan)
+    order = torch.randperm(num_pages, generator=gen)
+    padding = int(order[-1])  # like the backend, padding entries point at a real page: never read
+    page_table = torch.full((len(seq_lens), int(pages_per.max())), padding)
+    taken = 0
+    for b, n in enumerate(seq_lens):
+        own = order[taken : taken + int(pages_per[b])]
+        taken += len(own)
+        page_table[b, : len(own)] = own
+        slots = torch.arange(n)
+        rows, cols = own[slots // page_size], slots % page_size
+        k_pages[rows, cols] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        v_pages[rows, cols] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen) * q_scale
+    return q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), page_table, lens
+
+
+def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> torch.Tensor:
+    """Softmax attention of each request's query over its keys, in float64, one request at a time."""
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    group = q.shape[1] // num_kv_heads
+    out = []
+    for b, n in enumerate(seq_lens.tolist()):
+        slots = torch.arange(n)
+        pages = page_table[b, slots // page_size]
+        k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, v))
+    return torch.stack(out)
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: arithmetic-rounding close; bfloat16: within the output's own rounding (2^-8 relative)."""
+    assert not out.isnan().any()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])
+def test_ragged_batch_matches_reference(kernel, dtype, head_dim, group):
+    num_kv_heads = 2
+    q, k, v, table, lens = make_pool(list(RAGGED), group * num_kv_heads, num_kv_heads, head_dim, 16, dtype)
+    scale = head_dim**-0.5
+    out = kernel(q, k, v, table, lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches(out, reference(q, k, v, table, lens, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "page_size"), [(80, 5), (256, 32), (64, 1)])
+def test_other_head_dims_and_page_sizes(kernel, dtype, head_dim, page_size):
+    """head_dim 80 runs the portable C path, 256 the widest AVX-512 one; pages of 5 and 1 tokens."""
+    q, k, v, table, lens = make_pool([3, 40, 129], 12, 3, head_dim, page_size, dtype)
+    out = kernel(q, k, v, table, lens, head_dim**-0.5)
+    assert_matches(out, reference(q, k, v, table, lens, head_dim**-0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_one_long_sequence_splits(kernel, dtype):
+    """With idle threads a request is split over its positions; the merged result is the same (up to
+    float32 rounding, which may move a bfloat16 output by one unit in the last place)."""
+    q, k, v, table, lens = make_pool([3001], 9, 3, 64, 16, dtype)
+    expected = reference(q, k, v, table, lens, 0.125)
+    whole = kernel(q, k, v, table, lens, 0.125, num_threads=1)
+    assert_matches(whole, expected)
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    for threads in (2, 4):
+        split = kernel(q, k, v, table, lens, 0.125, num_threads=threads)
+        assert_matches(split, expected)
+        torch.testing.assert_close(split.double(), whole.double(), rtol=rtol, atol=1e-7)
+
+
+def test_peaked_softmax(kernel):
+    """Large logits (a max that keeps growing, weights underflowing to 0) stay exact in float32."""
+    q, k, v, table, lens = make_pool([700, 65, 2], 8, 2, 128, 16, torch.float32, q_scale=8.0, seed=1)
+    out = kernel(q, k, v, table, lens, 1.0)
+    assert_matches(out, reference(q, k, v, table, lens, 1.0))
