@@ -9,7 +9,7 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
-.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok bench-attn clean
+.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -57,6 +57,9 @@ bench-engine: install
 
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
+
+bench-gateway: install
+	$(PYTHON) -m benchmarks.gateway_overhead $(ARGS)
 
 bench-attn: install
 	$(PYTHON) -m benchmarks.attention_kernel $(ARGS)

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         specs = [parse_compare(s) for s in args.compare] if args.compare else []
         specs = specs or [LaunchSpec("pdserve", args.launch if args.launch is not None else DEFAULT_FLAGS)]
         for spec in specs:
-            with launched(spec) as url:
-                level_results, run = asyncio.run(bench_server(url, spec.label, cfg, args.api_key))
+            with launched(spec) as stack:
+                level_results, run = asyncio.run(bench_server(stack.base_url, spec.label, cfg, args.api_key))
             results += level_results
             runs.append(run | {"launch": spec.flags})
     return report(results, runs, cfg, args.plot)

@@ -10,6 +10,10 @@ import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.stack import Stack
 
 DEFAULT_FLAGS = "--colocated"
 
@@ -31,8 +35,9 @@ def parse_compare(spec: str) -> LaunchSpec:
 
 
 @contextmanager
-def launched(spec: LaunchSpec) -> Iterator[str]:
-    """Run ``pdserve launch <spec.flags>`` while the block runs; yields its OpenAI base URL (``.../v1``).
+def launched(spec: LaunchSpec) -> Iterator[Stack]:
+    """Run ``pdserve launch <spec.flags>`` while the block runs; yields the running ``Stack`` (its
+    ``base_url`` is the server root, its ``proc`` the launcher process).
 
     The log goes to ``$PDSERVE_TEST_LOG_DIR/bench-<label>.log`` (default /tmp/pdserve-test-logs).
     Raises RuntimeError (with the log's tail) if the stack does not become healthy.
@@ -42,6 +47,6 @@ def launched(spec: LaunchSpec) -> Iterator[str]:
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in spec.label)
     stack = launch_stack(*shlex.split(spec.flags), log_name=f"bench-{safe}")
     try:
-        yield f"{stack.base_url}/v1"
+        yield stack
     finally:
         stack.stop()
