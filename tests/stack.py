@@ -12,7 +12,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+SERVED_MODEL = "SmolLM2-135M-Instruct"  # the id the default model is served under
 
 
 def free_port_block(size: int) -> int:
@@ -56,6 +59,17 @@ class Stack:
     @property
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    def chat(self, question: str, max_tokens: int = 24) -> str:
+        """A greedy one-turn chat through the official ``openai`` client; returns the answer text."""
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+        resp = client.chat.completions.create(
+            model=SERVED_MODEL,
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=max_tokens,
+        )
+        return resp.choices[0].message.content
 
     def metrics(self) -> dict[str, dict[tuple, float]]:
         """``{metric sample name: {(role, worker): value}}`` from the gateway's /metrics."""

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.stack import Stack, launch_stack
+from tests.stack import SERVED_MODEL, Stack, launch_stack
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 DRAIN_TIMEOUT = 20
 FLAGS = (
     "--num-prefill", "1", "--num-decode", "2", "--router-policy", "round_robin",
@@ -69,17 +69,6 @@ def wait_for_log(stack: Stack, text: str, timeout: float = 30.0) -> str:
     return log
 
 
-def chat(stack: Stack, question: str, max_tokens: int = 24) -> str:
-    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
-    resp = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": question}],
-        temperature=0,
-        max_tokens=max_tokens,
-    )
-    return resp.choices[0].message.content
-
-
 def expected_answer(question: str, max_tokens: int = 24) -> str:
     """The HF reference's greedy answer."""
     return hf_tokenizer().decode(reference_ids(question, max_tokens), skip_special_tokens=True)
@@ -110,7 +99,7 @@ def test_every_role_comes_up_and_serves_greedy_chat(stack: Stack) -> None:
     log = wait_for_log(stack, f"pdserve is up: OpenAI API at http://127.0.0.1:{stack.port}/v1")
     assert "[6/6] gateway ready" in log
     for question in QUESTIONS:  # round robin: one request on each decode worker
-        assert chat(stack, question) == expected_answer(question)
+        assert stack.chat(question) == expected_answer(question)
     assert sorted(decode_tokens(stack)) == [f"127.0.0.1:{base + 20}", f"127.0.0.1:{base + 21}"]
     assert all(v > 0 for v in decode_tokens(stack).values())
 
@@ -131,7 +120,7 @@ def test_a_killed_decode_scheduler_is_restarted_and_serves_again(stack: Stack) -
         time.sleep(0.5)
     back_after = time.monotonic() - t0
     for question in QUESTIONS:  # round robin over both healthy workers: one lands on the new decode-0
-        assert chat(stack, question) == expected_answer(question)
+        assert stack.chat(question) == expected_answer(question)
     assert decode_tokens(stack)[address] > 0  # counted by the new process
     log = wait_for_log(stack, f"decode-0 is back (pid {restarted.pid}")
     assert f"decode-0 (pid {victim.pid}) killed by SIGKILL" in log

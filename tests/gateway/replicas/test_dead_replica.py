@@ -19,9 +19,9 @@ import pytest
 
 from tests.gateway.replicas.conftest import start_gateway
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.stack import Stack
+from tests.stack import SERVED_MODEL, Stack
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SERVED_MODEL
 NUM_STREAMS = 4
 MAX_TOKENS = 400
 DEAD_AFTER = 3.0  # the detokenizer's default --gateway-dead-after
@@ -86,17 +86,6 @@ def active_rids(stack: Stack) -> float:
     return sum(stack.metrics().get("pdserve:detokenizer_active_streams", {}).values())
 
 
-def ask(base_url: str, question: str, max_tokens: int) -> str:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0)
-    resp = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": question}],
-        temperature=0,
-        max_tokens=max_tokens,
-    )
-    return resp.choices[0].message.content
-
-
 def test_killed_gateway_leaves_no_work_and_no_state(
     two_decode: Stack, cache_aware_gateway: Stack, doomed_gateway: Stack
 ) -> None:
@@ -130,4 +119,4 @@ def test_killed_gateway_leaves_no_work_and_no_state(
     reference = hf_greedy(chat_ids([{"role": "user", "content": question}]), 12)
     expected = hf_tokenizer().decode(reference, skip_special_tokens=True)
     for gateway in (backend, cache_aware_gateway):
-        assert ask(gateway.base_url, question, 12) == expected
+        assert gateway.chat(question, 12) == expected
