@@ -9,7 +9,7 @@ import logging
 from pdserve.cli_args import apply_env_defaults, setup_logging
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import GrpcServer, run_service
-from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler
+from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -44,7 +44,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         f"{args.host}:{args.port}", [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name]
     )
     address = f"{args.advertise_host or args.host}:{server.port}"
-    scheduler = await asyncio.to_thread(build_scheduler, args, role)
+    scheduler = await build_scheduler_off_loop(args, role)
     agent = build_kv_agent(scheduler, role, address) if role == "decode" else None
     servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)

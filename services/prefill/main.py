@@ -8,7 +8,7 @@ import logging
 
 from pdserve.cli_args import apply_env_defaults, setup_logging
 from pdserve.rpc.server import GrpcServer, run_service
-from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler
+from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.prefill.servicer import PrefillServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -27,7 +27,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     service = scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name
     server = GrpcServer(f"{args.host}:{args.port}", [service])
     address = f"{args.advertise_host or args.host}:{server.port}"
-    scheduler = await asyncio.to_thread(build_scheduler, args, "prefill")
+    scheduler = await build_scheduler_off_loop(args, "prefill")
     servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address))
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()

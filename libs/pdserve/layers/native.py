@@ -21,8 +21,11 @@ from pdserve.model_source import cache_dir
 
 logger = logging.getLogger(__name__)
 
-# -ffast-math lets reductions and exponentials vectorise (kernels here never see inf/NaN by design)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -ffast-math lets reductions and exponentials vectorise (kernels here never see inf/NaN by design).
+# It is a compile flag only: linking with it would add GCC's crtfastmath startup code, which turns
+# on flush-to-zero in whichever thread loads the library.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def build_library(name: str, source: str) -> ctypes.CDLL | None:
@@ -34,16 +37,21 @@ def build_library(name: str, source: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: %s falls back to PyTorch ops", name)
         return None
-    key = hashlib.sha1("\n".join([source, *FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha1("\n".join([source, *FLAGS, *LINK_FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[
+        :16
+    ]
     path = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, built = Path(tmp) / f"{name}.c", Path(tmp) / "lib.so"
+            src, obj, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o", Path(tmp) / "lib.so"
             src.write_text(source)
             run = subprocess.run(
-                [compiler, *FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True, text=True
+                [compiler, *FLAGS, "-c", str(src), "-o", str(obj)], capture_output=True, text=True
             )
+            if run.returncode == 0:
+                link = [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]
+                run = subprocess.run(link, capture_output=True, text=True)
             if run.returncode != 0:
                 logger.warning("building %s failed, using PyTorch ops:\n%s", name, run.stderr)
                 return None
