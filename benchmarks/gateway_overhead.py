@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of the stack
     with launched(LaunchSpec("gateway-overhead", args.flags)) as stack:
-        # built once the stack is up (both load the same code from disk), off the main thread as the
-        # decode service builds its scheduler (see InProcessServer.from_launch_flags)
+        # built once the stack is up (both load the same code from disk), on a thread that ends
+        # before the run (see InProcessServer.from_launch_flags)
         with ThreadPoolExecutor(1) as pool:
             server = pool.submit(InProcessServer.from_launch_flags, shlex.split(args.flags)).result()
         tokenizer = Tokenizer.load(str(server.model_dir))

@@ -8,6 +8,8 @@ would cost ~25 s).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from benchmarks.serving_lib.in_process import InProcessServer
@@ -37,7 +39,8 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def server() -> InProcessServer:
-    return InProcessServer.from_launch_flags(FLAGS)
+    with ThreadPoolExecutor(1) as pool:  # a short-lived thread, as from_launch_flags asks
+        return pool.submit(InProcessServer.from_launch_flags, FLAGS).result()
 
 
 def test_the_launch_flags_reach_the_scheduler(server):
