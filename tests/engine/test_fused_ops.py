@@ -80,3 +80,31 @@ def test_silu_and_mul_matches_torch(ops, dtype):
     out = SiluAndMul()(x)
     assert_close(out, F.silu(gate) * up, dtype)
     assert torch.isfinite(out).all() and abs(float(out[0, 0])) < 1e-20
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 9, 700])  # 700 rows of bfloat16 K/V: enough bytes to go parallel
+def test_store_kv_from_fused_qkv_matches_index_put(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    q_size, kv_size, slots = 9 * 64, 3 * 64, 2048
+    qkv = torch.randn(rows, q_size + 2 * kv_size, generator=gen).to(dtype)
+    _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views, as the model passes them
+    loc = torch.randperm(slots, generator=gen)[:rows]
+    k_pool, v_pool = torch.zeros(2, slots, 3, 64, dtype=dtype)
+    ops.store_kv(k, v, k_pool, v_pool, loc)
+    expected_k, expected_v = torch.zeros(2, slots, 3, 64, dtype=dtype)
+    expected_k[loc] = k.reshape(rows, 3, 64)
+    expected_v[loc] = v.reshape(rows, 3, 64)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 49152), (64, 49152)])
+def test_argmax_matches_torch_with_ties_and_minus_inf(ops, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    logits = torch.randn(shape, generator=gen)
+    logits[:, : shape[1] // 2] = float("-inf")  # banned tokens (min_tokens, logit bias)
+    top = logits.max(dim=-1, keepdim=True).values
+    logits[:, -1:] = top  # a tie: the first index wins, as in torch.argmax
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    ties = torch.zeros(shape)  # every entry equal: index 0
+    assert torch.equal(ops.argmax(ties), torch.zeros(shape[0], dtype=torch.int64))

@@ -1,4 +1,5 @@
-"""Fused element-wise ops for CPUs: residual-add + RMSNorm, in-place rotary embedding, SiLU-and-mul.
+"""Fused element-wise ops for CPUs: residual-add + RMSNorm, in-place rotary embedding, SiLU-and-mul,
+storing a step's K/V rows in the pool, and the greedy argmax.
 
 A decoder layer is mostly small element-wise steps around its four matmuls; as PyTorch ops each
 costs a dispatch, a temporary and a pass over memory (``rms_norm`` alone is five ops with the
@@ -114,6 +115,31 @@ void NAME(const T* x, T* out, int64_t rows, int64_t d, int threads) {           
   }                                                                                                \
 }
 
+/* This step's K and V rows into the KV pool: row t of k (v), row_bytes bytes at k + t * k_stride
+   (bytes; a view into a fused qkv tensor), goes to token slot loc[t] of k_pool (v_pool). */
+void store_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_pool,
+              char* v_pool, const int64_t* loc, int64_t rows, int64_t row_bytes, int threads) {
+  #pragma omp parallel for schedule(static) if(rows * row_bytes >= (1 << 18)) num_threads(threads)
+  for (int64_t t = 0; t < rows; ++t) {
+    memcpy(k_pool + loc[t] * row_bytes, k + t * k_stride, row_bytes);
+    memcpy(v_pool + loc[t] * row_bytes, v + t * v_stride, row_bytes);
+  }
+}
+
+/* out[r] = the first index of the largest value of row r of x [rows, cols] (contiguous, finite or -inf). */
+void argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int threads) {
+  #pragma omp parallel for schedule(static) if(rows * cols >= (1 << 16)) num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * cols;
+    float best = row[0];
+    int64_t index = 0;
+    for (int64_t i = 1; i < cols; ++i) {
+      if (row[i] > best) best = row[i], index = i;
+    }
+    out[r] = index;
+  }
+}
+
 #define DEFINE_ALL(SUFFIX, T, LOAD, STORE, ROUND)                                                  \
 DEFINE_ADD_RMSNORM(add_rmsnorm_##SUFFIX, T, LOAD, STORE, ROUND)                                    \
 DEFINE_ROTARY(rotary_##SUFFIX, T, LOAD, STORE, ROUND)                                              \
@@ -142,6 +168,10 @@ class FusedOps:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.restype, fn.argtypes = None, argtypes
                 self._fns[name, dtype] = fn
+        self._store_kv = lib.store_kv
+        self._store_kv.restype, self._store_kv.argtypes = None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _C]
+        self._argmax = lib.argmax_f32
+        self._argmax.restype, self._argmax.argtypes = None, [_P, _I, _I, _P, _C]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -196,6 +226,36 @@ class FusedOps:
         self._fns["silu_and_mul", x.dtype](
             x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
         )
+        return out
+
+
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor
+    ) -> None:
+        """Copy row ``t`` of ``k`` and ``v`` (``[T, Hkv * D]``, rows may be strided views into a fused
+        qkv tensor, unit stride within a row) to token slot ``loc[t]`` (int64 ``[T]``, contiguous) of
+        ``k_pool`` / ``v_pool`` (contiguous, ``[num_slots, Hkv, D]`` or any shape with rows of
+        ``Hkv * D`` elements), all of one dtype."""
+        size = k.element_size()
+        self._store_kv(
+            k.data_ptr(),
+            k.stride(0) * size,
+            v.data_ptr(),
+            v.stride(0) * size,
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            loc.data_ptr(),
+            k.shape[0],
+            k.shape[1] * size,
+            torch.get_num_threads(),
+        )
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 ``[R]``: the first index of each row's largest value of contiguous float32 ``x``
+        ``[R, C]`` (as ``torch.argmax(x, -1)``; rows must hold no NaN)."""
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -54,14 +55,23 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo | None) -> torch.Tensor:
         if info is None:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         logits = _apply_penalties(logits, info)
-        next_ids = logits.argmax(dim=-1)
+        next_ids = _argmax(logits)
         if info.all_greedy:
             return next_ids
         rows = (~info.is_greedy).nonzero().squeeze(1)
         next_ids[rows] = _sample_rows(logits[rows], info, rows)
         return next_ids
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: each row's first largest logit (a parallel C loop on CPU, ``cpu_fused_ops``:
+    PyTorch's argmax of a ``[64, 49152]`` batch runs on one thread, ~2.5 ms here)."""
+    ops = load_fused_ops()
+    if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return ops.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

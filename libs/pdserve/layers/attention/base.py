@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.layers.cpu_fused_ops import load_fused_ops
+
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
     from pdserve.layers.radix_attention import RadixAttention
@@ -49,12 +51,18 @@ class AttentionBackend(ABC):
         """Write this step's ``k``/``v`` (``[T, Hkv * D]``) at ``out_cache_loc`` of ``layer``'s pool
         pages; returns that layer's K and V pages, ``[num_pages, page_size, Hkv, D]`` each."""
         pool = forward_batch.token_to_kv_pool
-        num_tokens = k.shape[0]
-        pool.set_kv(
-            layer.layer_id,
-            forward_batch.out_cache_loc,
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
-        )
+        ops = load_fused_ops()
+        if ops is not None and ops.supports(k) and k.dtype == pool.dtype and k.stride(1) == v.stride(1) == 1:
+            # one C call, reading k/v in place from the fused qkv output
+            k_pool, v_pool = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
+            ops.store_kv(k, v, k_pool, v_pool, forward_batch.out_cache_loc)
+        else:
+            num_tokens = k.shape[0]
+            pool.set_kv(
+                layer.layer_id,
+                forward_batch.out_cache_loc,
+                k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            )
         k_pages, v_pages = pool.kv_data[layer.layer_id]
         return k_pages, v_pages

@@ -337,7 +337,7 @@ typedef struct {
   const char *q, *k, *v;
   void* out;
   const int64_t *page_table, *seq_lens;
-  int64_t max_pages, page_size, num_heads, num_kv_heads, head_dim, group, elem_size;
+  int64_t q_stride, max_pages, page_size, num_heads, num_kv_heads, head_dim, group, elem_size;
   float scale;
   int dtype;
 } Problem;
@@ -388,7 +388,7 @@ static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, floa
   memset(acc, 0, sizeof(float) * num_heads * head_dim);
   memset(lanes, 0, sizeof(float) * num_heads * BLOCK);
   const int64_t* pages = P->page_table + b * P->max_pages;
-  const char* q = P->q + b * num_heads * head_bytes;
+  const char* q = P->q + b * P->q_stride * P->elem_size;
   int64_t rows[BLOCK], ahead[BLOCK];
   for (int64_t pos = begin; pos < end; pos += BLOCK) {
     const int n = end - pos < BLOCK ? (int)(end - pos) : BLOCK;
@@ -438,15 +438,16 @@ static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
   return want < most ? want : most > 1 ? most : 1;
 }
 
-/* q, out: [batch, num_heads, head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim];
+/* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
+   head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim];
    page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
    (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. */
-void decode_attention(int dtype, const void* q, const void* k, const void* v, void* out,
+void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                       const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
                       int64_t page_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, max_pages, page_size,
+  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages, page_size,
                      num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -481,7 +482,9 @@ class DecodeAttentionKernel:
     """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale) -> out``.
 
     Args (tensors on CPU, contiguous, q and pages of one dtype: float32 or bfloat16):
-        q: ``[B, Hq, D]``, one query per request; ``Hq`` a multiple of ``Hkv``.
+        q: ``[B, Hq, D]``, one query per request; ``Hq`` a multiple of ``Hkv``. Its rows may be
+            strided (a view into a fused qkv tensor) as long as each row's ``Hq * D`` elements are
+            contiguous.
         k_pages / v_pages: ``[num_pages, page_size, Hkv, D]``, one layer's K and V.
         page_table: int64 ``[B, max_pages]``; seq_lens: int64 ``[B]``, each >= 1 (keys ``[0, seq_len)``).
         scale: softmax scale (usually ``D ** -0.5``).
@@ -493,7 +496,10 @@ class DecodeAttentionKernel:
         self._fn = lib.decode_attention
         self._fn.restype = None
         self._fn.argtypes = (
-            [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+            [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+            + [ctypes.c_void_p] * 5
+            + [ctypes.c_int64] * 6
+            + [ctypes.c_float, ctypes.c_int]
         )
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -511,11 +517,13 @@ class DecodeAttentionKernel:
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
         self._fn(
             _DTYPES[q.dtype],
             q.data_ptr(),
+            q.stride(0),
             k_pages.data_ptr(),
             v_pages.data_ptr(),
             out.data_ptr(),

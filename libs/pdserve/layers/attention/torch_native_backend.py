@@ -138,7 +138,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
         if max_q == 1 and self.decode_kernel is not None:
-            queries = q[group.query_index[:, 0]]
+            # a group of the whole batch reads q in place (its rows are the batch's tokens, in order)
+            queries = q if group.out_index is None else q[group.query_index[:, 0]]
             out = self.decode_kernel(queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling)
             return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
