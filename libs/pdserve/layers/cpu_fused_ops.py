@@ -228,7 +228,6 @@ class FusedOps:
         )
         return out
 
-
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor
     ) -> None:

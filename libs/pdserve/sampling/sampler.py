@@ -69,7 +69,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 ``[B]``: each row's first largest logit (a parallel C loop on CPU, ``cpu_fused_ops``:
     PyTorch's argmax of a ``[64, 49152]`` batch runs on one thread, ~2.5 ms here)."""
     ops = load_fused_ops()
-    if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+    on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if ops is not None and on_cpu and logits.is_contiguous():
         return ops.argmax(logits)
     return logits.argmax(dim=-1)
 

@@ -447,8 +447,8 @@ void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k,
                       int64_t page_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages, page_size,
-                     num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
+  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
+                     page_size, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
   const int64_t splits = num_splits(batch, max_len, num_threads);
