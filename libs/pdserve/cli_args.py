@@ -47,3 +47,13 @@ def setup_logging(level: str, name: str) -> None:
     logging.basicConfig(
         level=level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s", force=True
     )
+
+
+def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
+    """``--quantization`` of the launcher and the scheduler services (``pdserve.layers.quantization``)."""
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "w8a8_int8"],
+        help="w8a8_int8: int8 weights and per-token int8 activations in the linear layers (CPU)",
+    )

@@ -24,6 +24,7 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         max_total_tokens=args.max_total_tokens,
         kv_cache_memory=args.kv_cache_memory,
         max_running_requests=args.max_running_requests,
+        quantization=args.quantization,
     )
     config = SchedulerConfig(
         role=role,

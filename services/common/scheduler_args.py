@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli_args import add_model_arg, add_server_args
+from pdserve.cli_args import add_model_arg, add_quantization_arg, add_server_args
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser, port: int) -> None:
     add_server_args(parser, port)
     add_model_arg(parser)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    add_quantization_arg(parser)
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 
-from pdserve.cli_args import add_model_arg, setup_logging
+from pdserve.cli_args import add_model_arg, add_quantization_arg, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import run_service
 from pdserve.services.launcher import config
@@ -71,6 +71,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights dtype")
+    add_quantization_arg(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size per scheduler, in tokens")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size per scheduler, in bytes")

@@ -41,6 +41,7 @@ class ServiceSpec:
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     flags = [
         "--dtype", args.dtype,
+        "--quantization", args.quantization,
         "--page-size", str(args.page_size),
         "--attention-backend", args.attention_backend,
         "--max-running-requests", str(args.max_running_requests),

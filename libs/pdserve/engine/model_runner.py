@@ -38,6 +38,8 @@ class ModelRunner:
             the free memory, at most what ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
         device: ``cpu`` or ``cuda[:i]``.
+        quantization: None or ``w8a8_int8`` (int8 weights and per-token int8 activations in every
+            linear layer but the LM head; ``pdserve.layers.quantization``).
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend, device.
@@ -53,11 +55,18 @@ class ModelRunner:
         kv_cache_memory: int | None = None,
         max_running_requests: int = 64,
         device: str = "cpu",
+        quantization: str | None = None,
     ):
         self.device = torch.device(device)
         self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
         self.model = load_model(
-            model_path, cfg.hf_config, cfg.architecture, cfg.context_length, cfg.dtype, self.device
+            model_path,
+            cfg.hf_config,
+            cfg.architecture,
+            cfg.context_length,
+            cfg.dtype,
+            self.device,
+            quantization,
         )
         bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         if max_total_tokens is None and kv_cache_memory is None:
@@ -74,10 +83,11 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.sampler = Sampler()
         logger.info(
-            "loaded %s (%s, %s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
+            "loaded %s (%s, %s%s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
             cfg.architecture,
             model_path,
             cfg.dtype,
+            f", {quantization}" if quantization else "",
             self.device,
             num_pages,
             page_size,

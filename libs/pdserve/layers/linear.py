@@ -65,6 +65,8 @@ class Linear(nn.Module):
     Attributes:
         packed: the oneDNN-packed copy of ``weight`` once ``process_weights_after_loading`` ran
             (bfloat16 on CPU only; None otherwise).
+        quant_method: set by the loader before ``process_weights_after_loading`` when the model is
+            quantized (``pdserve.layers.quantization``); it then transforms the weight and runs the matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -72,11 +74,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quant_method = None
 
     def process_weights_after_loading(self) -> None:
-        self.packed = prepack_weight(self.weight)
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
+        else:
+            self.packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
         return linear(x, self.weight, self.bias, self.packed)
 
 

@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pdserve.layers.linear import MergedLinear, default_weight_loader
+from pdserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from pdserve.layers.quantization import get_linear_method
 from pdserve.models.registry import get_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -16,10 +17,23 @@ _TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
 def load_model(
-    model_path: Path, hf_config, architecture: str, max_position: int, dtype: torch.dtype, device
+    model_path: Path,
+    hf_config,
+    architecture: str,
+    max_position: int,
+    dtype: torch.dtype,
+    device,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Instantiate ``architecture`` with ``dtype`` parameters on ``device``, load its weights, then
-    run each module's ``process_weights_after_loading`` (weight repacking), children first."""
+    run each module's ``process_weights_after_loading`` (weight repacking or quantization),
+    children first. ``quantization`` (``pdserve.layers.quantization``) applies to every ``Linear``
+    but the LM head.
+
+    Raises:
+        ValueError: an unknown ``quantization``.
+    """
+    method = get_linear_method(quantization)
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -28,6 +42,10 @@ def load_model(
         finally:
             torch.set_default_dtype(previous)
     load_weights(model, Path(model_path))
+    if method is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and name != "lm_head":
+                module.quant_method = method
     for module in reversed(list(model.modules())):  # children before their parents
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -1,0 +1,70 @@
+"""W8A8 int8 linear layers for CPUs: ``--quantization w8a8_int8`` (the name SGLang gives the scheme).
+
+Weights are quantized once after loading, symmetric int8 per output channel (``s_w[n] =
+max|W[n, :]| / 127``); activations are quantized on the fly, symmetric int8 per token (``s_x[m] =
+max|x[m, :]| / 127``), the per-token x per-channel scaling of LLM.int8() (Dettmers et al. 2022) and
+SmoothQuant's W8A8 (Xiao et al. 2023) without outlier handling. Then
+
+    y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_x[m] * s_w[n] (+ b[n])
+
+with the int32 sums from ``torch._int_mm`` (oneDNN's VNNI int8 GEMM on x86, about 1.6-2x the
+bfloat16 matmul on this project's reference CPU) and the quantization and the scaled epilogue as
+fused C ops (``cpu_fused_ops``). Activations, KV cache and the LM head keep the model dtype.
+
+Outputs are close to, not equal to, the unquantized model's: greedy continuations drift apart after
+a while, as with any quantization. The exactness tests run unquantized; ``tests/engine`` measures
+how close this scheme stays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.layers.cpu_fused_ops import load_fused_ops
+
+
+class W8A8Int8LinearMethod:
+    """How a ``Linear`` computes under ``w8a8_int8`` (vLLM's ``LinearMethodBase`` shape: the layer keeps
+    its module, the method owns the weight transform and the matmul).
+
+    Raises:
+        RuntimeError: at ``process_weights_after_loading`` when not on CPU or the fused C ops did not
+            build (the int8 path has no fallback worth running).
+    """
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Replace ``layer.weight`` ``[N, K]`` by its int8 quantization: ``layer.weight_q`` int8
+        ``[N, K]`` and ``layer.weight_scale`` float32 ``[N]``; the float weight is dropped."""
+        weight = layer.weight.data
+        if weight.device.type != "cpu" or load_fused_ops() is None:
+            raise RuntimeError("w8a8_int8 needs the CPU fused ops (a C compiler) and a CPU device")
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        layer.weight_q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        layer.weight_scale = scale
+        layer.weight = None
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., K]`` (float32 or bfloat16) → ``[..., N]`` in x's dtype."""
+        ops = load_fused_ops()
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        q, x_scale = ops.quantize_rows(rows)
+        acc = torch._int_mm(q, layer.weight_q.t())
+        out = ops.dequantize_rows(acc, x_scale, layer.weight_scale, layer.bias, x.dtype)
+        return out.view(*shape[:-1], -1)
+
+
+def get_linear_method(quantization: str | None) -> W8A8Int8LinearMethod | None:
+    """The linear method of ``--quantization`` (None: unquantized).
+
+    Raises:
+        ValueError: an unknown method name.
+    """
+    if quantization in (None, "", "none"):
+        return None
+    if quantization == "w8a8_int8":
+        return W8A8Int8LinearMethod()
+    raise ValueError(f"unknown quantization {quantization!r}; choose none or w8a8_int8")
