@@ -70,8 +70,15 @@ class Child:
         self._relay = asyncio.get_running_loop().create_task(self._relay_output())
 
     @classmethod
-    async def spawn(cls, name: str, argv: list[str], on_line: Callable[[str, str], None]) -> Child:
-        """Start ``argv``; each line it prints is passed to ``on_line(name, line)``.
+    async def spawn(
+        cls,
+        name: str,
+        argv: list[str],
+        on_line: Callable[[str, str], None],
+        env: dict[str, str] | None = None,
+    ) -> Child:
+        """Start ``argv`` (with ``env`` added to this process's environment); each line it prints
+        is passed to ``on_line(name, line)``.
 
         Raises OSError if the program cannot be started.
         """
@@ -82,6 +89,7 @@ class Child:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_die_with_parent(os.getpid()),
+            env={**os.environ, **env} if env else None,
             limit=MAX_LINE_BYTES,
         )
         return cls(name, proc, on_line)

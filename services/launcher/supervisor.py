@@ -66,7 +66,7 @@ class Supervisor:
         return [list(g) for _, g in itertools.groupby(ordered, key=lambda s: s.stage)]
 
     async def _spawn(self, spec: ServiceSpec) -> Child:
-        child = await Child.spawn(spec.name, spec.command, self.console.child_line)
+        child = await Child.spawn(spec.name, spec.command, self.console.child_line, spec.env)
         self.children[spec.name] = child
         logger.info("started %s (pid %d)", spec.name, child.pid)
         return child

@@ -63,3 +63,21 @@ def test_gateway_drains_within_the_launchers_drain_timeout() -> None:
     assert float(_flag(gateway.argv, "--drain-timeout")) == 17.0  # 3 s left to abort the rest
     short = build_topology(make_parser().parse_args(["--drain-timeout", "1"]), "/m")[-1]
     assert float(_flag(short.argv, "--drain-timeout")) == 0.0
+
+
+def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:
+    """Several scheduler processes on one machine get OMP_WAIT_POLICY=PASSIVE (spinning OpenMP
+    threads of one would steal the cores of the other); one alone, or a user's own setting, no."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    pd = build_topology(make_parser().parse_args(["--num-prefill", "1", "--num-decode", "1"]), "/m")
+    assert {s.name: s.env for s in pd} == {
+        "tokenizer": {},
+        "detokenizer": {},
+        "prefill-0": {"OMP_WAIT_POLICY": "PASSIVE"},
+        "decode-0": {"OMP_WAIT_POLICY": "PASSIVE"},
+        "gateway": {},
+    }
+    alone = build_topology(make_parser().parse_args(["--colocated"]), "/m")
+    assert all(s.env == {} for s in alone)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert all(s.env == {} for s in build_topology(make_parser().parse_args([]), "/m"))
