@@ -75,7 +75,11 @@ def main() -> None:
         "--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--batch-sizes", default="1,16,64")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma-separated; DTYPE+QUANT (bfloat16+w8a8_int8) runs the engine quantized beside HF in DTYPE",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -89,10 +93,12 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     results: dict[str, float] = {}
     rows = []
-    for dtype in args.dtypes.split(","):
+    for spec in args.dtypes.split(","):
+        dtype, _, quantization = spec.partition("+")
         runner = ModelRunner(
             path,
             dtype=dtype,
+            quantization=quantization or None,
             attention_backend="torch_native",
             max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
             max_running_requests=max(batch_sizes),
@@ -112,20 +118,20 @@ def main() -> None:
                     hf_runs.append(hf_decode(hf, prompts, args.new_tokens))
             prefill_tps, decode_tps = max(r[0] for r in engine_runs), max(r[1] for r in engine_runs)
             hf_tps = max(hf_runs, default=float("nan"))
-            key = f"{dtype}_b{batch}"
+            key = f"{spec.replace('+', '_')}_b{batch}"
             results |= {
                 f"{key}_engine_tok_s": decode_tps,
                 f"{key}_hf_tok_s": hf_tps,
                 f"{key}_ratio": decode_tps / hf_tps,
             }
             results[f"{key}_prefill_tok_s"] = prefill_tps
-            rows.append((dtype, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
+            rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
         del runner, hf
     print(
-        f"{'dtype':>9} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
+        f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
     )
     for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
-        print(f"{dtype:>9} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_tps:>9.1f} {ratio:>6.2f}")
+        print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_tps:>9.1f} {ratio:>6.2f}")
     print(json.dumps({k: round(v, 3) for k, v in results.items()}))
 
 
