@@ -80,3 +80,30 @@ def test_decode_kernel_matches_gather_sdpa_path(runner, tokenizer, long_text):
     finally:
         runner.attn_backend = kernel_backend
         driver.release(*seqs)
+
+
+def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, tokenizer, long_text):
+    """Extends whose cached prefixes outweigh their new tokens run every token as a C-kernel row;
+    the result equals the gather + SDPA path's."""
+    kernel_backend = runner.attn_backend
+    sdpa_backend = TorchNativeAttnBackend(runner, use_decode_kernel=False)
+    ids = tokenizer(long_text)["input_ids"]
+    driver = Driver(runner)
+    prompts = [ids[i * 40 : i * 40 + n] for i, n in enumerate((300, 420, 257))]
+    seqs = [driver.add(p, GREEDY) for p in prompts]
+    twins = [driver.add(p, GREEDY) for p in prompts]
+    for seq in seqs + twins:
+        driver.step([(seq, len(seq.prompt) - 37)])  # all but the last 37 tokens: a cached prefix
+    try:
+        batch = driver.prepare([(s, None) for s in seqs])
+        kernel_backend.init_forward_metadata(batch)
+        assert kernel_backend.kernel_rows is not None and len(kernel_backend.kernel_rows.seq_lens) == 3 * 37
+        via_kernel = runner.forward_batch_generation(batch)
+        runner.attn_backend = sdpa_backend
+        via_sdpa = driver.step([(s, None) for s in twins])
+    finally:
+        runner.attn_backend = kernel_backend
+    assert via_kernel.next_token_ids == via_sdpa.next_token_ids
+    diff = torch.tensor(via_kernel.next_token_logprobs) - torch.tensor(via_sdpa.next_token_logprobs)
+    assert diff.abs().max() < 1e-4
+    driver.release(*seqs, *twins)

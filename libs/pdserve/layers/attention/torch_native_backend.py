@@ -1,15 +1,22 @@
-"""Attention in PyTorch ops (any device), with a C decode kernel on CPU: the CPU backend.
+"""Attention in PyTorch ops (any device), with a C kernel on CPU: the CPU backend.
 
-Requests are split into at most two groups, decoding ones (one query token) and extending ones
-(a ragged chunk after a cached prefix), so a MIXED batch does not pad its decodes to the longest
-extend. A decode group on CPU runs ``cpu_decode_kernel``, which reads the pool in place. Otherwise
-each request's KV pages are gathered into a padded batch and attended with one SDPA per layer:
-queries padded to ``Lq`` (the longest chunk), keys to ``Lk`` (the longest sequence, in whole
-pages; position ``p`` of a request is offset ``p % page_size`` of page
-``req_to_token[p] // page_size``), and a boolean mask keeps, for the query at position ``p``,
-the keys at positions ``[0, p]`` of its own request. GQA needs no K/V repeat: the ``G = Hq / Hkv``
-query heads sharing a KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads
-of ``G * Lq`` queries.
+On CPU (``cpu_decode_kernel`` built), a batch of decodes, or one whose extends mostly attend to
+cached prefixes, runs every token as one row of the C kernel, which reads the KV pages in place:
+the token at position ``p`` of request ``b`` attends to keys ``[0, p]`` of its request, so a row
+needs only its request's page table and the length ``p + 1`` (its own key is stored before
+attention runs). An extend of 31 tokens after a 1,000-token cached prefix then costs one pass per
+token over cache-resident pages instead of a gathered, padded copy of the KV and a masked SDPA
+(16 such requests: ~600 ms instead of ~900 ms per step here).
+
+Otherwise requests are split into at most two groups, decoding ones (one query token; the C
+kernel on CPU) and extending ones (a ragged chunk after a cached prefix), so a MIXED batch does
+not pad its decodes to the longest extend. Each extending request's KV pages are gathered into a
+padded batch and attended with one SDPA per layer: queries padded to ``Lq`` (the longest chunk),
+keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a request is offset
+``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask keeps, for the
+query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no K/V
+repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length axis,
+so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
 """
 
 from __future__ import annotations
@@ -51,13 +58,26 @@ class _Group:
     mask: torch.Tensor | None
 
 
+@dataclass(slots=True)
+class _KernelRows:
+    """One C-kernel row per token of the batch (in batch order).
+
+    Attributes:
+        page_table: int64 ``[T, max_pages]``: the KV pages of each token's request.
+        seq_lens: int64 ``[T]``: keys each token attends to (its position + 1).
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with.
 
     Args:
         runner: the ``ModelRunner`` (model config, KV pool, device).
-        use_decode_kernel: on CPU, run decode groups with the C kernel of ``cpu_decode_kernel``
-            (when it builds here) instead of gather + SDPA.
+        use_decode_kernel: on CPU, run decodes (and extends after long cached prefixes) through
+            the C kernel of ``cpu_decode_kernel`` (when it builds here) instead of gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_decode_kernel: bool = True):
@@ -70,9 +90,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.head_dim = runner.model_config.head_dim
         self.page_size = runner.kv_pool.page_size
         self.groups: list[_Group] = []
+        self.kernel_rows: _KernelRows | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        self.kernel_rows = self._kernel_rows(fb) if self._kernel_takes_all(fb) else None
+        if self.kernel_rows is not None:
+            return
         is_decode = fb.extend_seq_lens == 1
         decode_rows = is_decode.nonzero().squeeze(1)
         extend_rows = (~is_decode).nonzero().squeeze(1)
@@ -80,6 +104,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.groups = [self._group(fb, None)]
         else:
             self.groups = [self._group(fb, decode_rows), self._group(fb, extend_rows)]
+
+    def _kernel_takes_all(self, fb: ForwardBatch) -> bool:
+        """Whether the C kernel runs every token: always for decodes; for extends when their cached
+        prefixes hold at least as many keys as they compute (a fresh prompt's causal block is
+        cheaper as one masked SDPA than as one kernel row per token)."""
+        if self.decode_kernel is None:
+            return False
+        extending = fb.extend_seq_lens > 1
+        return bool(fb.extend_prefix_lens[extending].sum() >= fb.extend_seq_lens[extending].sum())
+
+    def _kernel_rows(self, fb: ForwardBatch) -> _KernelRows:
+        ps = self.page_size
+        num_pages = (fb.seq_lens + ps - 1) // ps
+        max_pages = int(num_pages.max())
+        first_slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max_pages * ps : ps]
+        page_valid = torch.arange(max_pages, device=first_slots.device)[None, :] < num_pages[:, None]
+        page_table = torch.where(page_valid, first_slots // ps, 0)
+        if len(fb.positions) != len(fb.seq_lens):  # some request extends several tokens
+            page_table = page_table.repeat_interleave(fb.extend_seq_lens, dim=0)
+        return _KernelRows(page_table.contiguous(), (fb.positions + 1).contiguous())
 
     def _group(self, fb: ForwardBatch, rows: torch.Tensor | None) -> _Group:
         """Metadata of the requests ``rows`` (all when None)."""
@@ -125,6 +169,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if self.kernel_rows is not None:
+            rows = self.kernel_rows
+            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, layer.scaling)
+            return out.view(num_tokens, -1)
         if len(self.groups) == 1:
             return self._attend(q, k_pages, v_pages, self.groups[0], layer.scaling)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
