@@ -115,15 +115,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         return bool(fb.extend_prefix_lens[extending].sum() >= fb.extend_seq_lens[extending].sum())
 
     def _kernel_rows(self, fb: ForwardBatch) -> _KernelRows:
-        ps = self.page_size
-        num_pages = (fb.seq_lens + ps - 1) // ps
-        max_pages = int(num_pages.max())
-        first_slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max_pages * ps : ps]
-        page_valid = torch.arange(max_pages, device=first_slots.device)[None, :] < num_pages[:, None]
-        page_table = torch.where(page_valid, first_slots // ps, 0)
+        page_table = self._page_table(fb, fb.req_pool_indices, fb.seq_lens)
         if len(fb.positions) != len(fb.seq_lens):  # some request extends several tokens
             page_table = page_table.repeat_interleave(fb.extend_seq_lens, dim=0)
         return _KernelRows(page_table.contiguous(), (fb.positions + 1).contiguous())
+
+    def _page_table(self, fb: ForwardBatch, pool_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """int64 ``[B, max_pages]``: the KV pages of requests ``pool_rows`` (``req_to_token`` rows)
+        holding ``seq_lens`` tokens, padded with page 0 (never read: lengths bound every read)."""
+        ps = self.page_size
+        num_pages = (seq_lens + ps - 1) // ps
+        max_pages = int(num_pages.max())
+        first_slots = fb.req_to_token_pool.req_to_token[pool_rows, : max_pages * ps : ps]
+        page_valid = torch.arange(max_pages, device=first_slots.device)[None, :] < num_pages[:, None]
+        return torch.where(page_valid, first_slots // ps, 0)
 
     def _group(self, fb: ForwardBatch, rows: torch.Tensor | None) -> _Group:
         """Metadata of the requests ``rows`` (all when None)."""
@@ -132,16 +137,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         if rows is not None:
             per_request = tuple(t[rows] for t in per_request)
         ext, prefix, seq, starts, pool_rows = per_request
-        ps, device = self.page_size, ext.device
-        num_pages = (seq + ps - 1) // ps
-        max_q, max_pages = int(ext.max()), int(num_pages.max())
-        max_k = max_pages * ps
+        device = ext.device
+        page_table = self._page_table(fb, pool_rows, seq)
+        max_q, max_k = int(ext.max()), page_table.shape[1] * self.page_size
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
-        first_slots = fb.req_to_token_pool.req_to_token[pool_rows, :max_k:ps]
-        page_valid = torch.arange(max_pages, device=device)[None, :] < num_pages[:, None]
-        page_table = torch.where(page_valid, first_slots // ps, 0)
         mask = None
         if max_q > 1 or self.decode_kernel is None:  # the decode kernel needs only the lengths
             k_pos = torch.arange(max_k, device=device)[None, None, :]
@@ -186,8 +187,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
         if max_q == 1 and self.decode_kernel is not None:
-            # a group of the whole batch reads q in place (its rows are the batch's tokens, in order)
-            queries = q if group.out_index is None else q[group.query_index[:, 0]]
+            queries = q[group.query_index[:, 0]]
             out = self.decode_kernel(queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling)
             return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
