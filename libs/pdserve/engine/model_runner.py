@@ -83,11 +83,11 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.sampler = Sampler()
         logger.info(
-            "loaded %s (%s, %s%s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
+            "loaded %s (%s, %s, quantization %s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
             cfg.architecture,
             model_path,
             cfg.dtype,
-            f", {quantization}" if quantization else "",
+            quantization or "none",
             self.device,
             num_pages,
             page_size,
