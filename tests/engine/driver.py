@@ -56,17 +56,13 @@ class Driver:
         """The batch in which each ``(seq, n)`` computes its next ``n`` uncomputed tokens (all when
         None): allocates pages and writes ``req_to_token`` for them, as a scheduler does."""
         input_ids: list[int] = []
-        out_cache_loc: list[int] = []
         prefix_lens, extend_lens = [], []
         for seq, n in work:
             fill = seq.fill_ids
             n = len(fill) - seq.num_computed if n is None else n
             start, end = seq.num_computed, seq.num_computed + n
             self._ensure_pages(seq, end)
-            slots = slots_for_pages(seq.pages, start, end, self.page_size)
-            self.runner.req_to_token_pool.req_to_token[seq.req_pool_idx, start:end] = slots
             input_ids += fill[start:end]
-            out_cache_loc += slots.tolist()
             prefix_lens.append(start)
             extend_lens.append(n)
         seqs = [seq for seq, _ in work]
@@ -85,7 +81,6 @@ class Driver:
             req_pool_indices=[seq.req_pool_idx for seq in seqs],
             seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
             extend_prefix_lens=prefix_lens,
-            out_cache_loc=out_cache_loc,
             sampling_info=info,
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num for p in params],
@@ -115,8 +110,13 @@ class Driver:
             self.step([(seq, None) for seq in seqs])
 
     def _ensure_pages(self, seq: Seq, num_tokens: int) -> None:
+        """Give ``seq`` pages for ``num_tokens`` positions and write their slots into ``req_to_token``."""
         need = -(-num_tokens // self.page_size) - len(seq.pages)
         if need > 0:
             pages = self.runner.token_to_kv_pool_allocator.alloc(need)
             assert pages is not None, "out of KV pages"
+            start = len(seq.pages) * self.page_size
             seq.pages += pages
+            end = len(seq.pages) * self.page_size
+            slots = slots_for_pages(seq.pages, start, end, self.page_size)
+            self.runner.req_to_token_pool.req_to_token[seq.req_pool_idx, start:end] = slots

@@ -98,13 +98,14 @@ def test_store_kv_from_fused_qkv_matches_index_put(ops, dtype, rows):
     assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 5), (3, 49152), (64, 49152)])
-def test_argmax_matches_torch_with_ties_and_minus_inf(ops, shape):
+def test_argmax_matches_torch_with_ties_and_minus_inf(ops, shape, dtype):
     gen = torch.Generator().manual_seed(shape[0])
-    logits = torch.randn(shape, generator=gen)
+    logits = torch.randn(shape, generator=gen).to(dtype)  # bfloat16: many ties among the values
     logits[:, : shape[1] // 2] = float("-inf")  # banned tokens (min_tokens, logit bias)
     top = logits.max(dim=-1, keepdim=True).values
     logits[:, -1:] = top  # a tie: the first index wins, as in torch.argmax
-    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
-    ties = torch.zeros(shape)  # every entry equal: index 0
+    assert torch.equal(ops.argmax(logits), logits.float().argmax(dim=-1))
+    ties = torch.zeros(shape, dtype=dtype)  # every entry equal: index 0
     assert torch.equal(ops.argmax(ties), torch.zeros(shape[0], dtype=torch.int64))

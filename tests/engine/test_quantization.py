@@ -91,7 +91,7 @@ def test_quantized_smollm2_stays_close_to_hf(w8a8_runner, hf_model, tokenizer, l
     with torch.inference_mode():  # the forward of the runner, keeping every position's logits
         w8a8_runner.attn_backend.init_forward_metadata(forward_batch)
         hidden = w8a8_runner.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        ours = w8a8_runner.model.compute_logits(hidden)
+        ours = w8a8_runner.model.compute_logits(hidden).float()
     driver.release(seq)
     with torch.no_grad():
         reference = hf_model(torch.tensor([ids])).logits[0].float()

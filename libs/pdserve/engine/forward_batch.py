@@ -75,8 +75,8 @@ class ForwardBatch:
         input_ids: IntSeq,
         req_pool_indices: IntSeq,
         seq_lens: IntSeq,
-        out_cache_loc: IntSeq,
         runner: Any,
+        out_cache_loc: IntSeq | None = None,
         extend_prefix_lens: IntSeq | None = None,
         extend_seq_lens: IntSeq | None = None,
         forward_mode: ForwardMode | None = None,
@@ -86,8 +86,9 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
-        pools and the attention backend. ``forward_mode`` defaults to DECODE when every request
-        computes one token, else EXTEND.
+        pools and the attention backend. ``out_cache_loc`` defaults to the slots the scheduler wrote
+        into ``req_to_token`` at each token's (request slot, position), read in one gather.
+        ``forward_mode`` defaults to DECODE when every request computes one token, else EXTEND.
 
         Raises:
             ValueError: lengths disagree (``T`` tokens, ids and KV slots), both
@@ -104,20 +105,23 @@ class ForwardBatch:
             raise ValueError("give extend_seq_lens or extend_prefix_lens")
         ext = as_long(extend_seq_lens) if extend_seq_lens is not None else seq - as_long(extend_prefix_lens)
         prefix = as_long(extend_prefix_lens) if extend_prefix_lens is not None else seq - ext
-        ids, loc = as_long(input_ids), as_long(out_cache_loc)
+        ids, pool_rows = as_long(input_ids), as_long(req_pool_indices)
+        loc = None if out_cache_loc is None else as_long(out_cache_loc)
         num_tokens = int(ext.sum())
         if (
-            not (len(ids) == len(loc) == num_tokens)
+            not (len(ids) == num_tokens == (num_tokens if loc is None else len(loc)))
             or bool((prefix + ext != seq).any())
             or bool((ext < 1).any())
         ):
             raise ValueError(
-                f"inconsistent batch: {len(ids)} input ids, {len(loc)} KV slots, extend lens "
-                f"{ext.tolist()} (each >= 1, summing to the tokens), prefix {prefix.tolist()} + extend "
-                f"must equal seq {seq.tolist()}"
+                f"inconsistent batch: {len(ids)} input ids, {'derived' if loc is None else len(loc)} KV "
+                f"slots, extend lens {ext.tolist()} (each >= 1, summing to the tokens), prefix "
+                f"{prefix.tolist()} + extend must equal seq {seq.tolist()}"
             )
         starts = torch.cumsum(ext, 0) - ext
         positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(starts - prefix, ext)
+        if loc is None:
+            loc = runner.req_to_token_pool.req_to_token[pool_rows.repeat_interleave(ext), positions]
         all_decode = bool((ext == 1).all())
         if forward_mode is None:
             forward_mode = ForwardMode.DECODE if all_decode else ForwardMode.EXTEND
@@ -128,7 +132,7 @@ class ForwardBatch:
             batch_size=len(seq),
             input_ids=ids,
             positions=positions,
-            req_pool_indices=as_long(req_pool_indices),
+            req_pool_indices=pool_rows,
             seq_lens=seq,
             extend_prefix_lens=prefix,
             extend_seq_lens=ext,

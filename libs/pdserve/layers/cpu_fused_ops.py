@@ -128,17 +128,19 @@ void store_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, 
 }
 
 /* out[r] = the first index of the largest value of row r of x [rows, cols] (contiguous, finite or -inf). */
-void argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t* out, int threads) {
-  #pragma omp parallel for schedule(static) if(rows * cols >= (1 << 16)) num_threads(threads)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * cols;
-    float best = row[0];
-    int64_t index = 0;
-    for (int64_t i = 1; i < cols; ++i) {
-      if (row[i] > best) best = row[i], index = i;
-    }
-    out[r] = index;
-  }
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                               \
+void NAME(const T* x, int64_t rows, int64_t cols, int64_t* out, int threads) {                     \
+  _Pragma("omp parallel for schedule(static) if(rows * cols >= (1 << 16)) num_threads(threads)")   \
+  for (int64_t r = 0; r < rows; ++r) {                                                             \
+    const T* row = x + r * cols;                                                                   \
+    float best = LOAD(row[0]);                                                                     \
+    int64_t index = 0;                                                                             \
+    for (int64_t i = 1; i < cols; ++i) {                                                           \
+      const float value = LOAD(row[i]);                                                            \
+      if (value > best) best = value, index = i;                                                   \
+    }                                                                                              \
+    out[r] = index;                                                                                \
+  }                                                                                                \
 }
 
 /* Per-row symmetric int8: x [rows, cols] (row stride in elements) -> q [rows, cols] int8 with
@@ -181,6 +183,7 @@ void NAME(const int32_t* acc, int64_t rows, int64_t cols, const float* x_scales,
 DEFINE_ADD_RMSNORM(add_rmsnorm_##SUFFIX, T, LOAD, STORE, ROUND)                                    \
 DEFINE_ROTARY(rotary_##SUFFIX, T, LOAD, STORE, ROUND)                                              \
 DEFINE_SILU_AND_MUL(silu_and_mul_##SUFFIX, T, LOAD, STORE, ROUND)                                  \
+DEFINE_ARGMAX(argmax_##SUFFIX, T, LOAD)                                                            \
 DEFINE_QUANTIZE_ROWS(quantize_rows_##SUFFIX, T, LOAD)                                              \
 DEFINE_DEQUANTIZE_ROWS(dequantize_rows_##SUFFIX, T, LOAD, STORE)
 
@@ -196,6 +199,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I, _I, _C],
     "quantize_rows": [_P, _I, _I, _I, _P, _P, _C],
     "dequantize_rows": [_P, _I, _I, _P, _P, _P, _P, _C],
+    "argmax": [_P, _I, _I, _P, _C],
 }
 
 
@@ -211,8 +215,6 @@ class FusedOps:
                 self._fns[name, dtype] = fn
         self._store_kv = lib.store_kv
         self._store_kv.restype, self._store_kv.argtypes = None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _C]
-        self._argmax = lib.argmax_f32
-        self._argmax.restype, self._argmax.argtypes = None, [_P, _I, _I, _P, _C]
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -327,11 +329,11 @@ class FusedOps:
         )
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """int64 ``[R]``: the first index of each row's largest value of contiguous float32 ``x``
-        ``[R, C]`` (as ``torch.argmax(x, -1)``; rows must hold no NaN)."""
+        """int64 ``[R]``: the first index of each row's largest value of contiguous float32 or
+        bfloat16 ``x`` ``[R, C]`` (as ``torch.argmax(x, -1)``; rows must hold no NaN)."""
         rows, cols = x.shape
         out = torch.empty(rows, dtype=torch.int64)
-        self._argmax(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        self._fns["argmax", x.dtype](x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
         return out
 
 

@@ -136,7 +136,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits``
-    turns selected rows into float32 logits ``[N, vocab]``. Tied embeddings share one parameter."""
+    turns selected rows into logits ``[N, vocab]`` in the model's dtype (the sampler upcasts when it
+    needs float32). Tied embeddings share one parameter."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = head.packed if isinstance(head, Linear) else prepack_weight(head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, None, self.lm_head_packed).float()
+        return linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

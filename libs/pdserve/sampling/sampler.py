@@ -38,8 +38,12 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
     ) -> GenerationBatchResult:
-        """Sample one token per row of ``logits`` (float32 ``[B, V]``); ``info=None`` means greedy."""
+        """Sample one token per row of ``logits`` (``[B, V]``, the model's dtype); ``info=None`` means
+        greedy. A batch that only takes each row's argmax reads the logits as they are (the largest
+        bfloat16 value is the largest after a cast); anything else works on a float32 copy."""
         top_k_max = max(top_logprobs_nums or [0])
+        if return_logprob or top_k_max or not (info is None or info.argmax_only):
+            logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
         next_ids = self._sample(logits, info)
         result = GenerationBatchResult(next_token_ids=next_ids.tolist())
@@ -69,8 +73,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """int64 ``[B]``: each row's first largest logit (a parallel C loop on CPU, ``cpu_fused_ops``:
     PyTorch's argmax of a ``[64, 49152]`` batch runs on one thread, ~2.5 ms here)."""
     ops = load_fused_ops()
-    on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if ops is not None and on_cpu and logits.is_contiguous():
+    if ops is not None and ops.supports(logits) and logits.is_contiguous():
         return ops.argmax(logits)
     return logits.argmax(dim=-1)
 

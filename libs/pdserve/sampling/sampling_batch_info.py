@@ -51,6 +51,11 @@ class SamplingBatchInfo:
     repetition_mask: torch.Tensor | None
     vocab_size: int
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its raw logits: all greedy, no penalty, no ban."""
+        return self.all_greedy and self.logit_bias is None and self.repetition_mask is None
+
     @classmethod
     def build(
         cls,

@@ -41,20 +41,14 @@ class ScheduleBatch:
         return self.prefix_lens[i] + self.extend_lens[i] == len(self.reqs[i].fill_ids)
 
     def to_forward_batch(self, runner) -> ForwardBatch:
-        """Build the device contract: ids, pool slots, lengths and sampling info (int64 tensors)."""
+        """Build the device contract: ids, pool slots, lengths and sampling info (int64 tensors); the KV
+        slots are read from ``req_to_token``, which the ledger wrote when it gave the pages."""
         input_ids: list[int] = []
         for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
             input_ids.extend(req.fill_ids[start : start + n])
         req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(self.extend_lens, dtype=torch.int64)
-        req_to_token = runner.req_to_token_pool.req_to_token
-        out_cache_loc = torch.cat(
-            [
-                req_to_token[r.req_pool_idx, s : s + n]
-                for r, s, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)
-            ]
-        ).to(torch.int64)
         params = [r.sampling_params for r in self.reqs]
         sampling_info = SamplingBatchInfo.build(
             params,
@@ -71,7 +65,6 @@ class ScheduleBatch:
             seq_lens=prefix + extend,
             extend_prefix_lens=prefix,
             extend_seq_lens=extend,
-            out_cache_loc=out_cache_loc,
             sampling_info=sampling_info,
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num or 0 for p in params],
