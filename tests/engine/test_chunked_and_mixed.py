@@ -62,7 +62,7 @@ def test_mixed_batch_equals_requests_run_apart(runner, tokenizer, long_text):
 def test_decode_kernel_matches_gather_sdpa_path(runner, tokenizer, long_text):
     kernel_backend = runner.attn_backend
     assert kernel_backend.decode_kernel is not None, "the CPU decode kernel did not build"
-    sdpa_backend = TorchNativeAttnBackend(runner, use_decode_kernel=False)
+    sdpa_backend = TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     ids = tokenizer(long_text)["input_ids"]
     driver = Driver(runner)
     prompts = [ids[i * 31 : i * 31 + n] for i, n in enumerate((5, 17, 64, 200))]
@@ -86,7 +86,7 @@ def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, 
     """Extends whose cached prefixes outweigh their new tokens run every token as a C-kernel row;
     the result equals the gather + SDPA path's."""
     kernel_backend = runner.attn_backend
-    sdpa_backend = TorchNativeAttnBackend(runner, use_decode_kernel=False)
+    sdpa_backend = TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     ids = tokenizer(long_text)["input_ids"]
     driver = Driver(runner)
     prompts = [ids[i * 40 : i * 40 + n] for i, n in enumerate((300, 420, 257))]

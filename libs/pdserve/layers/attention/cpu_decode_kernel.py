@@ -45,7 +45,7 @@ import torch
 
 from pdserve.layers.native import build_library
 
-_SOURCE = r"""
+PRELUDE = r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -88,6 +88,26 @@ INLINE float exp_nonpositive(float x) {
   return p * two_n;
 }
 
+#ifdef __AVX512F__
+/* A chunk kept in a register: without the empty asm the compiler folds the load into each head's
+   FMA, reading the chunk once per head after all. */
+INLINE __m512i load_chunk(const char* x) {
+  __m512i chunk = _mm512_loadu_si512(x);
+  __asm__("" : "+v"(chunk));
+  return chunk;
+}
+
+/* 32 bfloat16 read as 16 int32 lanes hold elements 2i (low half) and 2i + 1 (high half) of lane i. */
+INLINE __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+INLINE __m512 bf16_odd(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+#endif
+"""
+
+_SOURCE = (
+    PRELUDE
+    + r"""
 /* The steps on one block for one KV head. q: its G query heads, [G, D] in the input dtype; the K
    (V) row of key t < n <= BLOCK is the D elements at byte offset rows[t] of k (v); s, p: [G, BLOCK]
    floats; acc: [G, D] floats. Along the way each step prefetches the next block's K (V) rows, at
@@ -144,19 +164,6 @@ DEFINE_PORTABLE(portable_bf16, bf16, bf16_to_f32)
    of a tile's heads. */
 #define MAX_TILE 3
 
-/* A chunk kept in a register: without the empty asm the compiler folds the load into each head's
-   FMA, reading the chunk once per head after all. */
-INLINE __m512i load_chunk(const char* x) {
-  __m512i chunk = _mm512_loadu_si512(x);
-  __asm__("" : "+v"(chunk));
-  return chunk;
-}
-
-/* 32 bfloat16 read as 16 int32 lanes hold elements 2i (low half) and 2i + 1 (high half) of lane i. */
-INLINE __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
-INLINE __m512 bf16_odd(__m512i x) {
-  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 
 /* dot + q . k over a chunk, as 16 lanes of partial sums. */
 INLINE __m512 dot_chunk(int is_bf16, __m512 dot, __m512i q, __m512i k) {
@@ -474,6 +481,7 @@ void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k,
   free(parts);
 }
 """
+)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's F32 and BF16
 
