@@ -1,4 +1,4 @@
-"""CPU paged decode attention: the C kernel beside gather + SDPA (``python -m benchmarks.attention_kernel``).
+"""CPU paged attention: the C kernels beside gather + SDPA (``python -m benchmarks.attention_kernel``).
 
 For each dtype, batch size ``B`` and sequence length ``L``: ``B`` requests of ``L`` cached tokens in
 a KV pool shaped like one SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64, 16-token
@@ -9,8 +9,13 @@ calls read different layers' pools (enough for 64 MiB of K/V, at most 8), so tha
 step over many layers, all but the smallest cases read K/V from memory, not from cache. Each time
 is the lower quartile of ``--reps`` calls (calls stalled by other tenants of a shared machine drop
 out), best of ``--repeats`` rounds in which the two alternate; ``KV GB/s`` is the K and V bytes the
-kernel must read over its time. Prints a table (with the largest output difference between the
-two), then as the last line one JSON object.
+kernel must read over its time.
+
+Extends (``--extend-cases``, bfloat16, on CPUs with AVX512_BF16): ``R`` requests of ``N`` new
+tokens each after ``P`` cached ones, the cached pages shared by all requests (a common preamble),
+timed three ways: the tile kernel of ``cpu_extend_kernel``, one decode-kernel row per query, and
+gather + causally masked SDPA. Prints the tables (with the largest output difference from the
+kernel), then as the last line one JSON object.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
+from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CACHE_BYTES = 64 << 20  # K/V kept in play across calls: well past the last-level cache
@@ -99,11 +105,69 @@ def bench_case(args, dtype: torch.dtype, batch: int, seq_len: int, generator: to
     }
 
 
+def bench_extend_case(args, reqs: int, new: int, prefix: int, generator: torch.Generator) -> dict:
+    """Times (ms) of the tile kernel, decode-kernel rows and gather + SDPA for ``reqs`` requests of
+    ``new`` tokens after a shared ``prefix``, and the largest differences from the tile kernel."""
+    tiles, rows = load_extend_kernel(), load_decode_kernel()
+    hq, hkv, d, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
+    shared, own = prefix // ps, math.ceil((prefix + new) / ps) - prefix // ps
+    num_pages = shared + reqs * own
+    shape = (num_pages, ps, hkv, d)
+    k_pages = torch.randn(shape, generator=generator).bfloat16()
+    v_pages = torch.randn(shape, generator=generator).bfloat16()
+    order = torch.randperm(num_pages, generator=generator)
+    page_table = torch.cat([order[:shared].expand(reqs, -1), order[shared:].view(reqs, own)], dim=1)
+    prefix_lens, extend_lens = torch.full((reqs,), prefix), torch.full((reqs,), new)
+    row_starts = torch.arange(reqs) * new
+    q = torch.randn(reqs * new, hq, d, generator=generator).bfloat16()
+    row_table = page_table.repeat_interleave(new, dim=0)
+    row_lens = (prefix + torch.arange(new) + 1).repeat(reqs)
+    positions = prefix + torch.arange(new)
+    causal = torch.arange(page_table.shape[1] * ps)[None, :] <= positions[:, None]  # [new, Lk]
+    scale = d**-0.5
+
+    def run_tiles() -> torch.Tensor:
+        return tiles(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale)
+
+    def run_rows() -> torch.Tensor:
+        return rows(q, k_pages, v_pages, row_table, row_lens, scale)
+
+    def run_sdpa() -> torch.Tensor:
+        keys = k_pages[page_table].flatten(1, 2).transpose(1, 2)  # [R, Hkv, Lk, D]
+        values = v_pages[page_table].flatten(1, 2).transpose(1, 2)
+        queries = q.view(reqs, new, hq, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=causal[None, None], scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(reqs * new, hq, d)
+
+    reps = args.reps or max(3, min(50, (1 << 22) // (reqs * new * (prefix + new))))
+    times = {"tiles": math.inf, "rows": math.inf, "sdpa": math.inf}
+    for _ in range(args.repeats):
+        for name, fn in (("tiles", run_tiles), ("rows", run_rows), ("sdpa", run_sdpa)):
+            times[name] = min(times[name], quartile_ms(lambda _layer, fn=fn: fn(), 1, reps))
+    reference = run_tiles().float()
+    return {
+        "tiles_ms": times["tiles"],
+        "rows_ms": times["rows"],
+        "sdpa_ms": times["sdpa"],
+        "rows_speedup": times["rows"] / times["tiles"],
+        "sdpa_speedup": times["sdpa"] / times["tiles"],
+        "rows_max_diff": (run_rows().float() - reference).abs().max().item(),
+        "sdpa_max_diff": (run_sdpa().float() - reference).abs().max().item(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--seq-lens", default="128,512,2048")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--extend-cases",
+        default="16x31@1008,4x128@0,1x512@1024",
+        help="extend cases REQUESTSxNEW@CACHED_PREFIX, comma-separated ('' for none)",
+    )
     parser.add_argument("--heads", type=int, default=9, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -130,6 +194,23 @@ def main() -> None:
                     f" {case['speedup']:>8.2f} {case['kernel_kv_gb_s']:>8.1f} {case['max_abs_diff']:>9.1e}",
                     flush=True,
                 )
+    cases = [c for c in args.extend_cases.split(",") if c]
+    if cases and load_extend_kernel() is not None:
+        print(
+            f"\n{'extend (bf16)':>16} {'tiles ms':>9} {'rows ms':>8} {'SDPA ms':>8} {'x rows':>7}"
+            f" {'x SDPA':>7} {'rows diff':>9} {'SDPA diff':>9}"
+        )
+        for case in cases:
+            shape, prefix = case.split("@")
+            reqs, new = map(int, shape.split("x"))
+            r = bench_extend_case(args, reqs, new, int(prefix), generator)
+            results |= {f"extend_{reqs}x{new}_p{prefix}_{k}": v for k, v in r.items()}
+            print(
+                f"{case:>16} {r['tiles_ms']:>9.3f} {r['rows_ms']:>8.3f} {r['sdpa_ms']:>8.3f}"
+                f" {r['rows_speedup']:>7.2f} {r['sdpa_speedup']:>7.2f} {r['rows_max_diff']:>9.1e}"
+                f" {r['sdpa_max_diff']:>9.1e}",
+                flush=True,
+            )
     print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in results.items()}))
 
 
