@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
+from tests.engine.attention_reference import assert_matches, reference
 
 RAGGED = (1, 15, 16, 17, 33, 100, 257)  # one key, around page boundaries, not multiples of the page
 
@@ -52,30 +53,6 @@ def make_pool(
         v_pages[rows, cols] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen) * q_scale
     return q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), page_table, lens
-
-
-def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> torch.Tensor:
-    """Softmax attention of each request's query over its keys, in float64, one request at a time."""
-    _, page_size, num_kv_heads, head_dim = k_pages.shape
-    group = q.shape[1] // num_kv_heads
-    out = []
-    for b, n in enumerate(seq_lens.tolist()):
-        slots = torch.arange(n)
-        pages = page_table[b, slots // page_size]
-        k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
-        out.append(torch.einsum("hn,nhd->hd", weights, v))
-    return torch.stack(out)
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """float32: arithmetic-rounding close; bfloat16: within the output's own rounding (2^-8 relative)."""
-    assert not out.isnan().any()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
-    else:
-        torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool, slots_for_pages
+from tests.engine.attention_reference import assert_matches, reference
 
 # (cached prefix, new tokens): one-token and one-tile extends, tile boundaries (16, 17), a long
 # cached prefix, a fresh 130-token prompt
@@ -77,33 +78,14 @@ def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0):
     )
 
 
-def reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale):
-    """Per query (float64): softmax attention over its request's keys up to its own position, and
-    the same weights over |V| (the scale of the bfloat16 rounding in the result)."""
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    group = q.shape[1] // num_kv_heads
-    out, magnitude = {}, {}
-    for r, (prefix, n, start) in enumerate(
-        zip(prefix_lens.tolist(), extend_lens.tolist(), row_starts.tolist(), strict=True)
-    ):
-        slots = torch.arange(prefix + n)
-        pages = page_table[r, slots // page_size]
-        k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
-        for i in range(n):
-            seen = prefix + i + 1
-            weights = torch.softmax(torch.einsum("hd,nhd->hn", q[start + i].double(), k[:seen]) * scale, -1)
-            out[start + i] = torch.einsum("hn,nhd->hd", weights, v[:seen])
-            magnitude[start + i] = torch.einsum("hn,nhd->hd", weights, v[:seen].abs())
-    return out, magnitude
-
-
-def assert_matches(out, expected, magnitude):
-    """Within bfloat16 rounding of the output and of the probabilities (2^-8 relative each)."""
-    assert not out.isnan().any()
-    error = (out.double() - expected).abs()
-    bound = 2**-8 * (expected.abs() + magnitude) + 1e-5
-    assert bool((error <= bound).all()), f"worst error / bound {float((error / bound).max()):.2f}"
+def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale):
+    """Per query row of the requests: the float64 reference of a decode row with the request's pages
+    and length (its position + 1)."""
+    rows = torch.cat([start + torch.arange(n) for start, n in zip(row_starts, extend_lens, strict=True)])
+    row_table = page_table.repeat_interleave(extend_lens, dim=0)
+    row_lens = torch.cat([p + 1 + torch.arange(n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
+    expected, magnitude = reference(q[rows], k_pages, v_pages, row_table, row_lens, scale)
+    return {int(row): (expected[i], magnitude[i]) for i, row in enumerate(rows)}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -116,10 +98,10 @@ def test_ragged_extends_match_reference(kernel, head_dim, group, page_size):
     scale = head_dim**-0.5
     out = torch.full(q.shape, 7.0, dtype=torch.bfloat16)
     kernel(*batch, scale, out=out)
-    expected, magnitude = reference(*batch, scale)
+    expected = row_reference(*batch, scale)
     for row in range(q.shape[0]):
         if row in expected:
-            assert_matches(out[row], expected[row], magnitude[row])
+            assert_matches(out[row], expected[row])
         else:  # rows of no request (here: the spare row after each) are left alone
             assert bool((out[row] == 7.0).all())
 
@@ -129,9 +111,8 @@ def test_peaked_softmax(kernel):
     batch = make_batch(((40, 50), (0, 20)), 9, 3, 64, 16, seed=3)
     q = batch[0] * 30
     out = kernel(q, *batch[1:], 0.125)
-    expected, magnitude = reference(q, *batch[1:], 0.125)
-    for row, value in expected.items():
-        assert_matches(out[row], value, magnitude[row])
+    for row, expected in row_reference(q, *batch[1:], 0.125).items():
+        assert_matches(out[row], expected)
 
 
 def test_mixed_batch_routing_matches_sdpa(kernel):

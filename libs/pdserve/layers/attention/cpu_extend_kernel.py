@@ -33,31 +33,17 @@ import functools
 import torch
 
 from pdserve.layers.attention.cpu_decode_kernel import PRELUDE
-from pdserve.layers.native import build_library
+from pdserve.layers.native import AVX512_EXP, build_library
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TILE 16        /* queries of a work item: one lane each */
 #define MAX_GROUP 4    /* queries whose accumulators stay in registers in step 3 */
 
-/* exp_nonpositive lane-wise. */
-INLINE __m512 exp512_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512i n_int = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(n_int, 23)));
-}
-
+"""
+    + AVX512_EXP
+    + r"""
 /* Per-thread buffers: qt [D / 2, TILE] int32 query pairs; s [BLOCK, TILE] scores; pairs
    [BLOCK / 2, TILE] bfloat16 probability pairs; acc [TILE, D] floats, each 32 elements of a row
    kept in the order the unpacked V pairs give them (see step 3). */
@@ -121,13 +107,13 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t token_bytes, 
        sums taken over the rounded values so that the weights add up to exactly what divides */
     __m512 top = max;
     for (int t = 0; t < BLOCK; ++t) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t * TILE));
-    const __m512 correction = exp512_nonpositive(_mm512_sub_ps(max, top));
+    const __m512 correction = exp512(_mm512_sub_ps(max, top));
     _mm512_storeu_ps(corr, correction);
     sum = _mm512_mul_ps(sum, correction);
     max = top;
     for (int u = 0; u < BLOCK / 2; ++u) {
-      const __m512 p0 = exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + 2 * u * TILE), top));
-      const __m512 p1 = exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * u + 1) * TILE), top));
+      const __m512 p0 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 2 * u * TILE), top));
+      const __m512 p1 = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * u + 1) * TILE), top));
       const __m512i pair = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
       sum = _mm512_add_ps(sum, _mm512_add_ps(bf16_even(pair), bf16_odd(pair)));
       _mm512_storeu_si512(B->pairs + u * TILE, pair);
@@ -231,6 +217,7 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
 }
 #endif
 """
+)
 
 
 class ExtendAttentionKernel:

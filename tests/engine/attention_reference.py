@@ -1,0 +1,36 @@
+"""Plain float64 paged attention for the CPU kernels' tests, and the tolerance they are held to."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each request's query over its keys, in float64, one request at a time,
+    and the same weights over |V| (the scale of rounding the weights to bfloat16)."""
+    _, page_size, num_kv_heads, head_dim = k_pages.shape
+    group = q.shape[1] // num_kv_heads
+    out, magnitude = [], []
+    for b, n in enumerate(seq_lens.tolist()):
+        slots = torch.arange(n)
+        pages = page_table[b, slots // page_size]
+        k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, v))
+        magnitude.append(torch.einsum("hn,nhd->hd", weights, v.abs()))
+    return torch.stack(out), torch.stack(magnitude)
+
+
+def assert_matches(out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """float32: arithmetic-rounding close; bfloat16: within the output's own rounding and that of the
+    attention weights (which the extend kernel rounds to bfloat16 for the weighted sum of V): 2^-8
+    relative each, of the output and of the weights over |V|."""
+    expected, magnitude = reference
+    assert not out.isnan().any()
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+    else:
+        error = (out.double() - expected).abs()
+        bound = 2**-8 * (expected.abs() + magnitude) + 1e-5
+        assert bool((error <= bound).all()), f"worst error / bound {float((error / bound).max()):.2f}"
