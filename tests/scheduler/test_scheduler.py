@@ -259,3 +259,33 @@ def test_disabled_cache_does_not_hold_back_requests_sharing_a_prefix(big_runner)
     assert first.num_extend == 3  # nothing to wait for: all extend together
     sched.process_result(first, sched.run_batch(first))
     drive(sched)
+
+
+def test_decode_role_asks_for_a_shared_uncached_prefix_once(big_runner):
+    """PD decode role: of three prompts sharing a ~500-token uncached prefix that arrive together,
+    only the first asks a prefill worker for its KV; once that KV is in, the others are admitted on
+    the cached prefix (sharing its pages), so the shared part crosses the wire once. Here the
+    prefill worker is the test: it reports the first token without writing KV (only admission is
+    under test), and every request is then aborted with every page freed."""
+    shared = ids(" ".join(["The committee reviewed the annual report in detail."] * 50))
+    prompts = {f"d{i}": shared + ids(f" Question {i}: what did the committee do?") for i in range(3)}
+    sched = fresh(big_runner, role="decode")
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, max_new=8))
+    assert sched.schedule() is None
+    assert [r.rid for r in sched.pop_kv_requests()] == ["d0"]
+    assert sched.schedule() is None and sched.pop_kv_requests() == []  # d1, d2 still wait for d0's KV
+    out = sched.kv_ready("d0", first_token_id=42)
+    assert out is not None and not out.finished and not sched.waiting_for_kv  # d0 runs
+    batch = sched.schedule()  # d0 decodes; d1 and d2 are admitted on the cached prefix
+    asked = sched.pop_kv_requests()
+    assert [r.rid for r in asked] == ["d1", "d2"]
+    shared_pages = len(shared) // PAGE
+    d0 = next(r for r in batch.reqs if r.rid == "d0")
+    for r in asked:
+        assert r.cached_tokens == shared_pages * PAGE
+        assert r.pages[:shared_pages] == d0.pages[:shared_pages]
+    sched.process_result(batch, sched.run_batch(batch))
+    for rid in prompts:
+        sched.abort_request(rid)
+    drive(sched)

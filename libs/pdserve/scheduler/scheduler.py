@@ -299,7 +299,11 @@ class Scheduler:
     def _admit_for_kv(self) -> None:
         self.policy.order(self.waiting)
         for req in list(self.waiting):
-            if self._can_run_more() <= 0 or not self._admit(req):
+            if self._can_run_more() <= 0:
+                break
+            if self._waits_for_shared_prefix(req):
+                continue
+            if not self._admit(req):
                 break
             req.set_state(ReqState.WAITING_FOR_KV)
             self.waiting_for_kv[req.rid] = req
@@ -333,16 +337,19 @@ class Scheduler:
         return reqs, lens
 
     def _waits_for_shared_prefix(self, req: Req) -> bool:
-        """Whether ``req`` should wait a step because a request extending now computes a prefix it
-        shares, beyond what the cache holds, of at least ``IN_BATCH_PREFIX_TOKENS`` tokens.
+        """Whether ``req`` should wait because a request whose prompt KV is being made right now
+        (extending here, or in the decode role, being prefilled by a prefill worker) shares with it
+        a prefix beyond what the cache holds of at least ``IN_BATCH_PREFIX_TOKENS`` tokens.
 
-        Once that prefill is done its pages are in the cache and ``req`` extends only its own
-        suffix, instead of both computing the shared part side by side (SGLang's in-batch prefix
-        caching). Never with the cache disabled, where waiting saves nothing.
+        Once that KV is complete its pages are in the cache and ``req`` extends (or has transferred)
+        only its own suffix, instead of both computing and, in PD, both shipping the shared part
+        side by side (SGLang's in-batch prefix caching). Never with the cache disabled, where
+        waiting saves nothing.
         """
-        if self.config.disable_radix_cache or not self.prefilling:
+        in_flight = list(self.waiting_for_kv.values()) if self.role == "decode" else self.prefilling
+        if self.config.disable_radix_cache or not in_flight:
             return False
-        shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in self.prefilling)
+        shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in in_flight)
         if shared < IN_BATCH_PREFIX_TOKENS:
             return False
         return shared - self._cached_prefix_len(req) >= IN_BATCH_PREFIX_TOKENS
