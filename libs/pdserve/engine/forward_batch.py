@@ -48,6 +48,7 @@ class ForwardBatch:
         seq_lens: int64 ``[B]``: sequence length after this forward.
         extend_prefix_lens: int64 ``[B]``: tokens already in the KV pool (cached prefix).
         extend_seq_lens: int64 ``[B]``: tokens computed this step (1 for a decoding request).
+        extend_start_loc: int64 ``[B]``: flat index of each request's first token this step.
         sampling_info: sampling tensors, or None for greedy.
         return_logprob / top_logprobs_nums: what logprobs to return (per request for the top ones).
     """
@@ -60,6 +61,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor
     extend_prefix_lens: torch.Tensor
     extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
     out_cache_loc: torch.Tensor
     sampling_info: SamplingBatchInfo | None
     return_logprob: bool
@@ -136,6 +138,7 @@ class ForwardBatch:
             seq_lens=seq,
             extend_prefix_lens=prefix,
             extend_seq_lens=ext,
+            extend_start_loc=starts,
             out_cache_loc=loc,
             sampling_info=sampling_info,
             return_logprob=return_logprob,

@@ -102,7 +102,7 @@ class ModelRunner:
         fb = forward_batch
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
-        last = torch.cumsum(fb.extend_seq_lens, 0) - 1
+        last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.model.compute_logits(hidden[last])
         return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums)
 

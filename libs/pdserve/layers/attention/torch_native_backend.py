@@ -156,21 +156,19 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _tiles(self, fb: ForwardBatch, rows: torch.Tensor) -> _ExtendTiles:
         """The extending requests ``rows`` for the extend kernel."""
-        starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
         page_table = self._page_table(fb, fb.req_pool_indices[rows], fb.seq_lens[rows])
         return _ExtendTiles(
             page_table.contiguous(),
             fb.extend_prefix_lens[rows].contiguous(),
             fb.extend_seq_lens[rows].contiguous(),
-            starts[rows].contiguous(),
+            fb.extend_start_loc[rows].contiguous(),
         )
 
     def _decode_rows(self, fb: ForwardBatch, rows: torch.Tensor) -> _KernelRows:
         """Decode-kernel rows of the one-token requests ``rows`` in a batch that also extends."""
-        starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
         seq_lens = fb.seq_lens[rows]
         page_table = self._page_table(fb, fb.req_pool_indices[rows], seq_lens)
-        return _KernelRows(page_table.contiguous(), seq_lens.contiguous(), starts[rows])
+        return _KernelRows(page_table.contiguous(), seq_lens.contiguous(), fb.extend_start_loc[rows])
 
     def _page_table(self, fb: ForwardBatch, pool_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, max_pages]``: the KV pages of requests ``pool_rows`` (``req_to_token`` rows)
@@ -184,8 +182,13 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _group(self, fb: ForwardBatch, rows: torch.Tensor | None) -> _Group:
         """Metadata of the requests ``rows`` (all when None)."""
-        starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
-        per_request = (fb.extend_seq_lens, fb.extend_prefix_lens, fb.seq_lens, starts, fb.req_pool_indices)
+        per_request = (
+            fb.extend_seq_lens,
+            fb.extend_prefix_lens,
+            fb.seq_lens,
+            fb.extend_start_loc,
+            fb.req_pool_indices,
+        )
         if rows is not None:
             per_request = tuple(t[rows] for t in per_request)
         ext, prefix, seq, starts, pool_rows = per_request
