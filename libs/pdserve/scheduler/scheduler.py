@@ -346,7 +346,7 @@ class Scheduler:
         side by side (SGLang's in-batch prefix caching). Never with the cache disabled, where
         waiting saves nothing.
         """
-        in_flight = list(self.waiting_for_kv.values()) if self.role == "decode" else self.prefilling
+        in_flight = self.waiting_for_kv.values() if self.role == "decode" else self.prefilling
         if self.config.disable_radix_cache or not in_flight:
             return False
         shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in in_flight)

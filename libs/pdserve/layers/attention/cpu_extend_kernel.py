@@ -13,13 +13,15 @@ Dao et al. 2022, laid out for CPU vector lanes):
    cross-lane work; eight keys run as independent chains;
 2. the online softmax over a block of 16 keys is lane-wise (each lane is one query's running max
    and sum), keys past a query's own position masked;
-3. ``acc[i] += sum_t p[t, i] * v_t`` in float32 for a few queries at a time whose accumulators stay
-   in registers, each V row converted once for all of them (even and odd elements, as in the decode
-   kernel).
+3. ``acc[i] += sum_t p[t, i] * v_t`` by ``vdpbf16ps`` over key pairs: the probabilities rounded to
+   bfloat16 pairs ``(p[t], p[t+1])`` (the softmax sums taken over the rounded values) and V rows
+   ``t``, ``t+1`` interleaved element-wise, once for the few queries whose float32 accumulators
+   stay in registers together.
 
-Numerics match the decode kernel (float32 scores, softmax and accumulation; bfloat16 output rounded
-to nearest-even), so the two agree to float32 summation order. Only bfloat16 and head_dim 64 or 128
-on CPUs with AVX512_BF16 (``supports``); other cases use the decode kernel or SDPA.
+Scores, softmax and accumulation are float32 and the output is rounded to nearest-even bfloat16,
+as in the decode kernel; rounding the probabilities adds an error of at most 2^-8 of the weights
+over ``|V|`` (the tests' bound). Only bfloat16 and head_dim 64 or 128 on CPUs with AVX512_BF16
+(``supports``); other cases use the decode kernel or SDPA.
 
 Layout as in ``cpu_decode_kernel``: q and out rows ``[T, Hq, D]`` (q rows may be strided), K/V
 ``[num_pages, page_size, Hkv, D]`` addressed through each request's page table.
@@ -232,6 +234,9 @@ class ExtendAttentionKernel:
         scale: softmax scale.
         out: ``[T, Hq, D]`` written in the requests' rows (others untouched); allocated when None.
     Returns ``out``.
+
+    Raises:
+        ValueError: a head_dim without a tile kernel (``supports`` says which).
     """
 
     def __init__(self, lib: ctypes.CDLL):
@@ -269,7 +274,7 @@ class ExtendAttentionKernel:
         page_table, prefix_lens, extend_lens, row_starts = (
             t.contiguous() for t in (page_table, prefix_lens, extend_lens, row_starts)
         )
-        self._fn(
+        status = self._fn(
             q.data_ptr(),
             q.stride(0),
             k_pages.data_ptr(),
@@ -288,6 +293,8 @@ class ExtendAttentionKernel:
             scale,
             torch.get_num_threads(),
         )
+        if status != 0:
+            raise ValueError(f"no extend tile kernel for head_dim {head_dim}")
         return out
 
 

@@ -122,30 +122,27 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb = forward_batch
         self.groups, self.kernel_rows, self.tiles = [], None, None
         extending = fb.extend_seq_lens > 1
-        if self.extend_kernel is not None and bool(extending.any()):
-            self.tiles = self._tiles(fb, extending.nonzero().squeeze(1))
-            decoding = (~extending).nonzero().squeeze(1)
-            if len(decoding):
-                self.kernel_rows = self._decode_rows(fb, decoding)
+        extend_rows = extending.nonzero().squeeze(1)
+        decode_rows = (~extending).nonzero().squeeze(1)
+        if self.extend_kernel is not None and len(extend_rows):
+            self.tiles = self._tiles(fb, extend_rows)
+            if len(decode_rows):
+                self.kernel_rows = self._decode_rows(fb, decode_rows)
             return
-        if self._kernel_takes_all(fb):
+        if self._kernel_takes_all(fb, extending):
             self.kernel_rows = self._kernel_rows(fb)
             return
-        is_decode = fb.extend_seq_lens == 1
-        decode_rows = is_decode.nonzero().squeeze(1)
-        extend_rows = (~is_decode).nonzero().squeeze(1)
         if len(decode_rows) == 0 or len(extend_rows) == 0:
             self.groups = [self._group(fb, None)]
         else:
             self.groups = [self._group(fb, decode_rows), self._group(fb, extend_rows)]
 
-    def _kernel_takes_all(self, fb: ForwardBatch) -> bool:
-        """Whether the C kernel runs every token: always for decodes; for extends when their cached
-        prefixes hold at least as many keys as they compute (a fresh prompt's causal block is
-        cheaper as one masked SDPA than as one kernel row per token)."""
+    def _kernel_takes_all(self, fb: ForwardBatch, extending: torch.Tensor) -> bool:
+        """Whether the C kernel runs every token: always for decodes; for extends (``extending``:
+        bool ``[B]``) when their cached prefixes hold at least as many keys as they compute (a fresh
+        prompt's causal block is cheaper as one masked SDPA than as one kernel row per token)."""
         if self.decode_kernel is None:
             return False
-        extending = fb.extend_seq_lens > 1
         return bool(fb.extend_prefix_lens[extending].sum() >= fb.extend_seq_lens[extending].sum())
 
     def _kernel_rows(self, fb: ForwardBatch) -> _KernelRows:
