@@ -9,7 +9,7 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
-.PHONY: install proto run test lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -46,8 +46,13 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# tests/cuda need a CUDA GPU (and flashinfer, the [cuda] extra): run them with test-cuda on one
 test: install lint
-	$(BIN)/pytest -q $(ARGS)
+	$(BIN)/pytest -q --ignore=tests/cuda $(ARGS)
+
+test-cuda: install
+	$(BIN)/pip install -q -e '.[cuda]'
+	$(BIN)/pytest -q tests/cuda $(ARGS)
 
 bench: install
 	$(PYTHON) -m benchmarks.serving $(ARGS)

@@ -6,6 +6,10 @@ by HF ``generate()`` on the same machine in the same run. Decode throughput is `
 decode-step seconds`` for both (HF's steps are timed through a streamer), best of ``--repeats``
 interleaved runs, so a noisy shared machine skews the two alike. Prints a table, then as the
 last line one JSON object with every number and the engine/HF ratios.
+
+On a GPU machine: ``--device cuda`` (attention backend ``auto`` = FlashInfer there). Where the
+checkpoint is not at hand, ``--model CONFIG.json`` benchmarks random weights of that architecture
+(the same speed), e.g. ``benchmarks/configs/smollm2-135m-instruct.json``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,7 +59,7 @@ class _StepClock:
 
 def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s of HF ``generate()`` (greedy, ``min_new_tokens`` so no row stops early)."""
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     clock = _StepClock()
     with torch.no_grad():
         model.generate(
@@ -69,11 +75,25 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int) -> float:
     return len(prompts) / statistics.median(decode_steps)
 
 
+def random_checkpoint(config_json: Path, directory: Path) -> Path:
+    """Save a random-weight checkpoint of the architecture in ``config_json`` under ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(config_json)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="checkpoint dir, .gguf, or a config.json for random weights (default: SmolLM2-135M-Instruct)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch_native or flashinfer")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument(
         "--dtypes",
@@ -88,7 +108,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
+    scratch = tempfile.TemporaryDirectory(prefix="pdserve-bench-")
+    if args.model and args.model.endswith(".json"):
+        path = random_checkpoint(Path(args.model), Path(scratch.name))
+    else:
+        path = resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     generator = torch.Generator().manual_seed(0)
     results: dict[str, float] = {}
@@ -99,7 +123,8 @@ def main() -> None:
             path,
             dtype=dtype,
             quantization=quantization or None,
-            attention_backend="torch_native",
+            attention_backend=args.attention_backend,
+            device=args.device,
             max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
             max_running_requests=max(batch_sizes),
         )
@@ -107,7 +132,7 @@ def main() -> None:
         if not args.skip_hf:
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(args.device).eval()
         vocab = runner.model_config.vocab_size
         for batch in batch_sizes:
             prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
@@ -126,13 +151,16 @@ def main() -> None:
             }
             results[f"{key}_prefill_tok_s"] = prefill_tps
             rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
+        backend_name = type(runner.attn_backend).__name__
         del runner, hf
+    print(f"device {args.device}, attention backend {backend_name}")
     print(
         f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
     )
     for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
         print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_tps:>9.1f} {ratio:>6.2f}")
-    print(json.dumps({k: round(v, 3) for k, v in results.items()}))
+    summary = {"device": args.device, "attention_backend": backend_name}
+    print(json.dumps(summary | {k: round(v, 3) for k, v in results.items()}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,16 @@ def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> tuple[torch.T
     return torch.stack(out), torch.stack(magnitude)
 
 
+def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale):
+    """Per query row of the requests: the float64 reference of a decode row with the request's pages
+    and length (its position + 1)."""
+    rows = torch.cat([start + torch.arange(n) for start, n in zip(row_starts, extend_lens, strict=True)])
+    row_table = page_table.repeat_interleave(extend_lens, dim=0)
+    row_lens = torch.cat([p + 1 + torch.arange(n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
+    expected, magnitude = reference(q[rows], k_pages, v_pages, row_table, row_lens, scale)
+    return {int(row): (expected[i], magnitude[i]) for i, row in enumerate(rows)}
+
+
 def assert_matches(out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
     """float32: arithmetic-rounding close; bfloat16: within the output's own rounding and that of the
     attention weights (which the extend kernel rounds to bfloat16 for the weighted sum of V): 2^-8

@@ -15,7 +15,7 @@ from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool, slots_for_pages
-from tests.engine.attention_reference import assert_matches, reference
+from tests.engine.attention_reference import assert_matches, row_reference
 
 # (cached prefix, new tokens): one-token and one-tile extends, tile boundaries (16, 17), a long
 # cached prefix, a fresh 130-token prompt
@@ -82,16 +82,6 @@ def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0):
         lens[:, 1],
         torch.tensor(row_starts),
     )
-
-
-def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale):
-    """Per query row of the requests: the float64 reference of a decode row with the request's pages
-    and length (its position + 1)."""
-    rows = torch.cat([start + torch.arange(n) for start, n in zip(row_starts, extend_lens, strict=True)])
-    row_table = page_table.repeat_interleave(extend_lens, dim=0)
-    row_lens = torch.cat([p + 1 + torch.arange(n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
-    expected, magnitude = reference(q[rows], k_pages, v_pages, row_table, row_lens, scale)
-    return {int(row): (expected[i], magnitude[i]) for i, row in enumerate(rows)}
 
 
 @needs_avx512_bf16
