@@ -94,6 +94,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--attention-backend", default="auto", help="auto, torch_native or flashinfer")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="on CUDA, decode eagerly")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument(
         "--dtypes",
@@ -125,6 +126,7 @@ def main() -> None:
             quantization=quantization or None,
             attention_backend=args.attention_backend,
             device=args.device,
+            disable_cuda_graph=args.disable_cuda_graph,
             max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
             max_running_requests=max(batch_sizes),
         )
@@ -151,7 +153,9 @@ def main() -> None:
             }
             results[f"{key}_prefill_tok_s"] = prefill_tps
             rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
-        backend_name = type(runner.attn_backend).__name__
+        backend_name = type(runner.attn_backend).__name__ + (
+            " + CUDA graphs" if runner.cuda_graph_runner else ""
+        )
         del runner, hf
     print(f"device {args.device}, attention backend {backend_name}")
     print(

@@ -25,6 +25,8 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         kv_cache_memory=args.kv_cache_memory,
         max_running_requests=args.max_running_requests,
         quantization=args.quantization,
+        device=args.device,
+        disable_cuda_graph=args.disable_cuda_graph,
     )
     config = SchedulerConfig(
         role=role,

@@ -16,6 +16,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch_native", "flashinfer"])
+    parser.add_argument("--device", default="auto", help="auto (CUDA when there is a GPU), cpu or cuda[:i]")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="on CUDA, decode without graphs")
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens extended per step")
     parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"])

@@ -81,6 +81,10 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["auto", "torch_native", "flashinfer"],
         help="attention kernels (auto: flashinfer on CUDA, else torch_native)",
     )
+    p.add_argument(
+        "--device", default="auto", help="schedulers' device: auto (CUDA when there is a GPU), cpu, cuda"
+    )
+    p.add_argument("--disable-cuda-graph", action="store_true", help="on CUDA, decode without CUDA graphs")
     p.add_argument("--max-running-requests", type=int, default=64, help="running batch size per scheduler")
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens prefilled per step")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")

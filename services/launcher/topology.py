@@ -47,6 +47,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--quantization", args.quantization,
         "--page-size", str(args.page_size),
         "--attention-backend", args.attention_backend,
+        "--device", args.device,
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--schedule-policy", args.schedule_policy,
@@ -57,6 +58,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.disable_radix_cache:
         flags.append("--disable-radix-cache")
+    if args.disable_cuda_graph:
+        flags.append("--disable-cuda-graph")
     return flags
 
 

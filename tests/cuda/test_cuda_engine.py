@@ -1,7 +1,7 @@
 """The CUDA path, on a GPU machine (``make test-cuda``; ``make test`` leaves this folder out, CI
 machines have no GPU): FlashInfer's paged attention against float64 attention, and the engine on
-CUDA against HF transformers on the same GPU, on random-weight Llama checkpoints shaped like
-SmolLM2 (head_dim 64, 9 query / 3 KV heads)."""
+CUDA against HF transformers on the same GPU, and decode replayed from CUDA graphs against eager
+decode, on random-weight Llama checkpoints shaped like SmolLM2 (head_dim 64, 9 query / 3 KV heads)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,9 @@ def checkpoint(tmp_path_factory):
 
 
 def _attention_runner(page_size: int, num_pages: int) -> SimpleNamespace:
-    config = SimpleNamespace(dtype=torch.bfloat16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    config = SimpleNamespace(
+        dtype=torch.bfloat16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, context_length=2048
+    )
     return SimpleNamespace(
         device=CUDA,
         model_config=config,
@@ -142,6 +144,7 @@ def test_engine_on_cuda_float32_matches_hf_greedy(checkpoint):
     runner = ModelRunner(
         checkpoint, dtype="float32", attention_backend="torch_native", device="cuda", max_total_tokens=8192
     )
+    assert runner.cuda_graph_runner is None  # torch_native captures no graphs
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(CUDA).eval()
     prompts = _prompts()
     seqs = _run_engine(runner, prompts, SamplingParams(temperature=0.0))
@@ -176,8 +179,8 @@ def test_engine_bfloat16_with_flashinfer_is_as_close_to_float32_as_hf_bfloat16(c
     the same tokens, and must be about as close as HF's own bfloat16 forward is."""
     from pdserve.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
-    runner = ModelRunner(checkpoint, dtype="auto", device="cuda", max_total_tokens=8192)
-    assert runner.model_config.dtype is torch.bfloat16
+    runner = ModelRunner(checkpoint, dtype="auto", device="auto", max_total_tokens=8192)
+    assert runner.model_config.dtype is torch.bfloat16 and runner.device.type == "cuda"
     assert isinstance(runner.attn_backend, FlashInferAttnBackend)
     seqs = _run_engine(runner, _prompts(), SamplingParams(temperature=0.0, return_logprob=True))
     ours = [torch.tensor(s.logprobs) for s in seqs]
@@ -189,3 +192,31 @@ def test_engine_bfloat16_with_flashinfer_is_as_close_to_float32_as_hf_bfloat16(c
     hf_error = max(float((a - b).abs().max()) for a, b in zip(bf16, fp32, strict=True))
     print(f"max |logprob - HF fp32|: engine bf16 + FlashInfer {ours_error:.4f}, HF bf16 {hf_error:.4f}")
     assert ours_error <= 2 * hf_error + 1e-2
+
+
+def test_cuda_graph_decode_matches_eager(checkpoint):
+    """Decode batches of 8 and then 5 requests (padded to the captured 8) replayed from CUDA graphs
+    give the eager FlashInfer forward's tokens, and logprobs within bfloat16 noise; padded rows
+    write only the pool's padding page, which the allocator never hands out."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, return_logprob=True)
+    runs = {}
+    for graphs in (True, False):
+        runner = ModelRunner(
+            checkpoint, dtype="bfloat16", device="cuda", max_total_tokens=8192, disable_cuda_graph=not graphs
+        )
+        assert (runner.cuda_graph_runner is not None) == graphs
+        assert runner.kv_pool.num_pages == runner.token_to_kv_pool_allocator.num_pages + graphs
+        driver = Driver(runner)
+        seqs = [driver.add(p, params) for p in prompts]
+        driver.step([(s, None) for s in seqs])
+        for step in range(2 * NEW_TOKENS):
+            driver.step([(s, None) for s in (seqs if step < NEW_TOKENS else seqs[:5])])
+        driver.release(*seqs)
+        assert all(len(s.output_ids) == 1 + NEW_TOKENS + (s in seqs[:5]) * NEW_TOKENS for s in seqs)
+        runs[graphs] = seqs
+    for replayed, eager in zip(runs[True], runs[False], strict=True):
+        assert replayed.output_ids == eager.output_ids
+        torch.testing.assert_close(
+            torch.tensor(replayed.logprobs), torch.tensor(eager.logprobs), atol=0.05, rtol=0
+        )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.cuda_graph_runner import CudaGraphRunner
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
@@ -37,12 +38,16 @@ class ModelRunner:
         max_total_tokens: KV pool size in tokens; else ``kv_cache_memory`` bytes; else a quarter of
             the free memory, at most what ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
-        device: ``cpu`` or ``cuda[:i]``.
+        device: ``cpu``, ``cuda[:i]`` or ``auto`` (CUDA when there is a GPU).
         quantization: None or ``w8a8_int8`` (int8 weights and per-token int8 activations in every
             linear layer but the LM head; ``pdserve.layers.quantization``).
+        disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
+            (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
+            backend supports it; the KV pool then has one extra page for padded rows).
 
     Attributes:
-        model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend, device.
+        model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
+        device, cuda_graph_runner (None when decode runs eagerly).
     """
 
     def __init__(
@@ -56,8 +61,9 @@ class ModelRunner:
         max_running_requests: int = 64,
         device: str = "cpu",
         quantization: str | None = None,
+        disable_cuda_graph: bool = False,
     ):
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
         self.model = load_model(
             model_path,
@@ -77,10 +83,22 @@ class ModelRunner:
         num_pages = num_pages_for_budget(page_size, bytes_per_token, max_total_tokens, kv_cache_memory)
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
+        want_graphs = self.device.type == "cuda" and not disable_cuda_graph
         self.kv_pool = KVPool(
-            num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, self.device
+            num_pages + want_graphs,  # the last page: padded rows of graph replays
+            page_size,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.dtype,
+            self.device,
         )
         self.attn_backend = create_attention_backend(attention_backend, self)
+        self.cuda_graph_runner = None
+        if want_graphs and self.attn_backend.supports_cuda_graph:
+            self.cuda_graph_runner = CudaGraphRunner(self, max_running_requests, pad_page=num_pages)
+        elif want_graphs:
+            logger.info("%s captures no CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         self.sampler = Sampler()
         logger.info(
             "loaded %s (%s, %s, quantization %s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
@@ -100,11 +118,25 @@ class ModelRunner:
         """Run the batch, write its KV, and sample one next token per request from the logits of
         each request's last computed position."""
         fb = forward_batch
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        last = fb.extend_start_loc + fb.extend_seq_lens - 1
-        logits = self.model.compute_logits(hidden[last])
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            logits = self.cuda_graph_runner.replay(fb)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb.input_ids, fb.positions, fb)
+            last = fb.extend_start_loc + fb.extend_seq_lens - 1
+            logits = self.model.compute_logits(hidden[last])
         return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → the current CUDA device when PyTorch sees a GPU, else ``cpu``; otherwise ``name``."""
+    if name == "auto":
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    return torch.device(name)
 
 
 def _free_memory(device: torch.device) -> int:

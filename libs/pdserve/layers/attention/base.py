@@ -23,12 +23,15 @@ class AttentionBackend(ABC):
     attends to its own key. Request ``b``'s query at position ``p`` attends to its keys at
     positions ``[0, p]``, read through ``req_to_token[req_pool_indices[b]]``.
 
-    Subclasses set ``num_heads``, ``num_kv_heads`` and ``head_dim`` from the model config.
+    Subclasses set ``num_heads``, ``num_kv_heads`` and ``head_dim`` from the model config. One
+    that sets ``supports_cuda_graph`` implements the three ``cuda_graph`` methods, which let
+    ``CudaGraphRunner`` capture and replay DECODE forwards of padded batch sizes.
     """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    supports_cuda_graph = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -44,6 +47,19 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → output ``[T, Hq * D]`` in q's dtype."""
+
+    def init_cuda_graph_state(self, batch_sizes: list[int], pad_page: int) -> None:
+        """Allocate what graphs of these batch sizes read at fixed addresses; padded rows use the
+        pool page ``pad_page``, which no request owns."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int) -> None:
+        """Prepare a forward of ``bs`` padded rows, about to be captured."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch) -> None:
+        """Prepare the replay of the ``bs`` graph for ``forward_batch`` (at most ``bs`` decodes)."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture CUDA graphs")
 
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, forward_batch: ForwardBatch

@@ -7,6 +7,11 @@ the CSR page table (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) and pla
 (causal, queries aligned to the end of each sequence, so cached prefixes just work) for EXTEND and
 MIXED batches. Requires page-aligned slots: position ``p`` of a request is offset ``p % page_size``
 of page ``req_to_token[p] // page_size``.
+
+CUDA graphs (``CudaGraphRunner``): one decode wrapper per captured batch size, in FlashInfer's
+``use_cuda_graph`` mode, whose page-table buffers stay at fixed addresses. Before each replay the
+real rows' page table is planned into them and the padded rows get one page each, the pool's
+padding page, with one token.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ _WORKSPACE_BYTES = 128 * 1024 * 1024
 class FlashInferAttnBackend(AttentionBackend):
     """Paged attention on CUDA through FlashInfer (imported here, so only when chosen)."""
 
+    supports_cuda_graph = True
+
     def __init__(self, runner: Any):
         import flashinfer
 
@@ -37,15 +44,81 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = cfg.dtype
         self.page_size = runner.kv_pool.page_size
         self.decode_mode = ForwardMode.DECODE
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
+        self.flashinfer = flashinfer
+        self.device = runner.device
+        self.context_pages = -(-cfg.context_length // self.page_size)
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= 4
+        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=self.num_heads // self.num_kv_heads >= 4
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.wrapper = self.decode_wrapper
+        self.graph_wrappers: dict[int, Any] = {}
+        self.pad_page = -1
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        fb, ps = forward_batch, self.page_size
+        fb = forward_batch
+        kv_indptr, kv_indices, last_page_len = self._page_table(fb)
+        if fb.forward_mode is self.decode_mode:
+            self._plan_decode(self.decode_wrapper, kv_indptr, kv_indices, last_page_len)
+            self.wrapper = self.decode_wrapper
+        else:
+            qo_indptr = torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens, 0), (1, 0)).to(torch.int32)
+            self.prefill_wrapper.plan(
+                qo_indptr, kv_indptr, kv_indices, last_page_len, *self._heads(), causal=True, **self._dtypes()
+            )
+            self.wrapper = self.prefill_wrapper
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_cuda_graph_state(self, batch_sizes: list[int], pad_page: int) -> None:
+        """Fixed-address page-table buffers and one graph-mode decode wrapper per batch size;
+        padded rows read page ``pad_page`` (which no request owns)."""
+        max_bs = max(batch_sizes)
+        self.pad_page = pad_page
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        indices = torch.zeros(max_bs * self.context_pages, dtype=torch.int32, device=self.device)
+        last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self.graph_wrappers = {
+            bs: self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs],
+            )
+            for bs in batch_sizes
+        }
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int) -> None:
+        """Plan ``bs`` padded rows and route the layers to that batch size's graph wrapper."""
+        self.init_forward_metadata_replay_cuda_graph(bs, None)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, forward_batch: ForwardBatch | None) -> None:
+        """Plan the graph wrapper of batch size ``bs`` for the real rows of ``forward_batch`` (a
+        DECODE batch of at most ``bs`` requests; None: no real rows) followed by padded rows."""
+        if forward_batch is None:
+            kv_indptr = torch.zeros(1, dtype=torch.int32, device=self.device)
+            kv_indices = last_page_len = kv_indptr[:0]
+        else:
+            kv_indptr, kv_indices, last_page_len = self._page_table(forward_batch)
+        num_pad = bs - last_page_len.shape[0]
+        ones = torch.ones(num_pad, dtype=torch.int32, device=self.device)
+        self._plan_decode(
+            self.graph_wrappers[bs],
+            torch.cat([kv_indptr, kv_indptr[-1] + ones.cumsum(0, dtype=torch.int32)]),
+            torch.cat([kv_indices, ones * self.pad_page]),
+            torch.cat([last_page_len, ones]),
+        )
+        self.wrapper = self.graph_wrappers[bs]
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _page_table(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashInfer's CSR page table of the batch: int32 ``kv_indptr`` ``[B + 1]``,
+        ``kv_indices`` (page ids, request by request) and ``kv_last_page_len`` ``[B]``."""
+        ps = self.page_size
         num_pages = (fb.seq_lens + ps - 1) // ps
         max_pages = int(num_pages.max())
         first_slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max_pages * ps : ps]
@@ -53,17 +126,16 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indices = (first_slots // ps)[in_use].to(torch.int32)
         kv_indptr = torch.nn.functional.pad(torch.cumsum(num_pages, 0), (1, 0)).to(torch.int32)
         last_page_len = ((fb.seq_lens - 1) % ps + 1).to(torch.int32)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
-        heads = (self.num_heads, self.num_kv_heads, self.head_dim, ps)
-        if fb.forward_mode is self.decode_mode:
-            self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, *heads, **common)
-            self.wrapper = self.decode_wrapper
-        else:
-            qo_indptr = torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens, 0), (1, 0)).to(torch.int32)
-            self.prefill_wrapper.plan(
-                qo_indptr, kv_indptr, kv_indices, last_page_len, *heads, causal=True, **common
-            )
-            self.wrapper = self.prefill_wrapper
+        return kv_indptr, kv_indices, last_page_len
+
+    def _plan_decode(self, wrapper: Any, kv_indptr, kv_indices, last_page_len) -> None:
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, *self._heads(), **self._dtypes())
+
+    def _heads(self) -> tuple[int, int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim, self.page_size
+
+    def _dtypes(self) -> dict[str, Any]:
+        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
 
     def forward(
         self,
