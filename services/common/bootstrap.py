@@ -26,7 +26,7 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         max_running_requests=args.max_running_requests,
         quantization=args.quantization,
         device=args.device,
-        disable_cuda_graph=args.disable_cuda_graph,
+        disable_cuda_graph=args.disable_cuda_graph or role == "prefill",  # a prefill worker never decodes
     )
     config = SchedulerConfig(
         role=role,
