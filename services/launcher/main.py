@@ -85,6 +85,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--device", default="auto", help="schedulers' device: auto (CUDA when there is a GPU), cpu, cuda"
     )
     p.add_argument("--disable-cuda-graph", action="store_true", help="on CUDA, decode without CUDA graphs")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids the schedulers take in turn, prefill workers first "
+        "(default: every visible GPU)",
+    )
     p.add_argument("--max-running-requests", type=int, default=64, help="running batch size per scheduler")
     p.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens prefilled per step")
     p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _ABORT_MARGIN_S = 3.0  # of the launcher's drain timeout, kept for the gateway to abort what is left
 
@@ -77,6 +78,25 @@ def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def visible_gpus() -> list[str]:
+    """GPU ids the schedulers may use: ``CUDA_VISIBLE_DEVICES`` when set, else one per GPU the
+    NVIDIA driver lists in ``/proc/driver/nvidia/gpus`` (the launcher itself imports no torch)."""
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(driver.iterdir())))] if driver.is_dir() else []
+
+
+def _gpu_env(args: argparse.Namespace, index: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler (prefill workers first): the GPUs of
+    ``--gpus`` (default: every visible one) in turn, so PD 2+2 on four GPUs gets one each. Nothing
+    for ``--device cpu`` or an explicit ``cuda:i``, or without GPUs."""
+    gpus = args.gpus.split(",") if args.gpus else visible_gpus()
+    if args.device not in ("auto", "cuda") or not gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]}
+
+
 def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec]:
     """Services in start order: tokenizer, detokenizer, prefill workers, decode workers, gateway."""
     host = args.internal_host
@@ -95,12 +115,13 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     env = _shared_cores_env(len(prefills) + len(decodes))
     for i, addr in enumerate(prefills):
         argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
-        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env))
+        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | _gpu_env(args, i)))
     for i, addr in enumerate(decodes):
         argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
         if args.colocated:
             argv.append("--colocated")
-        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env))
+        gpu = _gpu_env(args, len(prefills) + i)
+        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu))
     gateway = [
         "--model", model_dir,
         "--host", args.host,

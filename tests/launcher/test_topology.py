@@ -81,3 +81,28 @@ def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:
     assert all(s.env == {} for s in alone)
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert all(s.env == {} for s in build_topology(make_parser().parse_args([]), "/m"))
+
+
+def test_schedulers_take_the_gpus_in_turn(monkeypatch) -> None:
+    """PD 2+2 on GPUs 4 and 5: each scheduler process sees one GPU; the text services see all."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = make_parser().parse_args(["--num-prefill", "2", "--num-decode", "2", "--gpus", "4,5"])
+    gpus = {s.name: s.env.get("CUDA_VISIBLE_DEVICES") for s in build_topology(args, "/m")}
+    assert gpus == {
+        "tokenizer": None,
+        "detokenizer": None,
+        "prefill-0": "4",
+        "prefill-1": "5",
+        "decode-0": "4",
+        "decode-1": "5",
+        "gateway": None,
+    }
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the default: the launcher's visible GPUs
+    args = make_parser().parse_args(["--colocated", "--num-decode", "2"])
+    assert [s.env.get("CUDA_VISIBLE_DEVICES") for s in build_topology(args, "/m") if s.role == "decode"] == [
+        "2",
+        "3",
+    ]
+    for device in ("cpu", "cuda:1"):  # CPU, or one GPU named explicitly: no remapping
+        args = make_parser().parse_args(["--num-decode", "2", "--gpus", "0,1", "--device", device])
+        assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in build_topology(args, "/m"))
