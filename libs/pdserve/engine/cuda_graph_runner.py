@@ -10,6 +10,7 @@ one call; only the attention plan (page tables, on the CPU) and the sampler run 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -109,25 +110,21 @@ class CudaGraphRunner:
         return model.compute_logits(model(fb.input_ids, fb.positions, fb))
 
     def _padded_batch(self, bs: int) -> ForwardBatch:
-        """A DECODE ``ForwardBatch`` of ``bs`` padded rows over the fixed input buffers (the lengths
-        and request slots are only read by the attention plan, outside the graph)."""
-        runner, device = self.runner, self.runner.device
-        ones = torch.ones(bs, dtype=torch.int64, device=device)
-        return ForwardBatch(
+        """A DECODE ``ForwardBatch`` of ``bs`` padded rows whose ids, positions and KV slots are
+        views of the fixed input buffers (its lengths and request slots are only read by the
+        attention plan, outside the graph)."""
+        fb = ForwardBatch.init_new(
+            input_ids=[0] * bs,
+            req_pool_indices=[0] * bs,
+            seq_lens=[1] * bs,
+            extend_seq_lens=[1] * bs,
+            out_cache_loc=[self.pad_slot] * bs,
             forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
+            runner=self.runner,
+        )
+        return dataclasses.replace(
+            fb,
             input_ids=self.input_ids[:bs],
             positions=self.positions[:bs],
-            req_pool_indices=torch.zeros_like(ones),
-            seq_lens=ones,
-            extend_prefix_lens=torch.zeros_like(ones),
-            extend_seq_lens=ones,
-            extend_start_loc=torch.arange(bs, device=device),
             out_cache_loc=self.out_cache_loc[:bs],
-            sampling_info=None,
-            return_logprob=False,
-            top_logprobs_nums=None,
-            req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool=runner.kv_pool,
-            attn_backend=self.backend,
         )
