@@ -9,7 +9,7 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
-.PHONY: install proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -29,6 +29,9 @@ $(STAMP): pyproject.toml $(GEN) libs/pdserve-sdk/pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# nginx (a Debian package, with sudo when not root) only for the load-balancer example's test
+nginx:
 	sh deploy/nginx/install.sh
 
 proto: $(TOOLS)
@@ -47,7 +50,7 @@ format: install
 	$(BIN)/ruff format .
 
 # tests/cuda need a CUDA GPU (and flashinfer, the [cuda] extra): run them with test-cuda on one
-test: install lint
+test: install nginx lint
 	$(BIN)/pytest -q --ignore=tests/cuda $(ARGS)
 
 test-cuda: install

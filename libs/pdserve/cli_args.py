@@ -49,11 +49,74 @@ def setup_logging(level: str, name: str) -> None:
     )
 
 
-def add_quantization_arg(parser: argparse.ArgumentParser) -> None:
-    """``--quantization`` of the launcher and the scheduler services (``pdserve.layers.quantization``)."""
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:<index>``."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:<index>, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Model, KV pool and scheduling flags of every scheduler, shared by ``pdserve launch`` (which
+    passes them on) and the scheduler services (``pdserve prefill`` / ``pdserve decode``)."""
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights dtype"
+    )
     parser.add_argument(
         "--quantization",
         default="none",
         choices=["none", "w8a8_int8"],
         help="w8a8_int8: int8 weights and per-token int8 activations in the linear layers (CPU)",
     )
+    parser.add_argument(
+        "--device", type=device_name, default="auto", help="auto (CUDA when there is a GPU), cpu, cuda[:i]"
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch_native", "flashinfer"],
+        help="attention kernels (auto: flashinfer on CUDA, else torch_native)",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="on CUDA, decode without CUDA graphs"
+    )
+    parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    parser.add_argument(
+        "--max-total-tokens", type=positive_int, default=None, help="KV pool size per scheduler, in tokens"
+    )
+    parser.add_argument(
+        "--kv-cache-memory", type=positive_int, default=None, help="KV pool size per scheduler, in bytes"
+    )
+    parser.add_argument(
+        "--kv-memory-fraction",
+        type=fraction,
+        default=0.25,
+        help="without the two above: the share of the device's free memory a scheduler's KV pool takes",
+    )
+    parser.add_argument(
+        "--max-running-requests", type=positive_int, default=64, help="running batch size per scheduler"
+    )
+    parser.add_argument(
+        "--chunked-prefill-size", type=positive_int, default=512, help="tokens extended per step"
+    )
+    parser.add_argument(
+        "--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order"
+    )
+    parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")

@@ -77,11 +77,22 @@ def served_model_name(model: str | None) -> str:
     return path.name.removesuffix(".gguf")
 
 
+def _content_key(path: Path, sample: int = 8 << 20) -> str:
+    """12 hex digits naming a file by its contents, not its location: its size and its first and last
+    ``sample`` bytes (a GGUF's header names every tensor, its tail holds the last weights), so the
+    same file in another checkout or venv maps to the same cache, without reading gigabytes."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(sample))
+        f.seek(max(path.stat().st_size - sample, 0))
+        digest.update(f.read(sample))
+    return digest.hexdigest()[:12]
+
+
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantize ``gguf`` to fp32 safetensors once; concurrent callers wait on a file lock."""
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_dir() / f"{gguf.stem}-{key}"
+    """Dequantize ``gguf`` to fp32 safetensors once per file contents (``_content_key``); concurrent
+    callers wait on a file lock."""
+    out = cache_dir() / f"{gguf.stem}-{_content_key(gguf)}"
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,7 +114,7 @@ def convert_gguf(gguf: Path) -> Path:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        config.torch_dtype = torch.float32
+        config.dtype = torch.float32
         config.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         tmp.rename(out)

@@ -23,6 +23,7 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        kv_memory_fraction=args.kv_memory_fraction,
         max_running_requests=args.max_running_requests,
         quantization=args.quantization,
         device=args.device,

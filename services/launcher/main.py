@@ -14,13 +14,13 @@ import contextlib
 import logging
 import signal
 
-from pdserve.cli_args import add_model_arg, add_quantization_arg, setup_logging
+from pdserve.cli_args import add_engine_args, add_model_arg, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import run_service
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.supervisor import Supervisor
-from pdserve.services.launcher.topology import build_topology
+from pdserve.services.launcher.topology import build_topology, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -70,31 +70,13 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights dtype")
-    add_quantization_arg(p)
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size per scheduler, in tokens")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size per scheduler, in bytes")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "torch_native", "flashinfer"],
-        help="attention kernels (auto: flashinfer on CUDA, else torch_native)",
-    )
-    p.add_argument(
-        "--device", default="auto", help="schedulers' device: auto (CUDA when there is a GPU), cpu, cuda"
-    )
-    p.add_argument("--disable-cuda-graph", action="store_true", help="on CUDA, decode without CUDA graphs")
+    add_engine_args(p)
     p.add_argument(
         "--gpus",
         default=None,
         help="comma-separated GPU ids the schedulers take in turn, prefill workers first "
         "(default: every visible GPU)",
     )
-    p.add_argument("--max-running-requests", type=int, default=64, help="running batch size per scheduler")
-    p.add_argument("--chunked-prefill-size", type=int, default=512, help="tokens prefilled per step")
-    p.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order")
-    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     p.add_argument(
         "--router-policy",
         default="cache_aware",
@@ -129,6 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prefill must be at least 1 (or use --colocated)")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    if args.attention_backend == "flashinfer" and args.device == "cpu":
+        parser.error("--attention-backend flashinfer runs on CUDA only (pdserve[cuda] on a GPU machine)")
+    needs_gpu = args.device.startswith("cuda") or args.attention_backend == "flashinfer"
+    if needs_gpu and not (args.gpus or visible_gpus()):
+        flag = (
+            f"--device {args.device}" if args.device.startswith("cuda") else "--attention-backend flashinfer"
+        )
+        parser.error(f"{flag} needs a CUDA GPU and none is visible (CUDA_VISIBLE_DEVICES, NVIDIA driver)")
     return args
 
 

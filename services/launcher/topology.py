@@ -42,7 +42,10 @@ class ServiceSpec:
         return STAGES[self.role]
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
+def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
+    """The scheduler flags; ``per_device`` schedulers share a device, so without an explicit KV
+    budget each takes that share of ``--kv-memory-fraction`` (they all start at once and would
+    each see the same free memory)."""
     flags = [
         "--dtype", args.dtype,
         "--quantization", args.quantization,
@@ -57,6 +60,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.kv_cache_memory:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if not (args.max_total_tokens or args.kv_cache_memory):
+        flags += ["--kv-memory-fraction", f"{args.kv_memory_fraction / per_device:.4g}"]
     if args.disable_radix_cache:
         flags.append("--disable-radix-cache")
     if args.disable_cuda_graph:
@@ -87,14 +92,17 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(len(list(driver.iterdir())))] if driver.is_dir() else []
 
 
-def _gpu_env(args: argparse.Namespace, index: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler (prefill workers first): the GPUs of
-    ``--gpus`` (default: every visible one) in turn, so PD 2+2 on four GPUs gets one each. Nothing
-    for ``--device cpu`` or an explicit ``cuda:i``, or without GPUs."""
-    gpus = args.gpus.split(",") if args.gpus else visible_gpus()
-    if args.device not in ("auto", "cuda") or not gpus:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]}
+def scheduler_gpus(args: argparse.Namespace) -> list[str]:
+    """GPU ids the scheduler processes take in turn (prefill workers first): ``--gpus``, else every
+    visible GPU; none for ``--device cpu`` or an explicit ``cuda:i`` (no remapping)."""
+    if args.device not in ("auto", "cuda"):
+        return []
+    return args.gpus.split(",") if args.gpus else visible_gpus()
+
+
+def _gpu_env(gpus: list[str], index: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: so PD 2+2 on four GPUs gets one each."""
+    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
 
 
 def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec]:
@@ -112,15 +120,18 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
     first_decode = base + 10 + max(10, num_prefill)
     decodes = [f"{host}:{first_decode + i}" for i in range(args.num_decode)]
-    env = _shared_cores_env(len(prefills) + len(decodes))
+    num_schedulers = len(prefills) + len(decodes)
+    env = _shared_cores_env(num_schedulers)
+    gpus = scheduler_gpus(args)
+    engine = _engine_flags(args, per_device=-(-num_schedulers // len(gpus)) if gpus else num_schedulers)
     for i, addr in enumerate(prefills):
-        argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
-        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | _gpu_env(args, i)))
+        argv = [*common, "--port", addr.rsplit(":", 1)[1], *engine]
+        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | _gpu_env(gpus, i)))
     for i, addr in enumerate(decodes):
-        argv = [*common, "--port", addr.rsplit(":", 1)[1], *_engine_flags(args)]
+        argv = [*common, "--port", addr.rsplit(":", 1)[1], *engine]
         if args.colocated:
             argv.append("--colocated")
-        gpu = _gpu_env(args, len(prefills) + i)
+        gpu = _gpu_env(gpus, len(prefills) + i)
         specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu))
     gateway = [
         "--model", model_dir,

@@ -116,6 +116,26 @@ def test_impossible_topologies_are_rejected(capsys) -> None:
     assert parse_args(["--num-prefill", "0", "--colocated"]).colocated
 
 
+def test_bad_engine_flags_fail_before_anything_starts(capsys, monkeypatch) -> None:
+    """Checked by the launcher's parser, not seconds later in a scheduler's traceback."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible
+    for argv, message in [
+        (["--page-size", "0"], "--page-size: must be a positive integer, got 0"),
+        (["--max-total-tokens", "-4"], "--max-total-tokens: must be a positive integer, got -4"),
+        (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction: must be in (0, 1], got 1.5"),
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:<index>, got 'tpu'"),
+        (["--device", "cuda"], "--device cuda needs a CUDA GPU and none is visible"),
+        (["--device", "cuda:1"], "--device cuda:1 needs a CUDA GPU and none is visible"),
+        (["--attention-backend", "flashinfer"], "--attention-backend flashinfer needs a CUDA GPU"),
+        (["--attention-backend", "flashinfer", "--device", "cpu"], "flashinfer runs on CUDA only"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert parse_args(["--device", "cuda:0", "--attention-backend", "flashinfer"]).device == "cuda:0"
+
+
 def test_help_documents_every_option(capsys) -> None:
     parser = make_parser()
     with pytest.raises(SystemExit) as exit_info:

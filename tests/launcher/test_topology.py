@@ -106,3 +106,24 @@ def test_schedulers_take_the_gpus_in_turn(monkeypatch) -> None:
     for device in ("cpu", "cuda:1"):  # CPU, or one GPU named explicitly: no remapping
         args = make_parser().parse_args(["--num-decode", "2", "--gpus", "0,1", "--device", device])
         assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in build_topology(args, "/m"))
+
+
+def test_schedulers_sharing_a_device_split_the_kv_memory_fraction(monkeypatch) -> None:
+    """They start together and each sees the same free memory: PD 2+2 on the CPU gives each a
+    quarter of --kv-memory-fraction, on two GPUs a half; an explicit budget is passed as is."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+    def fractions(*argv: str) -> set[str | None]:
+        specs = build_topology(
+            make_parser().parse_args(["--num-prefill", "2", "--num-decode", "2", *argv]), "/m"
+        )
+        return {
+            _flag(s.argv, "--kv-memory-fraction") if "--kv-memory-fraction" in s.argv else None
+            for s in specs
+            if s.role in ("prefill", "decode")
+        }
+
+    assert fractions() == {"0.0625"}
+    assert fractions("--kv-memory-fraction", "0.8") == {"0.2"}
+    assert fractions("--gpus", "0,1") == {"0.125"}
+    assert fractions("--max-total-tokens", "4096") == {None}

@@ -24,8 +24,6 @@ from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_KV_FRACTION = 0.25  # of the free memory, when no KV budget is given
-
 
 class ModelRunner:
     """One model replica with its KV memory.
@@ -35,8 +33,9 @@ class ModelRunner:
         dtype: ``auto`` (bfloat16 where native, else float32), ``float32``, ``bfloat16`` or ``float16``.
         attention_backend: ``auto``, ``torch_native`` or ``flashinfer``.
         page_size: tokens per KV page.
-        max_total_tokens: KV pool size in tokens; else ``kv_cache_memory`` bytes; else a quarter of
-            the free memory, at most what ``max_running_requests`` full-context requests need.
+        max_total_tokens: KV pool size in tokens; else ``kv_cache_memory`` bytes; else
+            ``kv_memory_fraction`` of the device's free memory, at most what
+            ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
         device: ``cpu``, ``cuda[:i]`` or ``auto`` (CUDA when there is a GPU).
         quantization: None or ``w8a8_int8`` (int8 weights and per-token int8 activations in every
@@ -62,6 +61,7 @@ class ModelRunner:
         device: str = "cpu",
         quantization: str | None = None,
         disable_cuda_graph: bool = False,
+        kv_memory_fraction: float = 0.25,
     ):
         self.device = resolve_device(device)
         self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
@@ -77,7 +77,7 @@ class ModelRunner:
         bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         if max_total_tokens is None and kv_cache_memory is None:
             kv_cache_memory = min(
-                int(_free_memory(self.device) * _DEFAULT_KV_FRACTION),
+                int(_free_memory(self.device) * kv_memory_fraction),
                 max_running_requests * cfg.context_length * bytes_per_token,
             )
         num_pages = num_pages_for_budget(page_size, bytes_per_token, max_total_tokens, kv_cache_memory)
@@ -129,13 +129,19 @@ class ModelRunner:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` → the current CUDA device when PyTorch sees a GPU, else ``cpu``; otherwise ``name``."""
+    """``auto`` → the current CUDA device when PyTorch sees a GPU, else ``cpu``; otherwise ``name``.
+
+    Raises:
+        ValueError: a CUDA device where PyTorch sees none.
+    """
     if name == "auto":
         return (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: PyTorch sees no CUDA GPU here (use cpu or auto)")
     return torch.device(name)
 
 
