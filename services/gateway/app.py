@@ -75,11 +75,12 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        try:
-            context_length = (await state.ctx.manager.model_info()).context_length
-        except GatewayError:
-            context_length = None
-        return ModelList(data=[ModelCard(id=state.ctx.served_model_name, max_model_len=context_length)])
+        return ModelList(data=[await _model_card(state.ctx)])
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        state.ctx.check_model(model)
+        return await _model_card(state.ctx)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -123,6 +124,15 @@ def build_app(
     return app
 
 
+async def _model_card(ctx: ServingContext) -> ModelCard:
+    """The served model, as /v1/models lists it (``max_model_len`` None while the tokenizer is down)."""
+    try:
+        context_length = (await ctx.manager.model_info()).context_length
+    except GatewayError:
+        context_length = None
+    return ModelCard(id=ctx.served_model_name, max_model_len=context_length)
+
+
 def _error_response(error: GatewayError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -147,6 +157,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
+# pydantic error types of a body that is not an object (a JSON array, string or null; form data).
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
+
+
 def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
     """A 400 naming the first offending field (``param``), e.g. ``"temperature: Input should be ..."``."""
     errors = exc.errors()
@@ -155,6 +169,10 @@ def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
     err = errors[0]
     if err["type"] == "json_invalid":
         return GatewayError(400, f"invalid JSON body: {(err.get('ctx') or {}).get('error', err['msg'])}")
+    if err["type"] in _NOT_AN_OBJECT and tuple(err["loc"]) == ("body",):
+        return GatewayError(
+            400, "the request body must be a JSON object (sent with Content-Type: application/json)"
+        )
     loc = [str(p) for p in err["loc"][1:] if not _is_union_tag(p)] if err["loc"][:1] == ("body",) else []
     param = (err.get("ctx") or {}).get("param") or ".".join(loc) or None
     msg = err["msg"].removeprefix("Value error, ")

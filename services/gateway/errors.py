@@ -93,6 +93,11 @@ def invalid_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param)
 
 
+def context_length_exceeded(message: str, param: str) -> GatewayError:
+    """A prompt (or prompt + max_tokens) over the model's context; ``param`` "messages" or "prompt"."""
+    return GatewayError(400, message, param=param, code="context_length_exceeded")
+
+
 def generation_failed(error: str) -> GatewayError:
     """A choice the runtime ended with finish_reason "error" (500)."""
     return GatewayError(500, f"generation failed: {error or 'unknown error'}")

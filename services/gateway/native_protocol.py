@@ -16,9 +16,12 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 
 class NativeSamplingParams(BaseModel):
-    """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``."""
+    """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``.
 
-    model_config = ConfigDict(extra="forbid")
+    Float fields must be finite (NaN and inf are rejected).
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

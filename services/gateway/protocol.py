@@ -3,8 +3,11 @@
 Fields follow the OpenAI API plus the sampling extras vLLM and SGLang accept (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, ...). Unknown fields are rejected (``extra="forbid"``), and known fields
-the runtime cannot honour (response_format json, tools that need parsing, logit_bias, ...) fail
-validation naming the field: a request is never served with a field silently ignored.
+the runtime cannot honour (response_format json, tools that need parsing, logit_bias, audio output,
+...) fail validation naming the field: a request is never served with a field silently ignored.
+OpenAI fields that do not change what is generated (``store``, ``metadata``, ``service_tier``,
+``reasoning_effort``, ``prediction``) are accepted and ignored. Float fields must be finite (no
+NaN / inf).
 
 Cross-field errors are raised as ``PydanticCustomError(..., {"param": name})`` so the error handler
 can report ``param``.
@@ -44,7 +47,7 @@ class StreamOptions(BaseModel):
 class _OpenAIRequest(BaseModel):
     """Fields shared by completions and chat completions (sampling, stopping, streaming)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -132,9 +135,10 @@ class _OpenAIRequest(BaseModel):
 
 class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings (a batch), token ids, or a
-    list of token-id lists. Choice ``j * n + i`` is sample i of prompt j."""
+    list of token-id lists. Choice ``j * n + i`` is sample i of prompt j. Token ids are checked
+    against the vocabulary by the ``RequestManager`` (negative ones included)."""
 
-    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
@@ -229,6 +233,18 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # OpenAI fields that do not change the output: accepted and ignored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None  # no reasoning models are served
+    prediction: dict[str, Any] | None = None  # a speed hint (predicted output) only
+    # OpenAI fields that would change the output: only their no-op values are accepted.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # vLLM chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -247,13 +263,31 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise unsupported(
                 "tools", "tool calling needs parsing; send tool_choice='none' to only show tools"
             )
+        if self.functions or self.function_call not in (None, "none"):
+            raise unsupported(
+                "functions" if self.functions else "function_call",
+                "legacy function calling needs tool-call parsing, which this server does not do",
+            )
         if self.top_logprobs and not self.logprobs:
             raise param_error("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         if self.add_generation_prompt and self.continue_final_message:
             raise param_error(
                 "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
             )
+        self._check_output_kind()
         return self
+
+    def _check_output_kind(self) -> None:
+        """Text output only: no audio, no web search (raises a named-field error otherwise)."""
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise param_error(
+                "modalities",
+                f"'modalities' must be ['text'] (got {self.modalities}): this server generates text only",
+            )
+        if self.audio is not None:
+            raise unsupported("audio", "this server generates text only (no audio output)")
+        if self.web_search_options is not None:
+            raise unsupported("web_search_options", "this server does not search the web")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -16,8 +16,19 @@ import time
 from collections.abc import Coroutine
 
 from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.errors import GatewayError, duplicate_rid, invalid_request
-from pdserve.services.gateway.io_struct import GenerateReqInput, ModelInfo, Prompt, TokenizedPrompt
+from pdserve.services.gateway.errors import (
+    GatewayError,
+    context_length_exceeded,
+    duplicate_rid,
+    invalid_request,
+)
+from pdserve.services.gateway.io_struct import (
+    ChatPrompt,
+    GenerateReqInput,
+    ModelInfo,
+    Prompt,
+    TokenizedPrompt,
+)
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
 from pdserve.services.gateway.router import Router, WorkerPool
@@ -86,6 +97,10 @@ class RequestManager:
         it = iter(done)
         return [TokenizedPrompt(list(p)) if isinstance(p, list) else next(it) for p in prompts]
 
+    async def check_token_ids(self, input_ids: list[int]) -> None:
+        """400 unless every id of a token-id prompt is in the vocabulary (before it is sent anywhere)."""
+        _check_ids(input_ids, (await self.model_info()).vocab_size)
+
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self.clients.detokenize(self.tokenizers.next().address, ids, skip_special_tokens)
 
@@ -139,10 +154,13 @@ class RequestManager:
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         info = await self.model_info()
         multi = len(obj.prompts) * obj.n > 1
-        for j, prompt in enumerate(tokenized):
+        for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             _check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
-            max_new = self._max_new_tokens(len(prompt.input_ids), sp.max_new_tokens, info.context_length)
+            param = "messages" if isinstance(given, ChatPrompt) else "prompt"
+            max_new = self._max_new_tokens(
+                len(prompt.input_ids), sp.max_new_tokens, info.context_length, param
+            )
             handle.prompt_tokens.append(len(prompt.input_ids))
             for i in range(obj.n):
                 index = j * obj.n + i
@@ -183,23 +201,30 @@ class RequestManager:
             arrival_unix_s=arrival,
         )
 
-    def _max_new_tokens(self, prompt_len: int, requested: int | None, context_length: int) -> int:
-        """``requested``, or the context left (capped by ``default_max_tokens``); 400 when it does not fit."""
+    def _max_new_tokens(
+        self, prompt_len: int, requested: int | None, context_length: int, param: str = "prompt"
+    ) -> int:
+        """``requested``, or the context left (capped by ``default_max_tokens``).
+
+        Raises ``context_length_exceeded`` (400, naming ``param``: "messages" or "prompt") when the
+        prompt, or the prompt plus ``requested``, does not fit in the context.
+        """
         if context_length <= 0:  # the tokenizer does not know the context length
             return requested or self.config.default_max_tokens
         if prompt_len >= context_length:
-            raise invalid_request(
+            raise context_length_exceeded(
                 f"This model's maximum context length is {context_length} tokens, but the prompt has "
-                f"{prompt_len} tokens. Please shorten the prompt."
+                f"{prompt_len} tokens. Please shorten the prompt.",
+                param,
             )
         if requested is None:
             return min(context_length - prompt_len, self.config.default_max_tokens)
         if prompt_len + requested > context_length:
-            raise invalid_request(
+            raise context_length_exceeded(
                 f"This model's maximum context length is {context_length} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
                 f"completion). Please reduce the length of the prompt or the completion.",
-                param="max_tokens",
+                param,
             )
         return requested
 
@@ -252,10 +277,10 @@ class RequestManager:
 
 
 def _check_ids(input_ids: list[int], vocab_size: int) -> None:
-    """400 for an empty prompt or a token id outside ``[0, vocab_size)`` (0 = vocab size unknown)."""
+    """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
     if not input_ids:
         raise invalid_request("the prompt is empty (no tokens)", param="prompt")
-    if vocab_size and max(input_ids) >= vocab_size:
-        raise invalid_request(
-            f"token id {max(input_ids)} is outside the vocabulary [0, {vocab_size})", param="prompt"
-        )
+    bad = min(input_ids) if min(input_ids) < 0 else max(input_ids)
+    if bad < 0 or (vocab_size and bad >= vocab_size):
+        vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
+        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")

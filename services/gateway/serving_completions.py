@@ -69,7 +69,11 @@ class OpenAIServingCompletion:
         return JSONResponse(response.model_dump())
 
     async def _prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else await self.ctx.manager.detokenize(prompt)
+        """The echoed text of ``prompt``; token ids are checked against the vocabulary first."""
+        if isinstance(prompt, str):
+            return prompt
+        await self.ctx.manager.check_token_ids(prompt)
+        return await self.ctx.manager.detokenize(prompt)
 
     async def _chunks(
         self, body: CompletionRequest, handle: RequestHandle, echoes: list[str] | None

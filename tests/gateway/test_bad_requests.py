@@ -99,7 +99,12 @@ CASES = [
     Case("top-logprobs-21", 400, chat(logprobs=True, top_logprobs=21), param="top_logprobs"),
     Case("top-logprobs-without-logprobs", 400, chat(top_logprobs=2), param="top_logprobs"),
     Case(
-        "max-tokens-over-context", 400, _too_long_for_context, param="max_tokens", contains=_context_numbers
+        "max-tokens-over-context",
+        400,
+        _too_long_for_context,
+        param="messages",
+        code="context_length_exceeded",
+        contains=_context_numbers,
     ),
     Case("completion-logprobs-21", 400, completion(logprobs=21), path="/v1/completions", param="logprobs"),
     Case(
@@ -115,6 +120,8 @@ CASES = [
         400,
         lambda: completion(prompt=[1] * context_length()),
         path="/v1/completions",
+        param="prompt",
+        code="context_length_exceeded",
         contains=lambda: [str(context_length())],
     ),
     Case("completion-empty-text", 400, completion(prompt=""), path="/v1/completions", param="prompt"),
