@@ -85,11 +85,15 @@ def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
 
 def visible_gpus() -> list[str]:
     """GPU ids the schedulers may use: ``CUDA_VISIBLE_DEVICES`` when set, else one per GPU the
-    NVIDIA driver lists in ``/proc/driver/nvidia/gpus`` (the launcher itself imports no torch)."""
+    NVIDIA driver lists (``/proc/driver/nvidia/gpus``, or ``/dev/nvidiaN`` device nodes where the
+    driver's proc files are not mounted); the launcher itself imports no torch."""
     if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
     driver = Path("/proc/driver/nvidia/gpus")
-    return [str(i) for i in range(len(list(driver.iterdir())))] if driver.is_dir() else []
+    if driver.is_dir():
+        return [str(i) for i in range(len(list(driver.iterdir())))]
+    nodes = [p.name.removeprefix("nvidia") for p in Path("/dev").glob("nvidia[0-9]*")]
+    return sorted((n for n in nodes if n.isdigit()), key=int)
 
 
 def scheduler_gpus(args: argparse.Namespace) -> list[str]:
