@@ -104,6 +104,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.ctx.manager.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         healthy, body = await check_health(state.monitor)
         return JSONResponse(body, status_code=200 if healthy else 503)
 

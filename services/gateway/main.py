@@ -86,6 +86,9 @@ def addresses(value: str) -> list[str]:
     return [a.strip() for a in value.split(",") if a.strip()]
 
 
+_HTTP_CLOSE_TIMEOUT_S = 5.0  # after the drain, for responses to flush (every request has ended)
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside a running loop: signals are the caller's (``run_service`` sets ``stop_event``)."""
 
@@ -152,7 +155,7 @@ class Gateway:
             loop="uvloop",
             log_level=args.log_level.lower(),
             access_log=args.log_level.lower() == "debug",
-            timeout_graceful_shutdown=args.drain_timeout,
+            timeout_graceful_shutdown=_HTTP_CLOSE_TIMEOUT_S,
         )
         self.http = _EmbeddedUvicorn(uv_config)
         self.http_port = args.port
@@ -181,12 +184,15 @@ class Gateway:
         )  # fmt: skip
 
     async def stop(self) -> None:
-        """Stop taking requests, abort those in flight, and close both servers and all channels."""
+        """Drain, then close both servers and all channels. While in-flight requests get up to
+        ``--drain-timeout`` to finish, both servers keep listening: new generation requests get a
+        503 (gRPC UNAVAILABLE) and ``/health`` says "draining", so a load balancer moves on; what is
+        still running after that is aborted."""
+        await self.manager.drain(self.args.drain_timeout)
         self.http.should_exit = True
         if self._http_task is not None:
             with contextlib.suppress(SystemExit, Exception):
                 await self._http_task
-        await self.manager.drain()
         await self.monitor.stop()
         await self.grpc.stop(grace=2.0)
         await self.clients.close()

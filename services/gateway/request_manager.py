@@ -78,6 +78,7 @@ class RequestManager:
         self.token_texts = TokenTexts(lambda i: self.detokenize([i], skip_special_tokens=False))
         self._model_info: ModelInfo | None = None
         self._background: set[asyncio.Task] = set()
+        self.draining = False
         metrics.in_flight.set_function(lambda: len(self.handles))
 
     async def model_info(self) -> ModelInfo:
@@ -113,10 +114,16 @@ class RequestManager:
 
         Raises:
             GatewayError: 429 too many requests in flight, 400 rid in flight or prompt too long for
-                the context, 503 no healthy worker, 504 deadline passed, or a backend call's error.
-                Choices already sent are aborted before it is raised.
+                the context, 503 no healthy worker or the gateway is shutting down, 504 deadline
+                passed, or a backend call's error. Choices already sent are aborted before it is raised.
         """
         cfg = self.config
+        if self.draining:
+            raise GatewayError(
+                503,
+                "the gateway is shutting down; retry (another replica, or this one once restarted)",
+                headers={"Retry-After": "1"},
+            )
         if cfg.max_pending_requests and len(self.handles) >= cfg.max_pending_requests:
             raise GatewayError(
                 429,
@@ -268,8 +275,13 @@ class RequestManager:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def drain(self) -> None:
-        """Abort every request in flight and wait for the abort calls (at shutdown)."""
+    async def drain(self, timeout: float) -> None:
+        """At shutdown: refuse new requests (503) and give those in flight ``timeout`` seconds to
+        finish, then abort what is left and wait for the abort calls."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.handles and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for handle in list(self.handles.values()):
             handle.close("gateway shutting down")
         if self._background:

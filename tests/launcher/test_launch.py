@@ -1,6 +1,7 @@
 """``pdserve launch`` with 1 prefill + 2 decode workers as real processes: start-up, serving, a crashed
-decode-scheduler restarted by the launcher, and a SIGTERM that drains the gateway first and leaves
-no process behind. One stack for the whole module (it takes a minute or two to start)."""
+decode-scheduler restarted by the launcher, and a SIGTERM that drains the gateway first (new requests
+get a 503 meanwhile) and leaves no process behind. One stack for the whole module (it takes a minute
+or two to start)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,21 @@ def test_a_killed_decode_scheduler_is_restarted_and_serves_again(stack: Stack) -
     print(f"decode-0 restarted and healthy {back_after:.1f} s after SIGKILL")
 
 
+def refused_while_draining(client: openai.OpenAI) -> openai.APIStatusError:
+    """The error a new request gets once the gateway drains (a request the signal has not reached
+    yet is served: try again)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+            )
+        except openai.APIStatusError as e:
+            return e
+        time.sleep(0.1)
+    raise AssertionError("the gateway kept serving new requests 10 s after SIGTERM")
+
+
 def test_sigterm_drains_the_gateway_first_and_leaves_no_process(stack: Stack) -> None:
     launcher = psutil.Process(stack.proc.pid)
     tree = {p.pid: p for p in launcher.children(recursive=True)}
@@ -172,6 +188,11 @@ def test_sigterm_drains_the_gateway_first_and_leaves_no_process(stack: Stack) ->
         stack.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         watcher = pool.submit(watch)
+        refused = refused_while_draining(client)
+        assert refused.status_code == 503 and "shutting down" in refused.message
+        assert refused.response.headers["retry-after"] == "1"
+        health = httpx.get(f"{stack.base_url}/health", timeout=10)
+        assert (health.status_code, health.json()) == (503, {"status": "draining"})
         short_text, short_finish = short.result(timeout=DRAIN_TIMEOUT + 10)
         long_text, long_finish = long.result(timeout=DRAIN_TIMEOUT + 10)
         assert stack.proc.wait(timeout=DRAIN_TIMEOUT + 60) == 0
