@@ -146,7 +146,10 @@ def generate_response_to_pb(rid: str, delta: ChoiceDelta) -> api_pb2.GenerateRes
     )
     if delta.finish_reason is not None:
         resp.finish_reason = _FINISH_TO_PB[delta.finish_reason]
-        resp.matched_stop = "" if delta.matched_stop is None else str(delta.matched_stop)
+        if isinstance(delta.matched_stop, int):
+            resp.matched_stop_token = delta.matched_stop
+        elif delta.matched_stop is not None:
+            resp.matched_stop = delta.matched_stop
         resp.usage.CopyFrom(
             api_pb2.Usage(
                 prompt_tokens=delta.prompt_tokens,

@@ -45,8 +45,9 @@ class Usage:
 class Delta:
     """One streamed piece of choice ``index``: new ``text`` and ``token_ids`` since the previous piece.
 
-    ``finish_reason``, ``matched_stop`` (the stop string or token that ended it, ``""`` if none) and
-    ``usage`` are set on the last piece of a choice only.
+    ``finish_reason``, ``matched_stop`` (the stop string that ended it, ``""`` if none),
+    ``matched_stop_token`` (the stop token id that ended it: EOS or one of ``stop_token_ids``; None if
+    none) and ``usage`` are set on the last piece of a choice only.
     """
 
     rid: str
@@ -56,6 +57,7 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    matched_stop_token: int | None = None
     usage: Usage | None = None
 
 
@@ -69,6 +71,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
+    matched_stop_token: int | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +124,7 @@ def delta_from_pb(pb: Any) -> Delta:
         ),
         finish_reason=_FINISH_REASONS.get(pb.finish_reason),
         matched_stop=pb.matched_stop,
+        matched_stop_token=pb.matched_stop_token if pb.HasField("matched_stop_token") else None,
         usage=Usage(pb.usage.prompt_tokens, pb.usage.completion_tokens, pb.usage.cached_tokens)
         if pb.HasField("usage")
         else None,
@@ -140,6 +144,7 @@ def collect(deltas: Iterable[Delta]) -> GenerateResult:
         choice.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             choice.finish_reason, choice.matched_stop = delta.finish_reason, delta.matched_stop
+            choice.matched_stop_token = delta.matched_stop_token
         if delta.usage is not None:
             usages[delta.index] = delta.usage
     return GenerateResult(rid, [choices[i] for i in sorted(choices)], _total_usage(usages))
