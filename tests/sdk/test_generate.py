@@ -97,17 +97,20 @@ def test_models_and_health(stack, model_id):
 
 
 def test_matched_stop_names_the_stop_string_or_the_stop_token(stack):
-    """A choice ended by a stop string reports it in ``matched_stop``; one ended by EOS reports the
-    token id in ``matched_stop_token`` (so the string "2" and token 2 cannot be confused)."""
-    eos = hf_tokenizer().eos_token_id
+    """A choice ended by a stop string reports it in ``matched_stop``; one ended by a stop token
+    (``stop_token_ids``, as EOS) reports its id in ``matched_stop_token``, so the string "2" and
+    token 2 cannot be confused."""
     with Client(stack.grpc_address) as client:
-        by_token = client.chat(MESSAGES, temperature=0, max_new_tokens=200)
         full = client.generate(PROMPT, temperature=0, max_new_tokens=MAX_TOKENS)
-        word = full.text.split()[2]
+        token, word = full.token_ids[3], full.text.split()[2]
+        by_token = client.generate(PROMPT, temperature=0, max_new_tokens=MAX_TOKENS, stop_token_ids=[token])
         by_string = client.generate(PROMPT, temperature=0, max_new_tokens=MAX_TOKENS, stop=[word])
-    assert by_token.finish_reason == "stop" and by_token.token_ids[-1] == eos
+    assert (full.finish_reason, full.choices[0].matched_stop, full.choices[0].matched_stop_token) == (
+        "length",
+        "",
+        None,
+    )
     choice = by_token.choices[0]
-    assert (choice.matched_stop, choice.matched_stop_token) == ("", eos)
-    assert by_string.finish_reason == "stop"
-    assert (by_string.choices[0].matched_stop, by_string.choices[0].matched_stop_token) == (word, None)
-    assert full.choices[0].matched_stop_token is None  # ended by length
+    assert (choice.finish_reason, choice.matched_stop, choice.matched_stop_token) == ("stop", "", token)
+    choice = by_string.choices[0]
+    assert (choice.finish_reason, choice.matched_stop, choice.matched_stop_token) == ("stop", word, None)
