@@ -9,19 +9,45 @@ import os
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """Use ``PDSERVE_<DEST_UPPER>`` environment variables as defaults for ``parser``'s options.
 
-    Values are converted with the option's ``type``; ``store_true`` flags accept 1/true/yes.
+    Values are converted with the option's ``type`` and checked against its choices; ``store_true``
+    flags take 1/true/yes/on or 0/false/no/off. A bad value exits through ``parser.error`` naming
+    the variable.
     """
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help",):
             continue
-        raw = os.environ.get(f"PDSERVE_{action.dest.upper()}")
+        name = f"PDSERVE_{action.dest.upper()}"
+        raw = os.environ.get(name)
         if raw is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
-            action.default = raw.lower() in ("1", "true", "yes", "on")
-        else:
-            action.default = action.type(raw) if action.type else raw
+        try:
+            action.default = _env_value(action, raw)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"{name}={raw!r}: {e}")
         action.required = False
+
+
+def _env_value(action: argparse.Action, raw: str) -> object:
+    if isinstance(action, argparse._StoreTrueAction):
+        if raw.lower() not in _BOOLS:
+            raise ValueError("expected 1/true/yes/on or 0/false/no/off")
+        return _BOOLS[raw.lower()]
+    value = action.type(raw) if action.type else raw
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+_BOOLS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:

@@ -186,8 +186,9 @@ class Gateway:
     async def stop(self) -> None:
         """Drain, then close both servers and all channels. While in-flight requests get up to
         ``--drain-timeout`` to finish, both servers keep listening: new generation requests get a
-        503 (gRPC UNAVAILABLE) and ``/health`` says "draining", so a load balancer moves on; what is
-        still running after that is aborted."""
+        503 (gRPC UNAVAILABLE), ``/health`` says "draining" and gRPC health NOT_SERVING, so a load
+        balancer moves on; what is still running after that is aborted."""
+        await self.grpc.set_serving(False)  # grpc.health.v1 says NOT_SERVING during the drain
         await self.manager.drain(self.args.drain_timeout)
         self.http.should_exit = True
         if self._http_task is not None:

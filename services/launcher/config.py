@@ -45,7 +45,7 @@ def _convert(action: argparse.Action, key: str, value: Any) -> Any:
         raise ConfigError(f"{key}: expected a single value, got {value!r}")
     try:
         converted = action.type(str(value)) if action.type else str(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         raise ConfigError(f"{key}: invalid value {value!r} ({e})") from None
     if action.choices is not None and converted not in action.choices:
         choices = ", ".join(map(str, action.choices))

@@ -83,6 +83,8 @@ def test_unknown_key_is_a_clear_error(config_file, capsys) -> None:
     ("text", "message"),
     [
         ("num-decode: two\n", "num-decode: invalid value 'two'"),
+        ("page_size: 0\n", "page_size: invalid value 0 .must be a positive integer, got 0."),
+        ("device: tpu\n", "device: invalid value 'tpu' .expected auto, cpu, cuda or cuda:<index>"),
         ("dtype: float16\n", "'float16' is not one of auto, float32, bfloat16"),
         ("colocated: 1\n", "colocated: expected true or false"),
         ("port: [1, 2]\n", "port: expected a single value"),
@@ -134,6 +136,23 @@ def test_bad_engine_flags_fail_before_anything_starts(capsys, monkeypatch) -> No
         assert message in capsys.readouterr().err
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert parse_args(["--device", "cuda:0", "--attention-backend", "flashinfer"]).device == "cuda:0"
+
+
+def test_bad_environment_values_are_clear_errors(capsys, monkeypatch) -> None:
+    for name, raw, message in [
+        ("PDSERVE_PAGE_SIZE", "0", "PDSERVE_PAGE_SIZE='0': must be a positive integer, got 0"),
+        ("PDSERVE_NUM_DECODE", "two", "PDSERVE_NUM_DECODE='two': invalid literal for int()"),
+        ("PDSERVE_DEVICE", "tpu", "PDSERVE_DEVICE='tpu': expected auto, cpu, cuda or cuda:<index>"),
+        ("PDSERVE_COLOCATED", "maybe", "PDSERVE_COLOCATED='maybe': expected 1/true/yes/on or 0/false/no/off"),
+        ("PDSERVE_DTYPE", "fp8", "PDSERVE_DTYPE='fp8': expected one of auto, float32, bfloat16"),
+    ]:
+        monkeypatch.setenv(name, raw)
+        with pytest.raises(SystemExit):
+            parse_args([])
+        assert message in capsys.readouterr().err
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PDSERVE_COLOCATED", "off")
+    assert not parse_args([]).colocated
 
 
 def test_help_documents_every_option(capsys) -> None:

@@ -11,10 +11,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -193,6 +195,9 @@ def test_sigterm_drains_the_gateway_first_and_leaves_no_process(stack: Stack) ->
         assert refused.response.headers["retry-after"] == "1"
         health = httpx.get(f"{stack.base_url}/health", timeout=10)
         assert (health.status_code, health.json()) == (503, {"status": "draining"})
+        with grpc.insecure_channel(stack.grpc_address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
         short_text, short_finish = short.result(timeout=DRAIN_TIMEOUT + 10)
         long_text, long_finish = long.result(timeout=DRAIN_TIMEOUT + 10)
         assert stack.proc.wait(timeout=DRAIN_TIMEOUT + 60) == 0

@@ -119,6 +119,30 @@ def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runn
         assert done[f"r{i}"].output_ids == hf_greedy(p, 48), i
 
 
+def test_a_request_that_fits_the_pool_only_just_is_admitted():
+    """180 prompt tokens + 4 new = 184 of the pool's 192: the reserve for the new tokens fits the
+    prompt's partly filled last page (it used to be rounded up to a page of its own: never admitted).
+    Its own runner: another scheduler's cached pages would shrink the pool."""
+    prompt = ids("The quick brown fox jumps over the lazy dog. " * 40)[:180]
+    sched = fresh(make_runner(12 * PAGE), role="mixed")
+    sched.add_request(req("r", prompt, max_new=4))
+    done = drive(sched, max_steps=50)
+    assert done["r"].output_ids == hf_greedy(prompt, 4)
+
+
+def test_a_lone_request_longer_than_the_pool_ends_with_length():
+    """Asking for more tokens than the whole pool holds: the request stops at the pool's size with
+    finish reason length (as at the context length), instead of retracting itself forever."""
+    prompt = ids("Count from one to one thousand:")
+    sched = fresh(make_runner(12 * PAGE), role="mixed")
+    sched.add_request(req("r", prompt, max_new=400, ignore_eos=True))
+    done = drive(sched, max_steps=400)
+    r = done["r"]
+    assert r.finish_reason is FinishReason.LENGTH
+    assert len(prompt) + len(r.output_ids) == 12 * PAGE
+    assert r.output_ids == hf_greedy(prompt, len(r.output_ids))
+
+
 def test_admission_respects_max_running_requests(big_runner):
     sched = fresh(big_runner, role="mixed", max_running_requests=2)
     for i in range(4):

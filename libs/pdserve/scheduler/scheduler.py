@@ -83,6 +83,8 @@ class Scheduler:
             disable_radix_cache=config.disable_radix_cache,
         )
         self.usable_pages = self.ledger.free_pages()
+        # a request ends with "length" when it reaches the context or fills the whole pool alone
+        self.max_req_tokens = min(runner.model_config.context_length, self.usable_pages * self.page_size)
         self.context_len = runner.model_config.context_length
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
         self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
@@ -149,7 +151,7 @@ class Scheduler:
         self.ledger.cache_unfinished(req)
         self._append_token(req, first_token_id, logprob)
         req.set_state(ReqState.RUNNING)
-        req.check_finished(self.eos_token_ids, self.context_len)
+        req.check_finished(self.eos_token_ids, self.max_req_tokens)
         if req.state.done:
             self._end(req, req.finish_reason)
         else:
@@ -229,7 +231,7 @@ class Scheduler:
                 req.set_state(ReqState.RUNNING)
                 self.running.append(req)
             self._append_token(req, token, logprob, now)
-            req.check_finished(self.eos_token_ids, self.context_len)
+            req.check_finished(self.eos_token_ids, self.max_req_tokens)
             if req.state.done:
                 self._end(req, req.finish_reason)
             outputs.append(StepOutput(req, [token], finished=req.state.done))
@@ -271,16 +273,17 @@ class Scheduler:
         active = len(self.running) + len(self.prefilling) + len(self.waiting_for_kv)
         return self.config.max_running_requests - active
 
-    def _reserve_pages(self, req: Req) -> int:
-        """Pages beyond the prompt that admission keeps free for a request's next tokens."""
+    def _pages_to_grow(self, req: Req) -> int:
+        """Pages ``req`` still lacks for its fill plus a reserve of up to ``new_token_reserve`` next
+        tokens (counted in tokens, so a partly filled last page takes them first)."""
         remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
-        return self.ledger.pages_for(max(0, min(remaining, self.config.new_token_reserve)))
+        tokens = len(req.fill_ids) + max(0, min(remaining, self.config.new_token_reserve))
+        return max(0, self.ledger.pages_for(min(tokens, self.max_req_tokens)) - len(req.pages))
 
     def _admissible(self, req: Req) -> bool:
-        """Admission by KV budget: prompt pages plus a reserve for every running request."""
-        reserve = sum(self._reserve_pages(r) for r in self.running) + self._reserve_pages(req)
-        need = self.ledger.pages_for(len(req.fill_ids)) - len(req.pages)
-        return need + reserve <= self.ledger.available_pages()
+        """Admission by KV budget: the request's fill and reserve, and every running request's reserve."""
+        need = self._pages_to_grow(req) + sum(self._pages_to_grow(r) for r in self.running)
+        return need <= self.ledger.available_pages()
 
     def _admit(self, req: Req) -> bool:
         """Match the radix cache, lock the match and allocate pages for the whole fill."""
