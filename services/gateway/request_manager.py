@@ -208,9 +208,7 @@ class RequestManager:
             arrival_unix_s=arrival,
         )
 
-    def _max_new_tokens(
-        self, prompt_len: int, requested: int | None, context_length: int, param: str = "prompt"
-    ) -> int:
+    def _max_new_tokens(self, prompt_len: int, requested: int | None, context_length: int, param: str) -> int:
         """``requested``, or the context left (capped by ``default_max_tokens``).
 
         Raises ``context_length_exceeded`` (400, naming ``param``: "messages" or "prompt") when the
@@ -292,7 +290,8 @@ def _check_ids(input_ids: list[int], vocab_size: int) -> None:
     """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
     if not input_ids:
         raise invalid_request("the prompt is empty (no tokens)", param="prompt")
-    bad = min(input_ids) if min(input_ids) < 0 else max(input_ids)
+    low, high = min(input_ids), max(input_ids)
+    bad = low if low < 0 else high
     if bad < 0 or (vocab_size and bad >= vocab_size):
         vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
         raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")
