@@ -19,7 +19,9 @@ def test_quantize_rows_is_symmetric_per_row_int8(dtype):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 576, generator=gen) * torch.rand(64, 1, generator=gen) * 8).to(dtype)
     x[3] = 0
-    q, scale = load_fused_ops().quantize_rows(x)
+    stored, scale = load_fused_ops().quantize_rows(x)
+    assert stored.dtype == torch.uint8
+    q = stored.int() - 128
     amax = x.float().abs().amax(dim=1)
     torch.testing.assert_close(scale, amax / 127, rtol=2**-22, atol=0)  # within an ulp or two
     assert scale[3] == 0 and not q[3].any()
@@ -29,12 +31,13 @@ def test_quantize_rows_is_symmetric_per_row_int8(dtype):
 
 
 def quantized_reference(q_x, scale_x, weight, bias) -> torch.Tensor:
-    """The int8 GEMM and epilogue in float64, from the layer's own quantized activations, with the
-    weight quantized independently here (symmetric per output channel, round half to even)."""
+    """The int8 GEMM and epilogue in float64, from the layer's own quantized activations (uint8, offset
+    by 128), with the weight quantized independently here (symmetric per output channel, round half
+    to even)."""
     w = weight.float()
     scale_w = w.abs().amax(dim=1) / 127
     q_w = torch.round(w / scale_w[:, None]).clamp(-127, 127)
-    out = (q_x.double() @ q_w.double().T) * scale_x.double()[:, None] * scale_w.double()[None, :]
+    out = ((q_x.double() - 128) @ q_w.double().T) * scale_x.double()[:, None] * scale_w.double()[None, :]
     return out if bias is None else out + bias.double()
 
 
@@ -50,7 +53,7 @@ def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     weight, b = layer.weight.data.clone(), None if layer.bias is None else layer.bias.data.clone()
     layer.quant_method = W8A8Int8LinearMethod()
     layer.process_weights_after_loading()
-    assert layer.weight is None and layer.weight_q.dtype == torch.int8
+    assert layer.weight is None and layer.weight_packed is not None
 
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     if rows > 1:

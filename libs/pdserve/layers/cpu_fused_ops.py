@@ -1,6 +1,6 @@
 """Fused element-wise ops for CPUs: residual-add + RMSNorm, in-place rotary embedding, SiLU-and-mul,
 storing a step's K/V rows in the pool, the greedy argmax, and the per-row int8 quantization and
-scaled int32 epilogue of W8A8 matmuls (``pdserve.layers.quantization``).
+row-scaled epilogue of W8A8 matmuls (``pdserve.layers.quantization``).
 
 A decoder layer is mostly small element-wise steps around its four matmuls; as PyTorch ops each
 costs a dispatch, a temporary and a pass over memory (``rms_norm`` alone is five ops with the
@@ -212,12 +212,13 @@ void NAME(const T* x, int64_t rows, int64_t cols, int64_t* out, int threads) {  
   }                                                                                                \
 }
 
-/* Per-row symmetric int8: x [rows, cols] (row stride in elements) -> q [rows, cols] int8 with
-   scales[r] = max|x_r| / 127 and q = round-half-even(x * (127 / max|x_r|)) (zero for a zero row);
-   -ffast-math may round the two divisions differently in the last bit, which can move a value
-   that lies on a .5 boundary by one step. */
+/* Per-row symmetric int8, stored offset by 128 as uint8 (oneDNN's u8 activations with zero point
+   128): x [rows, cols] (row stride in elements) -> q [rows, cols] uint8 with scales[r] = max|x_r| / 127
+   and q - 128 = round-half-even(x * (127 / max|x_r|)) (128 everywhere for a zero row); -ffast-math
+   may round the two divisions differently in the last bit, which can move a value that lies on a
+   .5 boundary by one step. */
 #define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                        \
-void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, int8_t* q, float* scales,      \
+void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, float* scales,     \
           int threads) {                                                                           \
   PARALLEL_ROWS                                                                                    \
   for (int64_t r = 0; r < rows; ++r) {                                                             \
@@ -225,25 +226,26 @@ void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, int8_t* q, f
     float amax = 0.f;                                                                              \
     for (int64_t i = 0; i < cols; ++i) amax = fmaxf(amax, fabsf(LOAD(xr[i])));                    \
     const float inv = amax > 0.f ? 127.f / amax : 0.f;                                             \
-    int8_t* qr = q + r * cols;                                                                     \
-    for (int64_t i = 0; i < cols; ++i) qr[i] = (int8_t)nearbyintf(LOAD(xr[i]) * inv);              \
+    uint8_t* qr = q + r * cols;                                                                    \
+    for (int64_t i = 0; i < cols; ++i) qr[i] = (uint8_t)(128 + (int)nearbyintf(LOAD(xr[i]) * inv)); \
     scales[r] = amax / 127.f;                                                                      \
   }                                                                                                \
 }
 
-/* out [rows, cols] = acc * x_scales[r] * w_scales[c] (+ bias[c]) for int32 acc [rows, cols]. */
+/* out [rows, cols] = acc * x_scales[r] (+ bias[c]) for float32 acc [rows, cols] (the int8 GEMM's
+   sums, already times the weight's per-channel scales). */
 #define DEFINE_DEQUANTIZE_ROWS(NAME, T, LOAD, STORE)                                               \
-void NAME(const int32_t* acc, int64_t rows, int64_t cols, const float* x_scales,                   \
-          const float* w_scales, const T* bias, T* out, int threads) {                             \
+void NAME(const float* acc, int64_t rows, int64_t cols, const float* x_scales, const T* bias,      \
+          T* out, int threads) {                                                                   \
   PARALLEL_ROWS                                                                                    \
   for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const int32_t* a = acc + r * cols;                                                             \
+    const float* a = acc + r * cols;                                                               \
     T* o = out + r * cols;                                                                         \
     const float xs = x_scales[r];                                                                  \
     if (bias) {                                                                                    \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE((float)a[c] * xs * w_scales[c] + LOAD(bias[c])); \
+      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs + LOAD(bias[c]));                  \
     } else {                                                                                       \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE((float)a[c] * xs * w_scales[c]);            \
+      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs);                                  \
     }                                                                                              \
   }                                                                                                \
 }
@@ -268,7 +270,7 @@ _SIGNATURES = {
     "rotary": [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _C],
     "silu_and_mul": [_P, _P, _I, _I, _C],
     "quantize_rows": [_P, _I, _I, _I, _P, _P, _C],
-    "dequantize_rows": [_P, _I, _I, _P, _P, _P, _P, _C],
+    "dequantize_rows": [_P, _I, _I, _P, _P, _P, _C],
     "argmax": [_P, _I, _I, _P, _C],
 }
 
@@ -342,10 +344,11 @@ class FusedOps:
         return out
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Symmetric per-row int8 of ``x`` ``[M, K]`` (unit stride along ``K``): int8 ``[M, K]`` and
-        float32 scales ``[M]`` with ``x ≈ q * scale`` (``scale = max|x_row| / 127``)."""
+        """Symmetric per-row int8 of ``x`` ``[M, K]`` (unit stride along ``K``), stored offset by 128:
+        uint8 ``[M, K]`` and float32 scales ``[M]`` with ``x ≈ (q - 128) * scale`` (``scale =
+        max|x_row| / 127``)."""
         rows, cols = x.shape
-        q = torch.empty((rows, cols), dtype=torch.int8)
+        q = torch.empty((rows, cols), dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         self._fns["quantize_rows", x.dtype](
             x.data_ptr(), x.stride(0), rows, cols, q.data_ptr(), scales.data_ptr(), torch.get_num_threads()
@@ -353,16 +356,10 @@ class FusedOps:
         return q, scales
 
     def dequantize_rows(
-        self,
-        acc: torch.Tensor,
-        x_scales: torch.Tensor,
-        w_scales: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
+        self, acc: torch.Tensor, x_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        """``acc * x_scales[:, None] * w_scales[None, :] (+ bias)`` as a new ``dtype`` tensor, for
-        contiguous int32 ``acc`` ``[M, N]``, float32 scales ``[M]`` / ``[N]``, ``bias`` ``[N]`` in
-        ``dtype``."""
+        """``acc * x_scales[:, None] (+ bias)`` as a new ``dtype`` tensor, for contiguous float32 ``acc``
+        ``[M, N]``, float32 ``x_scales`` ``[M]`` and ``bias`` ``[N]`` in ``dtype``."""
         rows, cols = acc.shape
         out = torch.empty((rows, cols), dtype=dtype)
         self._fns["dequantize_rows", dtype](
@@ -370,7 +367,6 @@ class FusedOps:
             rows,
             cols,
             x_scales.data_ptr(),
-            w_scales.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             torch.get_num_threads(),
