@@ -13,8 +13,8 @@ uint8 (zero point 128) and an activation scale of 1, so it returns ``sum * s_w[n
 the per-token quantization before it and the ``* s_x[m] (+ b)`` epilogue after it are fused C ops
 (``cpu_fused_ops``). On this project's reference CPU the GEMM takes 0.4-0.9x the time of the
 packed bfloat16 matmul at 1-512 rows (``torch._int_mm``, which packs the weight again at every
-call, was no faster than bfloat16 up to 16 rows and 4x slower at one). Activations, KV cache and the LM head keep the model
-dtype.
+call, was no faster than bfloat16 up to 16 rows and 4x slower at one). Activations, KV cache and
+the LM head keep the model dtype.
 
 Outputs are close to, not equal to, the unquantized model's: greedy continuations drift apart after
 a while, as with any quantization. The exactness tests run unquantized; ``tests/engine`` measures
