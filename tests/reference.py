@@ -28,9 +28,27 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model())
 
 
-def hf_greedy(input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server."""
+class _AddLogitBias:
+    """An HF logits processor adding ``bias`` (token id -> value) to every step's scores."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids, self.values = list(bias), torch.tensor(list(bias.values()))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[:, self.ids] += self.values
+        return scores
+
+
+def hf_greedy(
+    input_ids: list[int], max_new_tokens: int, logit_bias: dict[int, float] | None = None
+) -> list[int]:
+    """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server.
+    ``logit_bias`` (token id -> value) is added to the logits before each argmax."""
+    from transformers import LogitsProcessorList
+
     model = hf_model()
+    processors = LogitsProcessorList([_AddLogitBias(logit_bias)] if logit_bias else [])
     with torch.no_grad():
         out = model.generate(
             torch.tensor([input_ids]),
@@ -38,6 +56,7 @@ def hf_greedy(input_ids: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.config.eos_token_id,
+            logits_processor=processors,
         )
     return out[0, len(input_ids) :].tolist()
 

@@ -37,6 +37,7 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     kwargs.update({name: getattr(pb, name) for name in _PLAIN_FIELDS})
     kwargs["stop_token_ids"] = list(pb.stop_token_ids)
     kwargs["stop"] = list(pb.stop)
+    kwargs["logit_bias"] = dict(pb.logit_bias)
     if pb.n:
         kwargs["n"] = pb.n
     params = SamplingParams(**kwargs)

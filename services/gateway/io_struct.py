@@ -40,6 +40,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.services.gateway.io_struct import SamplingParams
-from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, param_error
+from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, LogitBias, param_error
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -40,6 +40,7 @@ class NativeSamplingParams(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
+    logit_bias: LogitBias = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self):

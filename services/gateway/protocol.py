@@ -3,11 +3,11 @@
 Fields follow the OpenAI API plus the sampling extras vLLM and SGLang accept (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 include_stop_str_in_output, ...). Unknown fields are rejected (``extra="forbid"``), and known fields
-the runtime cannot honour (response_format json, tools that need parsing, logit_bias, audio output,
-...) fail validation naming the field: a request is never served with a field silently ignored.
-OpenAI fields that do not change what is generated (``store``, ``metadata``, ``service_tier``,
-``reasoning_effort``, ``prediction``) are accepted and ignored. Float fields must be finite (no
-NaN / inf).
+the runtime cannot honour (response_format json, tools that need parsing, audio output, ...) fail
+validation naming the field: a request is never served with a field silently ignored. OpenAI fields
+that do not change what is generated (``store``, ``metadata``, ``service_tier``,
+``reasoning_effort``, ``prediction``) are accepted and ignored. Float fields must be finite (no NaN
+/ inf).
 
 Cross-field errors are raised as ``PydanticCustomError(..., {"param": name})`` so the error handler
 can report ``param``.
@@ -27,6 +27,8 @@ MAX_TOP_LOGPROBS = 20
 _INT64 = 2**63 - 1
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# OpenAI's logit_bias: token id (a JSON object key, so a string of digits) -> bias in [-100, 100]
+LogitBias = dict[NonNegInt, Annotated[float, Field(ge=-100.0, le=100.0)]]
 
 
 def param_error(param: str, message: str) -> PydanticCustomError:
@@ -60,7 +62,7 @@ class _OpenAIRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     max_tokens: int | None = Field(None, ge=1)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM / SGLang sampling extras.
     top_k: int | None = Field(None, ge=-1)
@@ -72,13 +74,6 @@ class _OpenAIRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[NonNegInt] | None = None
     include_stop_str_in_output: bool = False
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("'logit_bias' is not supported")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -130,6 +125,7 @@ class _OpenAIRequest(BaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 

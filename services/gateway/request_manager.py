@@ -160,6 +160,12 @@ class RequestManager:
     async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         info = await self.model_info()
+        biased = max(obj.sampling_params.logit_bias, default=-1)
+        if info.vocab_size and biased >= info.vocab_size:
+            raise invalid_request(
+                f"logit_bias names token id {biased}, outside the vocabulary [0, {info.vocab_size})",
+                param="logit_bias",
+            )
         multi = len(obj.prompts) * obj.n > 1
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             _check_ids(prompt.input_ids, info.vocab_size)

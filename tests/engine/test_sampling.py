@@ -47,12 +47,21 @@ def sample(logits: list[list[float]], params: list[SamplingParams], outputs=None
         ("stop_token_ids", [-1]),
         ("stop", [""]),
         ("seed", "7"),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {3: float("nan")}),
     ],
 )
 def test_validation_names_the_bad_field(field, value):
     SamplingParams().validate()
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
+
+
+def test_logit_bias_keys_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias={VOCAB - 1: -100.0}).validate(VOCAB)
+    with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 8\)"):
+        SamplingParams(logit_bias={VOCAB: 1.0}).validate(VOCAB)
 
 
 def test_filters_restrict_the_candidates():
@@ -104,6 +113,24 @@ def test_penalties_and_min_new_tokens_change_greedy_choice():
     assert sample(no_eos, [rep], prompts=[[1]]).next_token_ids == [2]
     neg = [[-2.0, -1.0, -1.05, -9.0, -9.0, -9.0, -9.0, -9.0]]  # negative logits are multiplied
     assert sample(neg, [rep], prompts=[[1]]).next_token_ids == [2]
+
+
+def test_logit_bias_is_added_per_request_before_sampling():
+    logits = [[0.0, 2.0, 1.9, -1.0, 0.0, 0.0, 0.0, -5.0]] * 3
+    plain = SamplingParams(temperature=0.0)
+    nudged = SamplingParams(temperature=0.0, logit_bias={2: 0.2})  # 1.9 + 0.2 > 2.0
+    banned = SamplingParams(temperature=0.0, logit_bias={1: -100.0, 2: -100.0})
+    out = sample(logits, [plain, nudged, banned], return_logprob=True)
+    assert out.next_token_ids == [1, 2, 0]  # each row only its own bias; 0 ties 4-6 and comes first
+    raw = torch.log_softmax(torch.tensor(logits[0]), -1)
+    assert out.next_token_logprobs == pytest.approx(raw[[1, 2, 0]].tolist(), abs=1e-6)  # unbiased
+    # +100 all but forces a token, also when sampling
+    forced = SamplingParams(temperature=1.0, logit_bias={3: 100.0})
+    assert set(sample(logits * 100, [forced] * 300).next_token_ids) == {3}
+    # the bias adds to the penalties' bias, and a min_new_tokens ban still wins over it
+    both = SamplingParams(temperature=0.0, frequency_penalty=0.1, min_new_tokens=1, logit_bias={7: 100.0})
+    assert sample(logits[:1], [both], outputs=[[]]).next_token_ids == [1]
+    assert sample(logits[:1], [both], outputs=[[7]]).next_token_ids == [7]
 
 
 def test_logprobs_come_from_the_raw_distribution():

@@ -142,6 +142,23 @@ def test_seeded_sampling_repeats(stack) -> None:
     assert first.choices[0].text == second.choices[0].text
 
 
+def test_logit_bias_steers_greedy_output_as_in_the_reference(stack) -> None:
+    prompt = chat_ids(MESSAGES)
+    plain = hf_greedy(prompt, 6)
+    bias = {plain[0]: -100.0, plain[2]: 4.0}  # ban the first greedy token, favour the third
+    expected = hf_greedy(prompt, 6, logit_bias=bias)
+    assert expected[0] != plain[0]
+    resp = client(stack).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=6,
+        logit_bias={str(token): value for token, value in bias.items()},
+    )
+    assert resp.choices[0].message.content == hf_tokenizer().decode(expected, skip_special_tokens=True)
+    assert resp.usage.completion_tokens == len(expected)
+
+
 def test_logprobs_shapes(stack) -> None:
     c = client(stack)
     resp = c.chat.completions.create(

@@ -8,7 +8,7 @@ from pdserve_sdk import AsyncClient, Client, ModelCard
 from transformers import AutoConfig
 
 from pdserve.model_source import resolve_model
-from tests.reference import chat_ids, hf_tokenizer
+from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 MESSAGES = [{"role": "user", "content": "Tell me a short fact about cats."}]
@@ -47,6 +47,18 @@ def test_greedy_generate_equals_openai_completion(stack, oai, model_id):
     # greedy: the chosen token is the most likely one, and its logprob is the one OpenAI's endpoint reports
     assert all(lp.top[0].token_id == lp.token_id and len(lp.top) == 2 for lp in result.logprobs)
     assert [lp.logprob for lp in result.logprobs] == pytest.approx(expected.logprobs.token_logprobs, abs=1e-4)
+
+
+def test_logit_bias_bans_and_favours_tokens(stack):
+    prompt_ids = hf_tokenizer()(PROMPT)["input_ids"]
+    plain = hf_greedy(prompt_ids, MAX_TOKENS)
+    bias = {plain[0]: -100.0, plain[1]: -100.0}
+    with Client(stack.grpc_address) as client:
+        result = client.generate(
+            input_ids=prompt_ids, temperature=0, max_new_tokens=MAX_TOKENS, logit_bias=bias
+        )
+    assert result.token_ids == hf_greedy(prompt_ids, MAX_TOKENS, logit_bias=bias)
+    assert not {plain[0], plain[1]} & set(result.token_ids)
 
 
 def test_stream_deltas_concatenate_to_generate(stack):

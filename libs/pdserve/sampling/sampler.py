@@ -79,7 +79,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Repetition penalty (CTRL, Keskar et al. 2019), then the additive bias (frequency/presence, bans)."""
+    """Repetition penalty (CTRL, Keskar et al. 2019), then the additive bias (the requests' logit_bias,
+    frequency/presence penalties, bans)."""
     if info.repetition_mask is not None:
         penalised = torch.where(
             logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties

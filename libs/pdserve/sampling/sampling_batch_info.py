@@ -30,8 +30,9 @@ class SamplingBatchInfo:
         is_greedy: bool ``[B]``; all_greedy: every row is greedy.
         need_top_p / need_top_k / need_min_p: some sampled row uses the filter.
         step_seeds: per row, the generator seed of this step (``step_seed``) or None (global RNG).
-        logit_bias: float32 ``[B, V]`` added to the logits (frequency/presence penalties, ``-inf``
-            on EOS/stop tokens before ``min_new_tokens``), or None when no row needs it.
+        logit_bias: float32 ``[B, V]`` added to the logits (the requests' own ``logit_bias``,
+            frequency/presence penalties, ``-inf`` on EOS/stop tokens before ``min_new_tokens``), or
+            None when no row needs it.
         repetition_penalties: float32 ``[B, 1]`` and repetition_mask: bool ``[B, V]`` (tokens of the
             prompt or output), or both None when no row penalises repetition.
     """
@@ -53,7 +54,7 @@ class SamplingBatchInfo:
 
     @property
     def argmax_only(self) -> bool:
-        """Every row's token is the argmax of its raw logits: all greedy, no penalty, no ban."""
+        """Every row's token is the argmax of its raw logits: all greedy, no penalty, bias or ban."""
         return self.all_greedy and self.logit_bias is None and self.repetition_mask is None
 
     @classmethod
@@ -80,9 +81,12 @@ class SamplingBatchInfo:
             for i, p in enumerate(params)
             if len(output_ids[i]) < p.min_new_tokens
         ]
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
         logit_bias = None
-        if penalised or banned:
+        if penalised or banned or biased:
             logit_bias = torch.zeros((batch, vocab_size), dtype=torch.float32, device=device)
+            for row, bias in biased:
+                logit_bias[row, list(bias)] = tensor(list(bias.values()), torch.float32)
             if penalised:
                 counts = _token_counts(output_ids, batch, vocab_size, device)
                 freq = tensor([p.frequency_penalty for p in params], torch.float32)[:, None]

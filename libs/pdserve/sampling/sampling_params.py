@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 @dataclass(slots=True)
@@ -34,6 +35,9 @@ class SamplingParams:
         n: number of choices (fanned out before scheduling).
         return_logprob: return the chosen token's logprob.
         top_logprobs_num: also return this many most likely tokens with logprobs (0..20).
+        logit_bias: token id -> value in [-100, 100] added to that token's logit before penalties'
+            bias, bans and sampling (OpenAI semantics: -100 bans a token, +100 all but forces it);
+            logprobs stay those of the unbiased distribution.
     """
 
     temperature: float = 1.0
@@ -55,6 +59,7 @@ class SamplingParams:
     n: int = 1
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def is_greedy(self) -> bool:
@@ -68,8 +73,8 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self) -> None:
-        """Check every field.
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check every field; with ``vocab_size``, also that ``logit_bias`` names tokens below it.
 
         Raises:
             ValueError: naming the first field out of range and its allowed range.
@@ -116,6 +121,18 @@ class SamplingParams:
             (
                 self.seed is None or isinstance(self.seed, int),
                 f"seed must be an int or None, got {self.seed!r}",
+            ),
+            (
+                all(
+                    isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
+                    for t in self.logit_bias
+                ),
+                f"logit_bias keys must be token ids in [0, {vocab_size or 'vocab size'}), "
+                f"got {sorted(self.logit_bias)}",
+            ),
+            (
+                all(math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             ),
         ]
         for ok, message in checks:

@@ -87,6 +87,7 @@ class Scheduler:
         self.max_req_tokens = min(runner.model_config.context_length, self.usable_pages * self.page_size)
         self.context_len = runner.model_config.context_length
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
+        self.vocab_size = runner.model_config.vocab_size
         self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
         self.metrics = metrics or SchedulerMetrics(config.role)
         self.reqs: dict[str, Req] = {}
@@ -101,11 +102,15 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request. Raises ValueError if it cannot fit the context or the pool."""
+        """Queue a new request. Raises ValueError if it names a token outside the vocabulary (in its
+        prompt or ``logit_bias``) or cannot fit the context or the pool."""
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
             raise ValueError("input_ids is empty")
+        if not 0 <= min(req.origin_input_ids) <= max(req.origin_input_ids) < self.vocab_size:
+            raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size})")
+        req.sampling_params.validate(self.vocab_size)
         total = len(req.origin_input_ids) + (1 if self.role == "prefill" else 0)
         if total > self.context_len:
             raise ValueError(

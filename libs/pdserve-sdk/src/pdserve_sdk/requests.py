@@ -14,7 +14,8 @@ class SamplingKwargs(TypedDict, total=False):
 
     ``temperature=0`` is greedy; ``max_new_tokens`` counts generated tokens; ``stop`` strings are
     matched on the output text; ``n`` > 1 asks for parallel samples; with ``return_logprob`` each
-    token carries its logprob (natural log) and ``top_logprobs_num`` alternatives.
+    token carries its logprob (natural log) and ``top_logprobs_num`` alternatives; ``logit_bias``
+    maps token ids to a value in [-100, 100] added to their logits before sampling.
     """
 
     temperature: float
@@ -36,6 +37,7 @@ class SamplingKwargs(TypedDict, total=False):
     n: int
     return_logprob: bool
     top_logprobs_num: int
+    logit_bias: Mapping[int, float]
 
 
 class RequestKwargs(SamplingKwargs, total=False):
