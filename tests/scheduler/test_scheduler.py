@@ -190,6 +190,14 @@ def test_bad_requests_are_refused_with_clear_errors(big_runner):
         sched.add_request(req("e", []))
     with pytest.raises(ValueError, match="context length"):
         sched.add_request(req("c", [1] * (sched.context_len + 1)))
+    vocab = big_runner.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {vocab}\)"):
+        sched.add_request(req("v", [1, vocab]))
+    with pytest.raises(ValueError, match="input_ids must be token ids"):
+        sched.add_request(req("n", [-1, 2]))
+    with pytest.raises(ValueError, match=rf"logit_bias keys must be token ids in \[0, {vocab}\)"):
+        sched.add_request(req("b", [1, 2], logit_bias={vocab: 1.0}))
+    assert not sched.reqs and not sched.waiting
     sched.add_request(req("d", [1, 2]))
     with pytest.raises(ValueError, match="duplicate rid"):
         sched.add_request(req("d", [1, 2]))
