@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.services.gateway.auth import ApiKeyMiddleware
 from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.errors import GatewayError, http_error
+from pdserve.services.gateway.errors import GatewayError, http_error, invalid_request
 from pdserve.services.gateway.health import check_health
 from pdserve.services.gateway.metrics import (
     GatewayMetrics,
@@ -152,6 +152,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else None
         return _error_response(http_error(exc.status_code, detail, headers=exc.headers))
+
+    @app.exception_handler(UnicodeEncodeError)
+    async def not_unicode(_request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        # JSON may escape half of a surrogate pair ("\ud800"), which no UTF-8 text (nor protobuf) holds
+        bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+        return _error_response(
+            invalid_request(f"the request's text is not valid Unicode: {exc.reason} ({bad})")
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -20,7 +20,7 @@ from pdserve.rpc.server import run_service
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.supervisor import Supervisor
-from pdserve.services.launcher.topology import build_topology, visible_gpus
+from pdserve.services.launcher.topology import build_topology, taken_binds, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -92,7 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on shutdown, seconds the gateway gets to finish or abort in-flight requests",
+        help="on shutdown, seconds in-flight requests get to finish (new ones: 503); the rest is aborted",
     )
     p.add_argument("--log-level", default="info", help="log level of the launcher and every service")
     return p
@@ -132,8 +132,17 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         raise SystemExit(1) from None
     finally:
         console.status("")
+    specs = build_topology(args, model_dir)
+    taken = taken_binds(specs)
+    if taken:
+        logger.error(
+            "cannot start: %s already in use (another pdserve?); choose other --port, --grpc-port "
+            "or --internal-port-base",
+            ", ".join(f"{host}:{port}" for host, port in taken),
+        )
+        raise SystemExit(1)
     supervisor = Supervisor(
-        build_topology(args, model_dir),
+        specs,
         console,
         startup_timeout=args.startup_timeout,
         drain_timeout=args.drain_timeout,

@@ -22,6 +22,7 @@ MAX_BACKOFF_S = 30.0
 # a child that stayed up this long before crashing restarts after the shortest backoff again
 BACKOFF_RESET_S = 60.0
 CRASH_TAIL_LINES = 5
+ABORT_MARGIN_S = 10.0  # after its drain timeout, the gateway's time to abort what is left, flush and exit
 SPINNER = "|/-\\"
 
 
@@ -32,8 +33,9 @@ class Supervisor:
         specs: the services (see ``topology.build_topology``).
         console: where progress, the children's output and the restart log go.
         startup_timeout: seconds a service may take to become healthy (at start and after a restart).
-        drain_timeout: seconds the gateway gets, once told to stop, to finish or abort in-flight
-            requests and exit before it is killed.
+        drain_timeout: seconds the gateway gets, once told to stop, to let in-flight requests
+            finish; it then has ``ABORT_MARGIN_S`` more to abort what is left and exit before it is
+            killed.
         grace: seconds every other service gets between SIGTERM and SIGKILL.
 
     Attributes:
@@ -177,7 +179,7 @@ class Supervisor:
         """Drain and stop everything, in reverse start order.
 
         The gateway goes first: it stops accepting requests, finishes or aborts those in flight and
-        exits (killed after ``drain_timeout`` s). Then the schedulers, then the tokenizer and
+        exits (killed after ``drain_timeout + ABORT_MARGIN_S`` s). Then the schedulers, then the tokenizer and
         detokenizer (each killed after ``grace`` s). Every child's process group is SIGKILLed at
         the end, so nothing it started survives.
         """
@@ -186,7 +188,8 @@ class Supervisor:
             keeper.cancel()
         for stage in reversed(self.stages()):
             children = [self.children[s.name] for s in stage if s.name in self.children]
-            timeout = self.drain_timeout if any(s.role == "gateway" for s in stage) else self.grace
+            gateway = any(s.role == "gateway" for s in stage)
+            timeout = self.drain_timeout + ABORT_MARGIN_S if gateway else self.grace
             names = ", ".join(c.name for c in children)
             if names:
                 logger.info("stopping %s", names)

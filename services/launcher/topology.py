@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-_ABORT_MARGIN_S = 3.0  # of the launcher's drain timeout, kept for the gateway to abort what is left
 
 STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway": 2}
 
@@ -23,7 +22,8 @@ class ServiceSpec:
     """One process of the topology.
 
     ``health`` is "host:port" of its grpc.health.v1 service, or an http:// URL for the gateway;
-    ``env`` is added to the launcher's environment.
+    ``env`` is added to the launcher's environment (secrets go there, not in ``argv``, which any
+    user of the machine can read in ``ps``); ``binds`` are the (host, port) pairs it listens on.
     """
 
     name: str
@@ -31,6 +31,7 @@ class ServiceSpec:
     argv: list[str]
     health: str
     env: dict[str, str] = field(default_factory=dict)
+    binds: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def command(self) -> list[str]:
@@ -83,6 +84,21 @@ def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def taken_binds(specs: list[ServiceSpec]) -> list[tuple[str, int]]:
+    """The (host, port) pairs of ``specs`` that something on this machine already listens on
+    (a bind test with SO_REUSEADDR, as the servers bind: a port in TIME_WAIT counts as free)."""
+    taken = []
+    for host, port in (bind for spec in specs for bind in spec.binds):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError:
+                taken.append((host, port))
+    return taken
+
+
 def visible_gpus() -> list[str]:
     """GPU ids the schedulers may use: ``CUDA_VISIBLE_DEVICES`` when set, else one per GPU the
     NVIDIA driver lists (``/proc/driver/nvidia/gpus``, or ``/dev/nvidiaN`` device nodes where the
@@ -117,8 +133,12 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     tok = f"{host}:{base + 1}"
     detok = f"{host}:{base + 2}"
     specs = [
-        ServiceSpec("tokenizer", "tokenizer", [*common, "--port", str(base + 1)], tok),
-        ServiceSpec("detokenizer", "detokenizer", [*common, "--port", str(base + 2)], detok),
+        ServiceSpec(
+            "tokenizer", "tokenizer", [*common, "--port", str(base + 1)], tok, binds=[(host, base + 1)]
+        ),
+        ServiceSpec(
+            "detokenizer", "detokenizer", [*common, "--port", str(base + 2)], detok, binds=[(host, base + 2)]
+        ),
     ]
     num_prefill = 0 if args.colocated else args.num_prefill
     prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
@@ -129,14 +149,17 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     gpus = scheduler_gpus(args)
     engine = _engine_flags(args, per_device=-(-num_schedulers // len(gpus)) if gpus else num_schedulers)
     for i, addr in enumerate(prefills):
-        argv = [*common, "--port", addr.rsplit(":", 1)[1], *engine]
-        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | _gpu_env(gpus, i)))
+        port = int(addr.rsplit(":", 1)[1])
+        argv = [*common, "--port", str(port), *engine]
+        gpu = _gpu_env(gpus, i)
+        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port)]))
     for i, addr in enumerate(decodes):
-        argv = [*common, "--port", addr.rsplit(":", 1)[1], *engine]
+        port = int(addr.rsplit(":", 1)[1])
+        argv = [*common, "--port", str(port), *engine]
         if args.colocated:
             argv.append("--colocated")
         gpu = _gpu_env(gpus, len(prefills) + i)
-        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu))
+        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)]))
     gateway = [
         "--model", model_dir,
         "--host", args.host,
@@ -148,12 +171,12 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         "--decode-addresses", ",".join(decodes),
         "--prefill-addresses", ",".join(prefills),
         "--router-policy", args.router_policy,
-        # the launcher kills the gateway after its own drain timeout: leave time to abort the rest
-        "--drain-timeout", str(max(args.drain_timeout - _ABORT_MARGIN_S, 0.0)),
+        "--drain-timeout", str(args.drain_timeout),
     ]  # fmt: skip
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
-    if args.api_key:
-        gateway += ["--api-key", args.api_key]
-    specs.append(ServiceSpec("gateway", "gateway", gateway, f"http://{args.host}:{args.port}/health"))
+    secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
+    health = f"http://{args.host}:{args.port}/health"
+    binds = [(args.host, args.port), (args.host, args.grpc_port)]
+    specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds))
     return specs

@@ -7,6 +7,7 @@ not from the gateway.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -173,6 +174,20 @@ CASES = [
     Case(
         "request-id-too-long", 400, chat(), headers={**AUTH, "X-Request-Id": "r" * 300}, param="X-Request-Id"
     ),
+    Case(
+        "lone-surrogate-in-message",
+        400,
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        contains=lambda: ["not valid Unicode", "\\ud800"],
+    ),
+    # json.dumps escapes them as \\uXXXX, as a JavaScript client sends them
+    Case(
+        "lone-surrogate-in-stop",
+        400,
+        json.dumps(chat(stop=["\ud83d"])).encode(),
+        contains=lambda: ["\\ud83d"],
+    ),
+    Case("lone-surrogate-tokenize", 400, json.dumps({"prompt": "a\udfff"}).encode(), path="/tokenize"),
     Case("wrong-method", 405, None, method="GET"),
     Case("unknown-path", 404, {}, path="/v1/embeddings"),
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 from pdserve.services.launcher.main import make_parser
-from pdserve.services.launcher.topology import build_topology
+from pdserve.services.launcher.topology import build_topology, taken_binds
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -56,13 +58,31 @@ def test_many_prefill_workers_do_not_collide_with_decode_ports() -> None:
     assert ports[2:14] == list(range(10, 22)) and ports[14:] == [22, 23, 24]
 
 
-def test_gateway_drains_within_the_launchers_drain_timeout() -> None:
-    args = make_parser().parse_args(["--drain-timeout", "20"])
-    gateway = build_topology(args, "/m")[-1]
+def test_gateway_drains_for_the_whole_drain_timeout() -> None:
+    gateway = build_topology(make_parser().parse_args(["--drain-timeout", "20"]), "/m")[-1]
     assert gateway.role == "gateway"
-    assert float(_flag(gateway.argv, "--drain-timeout")) == 17.0  # 3 s left to abort the rest
-    short = build_topology(make_parser().parse_args(["--drain-timeout", "1"]), "/m")[-1]
-    assert float(_flag(short.argv, "--drain-timeout")) == 0.0
+    assert float(_flag(gateway.argv, "--drain-timeout")) == 20.0
+
+
+def test_the_api_key_reaches_the_gateway_by_environment_not_argv() -> None:
+    specs = build_topology(make_parser().parse_args(["--api-key", "sk-secret"]), "/m")
+    assert not any("sk-secret" in " ".join(s.command) for s in specs)  # argv is public in ps
+    assert specs[-1].env == {"PDSERVE_API_KEY": "sk-secret"}
+    assert all("PDSERVE_API_KEY" not in s.env for s in specs[:-1])
+
+
+def test_taken_ports_are_found_before_anything_starts() -> None:
+    args = make_parser().parse_args(["--internal-port-base", "0", "--port", "0", "--grpc-port", "0"])
+    specs = build_topology(args, "/m")
+    binds = [b for s in specs for b in s.binds]
+    assert len(binds) == len(specs) + 1  # one port each, two for the gateway (HTTP and gRPC)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        specs[0].binds = [("127.0.0.1", port)]
+        assert taken_binds(specs[:1]) == [("127.0.0.1", port)]
+    assert taken_binds(specs[:1]) == []
 
 
 def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:

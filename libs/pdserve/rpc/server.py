@@ -50,8 +50,14 @@ class GrpcServer:
         service_names: Iterable[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=list(interceptors))
-        self.port = self.server.add_insecure_port(address)
+        # gRPC binds with SO_REUSEPORT by default: a second server on a taken port would share it
+        # (and its health checks would answer for the first) instead of failing
+        options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {address} (is the port taken?): {e}") from None
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.service_names = list(service_names)
         self.health = health.aio.HealthServicer()
