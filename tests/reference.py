@@ -41,10 +41,14 @@ class _AddLogitBias:
 
 
 def hf_greedy(
-    input_ids: list[int], max_new_tokens: int, logit_bias: dict[int, float] | None = None
+    input_ids: list[int],
+    max_new_tokens: int,
+    logit_bias: dict[int, float] | None = None,
+    min_new_tokens: int = 0,
 ) -> list[int]:
     """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server.
-    ``logit_bias`` (token id -> value) is added to the logits before each argmax."""
+    ``logit_bias`` (token id -> value) is added to the logits before each argmax; EOS is masked
+    until ``min_new_tokens`` tokens were generated."""
     from transformers import LogitsProcessorList
 
     model = hf_model()
@@ -57,6 +61,7 @@ def hf_greedy(
             do_sample=False,
             pad_token_id=model.config.eos_token_id,
             logits_processor=processors,
+            min_new_tokens=min_new_tokens or None,
         )
     return out[0, len(input_ids) :].tolist()
 

@@ -94,6 +94,7 @@ def token_output_to_pb(
         out.spaces_between_special_tokens = bool(params.spaces_between_special_tokens)
         out.stop.extend(params.stop or [])
         out.include_stop_str_in_output = bool(params.include_stop_str_in_output)
+        out.min_new_tokens = params.min_new_tokens or 0
     return out
 
 

@@ -30,6 +30,7 @@ def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
             spaces_between_special_tokens=out.spaces_between_special_tokens,
             stop=tuple(out.stop),
             include_stop_str_in_output=out.include_stop_str_in_output,
+            min_new_tokens=out.min_new_tokens,
         )
     finish = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     return TokenStep(out.rid, out.token_ids, finish, options)

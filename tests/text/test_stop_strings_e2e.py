@@ -73,3 +73,23 @@ def test_include_stop_str_in_output(stack, reference):
     stop = " France"
     (text,), _, _ = ask(stack, [stop], include_stop_str_in_output=True)
     assert text == reference[: reference.index(stop) + len(stop)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_back_stop_strings(stack, stream):
+    """A stop string counts only if it ends in the text of the min_tokens-th token or a later one."""
+    min_tokens = 21
+    tok = hf_tokenizer()
+    ids = hf_greedy(chat_ids(MESSAGES), MAX_TOKENS, min_new_tokens=min_tokens)
+    text = tok.decode(ids, skip_special_tokens=True)
+    early = tok.decode(ids[: min_tokens - 1], skip_special_tokens=True)  # no stop may end in it
+    straddling = tok.decode(ids[min_tokens - 2 : min_tokens])  # ends with the min_tokens-th token
+    start = text.index(straddling)
+    assert text.startswith(early) and start < len(early) < start + len(straddling)
+    for stop in ["Paris", ","]:  # they occur, but end only in the text of the first min_tokens - 1
+        assert stop in early and text.rfind(stop) + len(stop) <= len(early)
+    chunks, finish, usage = ask(stack, ["Paris", ",", straddling], stream, min_tokens=min_tokens)
+    assert "".join(chunks) == text[:start]
+    assert finish == "stop"
+    if usage is not None:
+        assert usage.completion_tokens >= min_tokens

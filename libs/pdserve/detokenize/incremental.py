@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
         for i, item in enumerate(batch):
             status = self._open(item)
             if status is not None:
-                status.ids.extend(item.token_ids)
+                status.add_ids(item.token_ids)
                 live.append((i, status, item.finish))
         deltas: list[TextDelta | None] = [None] * len(batch)
         groups: dict[tuple[bool, bool], list[tuple[int, DecodeStatus, bool]]] = {}

@@ -34,11 +34,15 @@ class StopStringMatcher:
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
 
-    def find(self, text: str, start: int = 0) -> StopMatch | None:
-        """The first stop string to complete in ``text[start:]``, or None."""
+    def find(self, text: str, new_from: int = 0) -> StopMatch | None:
+        """The first stop string to complete in ``text[new_from:]``, or None.
+
+        A match must end in ``text[new_from:]`` but may start before it: ``text[:new_from]`` is text
+        already searched, or never to be searched for a match of its own (see ``DecodeStatus``).
+        """
         best: StopMatch | None = None
         for stop in self.stops:
-            i = text.find(stop, start)
+            i = text.find(stop, max(0, new_from - len(stop) + 1))
             if i >= 0 and (best is None or (i + len(stop), i) < (best.end, best.start)):
                 best = StopMatch(i, stop)
         return best
