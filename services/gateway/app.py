@@ -19,7 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.services.gateway.auth import ApiKeyMiddleware
 from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.errors import GatewayError, http_error, invalid_request
+from pdserve.services.gateway.errors import (
+    GatewayError,
+    http_error,
+    invalid_request,
+    validation_to_gateway_error,
+)
 from pdserve.services.gateway.health import check_health
 from pdserve.services.gateway.metrics import (
     GatewayMetrics,
@@ -165,36 +170,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error")
         return _error_response(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
-# pydantic error types of a body that is not an object (a JSON array, string or null; form data).
-_NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type"})
-
-
-def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
-    """A 400 naming the first offending field (``param``), e.g. ``"temperature: Input should be ..."``."""
-    errors = exc.errors()
-    if not errors:
-        return GatewayError(400, "invalid request")
-    err = errors[0]
-    if err["type"] == "json_invalid":
-        return GatewayError(400, f"invalid JSON body: {(err.get('ctx') or {}).get('error', err['msg'])}")
-    if err["type"] in _NOT_AN_OBJECT and tuple(err["loc"]) == ("body",):
-        return GatewayError(
-            400, "the request body must be a JSON object (sent with Content-Type: application/json)"
-        )
-    loc = [str(p) for p in err["loc"][1:] if not _is_union_tag(p)] if err["loc"][:1] == ("body",) else []
-    param = (err.get("ctx") or {}).get("param") or ".".join(loc) or None
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "missing":
-        message = f"'{param}' is required" if param else "request body is required"
-    else:
-        message = f"{param}: {msg}" if param and param not in msg else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return GatewayError(400, message, param=param)
-
-
-def _is_union_tag(part: object) -> bool:
-    """pydantic names the union member tried in ``loc`` (``str``, ``list[int]``); not a field name."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)

@@ -56,19 +56,6 @@ def tokenized_prompt_from_pb(pb: tokenizer_pb2.TokenizeResponse) -> TokenizedPro
     return TokenizedPrompt(input_ids=list(pb.input_ids), prompt_text=pb.prompt_text)
 
 
-def chat_prompt_from_pb(pb: tokenizer_pb2.ChatMessages) -> ChatPrompt:
-    messages = [
-        {"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {}) for m in pb.messages
-    ]
-    return ChatPrompt(
-        messages=messages,
-        add_generation_prompt=pb.add_generation_prompt,
-        continue_final_message=pb.continue_final_message,
-        tools_json=pb.tools_json,
-        chat_template_kwargs_json=pb.chat_template_kwargs_json,
-    )
-
-
 def model_info_from_pb(pb: tokenizer_pb2.TokenizerInfoResponse) -> ModelInfo:
     return ModelInfo(
         model_name=pb.model_name,

@@ -1,7 +1,9 @@
 """The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Abort, ListModels.
 
 Generate streams ``GenerateResponse`` pieces (index per choice, usage on each choice's last piece).
-Sampling parameters are validated by the same model as native /generate. A call that is cancelled
+A request is validated by the models of the HTTP API and refused with the same message: its options
+(sampling parameters, rid, logprobs) as native /generate's (``GenerateOptions``), a ``chat`` input as
+/v1/chat/completions' messages, tools and template options (``ChatInput``). A call that is cancelled
 or passes its gRPC deadline aborts its request in the schedulers. Failures abort the call with the
 status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
 With an API key configured, every method first checks the call's ``authorization`` metadata.
@@ -9,18 +11,28 @@ With an API key configured, every method first checks the call's ``authorization
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import grpc
-from pydantic import ValidationError
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from pdserve.services.gateway import convert
-from pdserve.services.gateway.errors import GatewayError, generation_failed, invalid_request
+from pdserve.services.gateway.errors import (
+    GatewayError,
+    generation_failed,
+    invalid_request,
+    validation_to_gateway_error,
+)
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
-from pdserve.services.gateway.native_protocol import NativeSamplingParams
-from pdserve.services.gateway.protocol import MAX_TOP_LOGPROBS
+from pdserve.services.gateway.native_protocol import GenerateOptions
+from pdserve.services.gateway.protocol import ChatInput
 from pdserve.services.gateway.serving_common import ServingContext, new_rid
-from pdserve.v1 import api_pb2, api_pb2_grpc
+from pdserve.v1 import api_pb2, api_pb2_grpc, tokenizer_pb2
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
@@ -56,29 +68,25 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         elif which == "input_ids":
             prompt = list(request.input_ids.ids)
         elif which == "chat":
-            prompt = convert.chat_prompt_from_pb(request.chat)
+            prompt = _validate(ChatInput, _chat_fields(request.chat)).chat_prompt()
         else:
             raise invalid_request("one of text, input_ids or chat is required", param="input")
-        if not prompt or (which == "chat" and not prompt.messages):
+        if not prompt:
             raise invalid_request(f"'{which}' must not be empty", param=which)
-        fields = convert.sampling_params_dict(request.sampling_params)
-        return_logprob = fields.pop("return_logprob", False)
-        top_logprobs_num = fields.pop("top_logprobs_num", 0)
-        fields["n"] = fields.get("n") or 1
-        try:
-            params = NativeSamplingParams.model_validate(fields)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = (err.get("ctx") or {}).get("param") or ".".join(str(p) for p in err["loc"])
-            raise invalid_request(f"sampling_params.{param}: {err['msg']}", param=param) from None
-        if not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise invalid_request(
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num"
-            )
+        # return_logprob and top_logprobs_num travel in SamplingParams; /generate has them top-level
+        sampling = convert.sampling_params_dict(request.sampling_params)
+        logprob_options = {
+            "return_logprob": sampling.pop("return_logprob", False),
+            "top_logprobs_num": sampling.pop("top_logprobs_num", 0),
+        }
+        options = _validate(
+            GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **logprob_options}
+        )
+        params = options.sampling_params
         return GenerateReqInput(
-            rid=request.rid or new_rid(),
+            rid=options.rid or new_rid(),
             prompts=[prompt],
-            sampling_params=params.to_sampling_params(return_logprob, top_logprobs_num),
+            sampling_params=params.to_sampling_params(options.return_logprob, options.top_logprobs_num),
             n=params.n,
             add_special_tokens=which != "chat",
         )
@@ -97,3 +105,38 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             await context.abort(e.grpc_code, e.message)
         card = api_pb2.ModelCard(id=self.ctx.served_model_name, context_length=info.context_length)
         return api_pb2.ListModelsResponse(models=[card])
+
+
+def _chat_fields(chat: tokenizer_pb2.ChatMessages) -> dict[str, Any]:
+    """``chat`` as the JSON fields of /v1/chat/completions (a message's empty ``name`` left out; tools
+    with ``tool_choice='none'``, the only choice this API has).
+
+    Raises:
+        GatewayError: 400 when ``tools_json`` or ``chat_template_kwargs_json`` is not JSON.
+    """
+    fields: dict[str, Any] = {
+        "messages": [
+            {"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
+            for m in chat.messages
+        ],
+        "add_generation_prompt": chat.add_generation_prompt,
+        "continue_final_message": chat.continue_final_message,
+    }
+    for name, text in (("tools", chat.tools_json), ("chat_template_kwargs", chat.chat_template_kwargs_json)):
+        if text:
+            try:
+                fields[name] = json.loads(text)
+            except ValueError as e:
+                raise invalid_request(f"'{name}_json' is not valid JSON: {e}", param=f"{name}_json") from None
+    if chat.tools_json:
+        fields["tool_choice"] = "none"  # this API never parses tool calls: tools are shown to the template
+    return fields
+
+
+def _validate(model: type[_Model], fields: dict[str, Any]) -> _Model:
+    """``fields`` validated by ``model``; a failure raises the 400 HTTP answers for that JSON body."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        as_body = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        raise validation_to_gateway_error(RequestValidationError(as_body)) from None

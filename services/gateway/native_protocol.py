@@ -1,6 +1,7 @@
 """Pydantic models of the native endpoints: SGLang-style /generate, vLLM-style /tokenize and /detokenize.
 
-``NativeSamplingParams`` also validates the public gRPC API's ``SamplingParams`` (same field names).
+``GenerateOptions`` (with its ``NativeSamplingParams``) also validates the public gRPC API's
+``GenerateRequest`` options (same field names).
 """
 
 from __future__ import annotations
@@ -62,19 +63,34 @@ class NativeSamplingParams(BaseModel):
         )
 
 
-class NativeGenerateRequest(BaseModel):
-    """POST /generate: exactly one of ``text`` / ``input_ids``; n > 1 answers a list (or indexed chunks)."""
+class GenerateOptions(BaseModel):
+    """Everything but the prompt that /generate and the gRPC API's ``GenerateRequest`` share.
+
+    The gRPC servicer validates its request's options through this model, so both check them
+    alike; ``top_logprobs_num`` > 0 needs ``return_logprob`` (it would be ignored otherwise).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str | None = Field(None, min_length=1)
-    input_ids: list[NonNegInt] | None = Field(None, min_length=1)
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
     rid: str | None = Field(None, min_length=1, max_length=256)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     model: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprob(self):
+        if self.top_logprobs_num and not self.return_logprob:
+            raise param_error("top_logprobs_num", "'top_logprobs_num' requires 'return_logprob' to be true")
+        return self
+
+
+class NativeGenerateRequest(GenerateOptions):
+    """POST /generate: exactly one of ``text`` / ``input_ids``; n > 1 answers a list (or indexed chunks)."""
+
+    text: str | None = Field(None, min_length=1)
+    input_ids: list[NonNegInt] | None = Field(None, min_length=1)
+    stream: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):

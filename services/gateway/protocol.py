@@ -15,12 +15,13 @@ can report ``param``.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.services.gateway.io_struct import SamplingParams
+from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -218,16 +219,58 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_OpenAIRequest):
-    """POST /v1/chat/completions."""
+class ChatInput(BaseModel):
+    """What a chat request hands to the chat template: messages, tools and template options.
+
+    /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
+    they take the same messages and tools: at least one message (see ``ChatMessage``); ``tools``
+    only with ``tool_choice='none'`` (shown to the template, never parsed; the gRPC API sends its
+    tools that way); ``continue_final_message`` only with
+    ``add_generation_prompt`` false.
+    """
+
+    model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM chat extras.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_template_input(self):
+        if self.tools and self.tool_choice != "none":
+            raise unsupported(
+                "tools", "tool calling needs parsing; send tool_choice='none' to only show tools"
+            )
+        if self.add_generation_prompt and self.continue_final_message:
+            raise param_error(
+                "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
+            )
+        return self
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The prompt for the tokenizer service (messages as ``ChatMessage.as_dict`` renders them)."""
+        return ChatPrompt(
+            messages=[m.as_dict() for m in self.messages],
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            tools_json=json.dumps(self.tools) if self.tools else "",
+            chat_template_kwargs_json=json.dumps(self.chat_template_kwargs)
+            if self.chat_template_kwargs
+            else "",
+        )
+
+
+class ChatCompletionRequest(ChatInput, _OpenAIRequest):
+    """POST /v1/chat/completions: ``ChatInput`` plus sampling, logprob and output options."""
+
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -241,10 +284,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    # vLLM chat extras.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -255,10 +294,6 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.tools and self.tool_choice != "none":
-            raise unsupported(
-                "tools", "tool calling needs parsing; send tool_choice='none' to only show tools"
-            )
         if self.functions or self.function_call not in (None, "none"):
             raise unsupported(
                 "functions" if self.functions else "function_call",
@@ -266,10 +301,6 @@ class ChatCompletionRequest(_OpenAIRequest):
             )
         if self.top_logprobs and not self.logprobs:
             raise param_error("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise param_error(
-                "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
-            )
         self._check_output_kind()
         return self
 

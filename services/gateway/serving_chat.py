@@ -7,13 +7,12 @@ per choice, a first chunk with the assistant role, content deltas, and a last ch
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.services.gateway.io_struct import ChatPrompt, GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.protocol import ChatCompletionRequest
 from pdserve.services.gateway.protocol_responses import (
     AssistantMessage,
@@ -46,17 +45,8 @@ class OpenAIServingChat:
         """Serve one chat request. Raises ``GatewayError`` for every failure before streaming starts."""
         self.ctx.check_model(body.model)
         rid = request_id(request)
-        prompt = ChatPrompt(
-            messages=[m.as_dict() for m in body.messages],
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tools_json=json.dumps(body.tools) if body.tools else "",
-            chat_template_kwargs_json=json.dumps(body.chat_template_kwargs)
-            if body.chat_template_kwargs
-            else "",
-        )
         sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0)
-        obj = GenerateReqInput(rid, [prompt], sampling, n=body.n, add_special_tokens=False)
+        obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
         handle = await self.ctx.manager.submit(obj)
         if body.stream:
             return sse_response(request, handle, self._chunks(body, handle))

@@ -1,11 +1,13 @@
 """The public gRPC API (PdServe) and the internal GatewayOutput service, without schedulers.
 
-Real grpc.aio clients against the gateway of ``local_gateway``: API key, status codes, ListModels.
+Real grpc.aio clients against the gateway of ``local_gateway``: API key, status codes, ListModels,
+and requests refused with the same message as their HTTP equivalents.
 """
 
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoConfig
@@ -75,6 +77,76 @@ async def test_generate_invalid(channel, request_, code, needle) -> None:
     err = await generate_error(channel, request_)
     assert err.code() == code
     assert needle in err.details()
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def chat_request(messages=HI, sampling_params=None, **chat_fields) -> api_pb2.GenerateRequest:
+    chat = tokenizer_pb2.ChatMessages(
+        messages=[tokenizer_pb2.ChatMessage(**m) for m in messages], add_generation_prompt=True, **chat_fields
+    )
+    return api_pb2.GenerateRequest(chat=chat, sampling_params=sampling_params)
+
+
+# (gRPC request, the HTTP path and body that mean the same, the field its error names)
+SAME_AS_HTTP = {
+    "unknown-role": (
+        chat_request([{"role": "x", "content": "hi"}]),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "x", "content": "hi"}]},
+        "messages.0.role",
+    ),
+    "tool-message": (
+        chat_request([{"role": "tool", "content": "1"}]),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "tool", "content": "1"}]},
+        "tool_calls",
+    ),
+    "no-messages": (
+        chat_request([]),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": []},
+        "messages",
+    ),
+    "continue-final-message": (
+        chat_request(continue_final_message=True),
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": HI, "continue_final_message": True},
+        "continue_final_message",
+    ),
+    "n-zero": (
+        chat_request(sampling_params=SP(n=0)),
+        "/generate",
+        {"text": "hi", "sampling_params": {"n": 0}},
+        "sampling_params.n",
+    ),
+    "top-logprobs-without-logprob": (
+        api_pb2.GenerateRequest(text="hi", sampling_params=SP(top_logprobs_num=2)),
+        "/generate",
+        {"text": "hi", "top_logprobs_num": 2},
+        "'top_logprobs_num' requires 'return_logprob'",
+    ),
+}
+
+
+@pytest.mark.parametrize(("request_", "path", "body", "field"), SAME_AS_HTTP.values(), ids=SAME_AS_HTTP)
+async def test_generate_refuses_what_http_refuses_with_its_message(
+    local_gateway, channel, request_, path, body, field
+) -> None:
+    async with httpx.AsyncClient(base_url=local_gateway.base_url, timeout=30) as client:
+        r = await client.post(path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400, r.text
+    err = await generate_error(channel, request_)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == r.json()["error"]["message"]
+    assert field in err.details()
+
+
+async def test_generate_refuses_tools_json_that_is_not_json(channel) -> None:
+    err = await generate_error(channel, chat_request(tools_json="[{"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'tools_json' is not valid JSON" in err.details()
 
 
 async def test_generate_too_long_for_context_names_both_numbers(channel) -> None:

@@ -6,10 +6,11 @@ import asyncio
 import time
 
 import grpc
+import openai
 import pytest
 from pdserve_sdk import AsyncClient, Client, DeadlineExceededError, InvalidRequestError, NotFoundError
 
-from tests.stack import Stack
+from tests.stack import SERVED_MODEL, Stack
 
 LONG = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
 PROMPT = "Count from one to one thousand:"
@@ -86,3 +87,34 @@ def test_invalid_parameter_raises_with_the_servers_message(stack):
         assert "top_p" in info.value.message and "less than or equal to 1" in info.value.message
         with pytest.raises(NotFoundError, match="no-such-model"):
             client.generate("Hi", model="no-such-model", max_new_tokens=2)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "needle"),
+    [
+        ([{"role": "x", "content": "hi"}], {}, "messages.0.role: Input should be 'system'"),
+        (HI, {"n": 0}, "sampling_params.n: Input should be greater than or equal to 1"),
+        (HI, {"top_logprobs_num": 2}, "'top_logprobs_num' requires 'return_logprob' to be true"),
+    ],
+    ids=["unknown-role", "n-zero", "top-logprobs-without-logprob"],
+)
+def test_chat_is_refused_like_http_chat(stack, messages, kwargs, needle):
+    with Client(stack.grpc_address) as client, pytest.raises(InvalidRequestError) as info:
+        client.chat(messages, max_new_tokens=2, **kwargs)
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in info.value.message
+
+
+def test_chat_tools_are_shown_to_the_template_as_http_does_with_tool_choice_none(stack):
+    """The gRPC API never parses tool calls, so its tools mean HTTP's ``tool_choice='none'``."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    http = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none").chat.completions.create(
+        model=SERVED_MODEL, messages=HI, tools=tools, tool_choice="none", temperature=0, max_tokens=4
+    )
+    with Client(stack.grpc_address) as client:
+        result = client.chat(HI, tools=tools, temperature=0, max_new_tokens=4)
+    assert result.usage.prompt_tokens == http.usage.prompt_tokens
+    assert result.text == http.choices[0].message.content

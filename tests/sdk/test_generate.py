@@ -83,6 +83,21 @@ def test_chat_equals_openai_chat(stack, oai, model_id):
     assert result.usage.prompt_tokens == len(chat_ids(MESSAGES)) == expected.usage.prompt_tokens
 
 
+def test_chat_text_parts_equal_the_joined_string(stack, oai, model_id):
+    parts = [{"type": "text", "text": "Tell me a short "}, {"type": "text", "text": "fact about cats."}]
+    assert "".join(p["text"] for p in parts) == MESSAGES[0]["content"]
+    by_parts = [{"role": "user", "content": parts}]
+    with Client(stack.grpc_address) as client:
+        plain = client.chat(MESSAGES, temperature=0, max_new_tokens=MAX_TOKENS)
+        result = client.chat(by_parts, temperature=0, max_new_tokens=MAX_TOKENS)
+    http = oai.chat.completions.create(
+        model=model_id, messages=by_parts, temperature=0, max_tokens=MAX_TOKENS
+    )
+    assert result.token_ids == plain.token_ids
+    assert result.text == plain.text == http.choices[0].message.content
+    assert result.usage.prompt_tokens == plain.usage.prompt_tokens == http.usage.prompt_tokens
+
+
 async def test_async_client_matches_sync(stack, model_id):
     with Client(stack.grpc_address) as client:
         expected = client.generate(PROMPT, temperature=0, max_new_tokens=MAX_TOKENS)

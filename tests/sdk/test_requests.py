@@ -71,6 +71,34 @@ def test_bad_arguments_raise_type_error(prompt, input_ids, kwargs, match):
         generate_request(prompt, input_ids, "", kwargs)
 
 
-def test_bad_chat_message_raises_type_error():
-    with pytest.raises(TypeError, match="role, content"):
-        chat_request([{"role": "user", "text": "hi"}], "", {})
+def test_chat_text_parts_are_sent_joined():
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    seen = as_server_sees(chat_request([{"role": "user", "content": parts}], "", {}))
+    assert seen["chat"]["messages"] == [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.mark.parametrize(
+    ("message", "error", "match"),
+    [
+        ({"role": "user", "text": "hi"}, TypeError, r"messages\[1\]: .*keys role, content"),
+        ("hi", TypeError, r"messages\[1\]: .*got str"),
+        ({"role": "user", "content": None}, TypeError, r"messages\[1\]: content must be a string or a list"),
+        ({"role": 1, "content": "hi"}, TypeError, r"messages\[1\]: role must be a string"),
+        ({"role": "user", "content": "hi", "name": 2}, TypeError, r"messages\[1\]: name must be a string"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            ValueError,
+            r"messages\[1\]: content\[0\] is not a text part",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text", "text": 5}]},
+            ValueError,
+            r"messages\[1\]: content\[0\]",
+        ),
+        ({"role": "user", "content": ["hi"]}, ValueError, r"messages\[1\]: content\[0\]"),
+        ({"role": "user", "content": "\ud800"}, ValueError, r"messages\[1\]: .*surrogates"),
+    ],
+)
+def test_bad_chat_message_names_its_index(message, error, match):
+    with pytest.raises(error, match=match):
+        chat_request([{"role": "system", "content": "Be brief."}, message], "", {})

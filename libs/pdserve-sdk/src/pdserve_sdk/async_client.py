@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Unpack
+from typing import Any, Unpack
 
 import grpc.aio
 
@@ -93,18 +93,18 @@ class AsyncClient(ClientBase):
 
     async def chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         timeout: float | None = None,
         **kwargs: Unpack[ChatKwargs],
     ) -> GenerateResult:
-        """Answer chat ``messages`` (``{"role", "content"}`` dicts) rendered with the model's template."""
+        """Answer chat ``messages`` rendered with the model's template (their shape: ``chat_request``)."""
         async with self.chat_stream(messages, timeout=timeout, **kwargs) as deltas:
             return collect([delta async for delta in deltas])
 
     def chat_stream(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         timeout: float | None = None,
         **kwargs: Unpack[ChatKwargs],

@@ -88,18 +88,18 @@ class Client(ClientBase):
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         timeout: float | None = None,
         **kwargs: Unpack[ChatKwargs],
     ) -> GenerateResult:
-        """Answer chat ``messages`` (``{"role", "content"}`` dicts) rendered with the model's template."""
+        """Answer chat ``messages`` rendered with the model's template (their shape: ``chat_request``)."""
         with self.chat_stream(messages, timeout=timeout, **kwargs) as deltas:
             return collect(deltas)
 
     def chat_stream(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         timeout: float | None = None,
         **kwargs: Unpack[ChatKwargs],

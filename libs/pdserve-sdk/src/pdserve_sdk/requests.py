@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
@@ -50,7 +51,8 @@ class RequestKwargs(SamplingKwargs, total=False):
 
 class ChatKwargs(RequestKwargs, total=False):
     """``RequestKwargs`` plus chat-template options: ``add_generation_prompt`` (default True),
-    ``continue_final_message``, ``tools`` (JSON-able tool specs) and ``chat_template_kwargs``."""
+    ``continue_final_message``, ``tools`` (JSON-able tool specs, shown to the chat template; tool
+    calls are never parsed) and ``chat_template_kwargs``."""
 
     add_generation_prompt: bool
     continue_final_message: bool
@@ -99,13 +101,22 @@ def generate_request(
     return request
 
 
-def chat_request(messages: Sequence[Mapping[str, str]], default_model: str, kwargs: ChatKwargs) -> Any:
+_MESSAGE_KEYS = {"role", "content", "name"}
+
+
+def chat_request(messages: Sequence[Mapping[str, Any]], default_model: str, kwargs: ChatKwargs) -> Any:
     """A ``GenerateRequest`` whose prompt is ``messages`` rendered by the model's chat template.
 
-    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``).
+    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``); ``content`` is a
+    string or, as in OpenAI's API, a list of ``{"type": "text", "text": ...}`` parts, which are sent
+    joined without a separator (what the HTTP API renders them as). The server checks the messages
+    and ``tools`` as /v1/chat/completions does with ``tool_choice='none'``: known roles, no tool
+    messages, tools shown to the template and never parsed.
 
     Raises:
-        TypeError: when a message lacks ``role`` or ``content`` or has other keys, or on a bad kwarg.
+        TypeError: when a message is not such a dict or a value has the wrong type, or on a bad kwarg.
+        ValueError: on a content part that is not a text part.
+        Both name the message by its index (``messages[1]``).
     """
     options: dict[str, Any] = dict(kwargs)
     tools = options.pop("tools", None)
@@ -116,15 +127,43 @@ def chat_request(messages: Sequence[Mapping[str, str]], default_model: str, kwar
         tools_json=json.dumps(list(tools)) if tools else "",
         chat_template_kwargs_json=json.dumps(dict(template_kwargs)) if template_kwargs else "",
     )
-    for message in messages:
-        if not {"role", "content"} <= message.keys() <= {"role", "content", "name"}:
-            raise TypeError(
-                f"a chat message has keys role, content and optionally name; got {sorted(message)}"
-            )
-        chat.messages.add(**message)
+    for i, message in enumerate(messages):
+        try:
+            chat.messages.add(**_message_fields(message))
+        except (TypeError, ValueError) as err:  # ValueError covers protobuf's UnicodeEncodeError
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"messages[{i}]: {err}") from None
     request = _request(default_model, options)
     request.chat.CopyFrom(chat)
     return request
+
+
+def _message_fields(message: Any) -> dict[str, str]:
+    """The ``pdserve.v1.ChatMessage`` fields of one message (strings; content parts joined)."""
+    if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys() <= _MESSAGE_KEYS:
+        shape = sorted(message) if isinstance(message, Mapping) else type(message).__name__
+        raise TypeError(f"a chat message has keys role, content and optionally name; got {shape}")
+    fields = {**message, "content": _content_text(message["content"])}
+    for key, value in fields.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{key} must be a string, got {type(value).__name__}")
+    return fields
+
+
+def _content_text(content: Any) -> str:
+    """A message's ``content`` as sent: a string as is, text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list | tuple):
+        raise TypeError(f"content must be a string or a list of text parts, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        if not (
+            isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                f"content[{j}] is not a text part {{'type': 'text', 'text': str}}: {reprlib.repr(part)}"
+            )
+    return "".join(part["text"] for part in content)
 
 
 def _request(default_model: str, kwargs: Mapping[str, Any]) -> Any:
