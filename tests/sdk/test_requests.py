@@ -71,6 +71,11 @@ def test_bad_arguments_raise_type_error(prompt, input_ids, kwargs, match):
         generate_request(prompt, input_ids, "", kwargs)
 
 
+def test_text_that_is_not_unicode_raises_value_error_naming_the_parameter():
+    with pytest.raises(ValueError, match="sampling parameter stop="):
+        generate_request("a", None, "", {"stop": ["\ud800"]})
+
+
 def test_chat_text_parts_are_sent_joined():
     parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
     seen = as_server_sees(chat_request([{"role": "user", "content": parts}], "", {}))

@@ -79,7 +79,8 @@ def sampling_params(sampling: Mapping[str, Any]) -> Any:
         try:
             params.MergeFrom(_wire.SamplingParams(**{name: value}))
         except (TypeError, ValueError) as err:
-            raise type(err)(f"sampling parameter {name}={value!r}: {err}") from None
+            kind = TypeError if isinstance(err, TypeError) else ValueError  # not UnicodeEncodeError's 5 args
+            raise kind(f"sampling parameter {name}={value!r}: {err}") from None
     return params
 
 
