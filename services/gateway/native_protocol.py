@@ -85,11 +85,17 @@ class GenerateOptions(BaseModel):
         return self
 
 
-class NativeGenerateRequest(GenerateOptions):
-    """POST /generate: exactly one of ``text`` / ``input_ids``; n > 1 answers a list (or indexed chunks)."""
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 
-    text: str | None = Field(None, min_length=1)
-    input_ids: list[NonNegInt] | None = Field(None, min_length=1)
+
+class NativeGenerateRequest(GenerateOptions):
+    """POST /generate: exactly one of ``text`` / ``input_ids``, each one prompt or a batch (a list of
+    them, as SGLang takes); a batch or n > 1 answers a list (or indexed chunks), choice ``j * n + i``
+    being sample i of prompt j."""
+
+    text: Text | Annotated[list[Text], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
@@ -97,6 +103,20 @@ class NativeGenerateRequest(GenerateOptions):
         if (self.text is None) == (self.input_ids is None):
             raise param_error("text", "give exactly one of 'text' and 'input_ids'")
         return self
+
+    @property
+    def is_batch(self) -> bool:
+        """Whether ``text`` / ``input_ids`` is a list of prompts (even of one)."""
+        return isinstance(self.text, list) or (
+            self.input_ids is not None and isinstance(self.input_ids[0], list)
+        )
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per batch entry."""
+        if not self.is_batch:
+            return [self.text if self.text is not None else self.input_ids]
+        return list(self.text if self.text is not None else self.input_ids)
 
 
 class FinishReasonInfo(BaseModel):

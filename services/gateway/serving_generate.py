@@ -1,8 +1,9 @@
 """Native endpoints: SGLang-style POST /generate, and POST /tokenize, POST /detokenize.
 
 /generate answers ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", "matched"},
-"prompt_tokens", "completion_tokens", "cached_tokens", ...}}`` (a list of those for n > 1). Streamed
-chunks carry the text and ids generated so far (SGLang's default), with ``index`` for n > 1.
+"prompt_tokens", "completion_tokens", "cached_tokens", ...}}`` (a list of those for a batch of
+prompts or n > 1). Streamed chunks carry the text and ids generated so far (SGLang's default), with
+``index`` for a batch or n > 1.
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ class NativeServing:
         rid = request.state.rid
         sp = body.sampling_params
         sampling = sp.to_sampling_params(body.return_logprob, body.top_logprobs_num)
-        prompt = body.text if body.text is not None else body.input_ids
-        handle = await self.ctx.manager.submit(GenerateReqInput(rid, [prompt], sampling, n=sp.n))
+        handle = await self.ctx.manager.submit(GenerateReqInput(rid, body.prompts, sampling, n=sp.n))
         if body.stream:
             return sse_response(request, handle, self._chunks(handle, body.return_logprob))
         results = await collect(request, handle)
         outs = [self._response(handle, r, body.return_logprob).model_dump() for r in results]
-        return JSONResponse(outs[0] if len(outs) == 1 else outs)
+        return JSONResponse(outs if body.is_batch or sp.n > 1 else outs[0])
 
     async def _chunks(self, handle: RequestHandle, return_logprob: bool) -> AsyncIterator[str]:
         results = [ChoiceResult(s.index) for s in handle.states]

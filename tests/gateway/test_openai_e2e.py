@@ -181,6 +181,36 @@ def test_logprobs_shapes(stack) -> None:
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+def test_native_generate_takes_a_batch_of_prompts(stack) -> None:
+    texts = ["The sky is", "1, 2, 3,"]
+    ids = [hf_tokenizer()(t)["input_ids"] for t in texts]
+    expected = [hf_greedy(p, 5) for p in ids]
+    params = {"temperature": 0, "max_new_tokens": 5}
+    by_text = httpx.post(
+        f"{stack.base_url}/generate", json={"text": texts, "sampling_params": params}, timeout=120
+    )
+    by_ids = httpx.post(
+        f"{stack.base_url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=120
+    )
+    for response in (by_text, by_ids):
+        outs = response.json()
+        assert [o["output_ids"] for o in outs] == expected and [o["index"] for o in outs] == [0, 1]
+        assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(p) for p in ids]
+    one = httpx.post(
+        f"{stack.base_url}/generate", json={"text": texts[:1], "sampling_params": params}, timeout=120
+    )
+    assert [o["output_ids"] for o in one.json()] == expected[:1]  # a batch of one is still a list
+    body = {"text": texts, "sampling_params": {**params, "n": 2}, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/generate", json=body, timeout=120) as r:
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in r.iter_lines()
+            if line and "[DONE]" not in line
+        ]
+    last = {c["index"]: c["output_ids"] for c in chunks}
+    assert last == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}  # prompt-major
+
+
 def test_native_generate_stream_equals_non_stream(stack) -> None:
     body = {"text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     full = httpx.post(f"{stack.base_url}/generate", json={**body, "rid": "native-1"}, timeout=120)
