@@ -65,20 +65,11 @@ class W8A8Int8LinearMethod:
             rows = rows.contiguous()
         q, x_scale = ops.quantize_rows(rows)
         acc = torch.ops.onednn.qlinear_pointwise(
-            q,
-            1.0,
-            128,
-            layer.weight_packed,
-            layer.weight_scale,
-            layer.weight_zero_point,
-            None,
-            1.0,
-            0,
-            torch.float32,
-            "none",
-            [None],
-            "",
-        )
+            q, 1.0, 128,  # uint8 activations, scale 1 (the per-token scales come after), zero point 128
+            layer.weight_packed, layer.weight_scale, layer.weight_zero_point,
+            None, 1.0, 0, torch.float32,  # no bias (added after the scales); float32 out, unscaled
+            "none", [None], "",  # no fused post-op
+        )  # fmt: skip
         out = ops.dequantize_rows(acc, x_scale, layer.bias, x.dtype)
         return out.view(*shape[:-1], -1)
 
