@@ -109,10 +109,15 @@ def duplicate_rid(rid: str) -> GatewayError:
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
-    """Map a backend call's failure: INVALID_ARGUMENT->400, RESOURCE_EXHAUSTED->429, UNAVAILABLE->503, ..."""
+    """Map a backend call's failure: INVALID_ARGUMENT->400, RESOURCE_EXHAUSTED->429, UNAVAILABLE->503, ...
+
+    A client error (4xx) carries the backend's message alone: which internal ``service`` (a role and
+    address) found the request wrong is of no use to the client; server errors name it.
+    """
     status = _FROM_GRPC.get(err.code(), 500)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return GatewayError(status, f"{service}: {err.details() or err.code().name}", headers=headers)
+    details = err.details() or err.code().name
+    return GatewayError(status, details if status < 500 else f"{service}: {details}", headers=headers)
 
 
 # pydantic error types of a body that is not an object (a JSON array, string or null; form data).
@@ -144,5 +149,8 @@ def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
 
 
 def _is_union_tag(part: object) -> bool:
-    """pydantic names the union member tried in ``loc`` (``str``, ``list[int]``); not a field name."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+    """pydantic names the union member tried in ``loc`` (``str``, ``list[int]``, ``constrained-str``);
+    not a field name."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained-")
+    )

@@ -85,31 +85,31 @@ class GenerateOptions(BaseModel):
         return self
 
 
-Text = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
-
-
 class NativeGenerateRequest(GenerateOptions):
     """POST /generate: exactly one of ``text`` / ``input_ids``, each one prompt or a batch (a list of
     them, as SGLang takes); a batch or n > 1 answers a list (or indexed chunks), choice ``j * n + i``
     being sample i of prompt j."""
 
-    text: Text | Annotated[list[Text], Field(min_length=1)] | None = None
-    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.text is None) == (self.input_ids is None):
             raise param_error("text", "give exactly one of 'text' and 'input_ids'")
+        name = "text" if self.text is not None else "input_ids"
+        if not (self.text or self.input_ids):
+            raise param_error(name, f"'{name}' must not be empty")
+        for i, prompt in enumerate(self.prompts):
+            if not prompt:
+                raise param_error(f"{name}.{i}", f"prompt {i} of the '{name}' batch is empty")
         return self
 
     @property
     def is_batch(self) -> bool:
         """Whether ``text`` / ``input_ids`` is a list of prompts (even of one)."""
-        return isinstance(self.text, list) or (
-            self.input_ids is not None and isinstance(self.input_ids[0], list)
-        )
+        return isinstance(self.text, list) or bool(self.input_ids and isinstance(self.input_ids[0], list))
 
     @property
     def prompts(self) -> list[str | list[int]]:

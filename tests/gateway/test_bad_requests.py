@@ -157,16 +157,15 @@ CASES = [
     ),
     Case("completion-best-of", 400, completion(best_of=3), path="/v1/completions", param="best_of"),
     Case("generate-text-and-ids", 400, {"text": "a", "input_ids": [1]}, path="/generate", param="text"),
-    Case("generate-empty-batch", 400, {"text": []}, path="/generate", contains=lambda: ["text"]),
-    Case(
-        "generate-empty-text-in-batch", 400, {"text": ["a", ""]}, path="/generate", contains=lambda: ["text"]
-    ),
+    Case("generate-empty-batch", 400, {"text": []}, path="/generate", param="text"),
+    Case("generate-empty-text-in-batch", 400, {"text": ["a", ""]}, path="/generate", param="text.1"),
     Case(
         "generate-empty-ids-in-batch",
         400,
         {"input_ids": [[1], []]},
         path="/generate",
-        contains=lambda: ["input_ids"],
+        param="input_ids.1",
+        contains=lambda: ["batch is empty"],
     ),
     Case(
         "generate-top-p-zero",
