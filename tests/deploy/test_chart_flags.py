@@ -88,6 +88,7 @@ def test_schema_enums_are_the_flags_choices(flags: dict) -> None:
             "--attention-backend",
             ("prefill", "decode"),
         ),
+        (props["engine"]["properties"]["quantization"]["enum"], "--quantization", ("prefill", "decode")),
         (policy, "--schedule-policy", ("prefill", "decode")),
         (props["gateway"]["properties"]["routerPolicy"]["enum"], "--router-policy", ("gateway",)),
     ]

@@ -23,6 +23,7 @@ SCHEMA_VIOLATIONS = [
     ({"engine": {"dtype": "float16"}}, "/engine/dtype"),
     ({"engine": {"attentionBackend": "triton"}}, "/engine/attentionBackend"),
     ({"engine": {"pageSize": "16"}}, "/engine/pageSize"),
+    ({"engine": {"quantization": "fp4"}}, "/engine/quantization"),
     ({"gateway": {"routerPolicy": "random"}}, "/gateway/routerPolicy"),
     ({"decode": {"schedulePolicy": "lifo"}}, "/decode/schedulePolicy"),
     ({"image": {"variant": "rocm"}}, "/image/variant"),
@@ -34,6 +35,10 @@ SCHEMA_VIOLATIONS = [
 # Values each valid on its own that the chart refuses together (pdserve.validate).
 TEMPLATE_FAILURES = [
     ({"engine": {"attentionBackend": "flashinfer"}}, "flashinfer runs on CUDA only"),
+    (
+        {"engine": {"quantization": "w8a8_int8"}, "decode": {"gpus": 1}, "image": {"variant": "cuda"}},
+        "w8a8_int8 runs on CPU only",
+    ),
     ({"decode": {"gpus": 1}}, "set image.variant=cuda"),
     ({"model": {"source": {"type": "pvc"}}}, "needs model.source.pvc.claimName"),
     ({"model": {"source": {"type": "initContainer"}}}, "needs model.source.initContainer.image"),
