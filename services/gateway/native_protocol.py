@@ -37,6 +37,7 @@ class NativeSamplingParams(BaseModel):
     stop_token_ids: list[NonNegInt] = Field(default_factory=list)
     stop: str | list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
@@ -56,10 +57,13 @@ class NativeSamplingParams(BaseModel):
         return self
 
     def to_sampling_params(self, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
-        fields = self.model_dump(exclude={"n", "stop"})
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        fields = self.model_dump(exclude={"n", "stop", "include_stop_str_in_output", "no_stop_trim"})
         return SamplingParams(
-            **fields, stop=stop, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num
+            **fields,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop),
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
         )
 
 

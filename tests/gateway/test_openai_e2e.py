@@ -211,6 +211,22 @@ def test_native_generate_takes_a_batch_of_prompts(stack) -> None:
     assert last == {0: expected[0], 1: expected[0], 2: expected[1], 3: expected[1]}  # prompt-major
 
 
+def test_native_generate_no_stop_trim_keeps_the_stop_string(stack) -> None:
+    params = {"temperature": 0, "max_new_tokens": 12}
+    plain = httpx.post(
+        f"{stack.base_url}/generate", json={"text": "The sky is", "sampling_params": params}, timeout=120
+    )
+    text = plain.json()["text"]
+    stop = text.split()[2]  # a word the greedy continuation reaches
+    kept = {}
+    for name in ("no_stop_trim", "include_stop_str_in_output"):
+        body = {"text": "The sky is", "sampling_params": {**params, "stop": stop, name: True}}
+        kept[name] = httpx.post(f"{stack.base_url}/generate", json=body, timeout=120).json()
+    assert kept["no_stop_trim"]["text"] == kept["include_stop_str_in_output"]["text"]
+    assert kept["no_stop_trim"]["text"] == text[: text.index(stop) + len(stop)]
+    assert kept["no_stop_trim"]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_native_generate_stream_equals_non_stream(stack) -> None:
     body = {"text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
     full = httpx.post(f"{stack.base_url}/generate", json={**body, "rid": "native-1"}, timeout=120)
