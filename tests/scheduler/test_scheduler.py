@@ -173,6 +173,28 @@ def test_abort_in_every_state_frees_every_page_once(big_runner):
     assert sched.ledger.free_pages() + sched.ledger.cached_pages() == sched.usable_pages
 
 
+def test_finished_requests_are_counted_by_finish_reason(big_runner):
+    sched = fresh(big_runner, role="mixed")
+    sched.add_request(req("long", ids("Count to ten."), max_new=3, ignore_eos=True))
+    sched.add_request(
+        req(
+            "stopped", ids("Hello"), max_new=8, stop_token_ids=list(range(big_runner.model_config.vocab_size))
+        )
+    )
+    sched.add_request(req("aborted", ids("Hi"), max_new=8))
+    sched.abort_request("aborted")
+    done = drive(sched)
+    assert {rid: r.finish_reason.value for rid, r in done.items()} == {
+        "long": "length",
+        "stopped": "stop",
+        "aborted": "abort",
+    }
+    count = sched.metrics.registry.get_sample_value
+    for reason in ("length", "stop", "abort"):
+        assert count("pdserve:requests_finished_total", {"finish_reason": reason}) == 1
+    assert count("pdserve:requests_finished_total", {"finish_reason": "error"}) is None
+
+
 def test_abort_of_a_request_inside_the_running_forward_applies_after_the_step(big_runner):
     sched = fresh(big_runner, role="mixed")
     sched.add_request(req("x", ids("Hello"), max_new=30))

@@ -32,6 +32,12 @@ class SchedulerMetrics:
         self.prefix_cache_hit_tokens = Counter(
             "pdserve:prefix_cache_hit_tokens", "Prompt tokens found in the radix cache", registry=r
         )
+        self.finished = Counter(
+            "pdserve:requests_finished",
+            "Requests that ended, by finish_reason (stop, length, abort, error); decode and mixed roles",
+            ["finish_reason"],
+            registry=r,
+        )
         self.retracted = Counter(
             "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
         )

@@ -405,6 +405,8 @@ class Scheduler:
         self.reqs.pop(req.rid, None)
         if req.first_token_time:
             self.metrics.e2e.observe(time.time() - req.arrival_time)
+        if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
+            self.metrics.finished.labels(finish_reason=req.finish_reason.value).inc()
 
     def _update_gauges(self) -> None:
         m = self.metrics
