@@ -158,6 +158,8 @@ class RequestManager:
         return handle
 
     async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
+        for stop in obj.sampling_params.stop:
+            stop.encode()  # UnicodeEncodeError (a 400) now, not after routing, for text protobuf can't carry
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         info = await self.model_info()
         biased = max(obj.sampling_params.logit_bias, default=-1)
