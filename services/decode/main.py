@@ -56,6 +56,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await server.stop(grace=5.0)
     await loop_task
     await servicer.close()
+    if agent is not None:
+        agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
 
 
 def main(argv: list[str] | None = None) -> None:

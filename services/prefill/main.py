@@ -37,6 +37,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await stop.wait()
     await server.stop(grace=5.0)
     await loop_task
+    servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
 
 
 def main(argv: list[str] | None = None) -> None:
