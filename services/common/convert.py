@@ -32,7 +32,8 @@ _PLAIN_FIELDS = (
 
 
 def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep the engine defaults. Raises ValueError on invalid values."""
+    """Unset optional fields keep the engine defaults. Values are checked where the request is queued
+    (``Scheduler.add_request``, which knows the vocabulary)."""
     kwargs = {name: getattr(pb, name) for name in _OPTIONAL_FIELDS if pb.HasField(name)}
     kwargs.update({name: getattr(pb, name) for name in _PLAIN_FIELDS})
     kwargs["stop_token_ids"] = list(pb.stop_token_ids)
@@ -40,9 +41,7 @@ def sampling_params_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     kwargs["logit_bias"] = dict(pb.logit_bias)
     if pb.n:
         kwargs["n"] = pb.n
-    params = SamplingParams(**kwargs)
-    params.validate()
-    return params
+    return SamplingParams(**kwargs)
 
 
 def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:

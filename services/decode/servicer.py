@@ -64,7 +64,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     ) -> scheduler_pb2.GenerateAck:
         try:
             params = sampling_params_from_pb(request.sampling_params)
-        except (ValueError, TypeError) as e:
+        except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self.scheduler.role == "decode" and not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode worker needs a prefill_address")

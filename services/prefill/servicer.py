@@ -58,7 +58,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             )
         try:
             params = sampling_params_from_pb(request.sampling_params)
-        except (ValueError, TypeError) as e:
+        except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         req = Req(
             rid=request.rid,
