@@ -3,9 +3,10 @@
 Parameters are allocated uninitialised: every value comes from the checkpoint. A merged layer
 (fused q/k/v, fused gate/up) stacks several checkpoint matrices along the output dimension and
 its loader copies each one into its shard. After loading, ``process_weights_after_loading``
-(vLLM's name for the hook) gives bfloat16 CPU weights a oneDNN-packed copy: oneDNN's matmul
-reads its own blocked layout 15–35% faster than a plain row-major weight it must reorder on
-every call, with bit-identical results (``benchmarks/engine.py`` shows the step time).
+(vLLM's name for the hook) gives bfloat16 CPU weights a packed copy: for our AVX512-BF16 kernel
+(``pdserve.layers.cpu_gemm``) where the CPU and the shape allow, otherwise oneDNN's blocked
+layout, which its matmul reads 15–35% faster than a plain row-major weight it must reorder on
+every call (``benchmarks/engine.py`` shows the step time).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -33,38 +36,55 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 _PACK_BATCH_HINT = 64  # rows oneDNN tunes the layout for; any number of rows works
 
 
-def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-blocked copy of ``weight`` ``[out, in]`` for ``linear``, or None where plain
-    ``F.linear`` is the right kernel (not on CPU, not bfloat16, or no oneDNN bfloat16 support).
+class OneDNNWeight:
+    """A bfloat16 weight ``[N, K]`` in oneDNN's blocked layout; ``matmul(x, bias)`` is
+    ``F.linear(x, W, bias)`` for bfloat16 ``x`` ``[..., K]``, bit for bit."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+PackedWeight = PanelWeight | OneDNNWeight
+
+
+def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """A packed copy of ``weight`` ``[out, in]`` for ``linear``, or None where plain ``F.linear``
+    is the right kernel (not on CPU, not bfloat16, or neither packed kernel runs here).
 
     Only bfloat16 is packed: float32 matmuls stay on MKL, whose results the exactness tests
     compare with Hugging Face's.
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
+    gemm = load_bf16_gemm()
+    if gemm is not None and gemm.supports(weight):
+        return gemm.pack(weight)
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+    return OneDNNWeight(weight)
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
 ) -> torch.Tensor:
     """``x W^T (+ b)`` for ``x`` ``[..., in]``, through ``packed`` (from ``prepack_weight``) when given."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed.matmul(x, bias)
 
 
 class Linear(nn.Module):
     """``y = x W^T (+ b)``, ``W`` of shape ``[out_features, in_features]``.
 
     Attributes:
-        packed: the oneDNN-packed copy of ``weight`` once ``process_weights_after_loading`` ran
-            (bfloat16 on CPU only; None otherwise).
+        packed: the packed copy of ``weight`` (``prepack_weight``) once ``process_weights_after_loading``
+            ran (bfloat16 on CPU only; None otherwise).
         quant_method: set by the loader before ``process_weights_after_loading`` when the model is
             quantized (``pdserve.layers.quantization``); it then transforms the weight and runs the matmul.
     """
@@ -73,7 +93,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
         self.quant_method = None
 
     def process_weights_after_loading(self) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.linear import Linear, MergedLinear, linear, prepack_weight
+from pdserve.layers.linear import Linear, MergedLinear, PackedWeight, linear, prepack_weight
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
 
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
 
     @staticmethod
     def attention_options(config: Any) -> AttentionOptions:

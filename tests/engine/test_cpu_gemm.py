@@ -1,0 +1,82 @@
+"""The AVX512-BF16 matmul kernel against a float32 matmul of the same bfloat16 values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
+from pdserve.layers.linear import Linear, OneDNNWeight, prepack_weight
+
+
+@pytest.fixture(scope="module")
+def gemm():
+    gemm = load_bf16_gemm()
+    if gemm is None:
+        # the kernel is for AVX512_BF16 CPUs without AMX; elsewhere linear() uses oneDNN
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        assert "avx512_bf16" not in cpuinfo or "amx_bf16" in cpuinfo, "the bf16 GEMM kernel did not build"
+        pytest.skip("this CPU runs bfloat16 matmuls on oneDNN")
+    return gemm
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 products and sums of the bfloat16 inputs, rounded once to bfloat16."""
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(torch.bfloat16)
+
+
+def assert_matches(actual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    expected = reference(x, weight, bias)
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    # the same float32 sum in another order: at most one bfloat16 rounding step apart
+    scale = F.linear(x.float().abs(), weight.float().abs()).to(torch.bfloat16).float()
+    assert ((actual.float() - expected.float()).abs() <= scale * 2**-8 + 1e-6).all()
+
+
+# rows: 1, a partial tile, a full tile, one row past it, a 64-row block and a partial second block
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 64, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(32, 2), (96, 576), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float32_matmul(gemm, rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    packed = gemm.pack(weight)
+    assert packed.data.shape == (out_features // 32, in_features // 2, 32, 2)
+    assert_matches(packed.matmul(x, bias), x, weight, bias)
+
+
+def test_strided_rows_leading_dims_and_no_rows(gemm):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 128, generator=gen).to(torch.bfloat16)
+    packed = gemm.pack(weight)
+    wide = torch.randn(11, 200, generator=gen).to(torch.bfloat16)
+    x = wide[:, 40:168]  # row stride 200: a slice of a fused projection's output
+    assert_matches(packed.matmul(x), x, weight, None)
+    batched = torch.randn(3, 5, 128, generator=gen).to(torch.bfloat16)
+    out = packed.matmul(batched)
+    assert out.shape == (3, 5, 64)
+    assert_matches(out.reshape(15, 64), batched.reshape(15, 128), weight, None)
+    assert packed.matmul(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 64)
+    with pytest.raises(TypeError, match="bfloat16 activations"):
+        packed.matmul(torch.randn(2, 128))
+
+
+def test_linear_packs_for_the_kernel_where_the_shape_allows(gemm):
+    layer = Linear(576, 960).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.process_weights_after_loading()
+    assert isinstance(layer.packed, PanelWeight)
+    x = torch.randn(4, 576).to(torch.bfloat16)
+    assert_matches(layer(x), x, layer.weight, None)
+    # 48 output features is not a whole number of panels: oneDNN's packed weight, bit for bit
+    odd = torch.randn(48, 576).to(torch.bfloat16)
+    fallback = prepack_weight(odd)
+    assert isinstance(fallback, OneDNNWeight)
+    assert torch.equal(fallback.matmul(x), F.linear(x, odd))
+    assert prepack_weight(odd.float()) is None  # float32 stays on MKL
