@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig
 
+from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
 from pdserve.layers.linear import Linear, OneDNNWeight, prepack_weight
+from pdserve.models.llama import LlamaMLP
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +83,35 @@ def test_linear_packs_for_the_kernel_where_the_shape_allows(gemm):
     assert isinstance(fallback, OneDNNWeight)
     assert torch.equal(fallback.matmul(x), F.linear(x, odd))
     assert prepack_weight(odd.float()) is None  # float32 stays on MKL
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_halves_layout_and_silu_epilogue(gemm, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    size, hidden = 96, 64  # a merged [gate; up] weight of 2 x 96 rows
+    weight = torch.randn(2 * size, hidden, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(2 * size, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    plain, halves = gemm.pack(weight), gemm.pack(weight, halves=True)
+    gate_up = plain.matmul(x, bias)
+    assert torch.equal(halves.matmul(x, bias), gate_up)
+    # the epilogue rounds where the separate bfloat16 ops round: the same values as the fused
+    # SiLU-and-mul op on the matmul's output (its own tests compare it with Hugging Face's SiLU)
+    assert torch.equal(halves.silu_and_mul(x, bias), SiluAndMul()(gate_up))
+    with pytest.raises(ValueError, match="halves"):
+        plain.silu_and_mul(x)
+
+
+def test_mlp_folds_silu_into_the_gate_up_matmul(gemm):
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, hidden_act="silu")
+    mlp = LlamaMLP(config).to(torch.bfloat16)
+    for param in mlp.parameters():
+        param.data.normal_(std=0.1)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    unfused = mlp.down_proj(SiluAndMul()(F.linear(x, mlp.gate_up_proj.weight)))
+    for module in (mlp.gate_up_proj, mlp.down_proj, mlp):  # children first, as the loader does
+        module.process_weights_after_loading()
+    assert mlp.fused_act is mlp.gate_up_proj.packed and mlp.fused_act.halves
+    assert torch.equal(mlp(x), unfused)
+    assert_matches(mlp.gate_up_proj(x), x, mlp.gate_up_proj.weight, None)  # still [gate | up]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
 from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.linear import Linear, MergedLinear, PackedWeight, linear, prepack_weight
@@ -81,8 +82,18 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate", "up"], bias=bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
+        self.fused_act: PanelWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Where our CPU matmul runs gate/up, repack it so SiLU-and-mul happens in its epilogue
+        (``fused_act``; the layer's own ``forward`` still gives ``[gate | up]``)."""
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up.packed, PanelWeight):
+            gate_up.packed = self.fused_act = load_bf16_gemm().pack(gate_up.weight, halves=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act is not None:
+            return self.down_proj(self.fused_act.silu_and_mul(x, self.gate_up_proj.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
