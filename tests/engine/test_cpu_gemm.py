@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from pdserve.layers.activation import SiluAndMul
-from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
+from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 from pdserve.layers.linear import Linear, OneDNNWeight, prepack_weight
 from pdserve.models.llama import LlamaMLP
 
 
 @pytest.fixture(scope="module")
 def gemm():
-    gemm = load_bf16_gemm()
+    gemm = load_cpu_gemm()
     if gemm is None:
         # the kernel is for AVX512_BF16 CPUs without AMX; elsewhere linear() uses oneDNN
         cpuinfo = Path("/proc/cpuinfo").read_text()

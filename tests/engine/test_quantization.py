@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.cpu_fused_ops import load_fused_ops
+from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 from pdserve.layers.linear import Linear
 from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method
 from tests.engine.driver import Driver
@@ -53,7 +54,11 @@ def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     weight, b = layer.weight.data.clone(), None if layer.bias is None else layer.bias.data.clone()
     layer.quant_method = W8A8Int8LinearMethod()
     layer.process_weights_after_loading()
-    assert layer.weight is None and layer.weight_packed is not None
+    assert layer.weight is None
+    if dtype == torch.bfloat16 and load_cpu_gemm() is not None:
+        assert isinstance(layer.packed, PanelWeight) and layer.packed.int8  # our VNNI kernel
+    else:
+        assert layer.packed is None and layer.weight_packed is not None  # oneDNN's int8 GEMM
 
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     if rows > 1:

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.native import AVX512_EXP, build_library
 
 PANEL = 32  # output columns per panel
@@ -45,7 +46,7 @@ _SOURCE = (
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && !defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <omp.h>
 """
@@ -84,77 +85,130 @@ INLINE void store_row(int silu, __m512 acc0, __m512 acc1, __m512 bias0, __m512 b
   _mm256_storeu_si256((__m256i*)c0, round_bf16x16(product));
 }
 
-/* Rows r < rows (<= MR; a constant where inlined, so the accumulators live in registers) of a
-   times one panel, stored by store_row at c0 / c1 + r * ldc; bias0 / bias1: the bias of the
-   panel's two halves (NULL: none). Meanwhile prefetches pf_lines cache lines from pf into L2, spread over the
-   feature pairs. */
-INLINE void tile(const int rows, const bf16* a, int64_t lda, const bf16* panel, int pairs, int silu,
-                 const bf16* bias0, const bf16* bias1, bf16* c0, bf16* c1, int64_t ldc, const char* pf,
-                 int pf_lines) {
+/* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
+   lda bytes; the packed weight; out [M, ldc] bfloat16. int8 only: x_scale [M], w_scale [N] and
+   w_comp [N] = 128 * (column sum of the int8 weight), which undoes the activations' offset. */
+typedef struct {
+  const char* x;
+  int64_t lda;
+  const char* packed;
+  const bf16* bias;
+  bf16* out;
+  int64_t ldc;
+  int M, N, K, halves, silu;
+  const float *x_scale, *w_scale;
+  const int32_t* w_comp;
+} Gemm;
+
+/* Rows m0 .. m0 + rows - 1 (rows <= MR; a constant where inlined, so the accumulators live in
+   registers) times panel n, whose two halves are output columns col0 and col1 (16 each). Each
+   step reads 128 bytes of the panel (32 columns x 2 bfloat16 or 4 int8 features) and 4 bytes of
+   each row; meanwhile the tile prefetches pf_lines cache lines from pf into L2. */
+INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, int col0, int col1,
+                 const char* pf, int pf_lines) {
+  const int steps = int8 ? g->K / 4 : g->K / 2;
+  const char* panel = g->packed + (int64_t)n * steps * 128;
+  const char* a = g->x + m0 * g->lda;
   __m512 acc[MR][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int every = pf_lines > 0 ? (pairs + pf_lines - 1) / pf_lines : pairs + 1;
-  for (int p = 0, line = 0; p < pairs; ++p) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + PANEL);
+  const int every = pf_lines > 0 ? (steps + pf_lines - 1) / pf_lines : steps + 1;
+  for (int p = 0, line = 0; p < steps; ++p) {
+    const __m512i b0 = _mm512_loadu_si512(panel + p * 128);
+    const __m512i b1 = _mm512_loadu_si512(panel + p * 128 + 64);
     if (p % every == 0 && line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
-      int32_t pair;
-      memcpy(&pair, a + r * lda + 2 * p, 4);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+      int32_t word;
+      memcpy(&word, a + r * g->lda + 4 * p, 4);
+      const __m512i av = _mm512_set1_epi32(word);
+      if (int8) {
+        acc[r][0] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][0]), av, b0));
+        acc[r][1] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][1]), av, b1));
+      } else {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
+      }
     }
   }
-  const __m512 add0 = bias0 ? load_bf16x16(bias0) : _mm512_setzero_ps();
-  const __m512 add1 = bias1 ? load_bf16x16(bias1) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r)
-    store_row(silu, acc[r][0], acc[r][1], add0, add1, c0 + r * ldc, c1 + r * ldc);
+  const __m512 bias0 = g->bias ? load_bf16x16(g->bias + col0) : _mm512_setzero_ps();
+  const __m512 bias1 = g->bias ? load_bf16x16(g->bias + col1) : _mm512_setzero_ps();
+  __m512i comp0 = _mm512_setzero_si512(), comp1 = comp0;
+  __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
+  if (int8) {
+    comp0 = _mm512_loadu_si512(g->w_comp + col0), comp1 = _mm512_loadu_si512(g->w_comp + col1);
+    ws0 = _mm512_loadu_ps(g->w_scale + col0), ws1 = _mm512_loadu_ps(g->w_scale + col1);
+  }
+  bf16* c = g->out + m0 * g->ldc;
+  for (int r = 0; r < rows; ++r) {
+    __m512 v0 = acc[r][0], v1 = acc[r][1];
+    if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * x_scale * w_scale */
+      const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
+      const __m512i sum0 = _mm512_sub_epi32(_mm512_castps_si512(v0), comp0);
+      const __m512i sum1 = _mm512_sub_epi32(_mm512_castps_si512(v1), comp1);
+      v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(xs, ws0));
+      v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(xs, ws1));
+    }
+    store_row(g->silu, v0, v1, bias0, bias1, c + r * g->ldc + col0, c + r * g->ldc + col1);
+  }
 }
 
-#define TILE_CASE(R) \
-  case R: tile(R, a, lda, panel, pairs, silu, bias0, bias1, c0, c1, ldc, pf, pf_lines); break;
-static void tile_rows(int rows, const bf16* a, int64_t lda, const bf16* panel, int pairs, int silu,
-                      const bf16* bias0, const bf16* bias1, bf16* c0, bf16* c1, int64_t ldc, const char* pf,
+#define TILE_CASE(R)                                    \
+  case R:                                               \
+    if (int8) tile(1, R, g, m0, n, col0, col1, pf, pf_lines); \
+    else tile(0, R, g, m0, n, col0, col1, pf, pf_lines);      \
+    break;
+static void tile_rows(int int8, int rows, const Gemm* g, int m0, int n, int col0, int col1, const char* pf,
                       int pf_lines) {
   switch (rows) {
     TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
   }
 }
 
-/* x [M, K] (row stride lda) times W [N, K] packed as [N/32, K/2, 32, 2]; bias: NULL or [N]. Panel
-   j holds rows 32j..32j+31 of W, or with halves, rows 16j..16j+15 of each half of W.
-   out [M, N] (row stride ldc) = x W^T + bias; with silu (and halves; W = [gate; up]):
-   out [M, N/2] = silu(gate) * up. */
-void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, bf16* out, int64_t ldc,
-               int M, int N, int K, int halves, int silu, int threads) {
-  const int pairs = K / 2, panels = N / PANEL;
-  const int64_t panel_elems = (int64_t)K * PANEL;
-  const int panel_lines = (int)(panel_elems * 2 / 64);
+/* Threads split the panels; rows go in blocks of MBLOCK, each block in tiles of MR rows. Panel n
+   holds weight rows 32n..32n+31, or with halves, rows 16n..16n+15 of each half of W; its output
+   columns are the same rows' indices. With silu (halves only; W = [gate; up]) the output is
+   silu(gate) * up, [M, N/2], at the gate columns. */
+static void run(int int8, const Gemm* g, int threads) {
+  const int panels = g->N / PANEL;
+  const int panel_lines = g->K * PANEL * (int8 ? 1 : 2) / 64;
   #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-    for (int m_lo = 0; m_lo < M; m_lo += MBLOCK) {
-      const int m_hi = M < m_lo + MBLOCK ? M : m_lo + MBLOCK;
+    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
       const int tiles = (m_hi - m_lo + MR - 1) / MR;
       for (int n = lo; n < hi; ++n) {
-        const bf16* panel = packed + n * panel_elems;
-        const int col0 = halves ? n * PANEL / 2 : n * PANEL, col1 = halves ? N / 2 + col0 : col0 + PANEL / 2;
-        const bf16* bias0 = bias ? bias + col0 : NULL;
-        const bf16* bias1 = bias ? bias + col1 : NULL;
+        const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
+        const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
         /* one tile reads its panel once: the hardware prefetcher alone does better there */
-        const char* next = tiles > 1 && n + 1 < hi ? (const char*)(panel + panel_elems) : NULL;
+        const char* next = tiles > 1 && n + 1 < hi ? g->packed + (int64_t)(n + 1) * panel_lines * 64 : NULL;
         for (int i = 0; i < tiles; ++i) {
           const int m0 = m_lo + i * MR, rows = m_hi - m0 < MR ? m_hi - m0 : MR;
           const int l0 = panel_lines * i / tiles, l1 = panel_lines * (i + 1) / tiles;
-          tile_rows(rows, x + m0 * lda, lda, panel, pairs, silu, bias0, bias1, out + m0 * ldc + col0,
-                    out + m0 * ldc + col1, ldc, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
+          tile_rows(int8, rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
         }
       }
     }
   }
+}
+
+/* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2]. */
+void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, bf16* out, int64_t ldc,
+               int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+                  NULL, NULL, NULL};
+  run(0, &g, threads);
+}
+
+/* The same for int8: x_q [M, K] uint8 (int8 + 128; row stride lda bytes) with x_scale [M], W packed
+   as [N/32, K/4, 32, 4] int8 with w_scale [N] and w_comp [N]. */
+void gemm_int8(const uint8_t* x_q, int64_t lda, const float* x_scale, const int8_t* packed,
+               const float* w_scale, const int32_t* w_comp, const bf16* bias, bf16* out, int64_t ldc,
+               int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+                  x_scale, w_scale, w_comp};
+  run(1, &g, threads);
 }
 #else
 int gemm_supported(void) { return 0; }
@@ -165,31 +219,47 @@ int gemm_supported(void) { return 0; }
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
+def _panels(w: torch.Tensor, group: int, halves: bool) -> torch.Tensor:
+    """``w`` ``[N, K]`` → ``[N / 32, K / group, 32, group]`` (see ``PanelWeight``)."""
+    n, k = w.shape
+    if halves:  # [rows 16j..16j+15 of the first half, the same rows of the second half] for each j
+        w = w.reshape(2, n // PANEL, PANEL // 2, k).transpose(0, 1)
+    return w.reshape(n // PANEL, PANEL, k // group, group).permute(0, 2, 1, 3).contiguous()
+
+
 class PanelWeight:
-    """A bfloat16 weight ``[N, K]`` packed for ``BF16Gemm``: ``data`` ``[N / 32, K / 2, 32, 2]``.
+    """A weight ``W`` ``[N, K]`` packed for ``CpuGemm``, in panels of 32 output columns: bfloat16
+    ``data`` ``[N / 32, K / 2, 32, 2]``, or int8 ``[N / 32, K / 4, 32, 4]`` with per-column float32
+    ``w_scale`` ``[N]`` (``W ≈ q * w_scale``) and ``w_comp`` ``[N]`` = 128 x the column sums of
+    ``q`` (which undo the activations' +128 offset).
 
     With ``halves``, panel ``j`` holds rows ``16j..16j+15`` of each half of ``W`` (a merged
     ``[gate; up]`` weight), so that ``silu_and_mul`` can combine a gate row with its up row in the
     epilogue; ``matmul`` gives the same result in either layout.
-
-    Args:
-        fn: the kernel's ``gemm_bf16``.
-        weight: bfloat16 ``[N, K]``, ``N`` a multiple of 32 and ``K`` even.
-        halves: the layout above.
     """
 
-    def __init__(self, fn: ctypes._CFuncPtr, weight: torch.Tensor, halves: bool = False):
-        n, k = weight.shape
-        self._fn = fn
-        self.out_features, self.in_features, self.halves = n, k, halves
-        w = weight.detach()
-        if halves:  # [gate rows 16j..16j+15, up rows 16j..16j+15] for each j
-            w = w.reshape(2, n // PANEL, PANEL // 2, k).transpose(0, 1)
-        self.data = w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    def __init__(self, gemm: CpuGemm, data: torch.Tensor, halves: bool, w_scale=None, w_comp=None):
+        panels, steps, _, group = data.shape
+        self._gemm = gemm
+        self.data, self.halves, self.w_scale, self.w_comp = data, halves, w_scale, w_comp
+        self.out_features, self.in_features = panels * PANEL, steps * group
+
+    @property
+    def int8(self) -> bool:
+        return self.data.dtype == torch.int8
+
+    def to_halves(self) -> PanelWeight:
+        """The same weight in the ``halves`` layout (for ``silu_and_mul``)."""
+        if self.halves:
+            return self
+        panels, steps, _, group = self.data.shape
+        rows = self.data.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
+        return PanelWeight(self._gemm, _panels(rows, group, True), True, self.w_scale, self.w_comp)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W, bias)`` for bfloat16 ``x`` ``[..., K]`` (unit stride along ``K``) and
-        bias ``[N]`` or None: a new ``[..., N]``.
+        bias ``[N]`` or None: a new bfloat16 ``[..., N]``. int8: ``x`` is quantized per row first
+        (symmetric, ``pdserve.layers.cpu_fused_ops.quantize_rows``).
 
         Raises:
             TypeError: ``x`` is not bfloat16.
@@ -210,49 +280,64 @@ class PanelWeight:
 
     def _run(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            raise TypeError(f"bfloat16 weights need bfloat16 activations, got {x.dtype}")
+            raise TypeError(f"the CPU matmul takes bfloat16 activations, got {x.dtype}")
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        n, k = self.out_features, self.in_features
+        n, k, m = self.out_features, self.in_features, rows.shape[0]
         out_features = n // 2 if silu else n
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
+        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        if m:
             bias_ptr = None
             if bias is not None:
                 bias = bias.to(torch.bfloat16).contiguous()
                 bias_ptr = bias.data_ptr()
-            self._fn(
-                rows.data_ptr(), rows.stride(0), self.data.data_ptr(), bias_ptr, out.data_ptr(), out_features,
-                rows.shape[0], n, k, self.halves, silu, torch.get_num_threads(),
-            )  # fmt: skip
+            shape_args = (out.data_ptr(), out_features, m, n, k, self.halves, silu, torch.get_num_threads())
+            if self.int8:
+                q, x_scale = load_fused_ops().quantize_rows(rows)
+                self._gemm.int8_fn(
+                    q.data_ptr(), q.stride(0), x_scale.data_ptr(), self.data.data_ptr(),
+                    self.w_scale.data_ptr(), self.w_comp.data_ptr(), bias_ptr, *shape_args,
+                )  # fmt: skip
+            else:
+                self._gemm.bf16_fn(
+                    rows.data_ptr(), rows.stride(0), self.data.data_ptr(), bias_ptr, *shape_args
+                )
         return out.view(*shape[:-1], out_features)
 
 
-class BF16Gemm:
-    """The built kernel: ``supports(weight)`` and ``pack(weight, halves)`` → ``PanelWeight``."""
+class CpuGemm:
+    """The built kernel: ``pack`` a bfloat16 weight, ``pack_int8`` a quantized one."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.gemm_bf16
-        self._fn.restype, self._fn.argtypes = None, [_P, _I, _P, _P, _P, _I, _C, _C, _C, _C, _C, _C]
+        self.bf16_fn, self.int8_fn = lib.gemm_bf16, lib.gemm_int8
+        shape_args = [_P, _I, _C, _C, _C, _C, _C, _C]
+        self.bf16_fn.restype, self.bf16_fn.argtypes = None, [_P, _I, _P, _P, *shape_args]
+        self.int8_fn.restype, self.int8_fn.argtypes = None, [_P, _I, _P, _P, _P, _P, _P, *shape_args]
 
     @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
-        """Whether ``weight`` (``[N, K]``) can be packed: bfloat16 on CPU, ``N % 32 == 0``, ``K`` even."""
+    def supports(weight: torch.Tensor, int8: bool = False) -> bool:
+        """Whether ``weight`` ``[N, K]`` can be packed: on CPU, ``N % 32 == 0``, and ``K`` even
+        (bfloat16) or a multiple of 4 (int8)."""
         n, k = weight.shape
-        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        return on_cpu and n % PANEL == 0 and k % 2 == 0
+        return weight.device.type == "cpu" and n % PANEL == 0 and k % (4 if int8 else 2) == 0
 
     def pack(self, weight: torch.Tensor, halves: bool = False) -> PanelWeight:
-        return PanelWeight(self._fn, weight, halves)
+        """Pack a bfloat16 ``weight`` ``[N, K]`` (``supports(weight)``)."""
+        return PanelWeight(self, _panels(weight.detach().to(torch.bfloat16), 2, halves), halves)
+
+    def pack_int8(self, weight_q: torch.Tensor, w_scale: torch.Tensor) -> PanelWeight:
+        """Pack int8 ``weight_q`` ``[N, K]`` with float32 scales ``[N]`` (``supports(weight_q, True)``)."""
+        comp = weight_q.sum(dim=1, dtype=torch.int32) * 128
+        return PanelWeight(self, _panels(weight_q, 4, False), False, w_scale.float().contiguous(), comp)
 
 
 @functools.cache
-def load_bf16_gemm() -> BF16Gemm | None:
+def load_cpu_gemm() -> CpuGemm | None:
     """Build (once per source and CPU) and load the kernel; None without a C compiler, or on a CPU
-    without AVX512_BF16 or with AMX (where oneDNN is the better matmul)."""
-    lib = build_library("bf16_gemm", _SOURCE)
+    without AVX512_BF16 and AVX512_VNNI or with AMX (where oneDNN is the better matmul)."""
+    lib = build_library("cpu_gemm", _SOURCE)
     if lib is None or not lib.gemm_supported():
         return None
-    return BF16Gemm(lib)
+    return CpuGemm(lib)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
+from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -59,7 +59,7 @@ def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    gemm = load_bf16_gemm()
+    gemm = load_cpu_gemm()
     if gemm is not None and gemm.supports(weight):
         return gemm.pack(weight)
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):

@@ -7,14 +7,16 @@ SmoothQuant's W8A8 (Xiao et al. 2023) without outlier handling. Then
 
     y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_w[n] * s_x[m] (+ b[n])
 
-The GEMM is oneDNN's int8 inner product (``torch.ops.onednn.qlinear_pointwise``, VNNI on x86) on a
-weight packed once at load (``qlinear_prepack``), with the activations stored offset by 128 as
-uint8 (zero point 128) and an activation scale of 1, so it returns ``sum * s_w[n]`` in float32;
-the per-token quantization before it and the ``* s_x[m] (+ b)`` epilogue after it are fused C ops
-(``cpu_fused_ops``). On this project's reference CPU the GEMM takes 0.4-0.9x the time of the
-packed bfloat16 matmul at 1-512 rows (``torch._int_mm``, which packs the weight again at every
-call, was no faster than bfloat16 up to 16 rows and 4x slower at one). Activations, KV cache and
-the LM head keep the model dtype.
+With bfloat16 activations on a CPU that runs our matmul kernel (``pdserve.layers.cpu_gemm``: AVX-512
+VNNI ``vpdpbusd`` on uint8 activations = int8 + 128 and int8 weight panels, the offset undone by
+128 x the weight's column sums, scales and bias applied in its epilogue, SiLU-and-mul fused into
+gate/up, the next weight panel prefetched while it computes) a layer is the quantization of its
+activations plus one kernel call. Otherwise (float32 activations, other CPUs) the GEMM is oneDNN's
+int8 inner product (``torch.ops.onednn.qlinear_pointwise``, VNNI on x86) on a weight packed once
+at load (``qlinear_prepack``), with the activations stored offset by 128 as uint8 (zero point 128)
+and an activation scale of 1, so it returns ``sum * s_w[n]`` in float32; the per-token
+quantization before it and the ``* s_x[m] (+ b)`` epilogue after it are fused C ops
+(``cpu_fused_ops``). Activations, KV cache and the LM head keep the model dtype.
 
 Outputs are close to, not equal to, the unquantized model's: greedy continuations drift apart after
 a while, as with any quantization. The exactness tests run unquantized; ``tests/engine`` measures
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.layers.cpu_fused_ops import load_fused_ops
+from pdserve.layers.cpu_gemm import load_cpu_gemm
 
 
 class W8A8Int8LinearMethod:
@@ -38,9 +41,10 @@ class W8A8Int8LinearMethod:
     """
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Replace ``layer.weight`` ``[N, K]`` by its int8 quantization: ``layer.weight_packed`` (oneDNN's
-        packed int8 ``[N, K]``), ``layer.weight_scale`` float32 ``[N]`` and ``layer.weight_zero_point``
-        int64 zeros ``[N]``; the float weight is dropped."""
+        """Replace ``layer.weight`` ``[N, K]`` by its int8 quantization: ``layer.packed`` (our kernel's
+        int8 ``PanelWeight`` with its scales) for bfloat16 layers where that kernel runs, else
+        ``layer.weight_packed`` (oneDNN's packed int8 ``[N, K]``), ``layer.weight_scale`` float32
+        ``[N]`` and ``layer.weight_zero_point`` int64 zeros ``[N]``; the float weight is dropped."""
         weight = layer.weight.data
         if (
             weight.device.type != "cpu"
@@ -51,13 +55,19 @@ class W8A8Int8LinearMethod:
         w = weight.float()
         scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
         weight_q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        layer.weight_packed = torch.ops.onednn.qlinear_prepack(weight_q, None)
-        layer.weight_scale = scale
-        layer.weight_zero_point = torch.zeros(scale.shape, dtype=torch.int64)
+        gemm = load_cpu_gemm()
+        if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight_q, int8=True):
+            layer.packed = gemm.pack_int8(weight_q, scale)
+        else:
+            layer.weight_packed = torch.ops.onednn.qlinear_prepack(weight_q, None)
+            layer.weight_scale = scale
+            layer.weight_zero_point = torch.zeros(scale.shape, dtype=torch.int64)
         layer.weight = None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., K]`` (float32 or bfloat16) → ``[..., N]`` in x's dtype."""
+        if layer.packed is not None:
+            return layer.packed.matmul(x, layer.bias)
         ops = load_fused_ops()
         shape = x.shape
         rows = x.reshape(-1, shape[-1])

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
-from pdserve.layers.cpu_gemm import PanelWeight, load_bf16_gemm
+from pdserve.layers.cpu_gemm import PanelWeight
 from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.linear import Linear, MergedLinear, PackedWeight, linear, prepack_weight
@@ -85,11 +85,11 @@ class LlamaMLP(nn.Module):
         self.fused_act: PanelWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Where our CPU matmul runs gate/up, repack it so SiLU-and-mul happens in its epilogue
-        (``fused_act``; the layer's own ``forward`` still gives ``[gate | up]``)."""
+        """Where our CPU matmul runs gate/up (bfloat16 or int8), repack it so SiLU-and-mul happens
+        in its epilogue (``fused_act``; the layer's own ``forward`` still gives ``[gate | up]``)."""
         gate_up = self.gate_up_proj
         if isinstance(gate_up.packed, PanelWeight):
-            gate_up.packed = self.fused_act = load_bf16_gemm().pack(gate_up.weight, halves=True)
+            gate_up.packed = self.fused_act = gate_up.packed.to_halves()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act is not None:
