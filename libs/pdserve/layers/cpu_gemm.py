@@ -1,4 +1,5 @@
-"""bfloat16 matmuls for CPUs with AVX512-BF16: a small OpenMP C kernel over weights packed once at load.
+"""Matmuls for CPUs with AVX512-BF16 and AVX512-VNNI: a small OpenMP C kernel over weights packed once
+at load, bfloat16 (``vdpbf16ps``) or int8 (``vpdpbusd``, for ``--quantization w8a8_int8``).
 
 At decode batch sizes a linear layer reads its whole weight from memory for a few dozen rows of
 activations, and the next layer's weight is never in cache (SmolLM2-135M: 270 MB of weights per
@@ -7,26 +8,32 @@ is cached, but does not overlap fetching a cold weight with arithmetic: a batch-
 four matmuls took 20-35% longer with their weights cold than warm. This kernel asks for the
 next weight panel while it computes the current one, so the fetch hides behind arithmetic (a
 batch-64 step's decoder matmuls: ~34 ms here against ~43-48 ms through oneDNN's packed weights,
-cold, on a 2-core AMD EPYC with AVX512-BF16; ``benchmarks/engine.py`` shows the whole step).
+cold, on a 2-core AMD EPYC with AVX512-BF16; ``benchmarks/engine.py`` shows the whole step). Its
+epilogue also does what would otherwise be separate passes: SiLU-and-mul after gate/up, and the
+int8 path's dequantization (oneDNN's int8 GEMM needed a quantize, a GEMM and a dequantize call).
 
 Layout: a weight ``W`` ``[N, K]`` is packed into panels of 32 output columns, ``[N / 32, K / 2,
-32, 2]``: for each pair of input features ``(2p, 2p + 1)``, the 32 columns' two weights side by
-side, which is the operand order of ``vdpbf16ps`` (a 512-bit register of 16 columns x 2 features).
-A panel is one contiguous run of ``K * 64`` bytes.
+32, 2]`` (bfloat16) or ``[N / 32, K / 4, 32, 4]`` (int8): for each pair (quad) of input features,
+the 32 columns' weights side by side, which is the operand order of ``vdpbf16ps`` (``vpdpbusd``):
+a 512-bit register of 16 columns x 2 bfloat16 (4 int8) features. A panel is one contiguous run of
+``K * 64`` (``K * 32``) bytes.
 
 Algorithm (the register-blocked micro-kernel of Goto & van de Geijn, "Anatomy of
 high-performance matrix multiplication", 2008, as BLIS arranges it; written anew here). Threads
 split the panels; rows run in blocks of 64 so a block of activations stays in L2. For each panel,
-tiles of up to 8 rows keep 8 x 2 vectors of float32 accumulators in registers: per feature pair,
-two loads of the panel, then for each row a broadcast of its two activations and two
-``vdpbf16ps`` (products exact in float32, summed in float32). While a block's tiles walk one
-panel, they prefetch the thread's next panel into L2, a few lines per tile. Results (plus the
-bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does.
+tiles of up to 8 rows keep 8 x 2 vectors of accumulators in registers: per feature pair (quad),
+two loads of the panel, then for each row a broadcast of its 4 bytes of activations and two dot
+instructions (bfloat16: products exact in float32, summed in float32; int8: uint8 activations =
+int8 + 128 times int8 weights, summed exactly in int32, the offset undone with 128 x the
+weight's column sums). While a block's tiles walk one panel, they prefetch the thread's next
+panel into L2, a few lines per tile. Results (int8: times the row's and the column's scales;
+plus the bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does.
 
-Used where the CPU has AVX512_BF16 but not AMX (with AMX, oneDNN's tile kernels are far faster),
-for weights with ``N`` a multiple of 32 and ``K`` even; ``pdserve.layers.linear`` falls back to
-oneDNN otherwise. Built by ``pdserve.layers.native``; ``load_bf16_gemm`` returns None without a C
-compiler or such a CPU.
+Used where the CPU has AVX512_BF16 and AVX512_VNNI but not AMX (with AMX, oneDNN's tile kernels
+are far faster), for weights with ``N`` a multiple of 32 and ``K`` even (int8: a multiple of 4),
+with bfloat16 activations; ``pdserve.layers.linear`` and ``pdserve.layers.quantization`` fall back
+to oneDNN otherwise. Built by ``pdserve.layers.native``; ``load_cpu_gemm`` returns None without a
+C compiler or such a CPU.
 """
 
 from __future__ import annotations
