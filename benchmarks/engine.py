@@ -116,7 +116,7 @@ def main() -> None:
         path = resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     generator = torch.Generator().manual_seed(0)
-    results: dict[str, float] = {}
+    results: dict[str, float | None] = {}
     rows = []
     for spec in args.dtypes.split(","):
         dtype, _, quantization = spec.partition("+")
@@ -144,15 +144,16 @@ def main() -> None:
                 if hf is not None:
                     hf_runs.append(hf_decode(hf, prompts, args.new_tokens))
             prefill_tps, decode_tps = max(r[0] for r in engine_runs), max(r[1] for r in engine_runs)
-            hf_tps = max(hf_runs, default=float("nan"))
+            hf_tps = max(hf_runs, default=None)  # None with --skip-hf: null in the JSON
+            ratio = None if hf_tps is None else decode_tps / hf_tps
             key = f"{spec.replace('+', '_')}_b{batch}"
             results |= {
                 f"{key}_engine_tok_s": decode_tps,
                 f"{key}_hf_tok_s": hf_tps,
-                f"{key}_ratio": decode_tps / hf_tps,
+                f"{key}_ratio": ratio,
+                f"{key}_prefill_tok_s": prefill_tps,
             }
-            results[f"{key}_prefill_tok_s"] = prefill_tps
-            rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, decode_tps / hf_tps))
+            rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
         backend_name = type(runner.attn_backend).__name__ + (
             " + CUDA graphs" if runner.cuda_graph_runner else ""
         )
@@ -162,9 +163,10 @@ def main() -> None:
         f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
     )
     for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
-        print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_tps:>9.1f} {ratio:>6.2f}")
+        hf_cells = "        -      -" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
+        print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
     summary = {"device": args.device, "attention_backend": backend_name}
-    print(json.dumps(summary | {k: round(v, 3) for k, v in results.items()}))
+    print(json.dumps(summary | {k: None if v is None else round(v, 3) for k, v in results.items()}))
 
 
 if __name__ == "__main__":

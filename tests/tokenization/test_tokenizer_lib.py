@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from pdserve.model_source import resolve_model
-from pdserve.tokenization import ChatMessage, ChatTemplateError, Tokenizer
+from pdserve.tokenization import ChatMessage, ChatTemplateError, PromptTooLongError, Tokenizer
 
 CONVERSATION = [
     ChatMessage("system", "You answer in one word."),
@@ -125,3 +125,19 @@ def test_info_reads_config_and_generation_config(tokenizer: Tokenizer, custom_ch
     generation = json.loads((custom_checkpoint / "generation_config.json").read_text())["eos_token_id"]
     assert set(custom.eos_token_ids) == {tokenizer.hf.eos_token_id, config.eos_token_id, *generation}
     assert len(custom.eos_token_ids) == len(set(custom.eos_token_ids))
+
+
+def test_text_too_long_for_the_context_is_refused_before_encoding(tokenizer: Tokenizer) -> None:
+    # every token stands for at most as many characters as its own string: a text more than
+    # (longest token string) x (context length) characters long cannot fit; the bound is twice that
+    longest = max(len(token) for token in tokenizer.hf.get_vocab())
+    context = AutoConfig.from_pretrained(resolve_model()).max_position_embeddings
+    assert tokenizer.max_text_chars == 2 * longest * context
+    too_long = "a" * (tokenizer.max_text_chars + 1)
+    with pytest.raises(PromptTooLongError, match=f"{len(too_long)} characters .* {context} tokens"):
+        tokenizer.encode(too_long)
+    with pytest.raises(PromptTooLongError):
+        tokenizer.encode_batch(["fine", too_long])
+    with pytest.raises(PromptTooLongError):
+        tokenizer.apply_chat_template([ChatMessage("user", too_long)])
+    tokenizer.check_length("a" * tokenizer.max_text_chars)  # at the bound: encoded, left to the context check

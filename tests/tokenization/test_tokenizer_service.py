@@ -76,6 +76,7 @@ async def test_detokenize_and_info(stub, tokenizer: Tokenizer) -> None:
     ("call", "request_", "message"),
     [
         ("Tokenize", pb.TokenizeRequest(), "needs text or chat"),
+        ("Tokenize", pb.TokenizeRequest(text="a" * 2_000_000), "2000000 characters is longer than"),
         ("Tokenize", pb.TokenizeRequest(chat=pb.ChatMessages()), "at least one message"),
         ("Tokenize", chat(tools_json="[{"), "tools_json is not valid JSON"),
         ("Tokenize", chat(tools_json='{"a": 1}'), "must be a JSON list"),

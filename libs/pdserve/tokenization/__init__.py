@@ -2,6 +2,13 @@
 
 from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, ChatTemplateError
 from pdserve.tokenization.info import TokenizerInfo
-from pdserve.tokenization.tokenizer import Tokenizer
+from pdserve.tokenization.tokenizer import PromptTooLongError, Tokenizer
 
-__all__ = ["ChatMessage", "ChatPrompt", "ChatTemplateError", "Tokenizer", "TokenizerInfo"]
+__all__ = [
+    "ChatMessage",
+    "ChatPrompt",
+    "ChatTemplateError",
+    "PromptTooLongError",
+    "Tokenizer",
+    "TokenizerInfo",
+]

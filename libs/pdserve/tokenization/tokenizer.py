@@ -13,6 +13,10 @@ from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, render_c
 from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
 
 
+class PromptTooLongError(ValueError):
+    """A prompt refused before encoding: it cannot fit the model's context."""
+
+
 class Tokenizer:
     """A Hugging Face tokenizer plus the facts about its checkpoint that serving needs.
 
@@ -31,6 +35,24 @@ class Tokenizer:
         # A fast tokenizer whose decode adds no Python post-processing can decode a whole batch in
         # one Rust call; otherwise go through transformers (same text, slower).
         self._rust = hf.backend_tokenizer if hf.is_fast and not hf.clean_up_tokenization_spaces else None
+        # A token stands for at most as many characters of text as its own string has (byte-level
+        # BPE: one character per byte; SentencePiece: one per character), so a text longer than
+        # this needs more tokens than the context holds; twice the bound leaves room for normalizers.
+        longest = max(map(len, hf.get_vocab()), default=1)
+        self.max_text_chars = 2 * longest * self.info.context_length
+
+    def check_length(self, text: str) -> None:
+        """Refuse, before encoding it, a text too long in characters to fit the context in tokens
+        (encoding tens of megabytes would take the service's cores for seconds first).
+
+        Raises:
+            PromptTooLongError: ``text`` is longer than ``max_text_chars`` (context length known).
+        """
+        if self.max_text_chars and len(text) > self.max_text_chars:
+            raise PromptTooLongError(
+                f"prompt of {len(text)} characters is longer than the model's context of "
+                f"{self.info.context_length} tokens can hold"
+            )
 
     @classmethod
     def load(cls, model: str | None = None) -> Tokenizer:
@@ -43,13 +65,24 @@ class Tokenizer:
         return cls(AutoTokenizer.from_pretrained(checkpoint), checkpoint, served_model_name(model))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds."""
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds.
+
+        Raises:
+            PromptTooLongError: see ``check_length``.
+        """
+        self.check_length(text)
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each text, encoded in one batched (Rust-parallel for fast tokenizers) call."""
+        """Token ids of each text, encoded in one batched (Rust-parallel for fast tokenizers) call.
+
+        Raises:
+            PromptTooLongError: see ``check_length``.
+        """
         if not texts:
             return []
+        for text in texts:
+            self.check_length(text)
         return self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
 
     def apply_chat_template(
