@@ -34,6 +34,11 @@ from pdserve.v1 import api_pb2, api_pb2_grpc, tokenizer_pb2
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
+# gRPC ends a call at its deadline itself (DEADLINE_EXCEEDED to the client, the handler cancelled);
+# the gateway's own timer for the call runs this much later so that the two never race to end it
+# (aborting a call gRPC had just ended failed in gRPC's core and was logged as an error).
+DEADLINE_GRACE_S = 0.5
+
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
     def __init__(self, ctx: ServingContext) -> None:
@@ -44,7 +49,9 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         try:
             obj = self._to_generate_req(request)
-            handle = await self.ctx.manager.submit(obj, timeout=context.time_remaining())
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
+            handle = await self.ctx.manager.submit(obj, timeout=timeout)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
         # The handle is closed (and its choices aborted) when the call ends for any reason.
