@@ -163,7 +163,7 @@ def main() -> None:
         f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
     )
     for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
-        hf_cells = "        -      -" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
+        hf_cells = f"{'-':>9} {'-':>6}" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
         print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
     summary = {"device": args.device, "attention_backend": backend_name}
     print(json.dumps(summary | {k: None if v is None else round(v, 3) for k, v in results.items()}))

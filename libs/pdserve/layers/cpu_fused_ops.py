@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from pdserve.layers.native import AVX512_EXP, build_library
+from pdserve.layers.native import AVX512_BF16, AVX512_EXP, build_library
 
 _SOURCE = (
     r"""
@@ -37,6 +37,7 @@ _SOURCE = (
 #include <immintrin.h>
 """
     + AVX512_EXP
+    + AVX512_BF16
     + r"""
 #endif
 
@@ -127,31 +128,11 @@ void NAME(const T* x, T* out, int64_t rows, int64_t d, int threads) {           
 }
 
 #ifdef __AVX512F__
-/* 16 bfloat16 <-> float32 (round to nearest even). */
-static inline __m512 bf16_to_f32_16(__m256i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-static inline __m512 load16_bf16(const uint16_t* x) {
-  return bf16_to_f32_16(_mm256_loadu_si256((const void*)x));
-}
-static inline __m256i round16_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-/* The bfloat16 rows 16 elements at a time (exp512 for the sigmoid instead of libm's expf: the two
-   differ below 3e-7 relative, which moves a result only when it lies that close to a bfloat16
-   rounding boundary); returns how many elements it did. */
+/* The bfloat16 rows 16 elements at a time (silu_mul16_bf16); returns how many elements it did. */
 static inline int64_t vector_silu_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* o, int64_t d) {
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    const __m512 g = load16_bf16(gate + i);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    const __m512 product = _mm512_mul_ps(bf16_to_f32_16(round16_bf16(silu)), load16_bf16(up + i));
-    _mm256_storeu_si256((void*)(o + i), round16_bf16(product));
-  }
+  for (; i + 16 <= d; i += 16)
+    _mm256_storeu_si256((void*)(o + i), silu_mul16_bf16(load16_bf16(gate + i), load16_bf16(up + i)));
   return i;
 }
 #define VECTOR_SILU_uint16_t(gate, up, o, d) vector_silu_bf16(gate, up, o, d)

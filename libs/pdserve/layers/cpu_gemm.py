@@ -44,7 +44,7 @@ import functools
 import torch
 
 from pdserve.layers.cpu_fused_ops import load_fused_ops
-from pdserve.layers.native import AVX512_EXP, build_library
+from pdserve.layers.native import AVX512_BF16, AVX512_EXP, build_library
 
 PANEL = 32  # output columns per panel
 
@@ -58,6 +58,7 @@ _SOURCE = (
 #include <omp.h>
 """
     + AVX512_EXP
+    + AVX512_BF16
     + r"""
 
 #define INLINE static inline __attribute__((always_inline))
@@ -68,28 +69,17 @@ typedef uint16_t bf16;
 
 int gemm_supported(void) { return 1; }
 
-INLINE __m512 bf16x16_to_f32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-INLINE __m512 load_bf16x16(const bf16* p) { return bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)p)); }
-INLINE __m256i round_bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  /* nearest-even */
-
 /* A row's two accumulators (+ biases), rounded: stored at c0 and c1, or with silu, silu(c0's
-   values) * c1's values at c0, rounded where Hugging Face's bfloat16 modules round (gate and up,
-   silu(gate), the product). */
+   values) * c1's values at c0 (silu_mul16_bf16 on the rounded gate and up). */
 INLINE void store_row(int silu, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, bf16* c0, bf16* c1) {
-  const __m256i lo = round_bf16x16(_mm512_add_ps(acc0, bias0));
-  const __m256i hi = round_bf16x16(_mm512_add_ps(acc1, bias1));
-  if (!silu) {
+  const __m256i lo = round16_bf16(_mm512_add_ps(acc0, bias0));
+  const __m256i hi = round16_bf16(_mm512_add_ps(acc1, bias1));
+  if (silu) {
+    _mm256_storeu_si256((__m256i*)c0, silu_mul16_bf16(bf16_to_f32_16(lo), bf16_to_f32_16(hi)));
+  } else {
     _mm256_storeu_si256((__m256i*)c0, lo);
     _mm256_storeu_si256((__m256i*)c1, hi);
-    return;
   }
-  const __m512 gate = bf16x16_to_f32(lo);
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-  const __m512 act = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __m512 product = _mm512_mul_ps(bf16x16_to_f32(round_bf16x16(act)), bf16x16_to_f32(hi));
-  _mm256_storeu_si256((__m256i*)c0, round_bf16x16(product));
 }
 
 /* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
@@ -137,8 +127,8 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
       }
     }
   }
-  const __m512 bias0 = g->bias ? load_bf16x16(g->bias + col0) : _mm512_setzero_ps();
-  const __m512 bias1 = g->bias ? load_bf16x16(g->bias + col1) : _mm512_setzero_ps();
+  const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
+  const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
   __m512i comp0 = _mm512_setzero_si512(), comp1 = comp0;
   __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
   if (int8) {
@@ -259,7 +249,7 @@ class PanelWeight:
         """The same weight in the ``halves`` layout (for ``silu_and_mul``)."""
         if self.halves:
             return self
-        panels, steps, _, group = self.data.shape
+        group = self.data.shape[-1]
         rows = self.data.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
         return PanelWeight(self._gemm, _panels(rows, group, True), True, self.w_scale, self.w_comp)
 
