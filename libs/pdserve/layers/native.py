@@ -64,10 +64,14 @@ static inline __m512 load16_bf16(const uint16_t* x) {
   return bf16_to_f32_16(_mm256_loadu_si256((const void*)x));
 }
 static inline __m256i round16_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+  return (__m256i)_mm512_cvtneps_pbh(x);  /* the same rounding in one instruction */
+#else
   const __m512i u = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
 }
 static inline __m256i silu_mul16_bf16(__m512 gate, __m512 up) {
   const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
