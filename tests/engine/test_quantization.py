@@ -11,7 +11,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 from pdserve.layers.linear import Linear
-from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method
+from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method, int8_weight_max
 from tests.engine.driver import Driver
 
 
@@ -33,11 +33,12 @@ def test_quantize_rows_is_symmetric_per_row_int8(dtype):
 
 def quantized_reference(q_x, scale_x, weight, bias) -> torch.Tensor:
     """The int8 GEMM and epilogue in float64, from the layer's own quantized activations (uint8, offset
-    by 128), with the weight quantized independently here (symmetric per output channel, round half
-    to even)."""
+    by 128), with the weight quantized independently here (symmetric per output channel to the CPU's
+    largest exact weight magnitude, round half to even)."""
     w = weight.float()
-    scale_w = w.abs().amax(dim=1) / 127
-    q_w = torch.round(w / scale_w[:, None]).clamp(-127, 127)
+    qmax = int8_weight_max()
+    scale_w = w.abs().amax(dim=1) / qmax
+    q_w = torch.round(w / scale_w[:, None]).clamp(-qmax, qmax)
     out = ((q_x.double() - 128) @ q_w.double().T) * scale_x.double()[:, None] * scale_w.double()[None, :]
     return out if bias is None else out + bias.double()
 

@@ -9,16 +9,14 @@ from typing import Any
 
 import torch
 
+from pdserve.layers.native import cpu_has
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def cpu_has_bf16() -> bool:
     """True when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_has("avx512_bf16", "amx_bf16")
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:

@@ -9,6 +9,7 @@ concurrent builders each install a complete file atomically. Without a working C
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -112,6 +113,7 @@ def build_library(name: str, source: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(path))
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         return next(
@@ -119,3 +121,9 @@ def _cpu_flags() -> str:
         )
     except (OSError, StopIteration):
         return ""
+
+
+def cpu_has(*flags: str) -> bool:
+    """True when ``/proc/cpuinfo`` lists any of ``flags`` (e.g. ``"avx512_vnni"``, ``"avx_vnni"``)."""
+    have = set(_cpu_flags().split())
+    return any(flag in have for flag in flags)

@@ -1,7 +1,8 @@
 """W8A8 int8 linear layers for CPUs: ``--quantization w8a8_int8`` (the name SGLang gives the scheme).
 
 Weights are quantized once after loading, symmetric int8 per output channel (``s_w[n] =
-max|W[n, :]| / 127``); activations are quantized on the fly, symmetric int8 per token (``s_x[m] =
+max|W[n, :]| / 127``; ``/ 63`` on CPUs without VNNI, where oneDNN's int8 GEMM would saturate: see
+``int8_weight_max``); activations are quantized on the fly, symmetric int8 per token (``s_x[m] =
 max|x[m, :]| / 127``), the per-token x per-channel scaling of LLM.int8() (Dettmers et al. 2022) and
 SmoothQuant's W8A8 (Xiao et al. 2023) without outlier handling. Then
 
@@ -29,6 +30,17 @@ import torch
 
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import load_cpu_gemm
+from pdserve.layers.native import cpu_has
+
+
+def int8_weight_max() -> int:
+    """The largest weight magnitude of the int8 quantization on this CPU: 127 where it has VNNI
+    (AVX-512 VNNI or AVX-VNNI: ``vpdpbusd`` sums uint8 x int8 products in int32), else 63. Without
+    VNNI oneDNN's int8 GEMM multiplies with ``vpmaddubsw``, whose pairs of uint8 x int8 products sum
+    in saturating int16 (up to 2 x 255 x 127 = 64,770 > 32,767, silently wrong results); with 7-bit
+    weights a pair stays within 2 x 255 x 63 = 32,130, so the GEMM is exact (the weight-side form
+    of fbgemm's ``reduce_range``)."""
+    return 127 if cpu_has("avx512_vnni", "avx_vnni") else 63
 
 
 class W8A8Int8LinearMethod:
@@ -53,8 +65,9 @@ class W8A8Int8LinearMethod:
         ):
             raise RuntimeError("w8a8_int8 needs the CPU fused ops (a C compiler), oneDNN and a CPU device")
         w = weight.float()
-        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        weight_q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        qmax = int8_weight_max()
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / qmax
+        weight_q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
         gemm = load_cpu_gemm()
         if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight_q, int8=True):
             layer.packed = gemm.pack_int8(weight_q, scale)
