@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.rpc import tls
+
 
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
     """Use ``PDSERVE_<DEST_UPPER>`` environment variables as defaults for ``parser``'s options.
@@ -51,12 +53,28 @@ _BOOLS = {
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    """Flags of an internal service's gRPC server: address, TLS (``tls.add_tls_args``), logging."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (an internal address)")
     parser.add_argument("--port", type=int, default=port, help="gRPC port to bind")
     parser.add_argument(
         "--advertise-host", default=None, help="host other services use to reach this one (default: --host)"
     )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="with TLS: a plaintext port serving only grpc.health.v1, for probes without TLS (Kubernetes)",
+    )
     parser.add_argument("--log-level", default="info", help="logging level")
+    tls.add_tls_args(parser)
+
+
+def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse a service's flags and set this process's internal TLS identity from ``--tls-*``
+    (``tls.configure``); bad TLS flags exit through ``parser.error``."""
+    args = parser.parse_args(argv)
+    tls.configure(tls.identity_from_args(parser, args))
+    return args
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, setup_logging
+from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
-from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.decode.servicer import DecodeServicer
@@ -40,12 +40,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     role = "mixed" if args.colocated else "decode"
-    server = GrpcServer(
-        f"{args.host}:{args.port}", [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name]
-    )
+    server = internal_server(args, [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, role)
-    agent = build_kv_agent(scheduler, role, address) if role == "decode" else None
+    agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
     servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
@@ -61,7 +59,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    args = parse_service_args(make_parser(), argv)
     setup_logging(args.log_level, "decode")
     run_service(lambda stop: serve(args, stop))
 

@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from pdserve.kv_transfer import KVTransferAgent
+from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
 from pdserve.services.common.convert import (
@@ -25,7 +26,7 @@ class PrefillPeer:
     def __init__(self, address: str, agent: KVTransferAgent) -> None:
         self.address = address
         self.agent = agent
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
         self.peer_incarnation = ""
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.cli_args import add_model_arg, add_server_args, apply_env_defaults, setup_logging
+from pdserve.cli_args import (
+    add_model_arg,
+    add_server_args,
+    apply_env_defaults,
+    parse_service_args,
+    setup_logging,
+)
 from pdserve.detokenize import IncrementalDetokenizer
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
-from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.rpc.server import GrpcServer, internal_server, run_service
 from pdserve.services.detokenizer.servicer import SERVICE_NAME, DetokenizerServicer
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import output_pb2_grpc
@@ -34,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def start_server(args: argparse.Namespace) -> tuple[GrpcServer, DetokenizerServicer]:
     """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops both."""
     tokenizer = await asyncio.to_thread(Tokenizer.load, args.model)
-    server = GrpcServer(f"{args.host}:{args.port}", [SERVICE_NAME])
+    server = internal_server(args, [SERVICE_NAME])
     servicer = DetokenizerServicer(
         IncrementalDetokenizer(tokenizer), worker=server.address, gateway_dead_after=args.gateway_dead_after
     )
@@ -52,7 +58,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_service_args(build_parser(), argv)
     setup_logging(args.log_level, "detokenizer")
     run_service(lambda stop: serve(args, stop))
 

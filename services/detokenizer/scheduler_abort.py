@@ -7,6 +7,7 @@ import logging
 
 import grpc
 
+from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -28,7 +29,7 @@ class SchedulerAborter:
     def abort(self, address: str, rid: str, reason: str) -> None:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = self._channels[address] = tls.internal_channel(address, GRPC_OPTIONS)
         task = asyncio.get_running_loop().create_task(self._call(channel, address, rid, reason))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -11,6 +11,7 @@ from typing import Literal
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import from_rpc_error
@@ -63,7 +64,7 @@ class BackendClients:
         if stub is None:
             channel = self._channels.get(address)
             if channel is None:
-                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                channel = tls.internal_channel(address, _CHANNEL_OPTIONS)
                 self._channels[address] = channel
             stub = self._stubs[key] = _STUBS[kind](channel)
         return stub

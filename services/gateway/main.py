@@ -1,7 +1,11 @@
 """Gateway entry point: ``pdserve gateway [flags]`` (every flag also from env ``PDSERVE_<FLAG>``).
 
-One asyncio loop (uvloop) runs both servers: uvicorn for the HTTP API and one grpc.aio server for
-the public ``PdServe`` API and the internal ``GatewayOutput`` stream from the detokenizers.
+One asyncio loop (uvloop) runs three servers. Public (``--host``): uvicorn for the HTTP API and a
+grpc.aio server for the ``PdServe`` API (plus health and reflection), nothing else. Internal
+(``--internal-host``): a grpc.aio server for the ``GatewayOutput`` streams from the detokenizers, which
+a public client never reaches (it would otherwise name another client's rid and write into its stream).
+With ``--tls-*`` the internal server demands client certificates from the internal CA, and the public
+listeners serve TLS (see ``public_tls``).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import uvicorn
 
 from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
 from pdserve.model_source import served_model_name
+from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.grpc_api import PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
 from pdserve.services.gateway.request_manager import ManagerConfig, RequestManager
 from pdserve.services.gateway.request_state import GatewayOutputServicer, RequestRegistry
 from pdserve.services.gateway.router import POLICIES, Router, WorkerPool
@@ -30,23 +36,31 @@ from pdserve.v1 import api_pb2, api_pb2_grpc, output_pb2, output_pb2_grpc
 
 logger = logging.getLogger("pdserve.gateway")
 
-GRPC_SERVICES = [
-    api_pb2.DESCRIPTOR.services_by_name["PdServe"].full_name,
-    output_pb2.DESCRIPTOR.services_by_name["GatewayOutput"].full_name,
-]
+PUBLIC_SERVICES = [api_pb2.DESCRIPTOR.services_by_name["PdServe"].full_name]
+INTERNAL_SERVICES = [output_pb2.DESCRIPTOR.services_by_name["GatewayOutput"].full_name]
 ROLES = ("tokenizer", "detokenizer", "decode", "prefill")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve gateway", description=__doc__)
     add_model_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="address both servers bind")
+    p.add_argument("--host", default="127.0.0.1", help="address the public servers (HTTP, gRPC API) bind")
     p.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port; 0 = any free")
+    p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (PdServe); 0 = any")
     p.add_argument(
-        "--grpc-port", type=int, default=50051, help="gRPC port (PdServe + GatewayOutput); 0 = any"
+        "--internal-host", default="127.0.0.1", help="address the internal gRPC server (GatewayOutput) binds"
+    )
+    p.add_argument("--internal-grpc-port", type=int, default=0, help="internal gRPC port; 0 = any free")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host the detokenizers reach the internal server at (default: --internal-host)",
     )
     p.add_argument(
-        "--advertise-host", default="127.0.0.1", help="host the detokenizers reach this gateway at"
+        "--health-port",
+        type=int,
+        default=None,
+        help="with public TLS: a plaintext port serving only grpc.health.v1, for probes without TLS",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
     for role in ROLES:
@@ -69,16 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
     p.add_argument("--log-level", default="info")
+    tls.add_tls_args(p)
+    add_public_tls_args(p)
     apply_env_defaults(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The gateway's flags; ``args.identity`` (internal mTLS) and ``args.public_tls`` are resolved
+    from the TLS flags (None: plaintext). Exits with status 2 on a missing backend or bad TLS flags."""
     parser = build_parser()
     args = parser.parse_args(argv)
     for role in ("tokenizer", "detokenizer", "decode"):
         if not addresses(getattr(args, f"{role}_addresses")):
             parser.error(f"--{role}-addresses is required")
+    args.identity = tls.identity_from_args(parser, args)
+    args.public_tls = public_tls_from_args(parser, args)
     return args
 
 
@@ -98,26 +118,43 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class Gateway:
-    """Both servers of one gateway replica, started by ``start`` and stopped by ``stop``.
+    """The servers of one gateway replica, started by ``start`` and stopped by ``stop``.
+
+    Sets this process's internal TLS identity (``tls.configure``) from ``args.identity``.
 
     Attributes:
-        http_port, grpc_port: the bound ports (useful with port 0).
-        grpc_address: the advertised "host:port" that detokenizers push outputs to.
+        http_port, grpc_port: the bound public ports (useful with port 0).
+        grpc_address: "host:port" of the public gRPC API.
+        internal_address: the advertised "host:port" that detokenizers push outputs to.
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        tls.configure(args.identity)
+        public_tls: PublicTls | None = args.public_tls
         pools = {role: WorkerPool(role, addresses(getattr(args, f"{role}_addresses"))) for role in ROLES}
         self.clients = BackendClients()
         self.metrics = GatewayMetrics()
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
         interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
-        self.grpc = GrpcServer(f"{args.host}:{args.grpc_port}", GRPC_SERVICES, interceptors)
+        self.grpc = GrpcServer(
+            f"{args.host}:{args.grpc_port}",
+            PUBLIC_SERVICES,
+            interceptors,
+            credentials=public_tls.grpc_credentials() if public_tls else None,
+            health_address=None if args.health_port is None else f"{args.host}:{args.health_port}",
+        )
         self.grpc_port = self.grpc.port
-        self.grpc_address = f"{args.advertise_host}:{self.grpc_port}"
+        self.grpc_address = f"{args.host}:{self.grpc_port}"
+        self.internal = GrpcServer(
+            f"{args.internal_host}:{args.internal_grpc_port}",
+            INTERNAL_SERVICES,
+            credentials=tls.server_credentials(),
+        )
+        self.internal_address = f"{args.advertise_host or args.internal_host}:{self.internal.port}"
         config = ManagerConfig(
-            gateway_address=self.grpc_address,
+            gateway_address=self.internal_address,
             max_pending_requests=args.max_pending_requests,
             request_timeout=args.request_timeout,
             default_max_tokens=args.default_max_tokens,
@@ -136,7 +173,7 @@ class Gateway:
         )
         self.ctx = ctx = ServingContext(self.manager, args.served_model_name or served_model_name(args.model))
         self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx))
-        self.grpc.add(
+        self.internal.add(
             output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
         )
         state = GatewayState(
@@ -145,7 +182,7 @@ class Gateway:
             clients=self.clients,
             metrics=self.metrics,
             metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
-            worker_name=self.grpc_address,
+            worker_name=self.internal_address,
         )
         app = build_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
         uv_config = uvicorn.Config(
@@ -156,19 +193,21 @@ class Gateway:
             log_level=args.log_level.lower(),
             access_log=args.log_level.lower() == "debug",
             timeout_graceful_shutdown=_HTTP_CLOSE_TIMEOUT_S,
+            **(public_tls.uvicorn_options() if public_tls else {}),
         )
         self.http = _EmbeddedUvicorn(uv_config)
         self.http_port = args.port
         self._http_task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Start the gRPC server (SERVING), the worker monitor, then uvicorn; returns once both listen.
+        """Start the gRPC servers (SERVING), the worker monitor, then uvicorn; returns once all listen.
 
         Raises:
             RuntimeError: uvicorn failed to start (e.g. the port is taken).
         """
-        await self.grpc.start()
-        await self.grpc.set_serving(True)
+        for server in (self.internal, self.grpc):
+            await server.start()
+            await server.set_serving(True)
         self.monitor.start()
         self._http_task = asyncio.get_running_loop().create_task(self.http.serve())
         while not self.http.started:
@@ -179,8 +218,10 @@ class Gateway:
         self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
         args = self.args
         logger.info(
-            "gateway up: HTTP %s:%d, gRPC %s, model %r, router %s",
-            args.host, self.http_port, self.grpc_address, self.ctx.served_model_name, args.router_policy,
+            "gateway up: HTTP%s %s:%d, public gRPC %s, internal gRPC %s%s, model %r, router %s",
+            "S" if args.public_tls else "", args.host, self.http_port, self.grpc_address,
+            self.internal_address, " (mTLS)" if args.identity else "", self.ctx.served_model_name,
+            args.router_policy,
         )  # fmt: skip
 
     async def stop(self) -> None:
@@ -196,6 +237,7 @@ class Gateway:
                 await self._http_task
         await self.monitor.stop()
         await self.grpc.stop(grace=2.0)
+        await self.internal.stop(grace=2.0)
         await self.clients.close()
 
 

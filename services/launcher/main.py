@@ -13,14 +13,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 
 from pdserve.cli_args import add_engine_args, add_model_arg, setup_logging
 from pdserve.model_source import resolve_model
+from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
+from pdserve.services.launcher.ports import PortReservation
 from pdserve.services.launcher.supervisor import Supervisor
-from pdserve.services.launcher.topology import build_topology, taken_binds, visible_gpus
+from pdserve.services.launcher.topology import ServiceSpec, build_topology, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -55,15 +58,19 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, help="YAML file of option values (see below)")
     add_model_arg(p)
-    p.add_argument("--host", default="127.0.0.1", help="gateway HTTP/gRPC bind address")
+    p.add_argument("--host", default="127.0.0.1", help="public bind address (gateway HTTP and gRPC API)")
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port")
-    p.add_argument("--internal-host", default="127.0.0.1", help="address the internal services bind")
+    p.add_argument(
+        "--internal-host",
+        default="127.0.0.1",
+        help="address every internal service binds (and NIXL/UCX uses: its interface is UCX_NET_DEVICES)",
+    )
     p.add_argument(
         "--internal-port-base",
         type=int,
         default=30000,
-        help="internal ports: +1 tokenizer, +2 detokenizer, +10+i prefill-i, +20+i decode-i",
+        help="internal ports: +1 tokenizer, +2 detokenizer, +3 gateway, +10+i prefill-i, +20+i decode-i",
     )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
@@ -84,7 +91,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="how the gateway picks workers",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
-    p.add_argument("--api-key", default=None, help="require this key on the HTTP and gRPC APIs")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on the HTTP and gRPC APIs (give it as PDSERVE_API_KEY or in --config: "
+        "a command line is visible to every user in ps)",
+    )
     p.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds a service may take to become healthy"
     )
@@ -95,6 +107,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="on shutdown, seconds in-flight requests get to finish (new ones: 503); the rest is aborted",
     )
     p.add_argument("--log-level", default="info", help="log level of the launcher and every service")
+    tls.add_tls_args(p)
+    p.add_argument(
+        "--public-client-ca",
+        default=None,
+        help="with --tls-*: require client certificates signed by this PEM CA on the public gRPC API",
+    )
     return p
 
 
@@ -111,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prefill must be at least 1 (or use --colocated)")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    args.identity = tls.identity_from_args(parser, args)
+    if args.public_client_ca and not args.identity:
+        parser.error("--public-client-ca needs --tls-cert, --tls-key and --tls-ca")
     if args.attention_backend == "flashinfer" and args.device == "cpu":
         parser.error("--attention-backend flashinfer runs on CUDA only (pdserve[cuda] on a GPU machine)")
     needs_gpu = args.device.startswith("cuda") or args.attention_backend == "flashinfer"
@@ -133,19 +154,14 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
     finally:
         console.status("")
     specs = build_topology(args, model_dir)
-    taken = taken_binds(specs)
-    if taken:
-        logger.error(
-            "cannot start: %s already in use (another pdserve?); choose other --port, --grpc-port "
-            "or --internal-port-base",
-            ", ".join(f"{host}:{port}" for host, port in taken),
-        )
-        raise SystemExit(1)
+    reservation = _hold_ports(specs)
+    tls.configure(args.identity)  # the health checks of the internal services speak mutual TLS
     supervisor = Supervisor(
         specs,
         console,
         startup_timeout=args.startup_timeout,
         drain_timeout=args.drain_timeout,
+        http_verify=_https_health_context(args.tls_ca) if args.identity else True,
     )
 
     def on_signal() -> None:
@@ -159,15 +175,40 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         loop.add_signal_handler(sig, on_signal)
     try:
         if await _start(supervisor, stop):
+            scheme, over = ("https", " over TLS") if args.identity else ("http", "")
             console.print(
-                f"pdserve is up: OpenAI API at http://{args.host}:{args.port}/v1, "
-                f"gRPC at {args.host}:{args.grpc_port} (Ctrl-C to stop)"
+                f"pdserve is up: OpenAI API at {scheme}://{args.host}:{args.port}/v1, "
+                f"gRPC at {args.host}:{args.grpc_port}{over} (Ctrl-C to stop)"
             )
             await supervisor.supervise(stop)
             logger.info("shutting down: draining the gateway (up to %.0f s)", args.drain_timeout)
     finally:
         await supervisor.stop_all()
+        reservation.close()
         logger.info("every service stopped")
+
+
+def _hold_ports(specs: list[ServiceSpec]) -> PortReservation:
+    """Every fixed port, held before anything starts so that no ephemeral port can take it (see
+    ``ports``); exits with status 1 naming the ports something already listens on."""
+    reservation = PortReservation(bind for spec in specs for bind in spec.binds)
+    if reservation.taken:
+        reservation.close()
+        logger.error(
+            "cannot start: %s already in use (another pdserve?); choose other --port, --grpc-port "
+            "or --internal-port-base",
+            ", ".join(f"{host}:{port}" for host, port in reservation.taken),
+        )
+        raise SystemExit(1)
+    return reservation
+
+
+def _https_health_context(ca: str) -> ssl.SSLContext:
+    """Verifies the gateway's certificate against the internal CA, not its name: the launcher dials
+    its own child at the address it gave it (the certificate may name only --tls-server-name)."""
+    context = ssl.create_default_context(cafile=ca)
+    context.check_hostname = False
+    return context
 
 
 async def _start(supervisor: Supervisor, stop: asyncio.Event) -> bool:

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import signal
+import ssl
 import time
 
 import httpx
@@ -37,6 +38,7 @@ class Supervisor:
             finish; it then has ``ABORT_MARGIN_S`` more to abort what is left and exit before it is
             killed.
         grace: seconds every other service gets between SIGTERM and SIGKILL.
+        http_verify: how the gateway's HTTPS health check verifies its certificate (httpx ``verify``).
 
     Attributes:
         children: name -> the running ``Child``.
@@ -50,6 +52,7 @@ class Supervisor:
         startup_timeout: float = 600.0,
         drain_timeout: float = 30.0,
         grace: float = 10.0,
+        http_verify: ssl.SSLContext | bool = True,
     ) -> None:
         self.specs = specs
         self.console = console
@@ -57,6 +60,7 @@ class Supervisor:
         self.startup_timeout = startup_timeout
         self.drain_timeout = drain_timeout
         self.grace = grace
+        self.http_verify = http_verify
         self.children: dict[str, Child] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
@@ -77,7 +81,7 @@ class Supervisor:
         if not spec.health.startswith("http"):
             return await wait_for_health(spec.health, self.startup_timeout)
         deadline = time.monotonic() + self.startup_timeout
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with httpx.AsyncClient(timeout=2.0, verify=self.http_verify) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(spec.health)).status_code == 200:

@@ -1,15 +1,16 @@
 """Which processes a one-machine deployment runs, with their flags and ports.
 
-Ports: the gateway binds ``--port`` (HTTP) and ``--grpc-port``; the internal services bind
-``--internal-port-base`` + 1 (tokenizer), + 2 (detokenizer), + 10 + i (prefill-i) and + 20 + i (decode-i;
-with more than 10 prefill workers the decode ports start right after the last prefill port).
+Ports: the gateway's public servers bind ``--host``: ``--port`` (HTTP) and ``--grpc-port`` (public
+gRPC API). Everything else binds ``--internal-host``: ``--internal-port-base`` + 1 (tokenizer), + 2
+(detokenizer), + 3 (the gateway's internal gRPC server, where detokenizers stream outputs to), + 10 + i
+(prefill-i) and + 20 + i (decode-i; with more than 10 prefill workers the decode ports start right
+after the last prefill port). With ``--tls-*`` every service gets the same certificate flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,19 +85,13 @@ def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def taken_binds(specs: list[ServiceSpec]) -> list[tuple[str, int]]:
-    """The (host, port) pairs of ``specs`` that something on this machine already listens on
-    (a bind test with SO_REUSEADDR, as the servers bind: a port in TIME_WAIT counts as free)."""
-    taken = []
-    for host, port in (bind for spec in specs for bind in spec.binds):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError:
-                taken.append((host, port))
-    return taken
+def tls_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--tls-*`` flags every service gets (file paths, not secrets: the key stays in its file)."""
+    flags = []
+    for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name"):
+        if value := getattr(args, name):
+            flags += [f"--{name.replace('_', '-')}", value]
+    return flags
 
 
 def visible_gpus() -> list[str]:
@@ -129,7 +124,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     """Services in start order: tokenizer, detokenizer, prefill workers, decode workers, gateway."""
     host = args.internal_host
     base = args.internal_port_base
-    common = ["--model", model_dir, "--host", host, "--log-level", args.log_level]
+    common = ["--model", model_dir, "--host", host, "--log-level", args.log_level, *tls_flags(args)]
     tok = f"{host}:{base + 1}"
     detok = f"{host}:{base + 2}"
     specs = [
@@ -165,7 +160,10 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         "--host", args.host,
         "--port", str(args.port),
         "--grpc-port", str(args.grpc_port),
+        "--internal-host", host,
+        "--internal-grpc-port", str(base + 3),
         "--log-level", args.log_level,
+        *tls_flags(args),
         "--tokenizer-addresses", tok,
         "--detokenizer-addresses", detok,
         "--decode-addresses", ",".join(decodes),
@@ -175,8 +173,10 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     ]  # fmt: skip
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
+    if args.public_client_ca:
+        gateway += ["--public-client-ca", args.public_client_ca]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
-    health = f"http://{args.host}:{args.port}/health"
-    binds = [(args.host, args.port), (args.host, args.grpc_port)]
+    health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
+    binds = [(args.host, args.port), (args.host, args.grpc_port), (host, base + 3)]
     specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds))
     return specs

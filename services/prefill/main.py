@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, setup_logging
-from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
+from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.prefill.servicer import PrefillServicer
@@ -25,10 +25,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     service = scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name
-    server = GrpcServer(f"{args.host}:{args.port}", [service])
+    server = internal_server(args, [service])
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, "prefill")
-    servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address))
+    servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address, args.host))
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))
@@ -41,7 +41,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    args = parse_service_args(make_parser(), argv)
     setup_logging(args.log_level, "prefill")
     run_service(lambda stop: serve(args, stop))
 

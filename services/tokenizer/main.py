@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pdserve.cli_args import add_model_arg, add_server_args, apply_env_defaults, setup_logging
-from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.cli_args import (
+    add_model_arg,
+    add_server_args,
+    apply_env_defaults,
+    parse_service_args,
+    setup_logging,
+)
+from pdserve.rpc.server import GrpcServer, internal_server, run_service
 from pdserve.services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import tokenizer_pb2_grpc
@@ -26,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def start_server(args: argparse.Namespace) -> GrpcServer:
     """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops it."""
     tokenizer = await asyncio.to_thread(Tokenizer.load, args.model)
-    server = GrpcServer(f"{args.host}:{args.port}", [SERVICE_NAME])
+    server = internal_server(args, [SERVICE_NAME])
     server.add(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, TokenizerServicer(tokenizer))
     await server.start()
     await server.set_serving(True)
@@ -40,7 +46,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_service_args(build_parser(), argv)
     setup_logging(args.log_level, "tokenizer")
     run_service(lambda stop: serve(args, stop))
 

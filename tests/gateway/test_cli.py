@@ -16,12 +16,8 @@ def test_env_supplies_flags_and_flags_win(monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_ROUTER_POLICY", "least_load")
     args = parse_args(BACKENDS)
     assert (args.api_key, args.max_pending_requests, args.router_policy) == ("sk-env", 7, "least_load")
-    assert (args.port, args.grpc_port, args.host, args.advertise_host) == (
-        8000,
-        50051,
-        "127.0.0.1",
-        "127.0.0.1",
-    )
+    assert (args.port, args.grpc_port, args.host) == (8000, 50051, "127.0.0.1")
+    assert (args.internal_host, args.internal_grpc_port, args.advertise_host) == ("127.0.0.1", 0, None)
     assert parse_args([*BACKENDS, "--api-key", "sk-flag"]).api_key == "sk-flag"
 
 

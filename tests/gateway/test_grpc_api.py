@@ -1,7 +1,8 @@
 """The public gRPC API (PdServe) and the internal GatewayOutput service, without schedulers.
 
 Real grpc.aio clients against the gateway of ``local_gateway``: API key, status codes, ListModels,
-and requests refused with the same message as their HTTP equivalents.
+requests refused with the same message as their HTTP equivalents, and the two planes apart (the
+public port serves no internal service; the internal port serves no public one).
 """
 
 from __future__ import annotations
@@ -10,10 +11,21 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from transformers import AutoConfig
 
 from pdserve.model_source import resolve_model
-from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2, output_pb2, output_pb2_grpc, tokenizer_pb2
+from pdserve.v1 import (
+    api_pb2,
+    api_pb2_grpc,
+    common_pb2,
+    output_pb2,
+    output_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from tests.gateway.conftest import API_KEY
 from tests.reference import chat_ids
 
@@ -174,12 +186,58 @@ async def test_abort_of_unknown_rid_is_not_found(channel) -> None:
     assert resp.found is False
 
 
-async def test_internal_services_need_no_key(channel) -> None:
+INTERNAL_CALLS = {
+    "GatewayOutput.StreamStrOutputs": lambda ch: output_pb2_grpc.GatewayOutputStub(ch).StreamStrOutputs(
+        iter([output_pb2.BatchStrOutput(outputs=[output_pb2.StrOutput(rid="not-mine", text_delta="x")])])
+    ),
+    "Detokenizer.StreamTokenIDs": lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs(
+        iter([output_pb2.BatchTokenIDOutput()])
+    ),
+    "Tokenizer.Tokenize": lambda ch: tokenizer_pb2_grpc.TokenizerStub(ch).Tokenize(
+        tokenizer_pb2.TokenizeRequest(text="hi")
+    ),
+    "DecodeScheduler.Generate": lambda ch: scheduler_pb2_grpc.DecodeSchedulerStub(ch).Generate(
+        scheduler_pb2.TokenizedGenerateReqInput(rid="x", input_ids=[1])
+    ),
+    "DecodeScheduler.Abort": lambda ch: scheduler_pb2_grpc.DecodeSchedulerStub(ch).Abort(
+        scheduler_pb2.AbortRequest(rid="x")
+    ),
+    "PrefillScheduler.ExchangeKVAgentInfo": lambda ch: scheduler_pb2_grpc.PrefillSchedulerStub(
+        ch
+    ).ExchangeKVAgentInfo(scheduler_pb2.KVAgentInfo()),
+}
+
+
+@pytest.mark.parametrize("call", sorted(INTERNAL_CALLS))
+@pytest.mark.parametrize("metadata", [(), AUTH], ids=["no-key", "key"])
+async def test_public_port_refuses_internal_services(channel, call, metadata) -> None:
+    """No internal service answers on the public port, with or without the API key: a client cannot
+    write text into another client's stream (GatewayOutput) nor reach a scheduler through it."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await INTERNAL_CALLS[call](channel)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value
+
+
+async def test_public_port_lists_only_the_public_api(channel, local_gateway) -> None:
     health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    [reply] = [r async for r in stub.ServerReflectionInfo(iter([request]))]
+    services = {s.name for s in reply.list_services_response.service}
+    assert services == {"pdserve.v1.PdServe", "grpc.health.v1.Health", reflection.SERVICE_NAME}
+    models = await api_pb2_grpc.PdServeStub(channel).ListModels(api_pb2.ListModelsRequest(), metadata=AUTH)
+    assert [m.id for m in models.models] == [MODEL]
 
-    async def outputs():
-        yield output_pb2.BatchStrOutput(outputs=[output_pb2.StrOutput(rid="not-mine", text_delta="x")])
 
-    ack = await output_pb2_grpc.GatewayOutputStub(channel).StreamStrOutputs(outputs())
-    assert isinstance(ack, output_pb2.StreamAck)
+async def test_internal_port_serves_gateway_output_only(local_gateway) -> None:
+    """The detokenizers' GatewayOutput stream is on the internal address (no API key there: the plane is
+    private, and mutual TLS when configured); the public API is not."""
+    address = local_gateway.gateway.internal_address
+    assert address.startswith("127.0.0.1:") and address != local_gateway.grpc_address
+    async with grpc.aio.insecure_channel(address) as internal:
+        ack = await INTERNAL_CALLS["GatewayOutput.StreamStrOutputs"](internal)
+        assert isinstance(ack, output_pb2.StreamAck)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await api_pb2_grpc.PdServeStub(internal).ListModels(api_pb2.ListModelsRequest(), metadata=AUTH)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from pdserve.services.launcher.main import make_parser
-from pdserve.services.launcher.topology import build_topology, taken_binds
+from pdserve.services.launcher.ports import PortReservation
+from pdserve.services.launcher.topology import build_topology
+from tests.stack import free_port_block
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -75,14 +79,56 @@ def test_taken_ports_are_found_before_anything_starts() -> None:
     args = make_parser().parse_args(["--internal-port-base", "0", "--port", "0", "--grpc-port", "0"])
     specs = build_topology(args, "/m")
     binds = [b for s in specs for b in s.binds]
-    assert len(binds) == len(specs) + 1  # one port each, two for the gateway (HTTP and gRPC)
+    assert len(binds) == len(specs) + 2  # one port each, three for the gateway (HTTP, gRPC, internal)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        specs[0].binds = [("127.0.0.1", port)]
-        assert taken_binds(specs[:1]) == [("127.0.0.1", port)]
-    assert taken_binds(specs[:1]) == []
+        with PortReservation([("127.0.0.1", port)]) as held:
+            assert held.taken == [("127.0.0.1", port)]
+    with PortReservation([("127.0.0.1", port)]) as held:
+        assert held.taken == []
+
+
+def test_held_ports_are_never_ephemeral_yet_their_service_listens() -> None:
+    """A held port: its service binds and listens on it (SO_REUSEADDR, as gRPC and uvicorn bind);
+    a plain bind (without SO_REUSEADDR) fails, so no process can take it by accident."""
+    port = free_port_block(1)
+    with PortReservation([("127.0.0.1", port)]) as held:
+        assert held.taken == []
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        with socket.socket() as service:
+            service.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            service.bind(("127.0.0.1", port))
+            service.listen()
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                service.accept()[0].close()
+
+
+def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None:
+    args = make_parser().parse_args(
+        ["--internal-host", "10.1.2.3", "--internal-port-base", "40000", "--host", "0.0.0.0",
+         "--tls-cert", "/c.pem", "--tls-key", "/k.pem", "--tls-ca", "/ca.pem", "--public-client-ca", "/p.pem"]
+    )  # fmt: skip
+    specs = build_topology(args, "/m")
+    gateway = specs[-1]
+    assert gateway.binds == [("0.0.0.0", 8000), ("0.0.0.0", 50051), ("10.1.2.3", 40003)]
+    assert (_flag(gateway.argv, "--internal-host"), _flag(gateway.argv, "--internal-grpc-port")) == (
+        "10.1.2.3",
+        "40003",
+    )
+    assert _flag(gateway.argv, "--public-client-ca") == "/p.pem"
+    assert gateway.health == "https://0.0.0.0:8000/health"
+    for spec in specs:
+        assert [_flag(spec.argv, f) for f in ("--tls-cert", "--tls-key", "--tls-ca")] == [
+            "/c.pem",
+            "/k.pem",
+            "/ca.pem",
+        ]
+        if spec.role != "gateway":
+            assert spec.binds == [("10.1.2.3", int(_flag(spec.argv, "--port")))]
+            assert _flag(spec.argv, "--host") == "10.1.2.3"
 
 
 def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class ClientStreamSender:
         self._open_call = open_call
         self._on_dead = on_dead
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = tls.internal_channel(target, _CHANNEL_OPTIONS)
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._run())
 

@@ -5,6 +5,7 @@ Every pdserve service runs exactly one of these in its own OS process, on uvloop
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -14,6 +15,8 @@ import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc import tls
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,13 @@ class GrpcServer:
         address: "host:port" to bind; port 0 picks a free one (see ``port``).
         service_names: full names of the services registered (for health and reflection).
         interceptors: grpc.aio server interceptors (cross-cutting concerns such as authentication).
+        credentials: TLS of the port (e.g. ``tls.server_credentials()``); None = plaintext.
+        health_address: with TLS, "host:port" of a second, plaintext listener that serves only
+            ``grpc.health.v1`` (same statuses), for probes that cannot speak TLS (Kubernetes' gRPC
+            probes); None = none.
+
+    Raises:
+        OSError: a port cannot be bound (e.g. it is taken).
 
     Usage: ``server.add(add_XServicer_to_server, servicer)`` for each servicer, then ``await start()``;
     call ``set_serving(True)`` once the service is ready to take traffic.
@@ -49,19 +59,20 @@ class GrpcServer:
         address: str,
         service_names: Iterable[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
+        health_address: str | None = None,
     ) -> None:
-        # gRPC binds with SO_REUSEPORT by default: a second server on a taken port would share it
-        # (and its health checks would answer for the first) instead of failing
-        options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
-        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
-        try:
-            self.port = self.server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {address} (is the port taken?): {e}") from None
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=list(interceptors))
+        self.port = _bind(self.server, address, credentials)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.service_names = list(service_names)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._health_server: grpc.aio.Server | None = None
+        if health_address and credentials is not None:
+            self._health_server = grpc.aio.server(options=_SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            _bind(self._health_server, health_address, None)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
@@ -71,6 +82,8 @@ class GrpcServer:
 
     async def start(self) -> None:
         await self.server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
         logger.info("gRPC server listening on %s (%s)", self.address, ", ".join(self.service_names))
 
     async def set_serving(self, serving: bool) -> None:
@@ -84,6 +97,34 @@ class GrpcServer:
         """Report NOT_SERVING to every health watcher, then stop; in-flight calls get ``grace`` seconds."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(grace)
+
+
+# gRPC binds with SO_REUSEPORT by default: a second server on a taken port would share it (and its
+# health checks would answer for the first) instead of failing
+_SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {address} (is the port taken?): {e}") from None
+
+
+def internal_server(args: argparse.Namespace, service_names: Iterable[str]) -> GrpcServer:
+    """The gRPC server of an internal service from its ``add_server_args`` flags: ``--host:--port``,
+    mutual TLS when this process has an identity (``tls.configure``), and ``--health-port``."""
+    health_address = None if args.health_port is None else f"{args.host}:{args.health_port}"
+    return GrpcServer(
+        f"{args.host}:{args.port}",
+        service_names,
+        credentials=tls.server_credentials(),
+        health_address=health_address,
+    )
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -100,9 +141,10 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 
 async def wait_for_health(address: str, timeout: float, service: str = "") -> bool:
-    """Poll ``grpc.health.v1`` at ``address`` until SERVING or ``timeout`` seconds pass."""
+    """Poll ``grpc.health.v1`` at ``address`` (an internal service: over this process's TLS, see
+    ``tls.internal_channel``) until SERVING or ``timeout`` seconds pass."""
     deadline = asyncio.get_running_loop().time() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with tls.internal_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
