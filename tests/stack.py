@@ -51,10 +51,16 @@ class Stack:
     internal_port_base: int
     log_path: str
     extra: dict = field(default_factory=dict)
+    tls_ca: str | None = None  # the CA of the gateway's certificate when it serves HTTPS
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls_ca else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> str | bool:
+        """httpx's ``verify`` for the gateway: its CA under TLS."""
+        return self.tls_ca or True
 
     @property
     def grpc_address(self) -> str:
@@ -62,7 +68,12 @@ class Stack:
 
     def chat(self, question: str, max_tokens: int = 24) -> str:
         """A greedy one-turn chat through the official ``openai`` client; returns the answer text."""
-        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key="none",
+            max_retries=0,
+            http_client=httpx.Client(verify=self.verify, timeout=600),
+        )
         resp = client.chat.completions.create(
             model=SERVED_MODEL,
             messages=[{"role": "user", "content": question}],
@@ -73,7 +84,7 @@ class Stack:
 
     def metrics(self) -> dict[str, dict[tuple, float]]:
         """``{metric sample name: {(role, worker): value}}`` from the gateway's /metrics."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10, verify=self.verify).text
         out: dict[str, dict[tuple, float]] = defaultdict(dict)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -123,8 +134,15 @@ class Stack:
                 self.proc.wait()
 
 
-def launch_stack(*flags: str, log_name: str = "stack", timeout: float = 600.0) -> Stack:
-    """Run ``pdserve launch`` with ``flags`` on free ports and wait for a healthy /health.
+def launch_stack(
+    *flags: str,
+    log_name: str = "stack",
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
+    tls_ca: str | None = None,
+) -> Stack:
+    """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) on free ports and
+    wait for a healthy /health (over HTTPS verified with ``tls_ca`` when given).
 
     Raises RuntimeError with the tail of the log if the stack does not come up.
     """
@@ -139,14 +157,14 @@ def launch_stack(*flags: str, log_name: str = "stack", timeout: float = 600.0) -
         "--port", str(port), "--grpc-port", str(port + 1),
         "--internal-port-base", str(base), *flags,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    stack = Stack(proc, port, port + 1, base, log_path)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    stack = Stack(proc, port, port + 1, base, log_path, tls_ca=tls_ca)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
         try:
-            if httpx.get(f"{stack.base_url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{stack.base_url}/health", timeout=2, verify=stack.verify).status_code == 200:
                 return stack
         except httpx.HTTPError:
             pass

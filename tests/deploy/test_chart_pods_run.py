@@ -78,9 +78,9 @@ def health(port: int, service: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
-    base = free_port_block(5)
+    base = free_port_block(6)
     overrides = {role: {"port": base + i} for i, role in enumerate(ROLES)}
-    overrides["gateway"]["grpcPort"] = base + len(ROLES)
+    overrides["gateway"].update(grpcPort=base + len(ROLES), internalPort=base + len(ROLES) + 1)
     overrides["apiKey"] = {"value": API_KEY}
     chart = render(load_values("default", overrides))
     logs = tmp_path_factory.mktemp("pods")

@@ -46,6 +46,18 @@ OPTION_SETS = {
             "apiKey": {"create": False},
         },
     ),
+    "gpu-pd, TLS everywhere with its own public certificate and client certificates, network policies": (
+        "gpu-pd",
+        {
+            "tls": {
+                "enabled": True,
+                "secretName": "pdserve-mtls",
+                "publicSecretName": "pdserve-public-tls",
+                "publicClientAuth": True,
+            },
+            "networkPolicy": {"enabled": True},
+        },
+    ),
 }
 
 
@@ -137,4 +149,4 @@ def test_gpu_values_are_a_pd_deployment_over_rdma(gpu_chart: Rendered) -> None:
         assert "PDSERVE_COLOCATED" not in env
     assert gpu_chart.env("gateway")["PDSERVE_ROUTER_POLICY"] == "cache_aware"
     assert gpu_chart.kind("Service")[f"{prefix}gateway"]["spec"]["type"] == "LoadBalancer"
-    assert len(gpu_chart.kind("NetworkPolicy")) == 4
+    assert len(gpu_chart.kind("NetworkPolicy")) == 5

@@ -30,6 +30,11 @@ SCHEMA_VIOLATIONS = [
     ({"cache": {"emptyDir": {"sizeLimit": "lots"}}}, "/cache/emptyDir/sizeLimit"),
     ({"decode": {"replicaCount": 2}}, "/decode"),
     ({"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "/gateway/autoscaling"),
+    ({"gateway": {"internalPort": 0}}, "/gateway/internalPort"),
+    ({"tls": {"enabled": "yes"}}, "/tls/enabled"),
+    ({"tls": {"healthPort": 70000}}, "/tls/healthPort"),
+    ({"tls": {"serverName": ""}}, "/tls/serverName"),
+    ({"tls": {"cert": "/etc/tls.crt"}}, "/tls"),
 ]
 
 # Values each valid on its own that the chart refuses together (pdserve.validate).
@@ -42,6 +47,7 @@ TEMPLATE_FAILURES = [
     ({"decode": {"gpus": 1}}, "set image.variant=cuda"),
     ({"model": {"source": {"type": "pvc"}}}, "needs model.source.pvc.claimName"),
     ({"model": {"source": {"type": "initContainer"}}}, "needs model.source.initContainer.image"),
+    ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
 ]
 
 

@@ -180,23 +180,33 @@ def test_autoscalers_and_disruption_budgets_target_real_workloads(rendered: Rend
         assert selected_workloads(rendered, pdb["spec"]["selector"]["matchLabels"]) == [name]
 
 
-def test_network_policies_let_only_the_intended_peers_in(gpu_chart: Rendered) -> None:
+def network_policy_peers(chart: Rendered) -> dict[str, set[tuple[str, str]]]:
+    """component -> {(peer component or "anyone", container port name or "all")} its policy lets in."""
     allowed: dict[str, set[tuple[str, str]]] = {}
-    for policy in gpu_chart.kind("NetworkPolicy").values():
-        (target,) = selected_workloads(gpu_chart, policy["spec"]["podSelector"]["matchLabels"])
-        target_port = container_ports(pod_spec(gpu_chart.workloads()[target])["containers"][0])["grpc"]
+    for policy in chart.kind("NetworkPolicy").values():
+        (target,) = selected_workloads(chart, policy["spec"]["podSelector"]["matchLabels"])
+        names = {
+            n: name
+            for name, n in container_ports(pod_spec(chart.workloads()[target])["containers"][0]).items()
+        }
         for rule in policy["spec"]["ingress"]:
-            (peer,) = [
-                w
-                for f in rule["from"]
-                for w in selected_workloads(gpu_chart, f["podSelector"]["matchLabels"])
+            peers = [
+                w.rsplit("-", 1)[1]
+                for f in rule.get("from", [])
+                for w in selected_workloads(chart, f["podSelector"]["matchLabels"])
             ]
-            ports = [p["port"] for p in rule.get("ports", [])]
-            assert ports in ([target_port], [])
-            allowed.setdefault(target.rsplit("-", 1)[1], set()).add(
-                (peer.rsplit("-", 1)[1], "grpc" if ports else "all")
+            ports = [names[p["port"]] for p in rule.get("ports", [])] or ["all"]
+            allowed.setdefault(target.rsplit("-", 1)[1], set()).update(
+                (peer, port) for peer in peers or ["anyone"] for port in ports
             )
-    assert allowed == {
+    return allowed
+
+
+def test_network_policies_let_only_the_intended_peers_in(gpu_chart: Rendered) -> None:
+    """The gateway's internal port (GatewayOutput) is open to the detokenizers only; its public ports
+    to anyone; every other role's port to its callers only."""
+    assert network_policy_peers(gpu_chart) == {
+        "gateway": {("anyone", "http"), ("anyone", "grpc"), ("detokenizer", "internal")},
         "tokenizer": {("gateway", "grpc")},
         "detokenizer": {("gateway", "grpc"), ("decode", "grpc")},
         "prefill": {("gateway", "grpc"), ("decode", "all")},
@@ -281,3 +291,49 @@ def test_helm_test_pod_runs_the_chat_check_against_the_gateway(variant: str) -> 
     http = {p["name"]: p["port"] for p in gateway["spec"]["ports"]}["http"]
     assert env["PDSERVE_TEST_URL"] == f"http://{gateway['metadata']['name']}:{http}"
     assert container["image"] == chart.container("gateway")["image"]
+
+
+def test_tls_mounts_one_secret_everywhere_and_probes_the_plaintext_health_port() -> None:
+    """tls.enabled: every role reads the same mounted Secret through PDSERVE_TLS_*; the kubelet's
+    gRPC probes (which speak no TLS) go to the health-only port; the gateway's public listeners take
+    their own Secret and ask the public gRPC API for client certificates; `helm test` speaks HTTPS."""
+    tls = {"enabled": True, "secretName": "mtls", "publicSecretName": "public", "publicClientAuth": True}
+    chart = render(load_values("gpu-pd", {"tls": tls}))
+    mount = "/etc/pdserve/tls"
+    for component in ("gateway", "tokenizer", "detokenizer", "prefill", "decode"):
+        env = chart.env(component)
+        assert {k: v for k, v in env.items() if k.startswith("PDSERVE_TLS_")} == {
+            "PDSERVE_TLS_CERT": f"{mount}/tls.crt",
+            "PDSERVE_TLS_KEY": f"{mount}/tls.key",
+            "PDSERVE_TLS_CA": f"{mount}/ca.crt",
+            "PDSERVE_TLS_SERVER_NAME": "pdserve.internal",
+        }
+        assert env["PDSERVE_HEALTH_PORT"] == "8086"
+        container = chart.container(component)
+        spec = pod_spec(chart.workload(component))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "mtls"
+        assert {"name": "tls", "mountPath": mount, "readOnly": True} in container["volumeMounts"]
+        assert container_ports(container)["health"] == 8086
+        for probe in ("startupProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == 8086, (component, probe)
+        if component != "gateway":
+            assert container["readinessProbe"]["grpc"]["port"] == 8086
+    gateway = chart.env("gateway")
+    assert gateway["PDSERVE_PUBLIC_TLS_CERT"] == "/etc/pdserve/public-tls/tls.crt"
+    assert gateway["PDSERVE_PUBLIC_CLIENT_CA"] == f"{mount}/ca.crt"
+    assert chart.container("gateway")["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert "public-tls" not in {v["name"] for v in pod_spec(chart.workload("decode"))["volumes"]}
+    (test_pod,) = chart.kind("Pod").values()
+    test_env = {e["name"]: e.get("value") for e in test_pod["spec"]["containers"][0]["env"]}
+    assert test_env["PDSERVE_TEST_URL"].startswith("https://")
+    assert test_env["PDSERVE_TEST_CA"] == f"{mount}/ca.crt"
+
+
+def test_the_gateway_service_exposes_only_the_public_ports(rendered: Rendered) -> None:
+    gateway = service_of(rendered, "gateway")
+    assert [p["targetPort"] for p in gateway["spec"]["ports"]] == ["http", "grpc"]
+    env = rendered.env("gateway")
+    internal = container_ports(rendered.container("gateway"))["internal"]
+    assert (env["PDSERVE_INTERNAL_HOST"], env["PDSERVE_INTERNAL_GRPC_PORT"]) == ("0.0.0.0", str(internal))
+    assert "PDSERVE_TLS_CERT" not in env  # TLS is off unless asked for

@@ -4,9 +4,25 @@
   value: {{ .Values.gateway.port | int | toString | quote }}
 - name: PDSERVE_GRPC_PORT
   value: {{ .Values.gateway.grpcPort | int | toString | quote }}
+- name: PDSERVE_INTERNAL_HOST
+  value: 0.0.0.0
+- name: PDSERVE_INTERNAL_GRPC_PORT
+  value: {{ .Values.gateway.internalPort | int | toString | quote }}
 # Detokenizers stream a request's text back to the replica that owns it: this pod's IP.
 - name: PDSERVE_ADVERTISE_HOST
   value: $(POD_IP)
+{{- if .Values.tls.enabled }}
+{{- if .Values.tls.publicSecretName }}
+- name: PDSERVE_PUBLIC_TLS_CERT
+  value: /etc/pdserve/public-tls/tls.crt
+- name: PDSERVE_PUBLIC_TLS_KEY
+  value: /etc/pdserve/public-tls/tls.key
+{{- end }}
+{{- if .Values.tls.publicClientAuth }}
+- name: PDSERVE_PUBLIC_CLIENT_CA
+  value: /etc/pdserve/tls/ca.crt
+{{- end }}
+{{- end }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
 {{- with .Values.model.servedModelName }}
@@ -55,19 +71,26 @@ pods, decode runs colocated (prefills itself).
 {{- end }}
 {{- end }}
 
-{{/* Gateway: alive while its gRPC server answers; ready once /health sees every role healthy. */}}
+{{/*
+Gateway: alive while its gRPC server answers (with TLS: its plaintext health port); ready once /health
+sees every role healthy.
+*/}}
 {{- define "pdserve.gatewayProbes" -}}
+{{- $port := include "pdserve.probePort" (list . (int .Values.gateway.grpcPort)) }}
 startupProbe:
   grpc:
-    port: {{ .Values.gateway.grpcPort | int }}
+    port: {{ $port }}
   {{- toYaml .Values.probes.startup | nindent 2 }}
 livenessProbe:
   grpc:
-    port: {{ .Values.gateway.grpcPort | int }}
+    port: {{ $port }}
   {{- toYaml .Values.probes.liveness | nindent 2 }}
 readinessProbe:
   httpGet:
     path: /health
     port: http
+    {{- if .Values.tls.enabled }}
+    scheme: HTTPS
+    {{- end }}
   {{- toYaml .Values.probes.readiness | nindent 2 }}
 {{- end }}

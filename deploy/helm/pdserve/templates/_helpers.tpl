@@ -132,22 +132,32 @@ Service's name, which resolves to the IP of every ready pod.
 {{- if and (eq .Values.model.source.type "initContainer") (not .Values.model.source.initContainer.image) }}
 {{- fail "model.source.type=initContainer needs model.source.initContainer.image" }}
 {{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}
+{{- end }}
+{{- end }}
+
+{{/* (list $ grpcPort) -> the port kubelet's gRPC probes use: with TLS the plaintext health port */}}
+{{- define "pdserve.probePort" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.tls.enabled }}{{ int $root.Values.tls.healthPort }}{{ else }}{{ index . 1 }}{{ end }}
 {{- end }}
 
 {{/* (list $ port service) -> startup/liveness on the server's overall health, readiness on its service */}}
 {{- define "pdserve.grpcProbes" -}}
 {{- $root := index . 0 -}}
+{{- $port := include "pdserve.probePort" (list $root (index . 1)) -}}
 startupProbe:
   grpc:
-    port: {{ index . 1 }}
+    port: {{ $port }}
   {{- toYaml $root.Values.probes.startup | nindent 2 }}
 livenessProbe:
   grpc:
-    port: {{ index . 1 }}
+    port: {{ $port }}
   {{- toYaml $root.Values.probes.liveness | nindent 2 }}
 readinessProbe:
   grpc:
-    port: {{ index . 1 }}
+    port: {{ $port }}
     service: {{ index . 2 }}
   {{- toYaml $root.Values.probes.readiness | nindent 2 }}
 {{- end }}

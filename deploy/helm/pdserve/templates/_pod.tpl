@@ -28,6 +28,8 @@ transfer settings, /dev/shm and (with RDMA) the RDMA device, IPC_LOCK and option
 {{- $_ := set $resources "requests" (mergeOverwrite (default (dict) $resources.requests) $devices) }}
 {{- end }}
 {{- $source := $root.Values.model.source -}}
+{{- $tls := $root.Values.tls -}}
+{{- $publicTls := and $tls.enabled $tls.publicSecretName (eq $component "gateway") -}}
 metadata:
   labels:
     {{- include "pdserve.componentLabels" (list $root $component) | nindent 4 }}
@@ -105,6 +107,11 @@ spec:
         {{- end }}
       ports:
         {{- .ports | nindent 8 }}
+        {{- if $tls.enabled }}
+        - name: health
+          containerPort: {{ int $tls.healthPort }}
+          protocol: TCP
+        {{- end }}
       envFrom:
         - configMapRef:
             name: {{ include "pdserve.fullname" $root }}-common
@@ -159,6 +166,16 @@ spec:
         - name: shm
           mountPath: /dev/shm
         {{- end }}
+        {{- if $tls.enabled }}
+        - name: tls
+          mountPath: /etc/pdserve/tls
+          readOnly: true
+        {{- end }}
+        {{- if $publicTls }}
+        - name: public-tls
+          mountPath: /etc/pdserve/public-tls
+          readOnly: true
+        {{- end }}
   volumes:
     - name: tmp
       emptyDir:
@@ -193,5 +210,17 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $root.Values.kvTransfer.shm.sizeLimit }}
+    {{- end }}
+    {{- if $tls.enabled }}
+    - name: tls
+      secret:
+        secretName: {{ $tls.secretName }}
+        defaultMode: 0440
+    {{- end }}
+    {{- if $publicTls }}
+    - name: public-tls
+      secret:
+        secretName: {{ $tls.publicSecretName }}
+        defaultMode: 0440
     {{- end }}
 {{- end }}
