@@ -9,7 +9,7 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 ARGS    ?=
 
-.PHONY: install nginx proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -34,6 +34,11 @@ install: $(STAMP)
 nginx:
 	sh deploy/nginx/install.sh
 
+# iproute2 (`ip netns`, a Debian package) for the launcher's network-namespace test (runs as root)
+iproute2:
+	command -v ip >/dev/null 2>&1 || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends iproute2; }
+
 proto: $(TOOLS)
 	rm -f $(GEN)
 	$(MAKE) install
@@ -50,7 +55,7 @@ format: install
 	$(BIN)/ruff format .
 
 # tests/cuda need a CUDA GPU (and flashinfer, the [cuda] extra): run them with test-cuda on one
-test: install nginx lint
+test: install nginx iproute2 lint
 	$(BIN)/pytest -q --ignore=tests/cuda $(ARGS)
 
 test-cuda: install

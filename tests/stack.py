@@ -140,14 +140,17 @@ def launch_stack(
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
     tls_ca: str | None = None,
+    port: int | None = None,
+    internal_port_base: int | None = None,
 ) -> Stack:
-    """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) on free ports and
-    wait for a healthy /health (over HTTPS verified with ``tls_ca`` when given).
+    """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) and wait for a
+    healthy /health (over HTTPS verified with ``tls_ca`` when given). HTTP on ``port`` and gRPC on
+    ``port + 1``, internal ports from ``internal_port_base``; free ones where not given.
 
     Raises RuntimeError with the tail of the log if the stack does not come up.
     """
-    port = free_port_block(2)
-    base = free_port_block(40)
+    port = port or free_port_block(2)
+    base = internal_port_base or free_port_block(40)
     log_dir = os.environ.get("PDSERVE_TEST_LOG_DIR", "/tmp/pdserve-test-logs")
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{log_name}.log")

@@ -130,3 +130,17 @@ def test_no_command_line_carries_the_api_key(tls_stack: Stack, pki: Pki) -> None
     for proc in processes:
         command = " ".join(proc.cmdline())
         assert not any(secret in command for secret in secrets), command
+
+
+def test_every_listener_is_on_loopback_and_the_public_ones_are_the_gateways(tls_stack: Stack) -> None:
+    """Each service listens on 127.0.0.1 only, NIXL/UCX included (``UCX_NET_DEVICES=lo`` from the
+    internal host; unrestricted, UCX also listened on every other interface)."""
+    launcher = psutil.Process(tls_stack.proc.pid)
+    public = {tls_stack.port, tls_stack.grpc_port}
+    for proc in launcher.children(recursive=True):
+        listeners = [c.laddr for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        role = proc.cmdline()[proc.cmdline().index("pdserve.cli") + 1]
+        assert listeners, role
+        assert {a.ip.removeprefix("::ffff:") for a in listeners} == {"127.0.0.1"}, (role, listeners)
+        assert role == "gateway" or not public & {a.port for a in listeners}, role
+    assert {c.laddr.port for c in launcher.net_connections("tcp") if c.status == psutil.CONN_LISTEN} == set()
