@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -58,9 +59,9 @@ class Stack:
         return f"{'https' if self.tls_ca else 'http'}://127.0.0.1:{self.port}"
 
     @property
-    def verify(self) -> str | bool:
-        """httpx's ``verify`` for the gateway: its CA under TLS."""
-        return self.tls_ca or True
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify`` for the gateway: trust its CA under TLS."""
+        return ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else True
 
     @property
     def grpc_address(self) -> str:

@@ -10,6 +10,8 @@ internal port, and no process's command line carries the API key. Certificates a
 
 from __future__ import annotations
 
+import ssl
+
 import grpc
 import httpx
 import openai
@@ -68,7 +70,7 @@ def test_https_chat_with_the_openai_client(stack: Stack, pki: Pki) -> None:
         base_url=f"{stack.base_url}/v1",
         api_key=API_KEY,
         max_retries=0,
-        http_client=httpx.Client(verify=str(pki.ca), timeout=300),
+        http_client=httpx.Client(verify=ssl.create_default_context(cafile=pki.ca), timeout=300),
     )
     answer = client.chat.completions.create(
         model=SERVED_MODEL,
