@@ -15,8 +15,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 @dataclass(frozen=True)
 class Pki:
-    """PEM file paths: a CA, and one certificate (with its key) the CA signed for ``127.0.0.1`` /
-    ``localhost``, good as a server's and as a client's (every pdserve service is both)."""
+    """PEM file paths: a CA, and one certificate (with its key) the CA signed, good as a server's and
+    as a client's (every pdserve service is both)."""
 
     ca: Path
     cert: Path
@@ -35,8 +35,14 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
     path.chmod(0o600)
 
 
-def make_pki(directory: Path, name: str) -> Pki:
-    """A fresh CA ``<name>-ca`` and a certificate ``<name>`` it signs, valid for a day, in ``directory``."""
+def make_pki(
+    directory: Path,
+    name: str,
+    dns_names: tuple[str, ...] = ("localhost",),
+    ips: tuple[str, ...] = ("127.0.0.1",),
+) -> Pki:
+    """A fresh CA ``<name>-ca`` and a certificate ``<name>`` it signs for ``dns_names`` and ``ips``
+    (its subjectAltNames), valid for a day, in ``directory``."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -54,7 +60,7 @@ def make_pki(directory: Path, name: str) -> Pki:
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    alt_names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    alt_names = [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
     usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     cert = (
         x509.CertificateBuilder()

@@ -1,10 +1,8 @@
-"""TLS and mutual TLS: the SDK against a real gRPC server with certificates made by openssl."""
+"""TLS and mutual TLS: the SDK against a real gRPC server with certificates made by ``tests.certs``."""
 
 from __future__ import annotations
 
-import subprocess
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
@@ -12,45 +10,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve_sdk import Client, NotFoundError, RetryPolicy, ServiceUnavailableError, TlsConfig
 
 from pdserve.v1 import api_pb2_grpc
+from tests.certs import Pki, make_pki
 from tests.sdk.conftest import ScriptedPdServe
 
 SERVER_NAME = "pdserve.test"
 
 
-def _openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
-
-
-NEW_EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-
-
-def _issue(directory: Path, name: str, extensions: str) -> None:
-    """``name.key`` / ``name.pem``: an EC key and a certificate signed by ``ca`` with ``extensions``."""
-    key, csr, pem, ext = (directory / f"{name}.{suffix}" for suffix in ("key", "csr", "pem", "ext"))
-    ext.write_text(extensions)
-    _openssl("req", *NEW_EC_KEY, "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
-    ca = ("-CA", directory / "ca.pem", "-CAkey", directory / "ca.key", "-CAcreateserial")
-    _openssl("x509", "-req", "-in", csr, *ca, "-days", "1", "-out", pem, "-extfile", ext)
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Pki:
+    """A CA and a certificate it signed for ``pdserve.test`` only (not the address dialled), used by
+    the server and by the client alike."""
+    return make_pki(tmp_path_factory.mktemp("certs"), "pdserve", dns_names=(SERVER_NAME,), ips=())
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    """A CA, a server certificate for ``pdserve.test`` and a client certificate, all signed by the CA."""
-    directory = tmp_path_factory.mktemp("certs")
-    ca_extensions = ("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=keyCertSign")
-    _openssl("req", "-x509", *NEW_EC_KEY, "-days", "1", "-keyout", directory / "ca.key",
-             "-out", directory / "ca.pem", "-subj", "/CN=pdserve-test-ca", *ca_extensions)  # fmt: skip
-    _issue(directory, "server", f"subjectAltName=DNS:{SERVER_NAME}\nextendedKeyUsage=serverAuth\n")
-    _issue(directory, "client", "extendedKeyUsage=clientAuth\n")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def mtls_address(certs: Path) -> str:
+def mtls_address(certs: Pki) -> str:
     """A server demanding a client certificate from the CA, serving PdServe and grpc.health.v1."""
     credentials = grpc.ssl_server_credentials(
-        [((certs / "server.key").read_bytes(), (certs / "server.pem").read_bytes())],
-        root_certificates=(certs / "ca.pem").read_bytes(),
+        [(certs.key.read_bytes(), certs.cert.read_bytes())],
+        root_certificates=certs.ca.read_bytes(),
         require_client_auth=True,
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -65,7 +43,7 @@ def mtls_address(certs: Path) -> str:
 
 
 def test_mutual_tls(certs, mtls_address):
-    tls = TlsConfig.from_files(certs / "ca.pem", certs / "client.pem", certs / "client.key", SERVER_NAME)
+    tls = TlsConfig.from_files(certs.ca, certs.cert, certs.key, SERVER_NAME)
     with Client(mtls_address, tls=tls) as client:
         assert client.health() == "SERVING"
         with pytest.raises(NotFoundError):
@@ -76,10 +54,8 @@ def test_mutual_tls(certs, mtls_address):
 @pytest.mark.parametrize("what", ["no client certificate", "server name mismatch", "plaintext"])
 def test_handshake_failures_are_unavailable(certs, mtls_address, what):
     tls = {
-        "no client certificate": TlsConfig.from_files(certs / "ca.pem", server_name=SERVER_NAME),
-        "server name mismatch": TlsConfig.from_files(
-            certs / "ca.pem", certs / "client.pem", certs / "client.key"
-        ),
+        "no client certificate": TlsConfig.from_files(certs.ca, server_name=SERVER_NAME),
+        "server name mismatch": TlsConfig.from_files(certs.ca, certs.cert, certs.key),
         "plaintext": None,
     }[what]
     client = Client(mtls_address, tls=tls, retry=RetryPolicy(max_retries=0))
