@@ -199,6 +199,8 @@ def _hold_ports(specs: list[ServiceSpec]) -> PortReservation:
             "or --internal-port-base",
             ", ".join(f"{host}:{port}" for host, port in reservation.taken),
         )
+        for (host, port), holders in reservation.holders.items():
+            logger.error("%s:%d is held by: %s", host, port, "; ".join(holders) or "nothing visible here")
         raise SystemExit(1)
     return reservation
 

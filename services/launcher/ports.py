@@ -19,6 +19,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable
 
+import psutil
+
 
 class PortReservation:
     """Holds ``binds`` ((host, port) pairs) until ``close``.
@@ -26,10 +28,12 @@ class PortReservation:
     Attributes:
         taken: the pairs that could not be held because something already listens there (or holds
             them without ``SO_REUSEADDR``); a port in TIME_WAIT counts as free, as for the servers.
+        holders: for each taken pair, the TCP sockets on that port ("pid 12 python LISTEN 127.0.0.1:8000").
     """
 
     def __init__(self, binds: Iterable[tuple[str, int]]) -> None:
         self.taken: list[tuple[str, int]] = []
+        self.holders: dict[tuple[str, int], list[str]] = {}
         self._sockets: list[socket.socket] = []
         for host, port in dict.fromkeys(binds):
             holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -39,6 +43,7 @@ class PortReservation:
             except OSError:
                 holder.close()
                 self.taken.append((host, port))
+                self.holders[(host, port)] = _holders(port)
             else:
                 self._sockets.append(holder)
 
@@ -52,3 +57,17 @@ class PortReservation:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _holders(port: int) -> list[str]:
+    """This namespace's TCP sockets on local ``port``, described for an error message."""
+    found = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port:
+            try:
+                name = psutil.Process(conn.pid).name() if conn.pid else "?"
+            except psutil.Error:
+                name = "?"
+            remote = f" -> {conn.raddr.ip}:{conn.raddr.port}" if conn.raddr else ""
+            found.append(f"pid {conn.pid} {name} {conn.status} {conn.laddr.ip}:{port}{remote}")
+    return found
