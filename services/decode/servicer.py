@@ -9,6 +9,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVTransferAgent, KVTransferError
+from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -34,6 +35,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: how many other prefill workers a failed prefill is retried on.
         detokenizer_dead_after: seconds a detokenizer may stay unreachable before it counts as gone;
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
+
+    Attributes:
+        draining: set by ``drain`` (SIGTERM): Generate is refused (UNAVAILABLE), the rest goes on.
     """
 
     def __init__(
@@ -57,11 +61,18 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
         self.started: set[str] = set()  # rids whose first output went out
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, scheduler.role)
 
     # ---- gRPC ---------------------------------------------------------------------------
     async def Generate(
         self, request: scheduler_pb2.TokenizedGenerateReqInput, context
     ) -> scheduler_pb2.GenerateAck:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode worker {self.address} is shutting down: retry on another",
+            )
         try:
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
@@ -86,15 +97,20 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.scheduler.add_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        tracing.start_request_span(req, self.scheduler.role)
         self.loop.wake()
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=len(self.scheduler.waiting))
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        found = self._abort(request.rid, request.reason or "aborted")
+        found = self.abort(request.rid, request.reason or "aborted")
         self.loop.wake()
         return scheduler_pb2.AbortResponse(found=found)
 
-    def _abort(self, rid: str, reason: str) -> bool:
+    def busy(self) -> bool:
+        """Requests still held (queued, waiting for KV or running)."""
+        return bool(self.scheduler.reqs)
+
+    def abort(self, rid: str, reason: str) -> bool:
         """Stop a prefill in flight for ``rid`` and abort it in the scheduler; False if unknown."""
         task = self.prefill_tasks.pop(rid, None)
         if task is not None:
@@ -142,7 +158,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         for rid in rids:
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
-            self._abort(rid, f"detokenizer {address} is gone")
+            self.abort(rid, f"detokenizer {address} is gone")
         self.loop.wake()
 
     # ---- PD: ask prefill workers ------------------------------------------------------------
@@ -170,12 +186,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             resp = None
             for address in attempts:
                 try:
-                    resp = await self._prefill_once(req, address)
+                    with tracing.request_context(req):
+                        resp = await self._prefill_once(req, address)
                     break
                 except (grpc.aio.AioRpcError, KVTransferError) as e:
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
-                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
+                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg, extra={"rid": rid})
                     if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
                         break
             if resp is None:

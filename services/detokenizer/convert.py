@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from pdserve.detokenize import DecodeOptions, TextDelta, TokenStep
 from pdserve.v1 import common_pb2, output_pb2
@@ -10,11 +11,13 @@ from pdserve.v1 import common_pb2, output_pb2
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where a rid's outputs go, from its first TokenIDOutput."""
+    """Where a rid's outputs go, from its first TokenIDOutput (and its trace context, when traced)."""
 
     gateway_address: str
     scheduler_address: str
     index: int
+    traceparent: str = ""
+    started: float = field(default_factory=time.time)
 
 
 def is_first_output(out: output_pb2.TokenIDOutput) -> bool:
@@ -37,7 +40,7 @@ def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
 
 
 def to_route(out: output_pb2.TokenIDOutput) -> Route:
-    return Route(out.gateway_address, out.scheduler_address, out.index)
+    return Route(out.gateway_address, out.scheduler_address, out.index, out.traceparent)
 
 
 def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -> output_pb2.StrOutput:

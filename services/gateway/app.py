@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.observability import tracing
 from pdserve.services.gateway.auth import ApiKeyMiddleware
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
@@ -80,12 +81,12 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[await _model_card(state.ctx)])
+        return ModelList(data=[await _model_card(state.ctx, name) for name in state.ctx.model_names])
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         state.ctx.check_model(model)
-        return await _model_card(state.ctx)
+        return await _model_card(state.ctx, model)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -128,16 +129,19 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
+    if tracing.enabled():
+        app.add_middleware(tracing.TraceMiddleware)
     return app
 
 
-async def _model_card(ctx: ServingContext) -> ModelCard:
-    """The served model, as /v1/models lists it (``max_model_len`` None while the tokenizer is down)."""
+async def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    """The served model under ``name`` (one of its served names), as /v1/models lists it
+    (``max_model_len`` None while the tokenizer is down)."""
     try:
         context_length = (await ctx.manager.model_info()).context_length
     except GatewayError:
         context_length = None
-    return ModelCard(id=ctx.served_model_name, max_model_len=context_length)
+    return ModelCard(id=name, max_model_len=context_length)
 
 
 def _error_response(error: GatewayError) -> JSONResponse:

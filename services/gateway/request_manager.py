@@ -274,7 +274,7 @@ class RequestManager:
         try:
             await self.clients.abort(address, rid, reason)
         except GatewayError as e:
-            logger.warning("abort of %s at %s failed: %s", rid, address, e.message)
+            logger.warning("abort of %s at %s failed: %s", rid, address, e.message, extra={"rid": rid})
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -3,8 +3,10 @@
 Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check. A worker that fails
 ``failure_threshold`` probes in a row (one slow answer on a saturated machine is not a death) is
 taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
-it is put back as soon as it answers SERVING again. Healthy schedulers are asked ``GetLoad`` for the
-least-load and cache-aware policies.
+it is put back as soon as it answers SERVING again. A scheduler is asked about its own service: when
+that is NOT_SERVING while the server as a whole is SERVING, it is draining (SIGTERM): it gets no new
+requests but keeps those it holds (it is alive; nothing is ended). Healthy schedulers are asked
+``GetLoad`` for the least-load and cache-aware policies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.backend_clients import SCHEDULER_SERVICES, BackendClients
 from pdserve.services.gateway.router import Router, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,15 @@ class WorkerMonitor:
         return status
 
     async def _probe(self, role: str, worker: Worker) -> bool:
-        ok = await self.clients.is_serving(worker.address)
+        """One probe of ``worker``; True when it takes new requests."""
+        service = SCHEDULER_SERVICES.get(role, "")
+        ok = await self.clients.is_serving(worker.address, service)
+        draining = not ok and bool(service) and await self.clients.is_serving(worker.address)
+        if draining != worker.draining:
+            state = "draining: no new requests" if draining else "takes new requests again"
+            logger.warning("%s worker %s is %s", role, worker.address, state)
+            worker.draining = draining
+        ok = ok or draining  # alive
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
         if ok and not worker.healthy:
             logger.warning("%s worker %s is back", role, worker.address)
@@ -80,7 +90,12 @@ class WorkerMonitor:
                 worker.reported_load = await self.clients.load(role, worker.address)
             except grpc.aio.AioRpcError as e:
                 logger.debug("GetLoad %s failed: %s", worker.address, e.code())
-        return ok
+        return ok and not worker.draining
+
+    def remove(self, role: str, worker: Worker) -> None:
+        """``worker`` left the pool (``discovery``): forget it and end what it still held."""
+        self.router.forget(role, worker)
+        self.on_down(role, worker.address)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

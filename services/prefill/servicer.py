@@ -9,6 +9,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVLayoutMismatch, KVTransferAgent
+from pdserve.observability import tracing
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
@@ -31,7 +32,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     ``Prefill`` queues the request and waits; when the scheduler has its first token, the KV pages
     decode lacks are written into decode's pages, then the call answers. A cancelled call (decode
-    aborted, or gone) aborts the request and frees its pages here.
+    aborted, or gone) aborts the request and frees its pages here. While ``draining`` (SIGTERM, see
+    ``drain``) new Prefill calls are refused (UNAVAILABLE) and the ones taken are finished.
     """
 
     def __init__(self, scheduler: Scheduler, address: str, agent: KVTransferAgent) -> None:
@@ -41,6 +43,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers)
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, asyncio.Task] = {}
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, "prefill")
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -52,6 +56,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         return kv_agent_info_to_pb(self.agent.local_info())
 
     async def Prefill(self, request: scheduler_pb2.PrefillRequest, context) -> scheduler_pb2.PrefillResponse:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address} is shutting down: use another"
+            )
         if not self.agent.has_peer(request.dst_agent_name, request.dst_incarnation):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "unknown decode agent: exchange agent info first"
@@ -75,12 +83,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.scheduler.add_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        tracing.start_request_span(req, "prefill")
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.wake()
         try:
             return await waiter
         except asyncio.CancelledError:
-            self._abort(req.rid, "prefill call cancelled")
+            self.abort(req.rid, "prefill call cancelled")
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
@@ -88,7 +97,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.waiters.pop(req.rid, None)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        return scheduler_pb2.AbortResponse(found=self._abort(request.rid, request.reason or "aborted"))
+        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -98,8 +107,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             role="prefill", worker=self.address, text=self.scheduler.metrics.text()
         )
 
-    # ---- internals ----------------------------------------------------------------------
-    def _abort(self, rid: str, reason: str) -> bool:
+    def busy(self) -> bool:
+        """Prefills taken and not yet answered (computing, or writing their KV)."""
+        return bool(self.scheduler.reqs or self.transfers)
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Abort ``rid`` in whatever state (a KV write in flight is cancelled); False if unknown."""
         task = self.transfers.pop(rid, None)
         if task is not None:
             task.cancel()
@@ -135,7 +148,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except asyncio.CancelledError:
             return
         except Exception as e:
-            logger.warning("KV write for %s failed: %s", req.rid, e)
+            logger.warning("KV write for %s failed: %s", req.rid, e, extra={"rid": req.rid})
             self.transfers.pop(req.rid, None)
             self.scheduler.prefill_sent(req.rid, ok=False, error=str(e))
             waiter = self.waiters.get(req.rid)
@@ -144,6 +157,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             return
         self.transfers.pop(req.rid, None)
         self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
+        self.scheduler.metrics.kv_transfer_seconds.observe(time.time() - req.first_token_time)
         response = scheduler_pb2.PrefillResponse(
             rid=req.rid,
             first_token_id=req.output_ids[-1],

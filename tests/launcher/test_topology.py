@@ -79,7 +79,8 @@ def test_taken_ports_are_found_before_anything_starts() -> None:
     args = make_parser().parse_args(["--internal-port-base", "0", "--port", "0", "--grpc-port", "0"])
     specs = build_topology(args, "/m")
     binds = [b for s in specs for b in s.binds]
-    assert len(binds) == len(specs) + 2  # one port each, three for the gateway (HTTP, gRPC, internal)
+    # one port each and its metrics port; the gateway's HTTP and public gRPC ports besides
+    assert len(binds) == 2 * len(specs) + 2
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -113,7 +114,9 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
     )  # fmt: skip
     specs = build_topology(args, "/m")
     gateway = specs[-1]
-    assert gateway.binds == [("0.0.0.0", 8000), ("0.0.0.0", 50051), ("10.1.2.3", 40003)]
+    # public HTTP and gRPC on --host; the internal gRPC server and the metrics port on the internal host
+    assert gateway.binds == [("0.0.0.0", 8000), ("0.0.0.0", 50051), ("10.1.2.3", 40003), ("10.1.2.3", 40103)]
+    assert _flag(gateway.argv, "--metrics-port") == "40103"
     assert (_flag(gateway.argv, "--internal-host"), _flag(gateway.argv, "--internal-grpc-port")) == (
         "10.1.2.3",
         "40003",
@@ -127,7 +130,9 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
             "/ca.pem",
         ]
         if spec.role != "gateway":
-            assert spec.binds == [("10.1.2.3", int(_flag(spec.argv, "--port")))]
+            port, metrics = int(_flag(spec.argv, "--port")), int(_flag(spec.argv, "--metrics-port"))
+            assert spec.binds == [("10.1.2.3", port), ("10.1.2.3", metrics)]
+            assert metrics == port + 100
             assert _flag(spec.argv, "--host") == "10.1.2.3"
 
 
