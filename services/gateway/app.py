@@ -74,7 +74,7 @@ def build_app(
     state: GatewayState, api_key: str | None = None, max_request_bytes: int | None = None
 ) -> FastAPI:
     """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics."""
-    app = FastAPI(title="pdserve gateway", strict_content_type=False)
+    app = FastAPI(title="pdserve gateway", strict_content_type=False, telemetry=tracing.HTTP_TELEMETRY)
     chat = OpenAIServingChat(state.ctx)
     completions = OpenAIServingCompletion(state.ctx)
     native = NativeServing(state.ctx)
@@ -129,8 +129,6 @@ def build_app(
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
-    if tracing.enabled():
-        app.add_middleware(tracing.TraceMiddleware)
     return app
 
 

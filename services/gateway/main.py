@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument(
+        "--log-requests", action="store_true", help="log one line per request as it ends (rid, tokens, time)"
+    )
     add_observability_args(p)
     tls.add_tls_args(p)
     add_public_tls_args(p)
@@ -175,6 +178,7 @@ class Gateway:
             max_pending_requests=args.max_pending_requests,
             request_timeout=args.request_timeout,
             default_max_tokens=args.default_max_tokens,
+            log_requests=args.log_requests,
         )
         self.manager = RequestManager(
             config,

@@ -10,6 +10,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.observability import tracing
 from pdserve.observability.logs import bind_rid
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
@@ -43,6 +44,7 @@ class RequestIdMiddleware:
         state = scope.setdefault("state", {})
         state["rid"] = given or new_rid()
         bind_rid(state["rid"])  # this request's task: its lines, uvicorn's access line included
+        tracing.tag_current_span(state["rid"])
 
         async def send_with_rid(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -46,12 +46,14 @@ class ManagerConfig:
         max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
+        log_requests: log one line per client request as it ends (rid, tokens, time, how it ended).
     """
 
     gateway_address: str
     max_pending_requests: int = 0
     request_timeout: float | None = None
     default_max_tokens: int = 4096
+    log_requests: bool = False
 
 
 class RequestManager:
@@ -140,7 +142,7 @@ class RequestManager:
             registry=self.registry,
             metrics=self.metrics,
             abort_backend=self._abort_choice,
-            on_close=lambda h: self.handles.pop(h.rid, None),
+            on_close=self._closed,
             deadline=None if budget is None else time.monotonic() + budget,
         )
         self.handles[obj.rid] = handle
@@ -240,6 +242,16 @@ class RequestManager:
                 param,
             )
         return requested
+
+    def _closed(self, handle: RequestHandle) -> None:
+        self.handles.pop(handle.rid, None)
+        if self.config.log_requests:
+            logger.info(
+                "request %s ended (%s): %d prompt tokens, %d choices, %.3f s",
+                handle.rid, "completed" if handle.completed else handle.close_reason,
+                sum(handle.prompt_tokens), len(handle.states),
+                time.monotonic() - handle.arrival, extra={"rid": handle.rid},
+            )  # fmt: skip
 
     def abort(self, rid: str, reason: str = "aborted by client") -> bool:
         """End the request ``rid`` of this replica (every choice, finish_reason "abort"); False if unknown."""

@@ -90,6 +90,11 @@ class RequestHandle:
     close_reason: str = ""
     _pending_finishes: int = 0
 
+    @property
+    def completed(self) -> bool:
+        """Every choice's finish was read by the consumer."""
+        return self._pending_finishes == 0
+
     def add_choice(self, state: ReqState) -> None:
         self.registry.add(state)
         self.states.append(state)

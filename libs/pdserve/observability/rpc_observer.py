@@ -27,6 +27,9 @@ def _metrics() -> tuple[Counter, Histogram]:
 
 
 class RpcObserver(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        _metrics()  # registered with the server, so that they are exposed before the first call
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:

@@ -5,9 +5,10 @@ instrumentation); nothing is imported or patched unless ``--otlp-traces-endpoint
 
 How a trace is built:
 
-- gateway: an HTTP server span per request (``TraceMiddleware``), a child of the client's W3C
-  ``traceparent`` header when there is one; the public gRPC API gets its server span from the
-  OpenTelemetry gRPC instrumentation, which also reads ``traceparent`` from the call's metadata.
+- gateway: an HTTP server span per request from FastAPI's own OpenTelemetry support (``HTTP_TELEMETRY``),
+  a child of the client's W3C ``traceparent`` header when there is one, tagged with the rid
+  (``tag_current_span``); the public gRPC API gets its server span from the OpenTelemetry gRPC
+  instrumentation, which also reads ``traceparent`` from the call's metadata.
 - every internal request-path RPC (Tokenize, Generate, Prefill, Abort, ...): client and server spans
   from the instrumentation, which carries ``traceparent`` in the gRPC metadata. Probes (health, load,
   metrics) and the long-lived output streams are not traced.
@@ -27,8 +28,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from pdserve.scheduler.req import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -39,6 +38,13 @@ _UNTRACED_METHODS = (
     "GetLoad", "GetMetrics", "GetInfo", "ExchangeKVAgentInfo", "StreamTokenIDs", "StreamStrOutputs",
 )  # fmt: skip
 _UNTRACED_PATHS = ("/health", "/metrics")
+# FastAPI(telemetry=...): HTTP server spans only (no per-dependency spans, no OTel metrics or logs)
+HTTP_TELEMETRY = {
+    "operation_spans": False,
+    "metrics": False,
+    "logs": False,
+    "exclude": lambda scope: scope.get("path") in _UNTRACED_PATHS,
+}
 
 
 def add_tracing_args(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +183,15 @@ def traceparent(req: Req) -> str:
     return carrier.get("traceparent", "")
 
 
+def tag_current_span(rid: str) -> None:
+    """Put ``rid`` on the current span (the gateway's HTTP span); a no-op without tracing."""
+    if _tracer is None:
+        return
+    from opentelemetry import trace
+
+    trace.get_current_span().set_attribute("pdserve.rid", rid)
+
+
 def record_span(name: str, parent_traceparent: str, start: float, end: float, rid: str) -> None:
     """A finished span ``name`` of request ``rid`` from ``start`` to ``end`` (time.time() seconds),
     child of the span that ``parent_traceparent`` names; a no-op without tracing or without a parent."""
@@ -187,33 +202,3 @@ def record_span(name: str, parent_traceparent: str, start: float, end: float, ri
     context = TraceContextTextMapPropagator().extract({"traceparent": parent_traceparent})
     span = _tracer.start_span(name, context=context, start_time=_ns(start), attributes={"pdserve.rid": rid})
     span.end(end_time=_ns(end))
-
-
-class TraceMiddleware:
-    """ASGI middleware: a server span per HTTP request (not /health, /metrics), continuing the W3C
-    ``traceparent`` of the request's headers when present; the rid and status become attributes."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if _tracer is None or scope["type"] != "http" or scope["path"] in _UNTRACED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        from opentelemetry import propagate
-        from opentelemetry.trace import SpanKind
-
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        name = f"{scope['method']} {scope['path']}"
-        attributes = {"http.request.method": scope["method"], "url.path": scope["path"]}
-        with _tracer.start_as_current_span(
-            name, context=propagate.extract(headers), kind=SpanKind.SERVER, attributes=attributes
-        ) as span:
-
-            async def send_traced(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    span.set_attribute("http.response.status_code", message["status"])
-                    span.set_attribute("pdserve.rid", scope.get("state", {}).get("rid", ""))
-                await send(message)
-
-            await self.app(scope, receive, send_traced)
