@@ -23,7 +23,12 @@ FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c11", "-fno-semantic-interposit
 AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # name -> compiler flags; pdserve.layers.native.VARIANTS lists the CPU flags each one needs
-VARIANTS = {"avx512bf16": [*AVX512, "-mavx512bf16", "-mavx512vnni"], "avx512": AVX512, "avx2": AVX2, "portable": []}
+VARIANTS = {
+    "avx512bf16": [*AVX512, "-mavx512bf16", "-mavx512vnni"],
+    "avx512": AVX512,
+    "avx2": AVX2,
+    "portable": [],
+}
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 

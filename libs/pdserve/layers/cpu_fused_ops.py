@@ -16,7 +16,8 @@ its own polynomial, within 3e-7 relative of libm, which moves ~1 in 10^4 bfloat1
 rounding step), and to float32 rounding in float32.
 
 C source: ``pdserve/c-kernels/fused_ops.c`` (``pdserve.layers.native`` loads it); ``load_fused_ops``
-returns None when the kernels are off and callers use PyTorch ops. Supported dtypes: float32 and bfloat16, contiguous rows.
+returns None when the kernels are off and callers use PyTorch ops. Supported dtypes: float32 and
+bfloat16, contiguous rows.
 """
 
 from __future__ import annotations

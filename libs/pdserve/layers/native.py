@@ -89,7 +89,7 @@ def _default_variant() -> str | None:
             logger.warning("no CPU kernel library is installed (rebuild pdserve): PyTorch ops only")
         return runnable[0] if runnable else None
     if requested not in runnable:
-        raise ValueError(f"{_ENV}={requested!r}: choose auto, none or one of {runnable} (this CPU, installed)")
+        raise ValueError(f"{_ENV}={requested!r}: choose auto, none or one of {runnable} (runnable here)")
     return requested
 
 

@@ -35,6 +35,7 @@ import torch
 
 from pdserve.layers.native import kernel_library, per_variant
 
+
 class ExtendAttentionKernel:
     """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale) -> out``.
 
