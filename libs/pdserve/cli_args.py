@@ -126,8 +126,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "w8a8_int8"],
-        help="w8a8_int8: int8 weights and per-token int8 activations in the linear layers (CPU)",
+        choices=["none", "auto", "w8a8_int8", "int8_weight_only", "int4_weight_only"],
+        help="CPU: w8a8_int8 (int8 weights and per-token int8 activations), int8_weight_only / "
+        "int4_weight_only (float activations), auto (the fastest close one for this CPU, else none)",
     )
     parser.add_argument(
         "--device", type=device_name, default="auto", help="auto (CUDA when there is a GPU), cpu, cuda[:i]"

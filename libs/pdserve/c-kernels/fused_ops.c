@@ -2,6 +2,7 @@
    rotary embedding, SiLU-and-mul, storing K/V rows in the pool, the greedy argmax, and the per-row
    int8 quantization and row-scaled epilogue of W8A8 matmuls; each for float32 and bfloat16. */
 #include "common.h"
+#include "quantize.h"
 
 static inline float load_f32(float x) { return x; }
 static inline float round_f32(float x) { return x; }
@@ -199,9 +200,9 @@ void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, 
     const T* xr = x + r * x_stride;                                                                \
     float amax = 0.f;                                                                              \
     for (int64_t i = 0; i < cols; ++i) amax = fmaxf(amax, fabsf(LOAD(xr[i])));                    \
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;                                             \
+    const float inv = quantize_inverse(amax);                                                      \
     uint8_t* qr = q + r * cols;                                                                    \
-    for (int64_t i = 0; i < cols; ++i) qr[i] = (uint8_t)(128 + (int)nearbyintf(LOAD(xr[i]) * inv)); \
+    for (int64_t i = 0; i < cols; ++i) qr[i] = (uint8_t)(128 + quantize_value(LOAD(xr[i]), inv));  \
     scales[r] = amax / 127.f;                                                                      \
   }                                                                                                \
 }

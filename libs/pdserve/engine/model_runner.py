@@ -13,6 +13,7 @@ from pdserve.engine.cuda_graph_runner import CudaGraphRunner
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
+from pdserve.layers.quantization import resolve_quantization
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
@@ -38,8 +39,8 @@ class ModelRunner:
             ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
         device: ``cpu``, ``cuda[:i]`` or ``auto`` (CUDA when there is a GPU).
-        quantization: None or ``w8a8_int8`` (int8 weights and per-token int8 activations in every
-            linear layer but the LM head; ``pdserve.layers.quantization``).
+        quantization: None, ``auto`` (per CPU), ``w8a8_int8``, ``int8_weight_only`` or
+            ``int4_weight_only`` (``pdserve.layers.quantization``).
         disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
             (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
             backend supports it; the KV pool then has one extra page for padded rows).
@@ -65,6 +66,7 @@ class ModelRunner:
     ):
         self.device = resolve_device(device)
         self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
+        quantization = resolve_quantization(quantization, self.device, cfg.dtype)
         self.model = load_model(
             model_path,
             cfg.hf_config,
