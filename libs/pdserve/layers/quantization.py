@@ -12,7 +12,8 @@ on AVX512-BF16 CPUs) or int16 ``vpmaddwd`` (``pdserve.layers.cpu_matmul``, every
 quantized, int8 per output channel or int4 in groups of 32 inputs with a scale and a minimum
 (llama.cpp's Q4_1); activations stay float and the kernel widens the weights in registers
 (``pdserve.layers.cpu_matmul``). For CPUs without native bfloat16, where a float32 weight costs
-four bytes a parameter per decode step.
+four bytes a parameter per decode step. ``int4_or_int8`` takes int4 where it is lossless (a GGUF's
+Q4_1 weights), else int8.
 
 In every scheme the LM head is stored as int8 in groups of 32 inputs with float activations
 (llama.cpp's Q8_0); KV cache and activations keep the model dtype. ``auto`` picks, per CPU,
@@ -28,10 +29,16 @@ from __future__ import annotations
 import torch
 
 from pdserve.layers.cpu_gemm import load_cpu_gemm
-from pdserve.layers.cpu_matmul import MatmulWeight, load_cpu_matmul, quantize_int8
+from pdserve.layers.cpu_matmul import (
+    MatmulWeight,
+    dequantize_int4,
+    load_cpu_matmul,
+    quantize_int4,
+    quantize_int8,
+)
 from pdserve.layers.native import cpu_has
 
-METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only")
+METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8")
 
 
 class PackedLinearMethod:
@@ -104,17 +111,31 @@ class Int4WeightOnlyLinearMethod(PackedLinearMethod):
     format = "int4"
 
 
+class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
+    """``auto`` on CPUs without native bfloat16: each weight as int4 where that stores it exactly
+    (a GGUF's Q4_1 weights: every group of 32 is ``q * scale + min``, ``q`` in 0..15), else int8
+    per output channel (``int8_weight_only``)."""
+
+    def pack(self, weight: torch.Tensor) -> MatmulWeight:
+        matmul = load_cpu_matmul()
+        if matmul is not None and matmul.supports(weight, "int4"):
+            w = weight.float()
+            if (dequantize_int4(*quantize_int4(w)) - w).abs().max() <= 1e-6 * w.abs().max():
+                return Int4WeightOnlyLinearMethod().pack(weight)
+        return Int8WeightOnlyLinearMethod().pack(weight)
+
+
 def resolve_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
     """``--quantization`` with ``auto`` resolved: on a CPU without native bfloat16 (no AVX512-BF16 or
-    AMX) running a float32 model, ``int8_weight_only`` (see the README for the measurements); else
-    none. Other names are returned as they are (``none`` → None)."""
+    AMX) running a float32 model, ``int4_or_int8`` (``LosslessInt4OrInt8LinearMethod``: see the
+    README for the measurements); else none. Other names are returned as they are (``none`` → None)."""
     if quantization in (None, "", "none"):
         return None
     if quantization != "auto":
         return quantization
     native_bf16 = cpu_has("avx512_bf16", "amx_bf16")
     if device.type == "cpu" and dtype == torch.float32 and not native_bf16 and load_cpu_matmul() is not None:
-        return "int8_weight_only"
+        return "int4_or_int8"
     return None
 
 
@@ -130,6 +151,7 @@ def get_linear_method(quantization: str | None) -> PackedLinearMethod | None:
         "w8a8_int8": W8A8Int8LinearMethod,
         "int8_weight_only": Int8WeightOnlyLinearMethod,
         "int4_weight_only": Int4WeightOnlyLinearMethod,
+        "int4_or_int8": LosslessInt4OrInt8LinearMethod,
     }
     if quantization not in methods:
         raise ValueError(f"unknown quantization {quantization!r}; choose none, auto or one of {METHODS}")
