@@ -215,6 +215,81 @@ DEFINE_AVX512_STEPS(avx512_bf16_128, 1, 128)
 DEFINE_AVX512_STEPS(avx512_bf16_256, 1, 256)
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The AVX2 steps: 8-lane chunks of a row (float32, or bfloat16 widened), four keys' dot products
+   at a time reduced by a horizontal-add tree; the accumulators of a head in slabs of 64 elements
+   (eight registers) over the block's keys. */
+INLINE __m256 load8_row(int is_bf16, const char* row, int64_t i) {
+  return is_bf16 ? load8_bf16((const bf16*)row + i) : _mm256_loadu_ps((const float*)row + i);
+}
+
+/* Lane i < 4 of the result: the total of the 8 lanes of the i-th argument. */
+INLINE __m128 sum_4_vectors(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+INLINE void avx2_scores(int is_bf16, int64_t D, const void* q, const char* k, const int64_t* rows, int n,
+                        int64_t group, float scale, float* s, const int64_t* ahead, int n_ahead) {
+  const int64_t row_bytes = D * (is_bf16 ? 2 : 4);
+  for (int i = 0; i < n_ahead; ++i) prefetch_row(k + ahead[i], row_bytes);
+  for (int64_t g = 0; g < group; ++g) {
+    const char* qg = (const char*)q + g * row_bytes;
+    for (int t0 = 0; t0 < BLOCK; t0 += 4) {
+      const char* kr[4];
+      for (int i = 0; i < 4; ++i) kr[i] = k + rows[t0 + i < n ? t0 + i : 0];
+      __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0, d3 = d0;
+      if (t0 < n)
+        for (int64_t c = 0; c < D; c += 8) {
+          const __m256 qc = load8_row(is_bf16, qg, c);
+          d0 = _mm256_fmadd_ps(qc, load8_row(is_bf16, kr[0], c), d0);
+          d1 = _mm256_fmadd_ps(qc, load8_row(is_bf16, kr[1], c), d1);
+          d2 = _mm256_fmadd_ps(qc, load8_row(is_bf16, kr[2], c), d2);
+          d3 = _mm256_fmadd_ps(qc, load8_row(is_bf16, kr[3], c), d3);
+        }
+      _mm_storeu_ps(s + g * BLOCK + t0, _mm_mul_ps(sum_4_vectors(d0, d1, d2, d3), _mm_set1_ps(scale)));
+      for (int i = 0; i < 4; ++i)
+        if (t0 + i >= n) s[g * BLOCK + t0 + i] = MASKED;
+    }
+  }
+}
+
+INLINE void avx2_values(int is_bf16, int64_t D, const float* p, const char* v, const int64_t* rows, int n,
+                        int64_t group, float* acc, const int64_t* ahead, int n_ahead) {
+  for (int i = 0; i < n_ahead; ++i) prefetch_row(v + ahead[i], D * (is_bf16 ? 2 : 4));
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+      float* a = acc + g * D + c0;
+      __m256 sums[8];
+      for (int j = 0; j < 8; ++j) sums[j] = _mm256_loadu_ps(a + 8 * j);
+      for (int t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(p[g * BLOCK + t]);
+        const char* row = v + rows[t];
+        for (int j = 0; j < 8; ++j) sums[j] = _mm256_fmadd_ps(pt, load8_row(is_bf16, row, c0 + 8 * j), sums[j]);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(a + 8 * j, sums[j]);
+    }
+}
+
+#define DEFINE_AVX2_STEPS(NAME, IS_BF16, D)                                                        \
+static void NAME##_scores(const void* q, const char* k, const int64_t* rows, int n, int64_t group, \
+                          int64_t head_dim, float scale, float* s, const int64_t* ahead, int n_ahead) { \
+  (void)head_dim;                                                                                  \
+  avx2_scores(IS_BF16, D, q, k, rows, n, group, scale, s, ahead, n_ahead);                         \
+}                                                                                                  \
+static void NAME##_values(const float* p, const char* v, const int64_t* rows, int n, int64_t group,\
+                          int64_t head_dim, float* acc, const int64_t* ahead, int n_ahead) {       \
+  (void)head_dim;                                                                                  \
+  avx2_values(IS_BF16, D, p, v, rows, n, group, acc, ahead, n_ahead);                              \
+}
+DEFINE_AVX2_STEPS(avx2_f32_64, 0, 64)
+DEFINE_AVX2_STEPS(avx2_f32_128, 0, 128)
+DEFINE_AVX2_STEPS(avx2_f32_256, 0, 256)
+DEFINE_AVX2_STEPS(avx2_bf16_64, 1, 64)
+DEFINE_AVX2_STEPS(avx2_bf16_128, 1, 128)
+DEFINE_AVX2_STEPS(avx2_bf16_256, 1, 256)
+#endif
+
 typedef struct { ScoresFn* scores; ValuesFn* values; } Steps;
 
 static Steps pick_steps(int dtype, int64_t head_dim) {
@@ -227,6 +302,14 @@ static Steps pick_steps(int dtype, int64_t head_dim) {
   AVX512_CASE(64)
   AVX512_CASE(128)
   AVX512_CASE(256)
+#elif defined(__AVX2__)
+#define AVX2_CASE(D)                                                                               \
+  if (head_dim == D)                                                                               \
+    return dtype == F32 ? (Steps){avx2_f32_##D##_scores, avx2_f32_##D##_values}                    \
+                        : (Steps){avx2_bf16_##D##_scores, avx2_bf16_##D##_values};
+  AVX2_CASE(64)
+  AVX2_CASE(128)
+  AVX2_CASE(256)
 #endif
   return dtype == F32 ? (Steps){portable_f32_scores, portable_f32_values}
                       : (Steps){portable_bf16_scores, portable_bf16_values};
