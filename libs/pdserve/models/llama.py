@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.cpu_decoder import CpuDecoder
 from pdserve.layers.cpu_gemm import PanelWeight
 from pdserve.layers.cpu_matmul import MatmulWeight
 from pdserve.layers.embedding import VocabEmbedding
@@ -134,14 +135,23 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cpu_decoder: CpuDecoder | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Where every layer runs on ``cpu_matmul``'s packed weights, decode steps run the layers in
+        one C call (``CpuDecoder``); None otherwise."""
+        self.cpu_decoder = CpuDecoder.build(self)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(self.rotary_emb, positions, hidden, residual, forward_batch)
+        if self.cpu_decoder is not None and self.cpu_decoder.takes(forward_batch):
+            hidden, residual = self.cpu_decoder(hidden, positions, forward_batch)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(self.rotary_emb, positions, hidden, residual, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
