@@ -8,14 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.cpu_fused_ops import load_fused_ops
+from pdserve.layers.cpu_gemm import load_cpu_gemm
 from pdserve.layers.cpu_matmul import (
     FORMATS,
+    MatmulWeight,
     dequantize_int4,
     load_cpu_matmul,
     quantize_int4,
     quantize_int8,
     quantize_int8_grouped,
 )
+from pdserve.layers.linear import prepack_weight
 
 ROWS = [1, 5, 6, 7, 13, 48, 100]  # one row, partial / full / one-past register tiles, row blocks
 
@@ -130,3 +133,13 @@ def test_w8a8_integer_sums_are_exact(matmul):
     x = torch.full((3, k), 1.0)
     out = matmul.pack(weight, "w8a8").matmul(x)
     torch.testing.assert_close(out, (x @ weight.T), rtol=1e-6, atol=0)
+
+
+def test_bfloat16_linear_packs_here_where_onednn_has_no_bfloat16():
+    """AVX2 CPUs: oneDNN has no bfloat16 matmul there, so bfloat16 layers use the bf16 panels."""
+    weight = torch.randn(96, 64).bfloat16()
+    packed = prepack_weight(weight)
+    if load_cpu_gemm() is None and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert isinstance(packed, MatmulWeight) and packed.format == "bf16"
+        x = torch.randn(3, 64).bfloat16()
+        assert_close(packed.matmul(x), reference(x, weight, None, "bf16"), torch.bfloat16)
