@@ -33,6 +33,7 @@ import httpx
 
 from benchmarks import serving
 from benchmarks.serving_lib.launch import launched, parse_compare
+from pdserve.layers.native import cpu_description
 from pdserve.model_source import cache_dir, default_gguf_path
 
 log = logging.getLogger("benchmarks.llama_cpp")
@@ -125,25 +126,14 @@ def main(argv: list[str] | None = None) -> dict:
     with llama_server(binary, default_gguf_path(), slots, args.threads, context=512) as url:
         level_results, run = asyncio.run(serving.bench_server(url, "llama.cpp", cfg, None))
     results += level_results
-    runs.append(run | {"launch": None, "cpu": cpu_name()})
+    runs.append(run | {"launch": None, "cpu": cpu_description()})
     for spec in [] if args.llama_only else [parse_compare(s) for s in args.compare]:
         with launched(spec) as stack:
             level_results, run = asyncio.run(serving.bench_server(stack.base_url, spec.label, cfg, None))
         results += level_results
-        runs.append(run | {"launch": spec.flags, "cpu": cpu_name()})
-    print(f"pdserve beside llama.cpp's server on {cpu_name()}:")
+        runs.append(run | {"launch": spec.flags, "cpu": cpu_description()})
+    print(f"pdserve beside llama.cpp's server on {cpu_description()}:")
     return serving.report(results, runs, cfg, None)
-
-
-def cpu_name() -> str:
-    """The CPU model, core count and its best vector extension (for the tables)."""
-    with contextlib.suppress(OSError, StopIteration):
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-        flags = next(line.split(":", 1)[1].split() for line in info if line.startswith("flags"))
-        isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-        return f"{name}, {os.cpu_count()} cores, {isa}"
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

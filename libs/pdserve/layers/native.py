@@ -51,6 +51,16 @@ def cpu_has(*flags: str) -> bool:
     return any(flag in _cpu_flags() for flag in flags)
 
 
+def cpu_description() -> str:
+    """The CPU's model name, core count and the kernel variant in use, for benchmark tables
+    (e.g. ``AMD EPYC, 2 cores, kernels avx2``)."""
+    name = "unknown CPU"
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), name)
+    return f"{name}, {os.cpu_count()} cores, kernels {selected_variant() or 'off'}"
+
+
 def library_path(variant: str) -> Path:
     """Where the installed library of ``variant`` is (it may be absent: not built on this machine)."""
     return Path(__file__).parent.parent / f"_kernels_{variant}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
