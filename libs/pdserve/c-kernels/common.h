@@ -32,6 +32,25 @@ INLINE bf16 f32_to_bf16(float f) {
 INLINE float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 INLINE float f32_to_f32(float x) { return x; }
 
+/* IEEE half precision (the scales of grouped quantized weights, as GGUF stores them) to float32. */
+typedef uint16_t f16;
+INLINE float f16_to_f32(f16 h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 1023u;
+  uint32_t bits = sign | ((exp + 112u) << 23) | (man << 13);    /* normal */
+  if (exp == 31) bits = sign | 0x7F800000u | (man << 13);        /* inf, NaN */
+  float f;
+  if (exp == 0) {                                                /* zero, subnormal: man * 2^-24 */
+    f = (float)man * (1.f / 16777216.f);
+    return sign ? -f : f;
+  }
+  memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
 /* e^x for x <= 0 (relative error below 3e-7; 0 from x = -88 down): 2^n * e^r with n = round(x /
    ln 2), |r| <= ln(2) / 2, ln 2 in two parts (n * hi is exact) and a degree-6 Taylor polynomial.
    Branch-free, so loops over it vectorise. */

@@ -16,16 +16,16 @@ void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, cons
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int);
 void decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
                       const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
-void matmul_float(const void*, int64_t, int, int, const void*, const float*, const float*, const float*,
-                  void*, int64_t, int, int, int, int, int, int, int);
+void matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
+                  int64_t, int, int, int, int, int, int, int);
 void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
                  int, int, int, int, int, int);
 
 /* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
 typedef struct {
   int w8a8, format, N, K, halves;
-  const void* data;
-  const float *scale, *mins, *bias;
+  const void *data, *scale, *mins;
+  const float* bias;
 } Linear;
 
 /* One decoder layer: its norms' weights (activation dtype), matmuls, and KV pool pages. */
@@ -47,8 +47,8 @@ typedef struct {
 static void linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
                    int threads) {
   if (w->w8a8)
-    matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, w->scale, w->bias, out, ldc, bf16, T, w->N, w->K, w->halves,
-                silu, threads);
+    matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T, w->N,
+                w->K, w->halves, silu, threads);
   else
     matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
                  w->halves, silu, threads);

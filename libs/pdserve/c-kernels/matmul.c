@@ -5,8 +5,8 @@
    Panels hold NR = 16 output columns (two AVX2 vectors of float32); a panel is one contiguous run:
      W_F32  [K, 16] float32          W_BF16 [K, 16] bfloat16          W_I8 [K, 16] int8
      W_I4   [K, 8] bytes: byte j of input k holds column j (low nibble) and column j + 8 (high),
-            unsigned 0..15; scales and mins [N / 16, K / 32, 16] float32: w = q * scale + min
-     W_I8G  [K, 16] int8 with scales [N / 16, K / 32, 16] float32: w = q * scale (llama.cpp's Q8_0)
+            unsigned 0..15; scales and mins [N / 16, K / 32, 16] float16: w = q * scale + min
+     W_I8G  [K, 16] int8 with scales [N / 16, K / 32, 16] float16: w = q * scale (llama.cpp's Q8_0)
      W8A8   [K / 2, 16, 2] int8: for each pair of inputs, the 16 columns' two weights side by side
             (the operand order of vpmaddwd once widened to int16).
    Float path (Goto & van de Geijn's register-blocked micro-kernel, written anew): threads split the
@@ -45,7 +45,7 @@ typedef struct {
   int64_t lda;
   const char* packed;
   int format;
-  const float *scale, *mins; /* W_I4, W_I8G: scale (and W_I4's mins) [N / 16, K / 32, 16] */
+  const f16 *scale, *mins;   /* W_I4, W_I8G: scale (and W_I4's mins) [N / 16, K / 32, 16] */
   const float* col_scale;    /* W_I8 (also once dequantized into a float32 copy): [N] */
   const float* bias;         /* [N] or NULL */
   void* out;
@@ -86,24 +86,26 @@ INLINE void store_row_f32(const Mat* g, float v0[8], float v1[8], int col0, int 
 }
 
 /* W[k][j] of a panel in float32 (the portable path and the dequantizing copy). */
-INLINE float weight_at(int format, const char* panel, const float* scale, const float* mins, int64_t k, int j) {
+INLINE float weight_at(int format, const char* panel, const f16* scale, const f16* mins, int64_t k, int j) {
   switch (format) {
     case W_F32: return ((const float*)panel)[k * NR + j];
     case W_BF16: return bf16_to_f32(((const bf16*)panel)[k * NR + j]);
     case W_I8: return (float)((const int8_t*)panel)[k * NR + j];
-    case W_I8G: return (float)((const int8_t*)panel)[k * NR + j] * scale[k / GROUP * NR + j];
+    case W_I8G: return (float)((const int8_t*)panel)[k * NR + j] * f16_to_f32(scale[k / GROUP * NR + j]);
     default: {
       const uint8_t byte = ((const uint8_t*)panel)[k * 8 + j % 8];
       const float q = (float)(j < 8 ? byte & 15 : byte >> 4);
       const int64_t s = k / GROUP * NR + j;
-      return q * scale[s] + mins[s];
+      return q * f16_to_f32(scale[s]) + f16_to_f32(mins[s]);
     }
   }
 }
 
 #ifdef __AVX2__
 /* The 16 weights of input k as two float32 vectors (int4: of the group's scales s and mins m). */
-INLINE void load_weights(int format, const char* panel, int64_t k, const float* s, const float* m,
+INLINE __m256 load8_f16(const f16* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const void*)x)); }
+
+INLINE void load_weights(int format, const char* panel, int64_t k, const f16* s, const f16* m,
                          __m256* w0, __m256* w1) {
   if (format == W_F32) {
     *w0 = _mm256_loadu_ps((const float*)panel + k * NR);
@@ -115,13 +117,13 @@ INLINE void load_weights(int format, const char* panel, int64_t k, const float* 
     const int8_t* p = (const int8_t*)panel + k * NR;
     *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void*)p)));
     *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void*)(p + 8))));
-    if (format == W_I8G) *w0 = _mm256_mul_ps(*w0, _mm256_loadu_ps(s)), *w1 = _mm256_mul_ps(*w1, _mm256_loadu_ps(s + 8));
+    if (format == W_I8G) *w0 = _mm256_mul_ps(*w0, load8_f16(s)), *w1 = _mm256_mul_ps(*w1, load8_f16(s + 8));
   } else {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const void*)(panel + k * 8)));
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    *w0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(s), _mm256_loadu_ps(m));
-    *w1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(m + 8));
+    *w0 = _mm256_fmadd_ps(q0, load8_f16(s), load8_f16(m));
+    *w1 = _mm256_fmadd_ps(q1, load8_f16(s + 8), load8_f16(m + 8));
   }
 }
 
@@ -131,7 +133,7 @@ INLINE void tile(const int format, const int rows, const Mat* g, int m0, int n, 
   __m256 acc[MR][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* a = g->x + m0 * g->lda;
-  const float *s = NULL, *m = NULL; /* int4: this panel's scales, one group's 16 at a time */
+  const f16 *s = NULL, *m = NULL; /* grouped: this panel's scales, one group's 16 at a time */
   if (GROUPED(format)) s = g->scale + (int64_t)n * (g->K / GROUP) * NR;
   if (format == W_I4) m = g->mins + (int64_t)n * (g->K / GROUP) * NR;
   for (int64_t k = 0; k < g->K; ++k) {
@@ -180,8 +182,8 @@ static void tile_rows(int format, int rows, const Mat* g, int m0, int n, const c
 static void tile_rows(int format, int rows, const Mat* g, int m0, int n, const char* panel) {
   int col0, col1;
   panel_cols(g, n, &col0, &col1);
-  const float* s = GROUPED(format) ? g->scale + (int64_t)n * (g->K / GROUP) * NR : NULL;
-  const float* mn = format == W_I4 ? g->mins + (int64_t)n * (g->K / GROUP) * NR : NULL;
+  const f16* s = GROUPED(format) ? g->scale + (int64_t)n * (g->K / GROUP) * NR : NULL;
+  const f16* mn = format == W_I4 ? g->mins + (int64_t)n * (g->K / GROUP) * NR : NULL;
   const int64_t out_bytes = g->out_bf16 ? 2 : 4;
   for (int r = 0; r < rows; ++r) {
     const float* a = g->x + (m0 + r) * g->lda;
@@ -197,8 +199,8 @@ static void tile_rows(int format, int rows, const Mat* g, int m0, int n, const c
 static void dequantize_panel(const Mat* g, int n, float* buf) {
   const char* panel = g->packed + (int64_t)n * panel_bytes(g->format, g->K);
   const int64_t at = (int64_t)n * (g->K / GROUP) * NR;
-  const float* s = GROUPED(g->format) ? g->scale + at : NULL;
-  const float* m = g->format == W_I4 ? g->mins + at : NULL;
+  const f16* s = GROUPED(g->format) ? g->scale + at : NULL;
+  const f16* m = g->format == W_I4 ? g->mins + at : NULL;
   for (int64_t k = 0; k < g->K; ++k)
 #ifdef __AVX2__
   {
@@ -237,9 +239,10 @@ static void run_float(const Mat* g, int threads) {
 
 /* out [M, ldc] (float32 or bfloat16) = x W^T (+ bias), or silu(gate) * up with halves and silu;
    x [M, K] float32 or bfloat16 (x_bf16) with a row stride of lda elements; W packed in `format`
-   (see the top of this file); scale / mins as the format needs; bias float32 [N] or NULL. */
-void matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void* packed, const float* scale,
-                  const float* mins, const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N,
+   (see the top of this file); scale / mins as the format needs (int8: float32 [N]; grouped:
+   float16); bias float32 [N] or NULL. */
+void matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void* packed, const void* scale,
+                  const void* mins, const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N,
                   int K, int halves, int silu, int threads) {
   float* xf = NULL;
   if (x_bf16) { /* widened once: each row is read by every panel */
@@ -249,7 +252,7 @@ void matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void
     lda = K;
   }
   const Mat g = {xf ? xf : (const float*)x, lda, (const char*)packed, format, GROUPED(format) ? scale : NULL,
-                 mins, format == W_I8 ? scale : NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
+                 mins, format == W_I8 ? (const float*)scale : NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
   run_float(&g, threads);
   free(xf);
 }

@@ -51,23 +51,31 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
+def _half(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float16 (as the grouped formats store their scales), kept as float32."""
+    return x.half().float()
+
+
 def quantize_int8_grouped(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 in groups of 32 inputs (llama.cpp's Q8_0): (int8 ``q`` ``[N, K]``, float32
-    ``scale`` ``[N, K / 32]``), ``scale = max|w| / 127`` over the group. ``K`` a multiple of 32."""
+    """Symmetric int8 in groups of 32 inputs (llama.cpp's Q8_0): (int8 ``q`` ``[N, K]``, ``scale``
+    ``[N, K / 32]``), ``scale = max|w| / 127`` over the group rounded to float16 (held in float32).
+    ``K`` a multiple of 32."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // GROUP, GROUP)
-    scale = w.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    return torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8).reshape(n, k), scale
+    scale = _half(w.abs().amax(dim=2) / 127)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8).reshape(n, k), scale
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of 32 inputs (llama.cpp's Q4_1): (uint8 ``q`` ``[N, K]`` in 0..15,
-    float32 ``scale`` and ``mins`` ``[N, K / 32]``) with ``w ~ q * scale + min``, ``min`` the group's
-    smallest weight and ``scale = (max - min) / 15``. ``K`` must be a multiple of 32."""
+    ``scale`` and ``mins`` ``[N, K / 32]``, float16 values held in float32) with ``w ~ q * scale +
+    min``, ``min`` the group's smallest weight and ``scale = (max - min) / 15``, both rounded to
+    float16 as GGUF stores them (so a Q4_1 block's own values come back). ``K`` a multiple of 32."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // GROUP, GROUP)
-    mins, maxs = w.amin(dim=2), w.amax(dim=2)
-    scale = (maxs - mins) / 15
+    mins, maxs = _half(w.amin(dim=2)), w.amax(dim=2)
+    scale = _half((maxs - mins) / 15)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((w - mins[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
     return q.reshape(n, k), scale, mins
@@ -87,7 +95,8 @@ class MatmulWeight:
     Attributes:
         format: ``float32``, ``bf16``, ``int8``, ``int4`` (float activations) or ``w8a8``.
         halves: panels pair gate and up rows (``silu_and_mul`` works); ``matmul`` is the same either way.
-        data: the panels; scale: int8 / w8a8 float32 ``[N]``, int4 ``[N / 16, K / 32, 16]``; mins: int4's.
+        data: the panels; scale: int8 / w8a8 float32 ``[N]``, grouped formats float16
+            ``[N / 16, K / 32, 16]``; mins: int4's, the same.
     """
 
     def __init__(
@@ -105,15 +114,17 @@ class MatmulWeight:
             self.data = (q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)).contiguous()
         else:
             self.data = panels.transpose(1, 2).contiguous()
-        if format in GROUPED:
+        if format in GROUPED:  # float16 [N / 16, K / 32, 16]
             self.scale, self.mins = (
                 None
                 if t is None
-                else _rows_in_panels(t, halves).reshape(n // PANEL, PANEL, -1).transpose(1, 2)
+                else _rows_in_panels(t, halves)
+                .reshape(n // PANEL, PANEL, -1)
+                .transpose(1, 2)
+                .half()
+                .contiguous()
                 for t in (scale, mins)
             )
-            self.scale = self.scale.contiguous()
-            self.mins = None if self.mins is None else self.mins.contiguous()
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The stored values and scales back in row order (``halves`` False only)."""
@@ -124,7 +135,7 @@ class MatmulWeight:
         scale, mins = self.scale, self.mins
         if self.format in GROUPED:
             scale, mins = (
-                None if t is None else t.transpose(1, 2).reshape(n, k // GROUP) for t in (scale, mins)
+                None if t is None else t.transpose(1, 2).reshape(n, k // GROUP).float() for t in (scale, mins)
             )
         return data.transpose(1, 2).reshape(n, k), scale, mins
 
