@@ -102,10 +102,11 @@ INLINE float weight_at(int format, const char* panel, const f16* scale, const f1
 }
 
 #ifdef __AVX2__
-/* The 16 weights of input k as two float32 vectors (int4: of the group's scales s and mins m). */
 INLINE __m256 load8_f16(const f16* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const void*)x)); }
 
-INLINE void load_weights(int format, const char* panel, int64_t k, const f16* s, const f16* m,
+/* The 16 weights of input k as two float32 vectors; grouped formats: with their group's scales
+   (s0, s1) and int4's minimums (m0, m1), already widened. */
+INLINE void load_weights(int format, const char* panel, int64_t k, __m256 s0, __m256 s1, __m256 m0, __m256 m1,
                          __m256* w0, __m256* w1) {
   if (format == W_F32) {
     *w0 = _mm256_loadu_ps((const float*)panel + k * NR);
@@ -117,14 +118,22 @@ INLINE void load_weights(int format, const char* panel, int64_t k, const f16* s,
     const int8_t* p = (const int8_t*)panel + k * NR;
     *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void*)p)));
     *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void*)(p + 8))));
-    if (format == W_I8G) *w0 = _mm256_mul_ps(*w0, load8_f16(s)), *w1 = _mm256_mul_ps(*w1, load8_f16(s + 8));
+    if (format == W_I8G) *w0 = _mm256_mul_ps(*w0, s0), *w1 = _mm256_mul_ps(*w1, s1);
   } else {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const void*)(panel + k * 8)));
     const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
     const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    *w0 = _mm256_fmadd_ps(q0, load8_f16(s), load8_f16(m));
-    *w1 = _mm256_fmadd_ps(q1, load8_f16(s + 8), load8_f16(m + 8));
+    *w0 = _mm256_fmadd_ps(q0, s0, m0);
+    *w1 = _mm256_fmadd_ps(q1, s1, m1);
   }
+}
+
+/* The group of input k0's scales (and minimums) of a grouped panel whose scales start at s (m). */
+INLINE void group_scales(int format, const f16* s, const f16* m, int64_t k0, __m256* s0, __m256* s1, __m256* m0,
+                         __m256* m1) {
+  *s0 = *s1 = *m0 = *m1 = _mm256_setzero_ps();
+  if (GROUPED(format)) *s0 = load8_f16(s + k0 / GROUP * NR), *s1 = load8_f16(s + k0 / GROUP * NR + 8);
+  if (format == W_I4) *m0 = load8_f16(m + k0 / GROUP * NR), *m1 = load8_f16(m + k0 / GROUP * NR + 8);
 }
 
 /* Rows m0 .. m0 + rows - 1 (rows <= MR; a constant where inlined, so the accumulators live in
@@ -136,14 +145,19 @@ INLINE void tile(const int format, const int rows, const Mat* g, int m0, int n, 
   const f16 *s = NULL, *m = NULL; /* grouped: this panel's scales, one group's 16 at a time */
   if (GROUPED(format)) s = g->scale + (int64_t)n * (g->K / GROUP) * NR;
   if (format == W_I4) m = g->mins + (int64_t)n * (g->K / GROUP) * NR;
-  for (int64_t k = 0; k < g->K; ++k) {
-    __m256 w0, w1;
-    load_weights(format, panel, k, s + k / GROUP * NR, m + k / GROUP * NR, &w0, &w1);
+  const int64_t step = GROUPED(format) ? GROUP : g->K; /* a group's scales widened once */
+  for (int64_t k0 = 0; k0 < g->K; k0 += step) {
+    __m256 s0, s1, m0, m1;
+    group_scales(format, s, m, k0, &s0, &s1, &m0, &m1);
+    for (int64_t k = k0; k < k0 + step; ++k) {
+      __m256 w0, w1;
+      load_weights(format, panel, k, s0, s1, m0, m1, &w0, &w1);
 #pragma GCC unroll 6
-    for (int r = 0; r < rows; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + r * g->lda + k);
-      acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);
+      for (int r = 0; r < rows; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + r * g->lda + k);
+        acc[r][0] = _mm256_fmadd_ps(av, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(av, w1, acc[r][1]);
+      }
     }
   }
   int col0, col1;
@@ -204,8 +218,9 @@ static void dequantize_panel(const Mat* g, int n, float* buf) {
   for (int64_t k = 0; k < g->K; ++k)
 #ifdef __AVX2__
   {
-    __m256 w0, w1;
-    load_weights(g->format, panel, k, s ? s + k / GROUP * NR : NULL, m ? m + k / GROUP * NR : NULL, &w0, &w1);
+    __m256 s0, s1, m0, m1, w0, w1;
+    group_scales(g->format, s, m, k, &s0, &s1, &m0, &m1);
+    load_weights(g->format, panel, k, s0, s1, m0, m1, &w0, &w1);
     _mm256_storeu_ps(buf + k * NR, w0);
     _mm256_storeu_ps(buf + k * NR + 8, w1);
   }
