@@ -10,7 +10,7 @@ GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -69,6 +69,10 @@ bench: install
 
 bench-engine: install
 	$(PYTHON) -m benchmarks.engine $(ARGS)
+
+# llama.cpp's server (built once from the llama-cpp-python sdist into the cache) beside pdserve
+bench-llama: install
+	$(PYTHON) -m benchmarks.llama_cpp $(ARGS)
 
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
