@@ -135,6 +135,12 @@ class Stack:
                 self.proc.wait()
 
 
+def _services_started(log_path: str) -> bool:
+    """Whether the launcher has started its first service (so it holds every fixed port)."""
+    with open(log_path) as f:
+        return " started " in f.read()
+
+
 def launch_stack(
     *flags: str,
     log_name: str = "stack",
@@ -167,6 +173,12 @@ def launch_stack(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
+        if not _services_started(log_path):
+            # Not one connection before the launcher holds its fixed ports: a connect() to a port in
+            # the ephemeral range that nothing listens on may draw that same port as its source and
+            # connect to itself, leaving a TIME_WAIT that keeps the gateway off its port for 60 s.
+            time.sleep(0.2)
+            continue
         try:
             if httpx.get(f"{stack.base_url}/health", timeout=2, verify=stack.verify).status_code == 200:
                 return stack
