@@ -121,14 +121,22 @@ class RequestHandle:
             state.route.release()
 
     def abort(
-        self, reason: str, states: list[ReqState] | None = None, finish_reason: FinishReason = "abort"
+        self,
+        reason: str,
+        states: list[ReqState] | None = None,
+        finish_reason: FinishReason = "abort",
+        retryable: bool = False,
     ) -> None:
-        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend."""
+        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend.
+
+        ``retryable``: an "error" the client may retry (a worker went down), answered 503.
+        """
         for state in self.states if states is None else states:
             if not state.finished:
                 if state.sent:
                     self.abort_backend(state, reason)
-                self.push(state, ChoiceDelta(index=state.index, finish_reason=finish_reason, error=reason))
+                end = ChoiceDelta(state.index, finish_reason=finish_reason, error=reason, retryable=retryable)
+                self.push(state, end)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         while self._pending_finishes > 0:

@@ -77,7 +77,7 @@ class ChoiceResult:
     def add(self, delta: ChoiceDelta) -> None:
         """Append ``delta``; raises ``GatewayError`` 500 when the runtime failed the choice."""
         if delta.finish_reason == "error":
-            raise generation_failed(delta.error)
+            raise generation_failed(delta.error, delta.retryable)
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
