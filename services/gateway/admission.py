@@ -8,10 +8,11 @@ pools of the decode workers, as each reports in ``GetLoad``::
     max_queued_requests = --max-queued-requests (default 2 * request_capacity)
 
 (``pdserve.scheduler.overload``): what the decode pool can run at once plus what its waiting
-queues may hold. A request beyond the limit gets 429 with ``Retry-After``; with no healthy decode
-worker, 503 with ``Retry-After``. Until the decode workers have reported (the first health round,
-at start), and when one reports an unbounded queue, there is no limit here: the schedulers' own
-queue bounds still refuse (RESOURCE_EXHAUSTED, 429). The limit is per replica: N replicas in front
+queues may hold. A request beyond the limit gets 429 with ``Retry-After`` (one that passes it while
+no decode worker is healthy gets 503 with ``Retry-After`` from the router, once it is validated).
+Until the decode workers have reported (the first health round, at start), and when one reports an
+unbounded queue, there is no limit here: the schedulers' own queue bounds still refuse
+(RESOURCE_EXHAUSTED, 429). The limit is per replica: N replicas in front
 of one pool may take N times the pool's capacity, and the schedulers then refuse the excess.
 """
 
@@ -36,11 +37,8 @@ def check_pending(pending: int, configured: int | None, decode: WorkerPool) -> N
     """Refuse one more request when ``pending`` are in flight.
 
     Raises:
-        GatewayError: 503 (``Retry-After``) when no decode worker is healthy; 429 (``Retry-After``)
-            when ``pending`` has reached the limit.
+        GatewayError: 429 (``Retry-After``) when ``pending`` has reached the limit.
     """
-    if not decode.healthy():
-        raise GatewayError(503, "no healthy decode worker; retry later", headers=retry_after())
     limit = pending_limit(configured, decode)
     if limit is not None and pending >= limit:
         raise GatewayError(

@@ -3,9 +3,10 @@
 A colocated stack with a 2,048-token pool (128 pages) and every overload limit at its default but
 the queue time (3 s here, to keep the test short): the gateway's pending limit is sized from the
 pool (``admission``), the scheduler's queue bound too (``overload``). 250 clients over HTTP (the
-official ``openai`` client) and 50 over the public gRPC API send at once: each gets a 200 with the
-HF-greedy answer, a 429 at once, or a 503 once it waited out the queue time, both with their retry
-hint (``Retry-After``; ``retry-after`` and ``grpc-retry-pushback-ms`` in gRPC's trailing metadata).
+official ``openai`` client; half of them stream) and 50 over the public gRPC API send at once: each
+gets a 200 with the HF-greedy answer, a 429 at once, or a 503 once it waited out the queue time,
+both with their retry hint (``Retry-After``; ``retry-after`` and ``grpc-retry-pushback-ms`` in
+gRPC's trailing metadata).
 Afterwards the scheduler is idle with its pool conserved and the gateway holds nothing.
 """
 
@@ -42,8 +43,11 @@ def overloaded() -> Stack:
     stack.stop()
 
 
-async def http_client_call(client: openai.AsyncOpenAI) -> tuple[str, int, str | None, str, float]:
-    """``("http", status, Retry-After, answer or error message, seconds)``."""
+async def http_client_call(
+    client: openai.AsyncOpenAI, stream: bool
+) -> tuple[str, int, str | None, str, float]:
+    """``("http", status, Retry-After, answer or error message, seconds)``; a stream's status comes
+    with its first output, so a refused stream is a 429 / 503 as well."""
     t0 = time.monotonic()
     try:
         resp = await client.chat.completions.create(
@@ -51,10 +55,15 @@ async def http_client_call(client: openai.AsyncOpenAI) -> tuple[str, int, str | 
             messages=[{"role": "user", "content": QUESTION}],
             temperature=0,
             max_tokens=MAX_TOKENS,
+            stream=stream,
         )
+        if stream:
+            text = "".join([chunk.choices[0].delta.content or "" async for chunk in resp if chunk.choices])
+        else:
+            text = resp.choices[0].message.content
     except openai.APIStatusError as e:
         return "http", e.status_code, e.response.headers.get("retry-after"), e.message, time.monotonic() - t0
-    return "http", 200, None, resp.choices[0].message.content, time.monotonic() - t0
+    return "http", 200, None, text, time.monotonic() - t0
 
 
 _GRPC_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
@@ -105,7 +114,7 @@ async def burst(stack: Stack) -> list[tuple[str, int, str | None, str, float]]:
             base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, http_client=http
         )
         stub = api_pb2_grpc.PdServeStub(channel)
-        calls = [http_client_call(client) for _ in range(HTTP_CLIENTS)]
+        calls = [http_client_call(client, stream=i % 2 == 1) for i in range(HTTP_CLIENTS)]
         calls += [grpc_client_call(stub) for _ in range(GRPC_CLIENTS)]
         calls = calls[::2] + calls[1::2]  # interleave the two APIs
         return await asyncio.gather(*calls)
