@@ -13,6 +13,7 @@ Afterwards the scheduler is idle with its pool conserved and the gateway holds n
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import Counter
 
@@ -31,8 +32,11 @@ QUEUE_TIME = 3.0
 HTTP_CLIENTS, GRPC_CLIENTS = 250, 50
 MAX_TOKENS = 16
 QUESTION = "What is the capital of France?"
-REFUSED_WITHIN = 8.0  # a 429 is answered before anything is computed (seconds, on a loaded 2-core box)
-QUEUE_SLACK = 7.0  # a queue-time 503 comes at the first step after the limit, then through 3 services
+REFUSED_WITHIN = 10.0  # a 429 is answered before anything is computed (seconds, on a loaded 2-core box)
+STEP_SLACK = 3.0  # the queue limit is checked once per scheduler step
+# a 503 reaches the client after the queue limit, a step, and the burst's share of the gateway,
+# tokenizer and detokenizer on the same two (shared) cores
+ANSWERED_WITHIN = QUEUE_TIME + 20.0
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +136,15 @@ def test_300_concurrent_clients_get_answers_or_quick_refusals(overloaded: Stack)
 
     statuses = Counter((api, status) for api, status, *_ in results)
     by_status = Counter(status for _, status, *_ in results)
+    times = {s: sorted(r[4] for r in results if r[1] == s) for s in by_status}
+    summary = ", ".join(
+        f"{s}: {len(t)} (median {t[len(t) // 2]:.1f} s, max {t[-1]:.1f} s)" for s, t in sorted(times.items())
+    )
+    waited = [float(m[1]) for r in results if (m := re.search(r"waited ([\d.]+) s", r[3]))]
+    print(
+        f"\n{len(results)} requests in {wall:.1f} s; {dict(statuses)}; {summary}; "
+        f"503s waited {min(waited, default=0):.1f}-{max(waited, default=0):.1f} s in the queue"
+    )
     assert set(by_status) <= {200, 429, 503}, statuses
     assert by_status[200] >= 1 and by_status[429] >= 1 and by_status[503] >= 1, statuses
     assert {api for api, status, *_ in results if status != 200} == {"http", "grpc"}, statuses
@@ -145,18 +158,16 @@ def test_300_concurrent_clients_get_answers_or_quick_refusals(overloaded: Stack)
             assert seconds <= REFUSED_WITHIN, (api, seconds, text)
         if status == 503:
             assert "max-queue-time 3 s" in text, text
-            assert QUEUE_TIME <= seconds <= QUEUE_TIME + QUEUE_SLACK, (api, seconds, text)
+            assert QUEUE_TIME <= seconds <= ANSWERED_WITHIN, (api, seconds, text)
+    # nobody waited in a scheduler's queue past the limit (plus the step that noticed it)
+    assert len(waited) == by_status[503], waited
+    assert min(waited) > QUEUE_TIME and max(waited) <= QUEUE_TIME + STEP_SLACK, waited
 
     m = overloaded.wait_idle(timeout=30)
     overloaded.check_kv_conservation()
     assert sum(m["pdserve:gateway_in_flight_requests"].values()) == 0
     assert sum(m.get("pdserve:detokenizer_active_streams", {0: 0}).values()) == 0
 
-    times = {s: sorted(r[4] for r in results if r[1] == s) for s in by_status}
-    summary = ", ".join(
-        f"{s}: {len(t)} (median {t[len(t) // 2]:.1f} s, max {t[-1]:.1f} s)" for s, t in sorted(times.items())
-    )
-    print(f"\n{len(results)} requests in {wall:.1f} s; {dict(statuses)}; {summary}")
-    # every request admitted waited less than the queue limit (the histogram's next bound is 5 s)
+    # every request admitted (and the warm-up) waited less than the queue limit (next bound: 5 s)
     buckets = queue_time_buckets(overloaded)
-    assert buckets[float("inf")] == by_status[200] and buckets[5.0] == buckets[float("inf")], buckets
+    assert buckets[float("inf")] == by_status[200] + 1 and buckets[5.0] == buckets[float("inf")], buckets
