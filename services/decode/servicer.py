@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 120.0
 # errors that another prefill worker would return too
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+# failures of the prefill pool's state (down, full, slow): the client may retry the request later
+_SERVER_STATE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 # the process's identity in GetLoad: the gateway fails what it routed to an earlier incarnation
 INCARNATION = uuid.uuid4().hex
 
@@ -189,9 +195,10 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
                     logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
-                    if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
-                        retryable = False
-                        break
+                    if isinstance(e, grpc.aio.AioRpcError):
+                        retryable = retryable and e.code() in _SERVER_STATE
+                        if e.code() in _NOT_RETRYABLE:
+                            break
             if resp is None:
                 out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors), retryable)
             else:
