@@ -204,7 +204,7 @@ def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:
         "detokenizer": "127.0.0.1:40002",
         "prefill-0": "127.0.0.1:40010",
         "decode-0": "127.0.0.1:40020",
-        "gateway": "127.0.0.1:50051",  # its gRPC server: /health is about the other roles
+        "gateway": "127.0.0.1:40003",  # its internal gRPC server: /health is about the other roles
     }
     assert [n for n, s in specs.items() if s.pin_kv_pool] == ["prefill-0", "decode-0"]
     assert _flag(specs["decode-0"].argv, "--max-queue-time") == "60"
