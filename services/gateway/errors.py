@@ -99,8 +99,19 @@ def context_length_exceeded(message: str, param: str) -> GatewayError:
     return GatewayError(400, message, param=param, code="context_length_exceeded")
 
 
-def generation_failed(error: str) -> GatewayError:
-    """A choice the runtime ended with finish_reason "error" (500)."""
+RETRY_AFTER_S = 1  # the Retry-After of every 429 and 503
+
+
+def retry_after() -> dict[str, str]:
+    """The headers of a response the client should retry (429, 503)."""
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def generation_failed(error: str, retryable: bool = False) -> GatewayError:
+    """A choice the runtime ended with finish_reason "error": 500, or 503 with ``Retry-After`` when
+    ``retryable`` (the server's state failed it: overload, a worker that hung or died)."""
+    if retryable:
+        return GatewayError(503, error or "the server cannot serve the request now", headers=retry_after())
     return GatewayError(500, f"generation failed: {error or 'unknown error'}")
 
 
@@ -115,7 +126,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
     address) found the request wrong is of no use to the client; server errors name it.
     """
     status = _FROM_GRPC.get(err.code(), 500)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = retry_after() if status in (429, 503) else None
     details = err.details() or err.code().name
     return GatewayError(status, details if status < 500 else f"{service}: {details}", headers=headers)
 

@@ -103,9 +103,24 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str = ""
+    retryable: bool = False  # an "error" finish caused by the server's state: 503 + Retry-After
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a scheduler reports in ``GetLoad``, as the gateway uses it.
+
+    ``load``: its queued plus running requests; ``capacity``: the requests it takes before refusing
+    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``incarnation``: changes
+    when its process restarts.
+    """
+
+    load: int
+    capacity: int
+    incarnation: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,12 +15,14 @@ import logging
 import time
 from collections.abc import Coroutine
 
+from pdserve.services.gateway.admission import check_pending
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
     context_length_exceeded,
     duplicate_rid,
     invalid_request,
+    retry_after,
 )
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
@@ -43,13 +45,14 @@ class ManagerConfig:
 
     Attributes:
         gateway_address: this replica's advertised gRPC address (where outputs come back).
-        max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
+        max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited;
+            None = sized from the decode workers' KV pools, see ``admission``).
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
     """
 
     gateway_address: str
-    max_pending_requests: int = 0
+    max_pending_requests: int | None = None
     request_timeout: float | None = None
     default_max_tokens: int = 4096
 
@@ -113,24 +116,19 @@ class RequestManager:
                 and ``--request-timeout`` applies.
 
         Raises:
-            GatewayError: 429 too many requests in flight, 400 rid in flight or prompt too long for
-                the context, 503 no healthy worker or the gateway is shutting down, 504 deadline
-                passed, or a backend call's error. Choices already sent are aborted before it is raised.
+            GatewayError: 429 too many requests in flight (``admission``), 400 rid in flight or
+                prompt too long for the context, 503 no healthy worker or the gateway is shutting
+                down, 504 deadline passed, or a backend call's error (429 when a scheduler's queue
+                is full). Choices already sent are aborted before it is raised.
         """
         cfg = self.config
         if self.draining:
             raise GatewayError(
                 503,
                 "the gateway is shutting down; retry (another replica, or this one once restarted)",
-                headers={"Retry-After": "1"},
+                headers=retry_after(),
             )
-        if cfg.max_pending_requests and len(self.handles) >= cfg.max_pending_requests:
-            raise GatewayError(
-                429,
-                f"too many requests in flight ({len(self.handles)}); retry later",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
+        check_pending(len(self.handles), cfg.max_pending_requests, self.router.decode)
         if obj.rid in self.handles:
             raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
@@ -261,10 +259,11 @@ class RequestManager:
             depends = lambda s: s.output_address == address
         else:
             return
+        reason = f"{role} worker {address} went down or restarted; retry"
         for handle in list(self.handles.values()):
             lost = [s for s in handle.states if not s.finished and depends(s)]
             if lost:
-                handle.abort(f"{role} worker {address} is down", lost, finish_reason="error")
+                handle.abort(reason, lost, finish_reason="error", retryable=True)
 
     def _abort_choice(self, state: ReqState, reason: str) -> None:
         """Tell the decode-scheduler to drop ``state`` (in the background: callers may be cancelled)."""

@@ -49,7 +49,7 @@ class OpenAIServingChat:
         obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
         handle = await self.ctx.manager.submit(obj)
         if body.stream:
-            return sse_response(request, handle, self._chunks(body, handle))
+            return await sse_response(request, handle, self._chunks(body, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
         choices = [

@@ -77,7 +77,7 @@ class ChoiceResult:
     def add(self, delta: ChoiceDelta) -> None:
         """Append ``delta``; raises ``GatewayError`` 500 when the runtime failed the choice."""
         if delta.finish_reason == "error":
-            raise generation_failed(delta.error)
+            raise generation_failed(delta.error, delta.retryable)
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
@@ -108,15 +108,26 @@ def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> 
     return sum(handle.prompt_tokens), completion, cached
 
 
-def sse_response(request: Request, handle: RequestHandle, events: AsyncIterator[str]) -> StreamingResponse:
+async def sse_response(
+    request: Request, handle: RequestHandle, events: AsyncIterator[str]
+) -> StreamingResponse:
     """Server-sent events ``data: <json>`` from ``events``, then ``data: [DONE]``.
 
-    An error after the stream has started is sent as one ``data: {"error": ...}`` event (the status
-    is already 200). The handle is closed, and its running choices aborted, when the client goes away.
+    The response starts with the request's first output: a request that fails retryably before it
+    (overload, a worker gone) or passes its deadline answers 503 / 504 as a whole
+    (``RequestHandle.first_output``). An error after the stream has started is sent as one
+    ``data: {"error": ...}`` event (the status is already 200). The handle is closed, and its running
+    choices aborted, when the client goes away.
     """
+    watcher = watch_disconnect(request, handle)
+    try:
+        await handle.first_output()
+    except BaseException:
+        watcher.cancel()
+        handle.close("failed before its first output")
+        raise
 
     async def body() -> AsyncIterator[str]:
-        watcher = watch_disconnect(request, handle)
         try:
             async with handle:
                 async for event in events:

@@ -45,7 +45,7 @@ class OpenAIServingCompletion:
         echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
         handle = await self.ctx.manager.submit(GenerateReqInput(rid, prompts, sampling, n=body.n))
         if body.stream:
-            return sse_response(request, handle, self._chunks(body, handle, echoes))
+            return await sse_response(request, handle, self._chunks(body, handle, echoes))
         results = await collect(request, handle)
         choices = []
         for r in results:

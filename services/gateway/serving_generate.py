@@ -43,7 +43,7 @@ class NativeServing:
         sampling = sp.to_sampling_params(body.return_logprob, body.top_logprobs_num)
         handle = await self.ctx.manager.submit(GenerateReqInput(rid, body.prompts, sampling, n=sp.n))
         if body.stream:
-            return sse_response(request, handle, self._chunks(handle, body.return_logprob))
+            return await sse_response(request, handle, self._chunks(handle, body.return_logprob))
         results = await collect(request, handle)
         outs = [self._response(handle, r, body.return_logprob).model_dump() for r in results]
         return JSONResponse(outs if body.is_batch or sp.n > 1 else outs[0])
