@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Coroutine
 
+from pdserve.sampling.bounds import BoundError, check_vocab_fields, wrap_int64
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
@@ -32,7 +33,7 @@ from pdserve.services.gateway.io_struct import (
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
 from pdserve.services.gateway.router import Router, WorkerPool
-from pdserve.services.gateway.token_texts import TokenTexts
+from pdserve.services.gateway.token_pieces import TokenPieces
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class ManagerConfig:
 
     Attributes:
         gateway_address: this replica's advertised gRPC address (where outputs come back).
-        max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
+        max_pending_requests: sub-requests (prompts × n of each request) in flight before new
+            requests get 429 (0 = unlimited); one that alone has more gets 400.
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
     """
@@ -75,7 +77,8 @@ class RequestManager:
         self.registry = registry
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
-        self.token_texts = TokenTexts(lambda i: self.detokenize([i], skip_special_tokens=False))
+        self.pending_choices = 0  # sub-requests of the handles in flight
+        self.token_pieces = TokenPieces(lambda ids: clients.token_pieces(self.tokenizers.next().address, ids))
         self._model_info: ModelInfo | None = None
         self._background: set[asyncio.Task] = set()
         self.draining = False
@@ -124,13 +127,7 @@ class RequestManager:
                 "the gateway is shutting down; retry (another replica, or this one once restarted)",
                 headers={"Retry-After": "1"},
             )
-        if cfg.max_pending_requests and len(self.handles) >= cfg.max_pending_requests:
-            raise GatewayError(
-                429,
-                f"too many requests in flight ({len(self.handles)}); retry later",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
+        self._check_pending(obj)
         if obj.rid in self.handles:
             raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
@@ -140,10 +137,11 @@ class RequestManager:
             registry=self.registry,
             metrics=self.metrics,
             abort_backend=self._abort_choice,
-            on_close=lambda h: self.handles.pop(h.rid, None),
+            on_close=lambda h, choices=obj.num_choices: self._closed(h, choices),
             deadline=None if budget is None else time.monotonic() + budget,
         )
         self.handles[obj.rid] = handle
+        self.pending_choices += obj.num_choices
         try:
             async with asyncio.timeout(budget):
                 await self._dispatch(obj, handle, budget)
@@ -157,18 +155,53 @@ class RequestManager:
             raise
         return handle
 
-    async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
-        for stop in obj.sampling_params.stop:
-            stop.encode()  # UnicodeEncodeError (a 400) now, not after routing, for text protobuf can't carry
-        tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
-        info = await self.model_info()
-        biased = max(obj.sampling_params.logit_bias, default=-1)
-        if info.vocab_size and biased >= info.vocab_size:
+    def _check_pending(self, obj: GenerateReqInput) -> None:
+        """Count ``obj``'s sub-requests (prompts × n) against ``max_pending_requests``.
+
+        Raises:
+            GatewayError: 400 (naming ``n``) when they alone exceed the limit, so it can never be
+                served; 429 with ``Retry-After`` when they would take the replica past it.
+        """
+        limit, choices = self.config.max_pending_requests, obj.num_choices
+        if not limit:
+            return
+        if choices > limit:
             raise invalid_request(
-                f"logit_bias names token id {biased}, outside the vocabulary [0, {info.vocab_size})",
-                param="logit_bias",
+                f"the request fans out into {choices} sub-requests (prompts × n); this server takes at "
+                f"most {limit} at once",
+                param=obj.params_path + "n",
             )
-        multi = len(obj.prompts) * obj.n > 1
+        if self.pending_choices + choices > limit:
+            raise GatewayError(
+                429,
+                f"too many requests in flight ({self.pending_choices} sub-requests of {limit}); retry later",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+
+    def _closed(self, handle: RequestHandle, choices: int) -> None:
+        if self.handles.pop(handle.rid, None) is not None:
+            self.pending_choices -= choices
+
+    def _check_sampling(self, obj: GenerateReqInput, info: ModelInfo) -> None:
+        """400 naming the field for ``top_k`` above the vocabulary or a stop / bias token id outside it."""
+        sp = obj.sampling_params
+        for stop in sp.stop:
+            stop.encode()  # UnicodeEncodeError (a 400) now, not after routing, for text protobuf can't carry
+        if not info.vocab_size:
+            return
+        try:
+            check_vocab_fields(sp.top_k, sp.stop_token_ids, sp.logit_bias, info.vocab_size)
+        except BoundError as e:
+            raise invalid_request(obj.params_path + str(e), param=obj.params_path + e.field) from None
+
+    async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
+        info = await self.model_info()
+        self._check_sampling(obj, info)
+        tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
+        if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
+            raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
+        multi = obj.num_choices > 1
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             _check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
@@ -176,10 +209,15 @@ class RequestManager:
             max_new = self._max_new_tokens(
                 len(prompt.input_ids), sp.max_new_tokens, info.context_length, param
             )
+            if (sp.min_new_tokens or 0) > max_new:
+                raise invalid_request(
+                    f"min_tokens ({sp.min_new_tokens}) exceeds the {max_new} tokens this prompt can get",
+                    param=obj.params_path + ("min_new_tokens" if obj.params_path else "min_tokens"),
+                )
             handle.prompt_tokens.append(len(prompt.input_ids))
             for i in range(obj.n):
                 index = j * obj.n + i
-                seed = None if sp.seed is None else sp.seed + i
+                seed = None if sp.seed is None else wrap_int64(sp.seed + i)
                 handle.add_choice(
                     ReqState(
                         rid=f"{obj.rid}-{index}" if multi else obj.rid,
@@ -201,8 +239,20 @@ class RequestManager:
             raise errors[0]
 
     async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
+        """Send one choice to its decode-scheduler; a choice aborted meanwhile is not sent, or is
+        aborted again once the scheduler has it (its first abort may have arrived before it)."""
+        if state.finished:
+            return
         state.output_address = self.detokenizers.next().address
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
+        try:
+            await self._generate(state, arrival, deadline)
+        finally:
+            reason = state.owner.close_reason or state.owner.abort_reason
+            if reason:
+                self._abort_choice(state, reason)
+
+    async def _generate(self, state: ReqState, arrival: float, deadline: float) -> None:
         await self.clients.generate(
             state.route.decode.address,
             state.rid,

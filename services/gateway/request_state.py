@@ -88,6 +88,7 @@ class RequestHandle:
     queue: asyncio.Queue[ChoiceDelta | None] = field(default_factory=asyncio.Queue)
     closed: bool = False
     close_reason: str = ""
+    abort_reason: str = ""  # set when the whole request was aborted (``abort`` of every choice)
     _pending_finishes: int = 0
 
     def add_choice(self, state: ReqState) -> None:
@@ -123,7 +124,13 @@ class RequestHandle:
     def abort(
         self, reason: str, states: list[ReqState] | None = None, finish_reason: FinishReason = "abort"
     ) -> None:
-        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend."""
+        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend.
+
+        Aborting all of them also marks the request aborted (``abort_reason``), so that choices not
+        sent yet never are.
+        """
+        if states is None:
+            self.abort_reason = reason
         for state in self.states if states is None else states:
             if not state.finished:
                 if state.sent:
