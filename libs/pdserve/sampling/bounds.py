@@ -27,7 +27,9 @@ from collections.abc import Iterable, Sequence
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-FLOAT32_MAX = 3.4028234663852886e38
+# The largest float32 as its shortest decimal (what protobuf's JSON form writes): every double up to
+# it rounds to a finite float32.
+FLOAT32_MAX = 3.4028235e38
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -35,7 +37,7 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOTAL_CHARS = 2048
+MAX_STOP_TOTAL_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 GREEDY_TEMPERATURE = 1e-5
 
