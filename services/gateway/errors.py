@@ -81,8 +81,15 @@ class GatewayError(Exception):
         return grpc.StatusCode.INVALID_ARGUMENT if self.status < 500 else grpc.StatusCode.INTERNAL
 
     def body(self) -> dict:
-        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``; text a client
+        sent that is not valid Unicode (a lone surrogate, echoed in a message) is escaped."""
+        message, param = _utf8_safe(self.message), self.param and _utf8_safe(self.param)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
+
+def _utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) as ``\\udXXX`` escapes."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def http_error(status: int, message: str | None = None, **kwargs) -> GatewayError:
