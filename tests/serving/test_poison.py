@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
+from collections import Counter
 
 import grpc
 import httpx
@@ -216,17 +218,26 @@ async def send_bad(stack: Stack, client: httpx.AsyncClient) -> dict[str, tuple[i
 
 async def poison(stack: Stack, mid_decode: bool) -> None:
     cases = greedy_cases()
+    started = time.monotonic()
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=300) as client:
-        started = [asyncio.Event() for _ in cases]
+        first_tokens = [asyncio.Event() for _ in cases]
         good = [
-            asyncio.create_task(stream_greedy(client, ids, s))
-            for (ids, _), s in zip(cases, started, strict=True)
+            asyncio.create_task(stream_greedy(client, ids, event))
+            for (ids, _), event in zip(cases, first_tokens, strict=True)
         ]
         if mid_decode:
-            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=240)
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), timeout=240)
             assert not all(t.done() for t in good), "the 8 finished before the bad requests arrived"
+        sent = time.monotonic()
         results = await send_bad(stack, client)
+        answered = time.monotonic()
         outputs = await asyncio.gather(*good)
+    statuses = sorted(Counter(str(status) for status, _ in results.values()).items())
+    print(
+        f"\npoison ({'mid-decode' if mid_decode else 'together'}): {len(results)} bad requests sent after "
+        f"{sent - started:.1f} s, all answered in {answered - sent:.1f} s; the 8 done after "
+        f"{time.monotonic() - started:.1f} s; statuses {statuses}"
+    )
     for name, (status, message) in results.items():
         if name in BAD_HTTP:
             assert status == 400, (name, status, message)
