@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import SamplingParams
-from pdserve.services.gateway.protocol import (
-    ChatMessage,
+from pdserve.services.gateway.protocol import ChatMessage
+from pdserve.services.gateway.protocol_fields import (
     LogitBias,
     PositiveFloat32,
     Seed,

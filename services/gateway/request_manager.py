@@ -2,9 +2,10 @@
 
 The gateway's share of SGLang's TokenizerManager (``generate_request``): the tokenizer and the
 detokenizer are separate services here, so this module holds what is left in the entry process:
-admission control, length checks against the context, the default ``max_new_tokens``, fan-out of
-``n`` samples into sub-requests, routing, ``DecodeScheduler.Generate``, and ``Abort`` when a
-request ends early. Outputs arrive through ``request_state.GatewayOutputServicer``.
+admission (``admission``: the pending limit in sub-requests, vocabulary bounds, the context and the
+default ``max_new_tokens``), fan-out of ``n`` samples into sub-requests, routing,
+``DecodeScheduler.Generate``, and ``Abort`` when a request ends early. Outputs arrive through
+``request_state.GatewayOutputServicer``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import logging
 import time
 from collections.abc import Coroutine
 
-from pdserve.sampling.bounds import BoundError, check_vocab_fields, wrap_int64
+from pdserve.sampling.bounds import wrap_int64
+from pdserve.services.gateway import admission
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
-    context_length_exceeded,
     duplicate_rid,
-    invalid_request,
 )
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
@@ -103,7 +103,7 @@ class RequestManager:
 
     async def check_token_ids(self, input_ids: list[int]) -> None:
         """400 unless every id of a token-id prompt is in the vocabulary (before it is sent anywhere)."""
-        _check_ids(input_ids, (await self.model_info()).vocab_size)
+        admission.check_ids(input_ids, (await self.model_info()).vocab_size)
 
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self.clients.detokenize(self.tokenizers.next().address, ids, skip_special_tokens)
@@ -127,7 +127,7 @@ class RequestManager:
                 "the gateway is shutting down; retry (another replica, or this one once restarted)",
                 headers={"Retry-After": "1"},
             )
-        self._check_pending(obj)
+        admission.check_pending(obj, self.pending_choices, cfg.max_pending_requests)
         if obj.rid in self.handles:
             raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
@@ -155,65 +155,24 @@ class RequestManager:
             raise
         return handle
 
-    def _check_pending(self, obj: GenerateReqInput) -> None:
-        """Count ``obj``'s sub-requests (prompts × n) against ``max_pending_requests``.
-
-        Raises:
-            GatewayError: 400 (naming ``n``) when they alone exceed the limit, so it can never be
-                served; 429 with ``Retry-After`` when they would take the replica past it.
-        """
-        limit, choices = self.config.max_pending_requests, obj.num_choices
-        if not limit:
-            return
-        if choices > limit:
-            raise invalid_request(
-                f"the request fans out into {choices} sub-requests (prompts × n); this server takes at "
-                f"most {limit} at once",
-                param=obj.params_path + "n",
-            )
-        if self.pending_choices + choices > limit:
-            raise GatewayError(
-                429,
-                f"too many requests in flight ({self.pending_choices} sub-requests of {limit}); retry later",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
-
     def _closed(self, handle: RequestHandle, choices: int) -> None:
         if self.handles.pop(handle.rid, None) is not None:
             self.pending_choices -= choices
 
-    def _check_sampling(self, obj: GenerateReqInput, info: ModelInfo) -> None:
-        """400 naming the field for ``top_k`` above the vocabulary or a stop / bias token id outside it."""
-        sp = obj.sampling_params
-        for stop in sp.stop:
-            stop.encode()  # UnicodeEncodeError (a 400) now, not after routing, for text protobuf can't carry
-        if not info.vocab_size:
-            return
-        try:
-            check_vocab_fields(sp.top_k, sp.stop_token_ids, sp.logit_bias, info.vocab_size)
-        except BoundError as e:
-            raise invalid_request(obj.params_path + str(e), param=obj.params_path + e.field) from None
-
     async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
         info = await self.model_info()
-        self._check_sampling(obj, info)
+        admission.check_sampling(obj, info.vocab_size)
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
             raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
         multi = obj.num_choices > 1
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
-            _check_ids(prompt.input_ids, info.vocab_size)
+            admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
             param = "messages" if isinstance(given, ChatPrompt) else "prompt"
-            max_new = self._max_new_tokens(
-                len(prompt.input_ids), sp.max_new_tokens, info.context_length, param
+            max_new = admission.max_new_tokens(
+                obj, len(prompt.input_ids), info.context_length, self.config.default_max_tokens, param
             )
-            if (sp.min_new_tokens or 0) > max_new:
-                raise invalid_request(
-                    f"min_tokens ({sp.min_new_tokens}) exceeds the {max_new} tokens this prompt can get",
-                    param=obj.params_path + ("min_new_tokens" if obj.params_path else "min_tokens"),
-                )
             handle.prompt_tokens.append(len(prompt.input_ids))
             for i in range(obj.n):
                 index = j * obj.n + i
@@ -266,31 +225,6 @@ class RequestManager:
             arrival_unix_s=arrival,
         )
 
-    def _max_new_tokens(self, prompt_len: int, requested: int | None, context_length: int, param: str) -> int:
-        """``requested``, or the context left (capped by ``default_max_tokens``).
-
-        Raises ``context_length_exceeded`` (400, naming ``param``: "messages" or "prompt") when the
-        prompt, or the prompt plus ``requested``, does not fit in the context.
-        """
-        if context_length <= 0:  # the tokenizer does not know the context length
-            return requested or self.config.default_max_tokens
-        if prompt_len >= context_length:
-            raise context_length_exceeded(
-                f"This model's maximum context length is {context_length} tokens, but the prompt has "
-                f"{prompt_len} tokens. Please shorten the prompt.",
-                param,
-            )
-        if requested is None:
-            return min(context_length - prompt_len, self.config.default_max_tokens)
-        if prompt_len + requested > context_length:
-            raise context_length_exceeded(
-                f"This model's maximum context length is {context_length} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                f"completion). Please reduce the length of the prompt or the completion.",
-                param,
-            )
-        return requested
-
     def abort(self, rid: str, reason: str = "aborted by client") -> bool:
         """End the request ``rid`` of this replica (every choice, finish_reason "abort"); False if unknown."""
         handle = self.handles.get(rid)
@@ -342,14 +276,3 @@ class RequestManager:
             handle.close("gateway shutting down")
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)
-
-
-def _check_ids(input_ids: list[int], vocab_size: int) -> None:
-    """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
-    if not input_ids:
-        raise invalid_request("the prompt is empty (no tokens)", param="prompt")
-    low, high = min(input_ids), max(input_ids)
-    bad = low if low < 0 else high
-    if bad < 0 or (vocab_size and bad >= vocab_size):
-        vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
-        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")

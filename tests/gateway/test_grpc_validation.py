@@ -9,35 +9,22 @@ does on ``local_gateway``, which has no scheduler. Never INTERNAL or UNKNOWN.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import grpc
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig
 
-from pdserve.model_source import resolve_model
 from pdserve.sampling import bounds
 from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 from tests.gateway.conftest import API_KEY
-from tests.reference import hf_tokenizer
+from tests.reference import context_length, vocab_size
 
 PROMPT = [1, 2, 3]
 DEFAULT_MAX_TOKENS = 4096  # the gateway's --default-max-tokens
 INT32 = st.integers(-(2**31), 2**31 - 1)
 FLOAT32 = st.floats(width=32)  # NaN and +-inf included
-
-
-@functools.cache
-def vocab() -> int:
-    return len(hf_tokenizer())
-
-
-@functools.cache
-def context() -> int:
-    return AutoConfig.from_pretrained(resolve_model()).max_position_embeddings
 
 
 def near(lo: int, hi: int) -> st.SearchStrategy[int]:
@@ -50,12 +37,12 @@ def fields() -> st.SearchStrategy[dict]:
     optional = {
         "temperature": st.one_of(FLOAT32, st.floats(0, 2, width=32)),
         "top_p": st.one_of(FLOAT32, st.floats(0, 1, width=32)),
-        "top_k": st.deferred(lambda: near(-1, vocab())),
+        "top_k": st.deferred(lambda: near(-1, vocab_size())),
         "min_p": FLOAT32,
         "repetition_penalty": FLOAT32,
         "frequency_penalty": FLOAT32,
         "presence_penalty": FLOAT32,
-        "max_new_tokens": st.deferred(lambda: near(1, context() - len(PROMPT))),
+        "max_new_tokens": st.deferred(lambda: near(1, context_length() - len(PROMPT))),
         "min_new_tokens": st.one_of(st.integers(-2, 8), INT32),
         "seed": st.integers(-(2**63), 2**63 - 1),
         "n": st.integers(-2, bounds.MAX_N + 2),
@@ -82,7 +69,7 @@ def float32(x: float) -> float:
 
 def out_of_bounds(f: dict) -> set[str]:
     """The fields of ``f`` the bounds refuse (names as the error message writes them)."""
-    v, bad = vocab(), set()
+    v, bad = vocab_size(), set()
 
     def real(name: str, lo: float, hi: float, open_lo: bool = False) -> None:
         if name in f:
@@ -101,10 +88,10 @@ def out_of_bounds(f: dict) -> set[str]:
     max_new = f.get("max_new_tokens")
     if max_new is not None and max_new < 1:
         bad.add("max_new_tokens")
-    elif max_new is not None and len(PROMPT) + max_new > context():
+    elif max_new is not None and len(PROMPT) + max_new > context_length():
         bad.add("context length")
     min_new = f.get("min_new_tokens", 0)
-    limit = max_new if max_new is not None else min(context() - len(PROMPT), DEFAULT_MAX_TOKENS)
+    limit = max_new if max_new is not None else min(context_length() - len(PROMPT), DEFAULT_MAX_TOKENS)
     if min_new < 0 or (max_new is None or max_new >= 1) and min_new > limit:
         bad.add("min_new_tokens")
     if not 1 <= f.get("n", 1) <= bounds.MAX_N:

@@ -18,12 +18,10 @@ from collections import Counter
 import grpc
 import httpx
 import pytest
-from transformers import AutoConfig
 
-from pdserve.model_source import resolve_model
 from pdserve.sampling import bounds
 from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.reference import chat_ids, hf_greedy, hf_tokenizer
+from tests.reference import chat_ids, context_length, hf_greedy, hf_tokenizer, vocab_size
 from tests.stack import SERVED_MODEL, Stack
 
 NEW_TOKENS = 24
@@ -39,16 +37,6 @@ QUESTIONS = [
 ]
 HI = [{"role": "user", "content": "Hi"}]
 INT32, INT64 = 2**31, 2**63
-
-
-@functools.cache
-def vocab() -> int:
-    return len(hf_tokenizer())
-
-
-@functools.cache
-def context_length() -> int:
-    return AutoConfig.from_pretrained(resolve_model()).max_position_embeddings
 
 
 @functools.cache
@@ -74,20 +62,23 @@ def stops_over_the_total() -> list[str]:
 
 # id -> (path, body, the field the 400 names); callables are evaluated when the test runs
 BAD_HTTP = {
-    "top_k-above-vocab": lambda: (*chat(top_k=vocab() + 1), "top_k"),
+    "top_k-above-vocab": lambda: (*chat(top_k=vocab_size() + 1), "top_k"),
     "top_k-huge": lambda: (*chat(top_k=2**40), "top_k"),
     "completions-top_k": lambda: (
         "/v1/completions",
-        {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "top_k": vocab() + 1},
+        {"model": SERVED_MODEL, "prompt": "Hi", "max_tokens": 4, "top_k": vocab_size() + 1},
         "top_k",
     ),
-    "generate-top_k": lambda: (*generate(top_k=vocab() + 1), "sampling_params.top_k"),
+    "generate-top_k": lambda: (*generate(top_k=vocab_size() + 1), "sampling_params.top_k"),
     "detokenize-int32": lambda: ("/detokenize", {"tokens": [1, INT32]}, "tokens.1"),
-    "detokenize-vocab": lambda: ("/detokenize", {"tokens": [vocab()]}, "tokens"),
+    "detokenize-vocab": lambda: ("/detokenize", {"tokens": [vocab_size()]}, "tokens"),
     "seed-2^63": lambda: (*chat(seed=INT64), "seed"),
     "generate-seed-below-int64": lambda: (*generate(seed=-INT64 - 1), "sampling_params.seed"),
     "stop_token_ids-2^32": lambda: (*chat(stop_token_ids=[2**32]), "stop_token_ids.0"),
-    "stop_token_ids-vocab": lambda: (*generate(stop_token_ids=[vocab()]), "sampling_params.stop_token_ids"),
+    "stop_token_ids-vocab": lambda: (
+        *generate(stop_token_ids=[vocab_size()]),
+        "sampling_params.stop_token_ids",
+    ),
     "stop_token_ids-count": lambda: (
         *chat(stop_token_ids=[1] * (bounds.MAX_STOP_TOKEN_IDS + 1)),
         "stop_token_ids",
@@ -95,7 +86,7 @@ BAD_HTTP = {
     "stop-100k-strings": lambda: (*generate(stop=[f"s{i}" for i in range(100_000)]), "sampling_params.stop"),
     "stop-long-string": lambda: (*chat(stop="x" * (bounds.MAX_STOP_STRING_CHARS + 1)), "stop"),
     "stop-total": lambda: (*chat(stop=stops_over_the_total()), "stop"),
-    "logit_bias-vocab": lambda: (*chat(logit_bias={str(vocab()): 1}), "logit_bias"),
+    "logit_bias-vocab": lambda: (*chat(logit_bias={str(vocab_size()): 1}), "logit_bias"),
     "logit_bias-int32": lambda: (*chat(logit_bias={str(INT32): 1}), f"logit_bias.{INT32}"),
     "logit_bias-count": lambda: (
         *chat(logit_bias={str(i): 1 for i in range(bounds.MAX_LOGIT_BIAS_ENTRIES + 1)}),
@@ -117,7 +108,7 @@ BAD_HTTP = {
     ),
     "completions-id-outside-vocab": lambda: (
         "/v1/completions",
-        {"model": SERVED_MODEL, "prompt": [vocab()], "max_tokens": 4},
+        {"model": SERVED_MODEL, "prompt": [vocab_size()], "max_tokens": 4},
         "prompt",
     ),
 }
@@ -127,13 +118,16 @@ def bad_grpc() -> dict[str, tuple[api_pb2.GenerateRequest, str]]:
     """Public gRPC API: request -> a field its INVALID_ARGUMENT names."""
     sp = common_pb2.SamplingParams
     return {
-        "grpc-top_k": (api_pb2.GenerateRequest(text="Hi", sampling_params=sp(top_k=vocab() + 1)), "top_k"),
+        "grpc-top_k": (
+            api_pb2.GenerateRequest(text="Hi", sampling_params=sp(top_k=vocab_size() + 1)),
+            "top_k",
+        ),
         "grpc-stop_token_ids": (
-            api_pb2.GenerateRequest(text="Hi", sampling_params=sp(stop_token_ids=[vocab()])),
+            api_pb2.GenerateRequest(text="Hi", sampling_params=sp(stop_token_ids=[vocab_size()])),
             "stop_token_ids",
         ),
         "grpc-logit_bias": (
-            api_pb2.GenerateRequest(text="Hi", sampling_params=sp(logit_bias={vocab() + 7: 1.0})),
+            api_pb2.GenerateRequest(text="Hi", sampling_params=sp(logit_bias={vocab_size() + 7: 1.0})),
             "logit_bias",
         ),
         "grpc-input-id": (api_pb2.GenerateRequest(input_ids=api_pb2.TokenIds(ids=[-5])), "token id -5"),
@@ -144,9 +138,12 @@ def bad_internal() -> dict[str, tuple[common_pb2.SamplingParams, str]]:
     """Straight to the decode-scheduler's internal Generate (past the gateway): params -> field."""
     sp = common_pb2.SamplingParams
     return {
-        "internal-top_k": (sp(top_k=vocab() + 1, max_new_tokens=4), "top_k"),
-        "internal-stop_token_ids": (sp(stop_token_ids=[vocab()], max_new_tokens=4), "stop_token_ids"),
-        "internal-logit_bias": (sp(logit_bias={vocab(): 1.0}, max_new_tokens=4), "logit_bias"),
+        "internal-top_k": (sp(top_k=vocab_size() + 1, max_new_tokens=4), "top_k"),
+        "internal-stop_token_ids": (
+            sp(stop_token_ids=[vocab_size()], max_new_tokens=4),
+            "stop_token_ids",
+        ),
+        "internal-logit_bias": (sp(logit_bias={vocab_size(): 1.0}, max_new_tokens=4), "logit_bias"),
         "internal-stop": (sp(stop=[f"s{i}" for i in range(1000)], max_new_tokens=4), "stop"),
         "internal-n": (sp(max_new_tokens=4, n=bounds.MAX_N + 1), "n"),
     }
