@@ -125,7 +125,7 @@ def _not_utf8(s: str) -> bool:
     return False
 
 
-@settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(f=fields())
 async def test_refused_exactly_when_a_field_is_out_of_bounds(local_gateway, f: dict) -> None:
     if any(_not_utf8(s) for s in f.get("stop", [])):
