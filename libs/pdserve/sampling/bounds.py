@@ -12,7 +12,7 @@ forward step, where one bad value would fail every request of the batch.
 - ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits; ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
 - Counts no real client reaches, which bound one request's work per step: at most 64 stop strings
-  of at most 256 characters each and 2,048 in all (the detokenizer searches every stop string in
+  of at most 256 characters each and 1,024 in all (the detokenizer searches every stop string in
   each step's new text and checks which tail of the text may start one: the bound keeps that to
   well under a millisecond per request and step, see ``benchmarks/detokenizer.py``); at most 1,024
   ``stop_token_ids`` (checked per generated token); at most 1,024 ``logit_bias`` entries (written
