@@ -15,7 +15,14 @@ from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import from_rpc_error
-from pdserve.services.gateway.io_struct import ModelInfo, Prompt, SamplingParams, TokenizedPrompt, WorkerLoad
+from pdserve.services.gateway.io_struct import (
+    ModelInfo,
+    Prompt,
+    SamplingParams,
+    TokenizedPrompt,
+    TokenPiece,
+    WorkerLoad,
+)
 from pdserve.v1 import (
     common_pb2,
     output_pb2_grpc,
@@ -97,6 +104,14 @@ class BackendClients:
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "tokenizer") from e
         return resp.text
+
+    async def token_pieces(self, address: str, ids: list[int]) -> list[TokenPiece]:
+        request = tokenizer_pb2.TokenPiecesRequest(ids=ids)
+        try:
+            resp = await self._stub("tokenizer", address).GetTokenPieces(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return [TokenPiece(p.text, p.bytes) for p in resp.pieces]
 
     async def model_info(self, address: str) -> ModelInfo:
         try:

@@ -97,6 +97,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             sampling_params=params.to_sampling_params(options.return_logprob, options.top_logprobs_num),
             n=params.n,
             add_special_tokens=which != "chat",
+            params_path="sampling_params.",
         )
 
     async def Abort(

@@ -89,6 +89,7 @@ class RequestHandle:
     closed: bool = False
     close_reason: str = ""
     first_delta: ChoiceDelta | None = None
+    abort_reason: str = ""  # set when the whole request was aborted (``abort`` of every choice)
     _pending_finishes: int = 0
     _answered: asyncio.Event = field(default_factory=asyncio.Event)  # first output, or closed
 
@@ -135,7 +136,11 @@ class RequestHandle:
         """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend.
 
         ``retryable``: an "error" the client may retry (a worker went down), answered 503.
+        Aborting all of them also marks the request aborted (``abort_reason``), so that choices not
+        sent yet never are.
         """
+        if states is None:
+            self.abort_reason = reason
         for state in self.states if states is None else states:
             if not state.finished:
                 if state.sent:

@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.services.gateway.admission import check_pending, pending_limit
 from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.io_struct import GenerateReqInput, SamplingParams
 from pdserve.services.gateway.router import WorkerPool
 
 
@@ -34,12 +35,28 @@ def test_configured_limit_wins_and_zero_means_none() -> None:
     assert pending_limit(0, pool(126)) is None
 
 
+def request(prompts: int = 1, n: int = 1) -> GenerateReqInput:
+    return GenerateReqInput("r", ["hi"] * prompts, SamplingParams(), n=n)
+
+
 def test_past_the_limit_is_a_429_with_retry_after() -> None:
     decode = pool(3)
-    check_pending(2, None, decode)
+    check_pending(request(), 2, None, decode)
     with pytest.raises(GatewayError) as refused:
-        check_pending(3, None, decode)
+        check_pending(request(), 3, None, decode)
     error = refused.value
     assert (error.status, error.headers, error.code) == (429, {"Retry-After": "1"}, "too_many_requests")
-    assert error.message == "the server is overloaded: 3 requests in flight (limit 3); retry later"
+    assert error.message == "the server is overloaded: 3 sub-requests in flight (limit 3); retry later"
     assert error.grpc_code.name == "RESOURCE_EXHAUSTED"
+
+
+def test_sub_requests_count_and_a_fan_out_past_the_limit_is_a_400() -> None:
+    decode = pool(8)
+    check_pending(request(prompts=2, n=3), 2, None, decode)  # 2 + 6 = 8
+    with pytest.raises(GatewayError) as refused:
+        check_pending(request(prompts=2, n=3), 3, None, decode)
+    assert refused.value.status == 429
+    with pytest.raises(GatewayError) as refused:
+        check_pending(request(prompts=3, n=3), 0, None, decode)
+    assert (refused.value.status, refused.value.param) == (400, "n")
+    check_pending(request(prompts=100, n=128), 10**6, 0, decode)  # 0: no limit

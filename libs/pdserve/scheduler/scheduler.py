@@ -119,9 +119,15 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request. Raises ValueError if it names a token outside the vocabulary (in its
-        prompt or ``logit_bias``) or cannot fit the context or the pool, and ``QueueFull`` when the
-        waiting queue is at its bound."""
+        """Queue a new request, checked as the gateway checks it (internal ports are reachable too).
+
+        Raises:
+            ValueError: a duplicate rid, an empty prompt or one with an id outside the vocabulary, a
+                prompt that cannot fit the context or the pool; or (``BoundError``, naming the
+                field) a sampling parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the
+                vocabulary and stop or bias token ids outside it included.
+            QueueFull: the waiting queue is at its bound.
+        """
         self._check_queue_room()
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
