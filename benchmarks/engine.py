@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.layers.native import cpu_description
 from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.engine.driver import Driver
@@ -158,14 +159,15 @@ def main() -> None:
             " + CUDA graphs" if runner.cuda_graph_runner else ""
         )
         del runner, hf
-    print(f"device {args.device}, attention backend {backend_name}")
+    cpu = cpu_description()
+    print(f"device {args.device} ({cpu}), attention backend {backend_name}")
     print(
         f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
     )
     for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
         hf_cells = f"{'-':>9} {'-':>6}" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
         print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
-    summary = {"device": args.device, "attention_backend": backend_name}
+    summary = {"device": args.device, "cpu": cpu, "attention_backend": backend_name}
     print(json.dumps(summary | {k: None if v is None else round(v, 3) for k, v in results.items()}))
 
 

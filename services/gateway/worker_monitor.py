@@ -5,8 +5,11 @@ Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check.
 taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
 it is put back as soon as it answers SERVING again. A scheduler is asked about its own service: when
 that is NOT_SERVING while the server as a whole is SERVING, it is draining (SIGTERM): it gets no new
-requests but keeps those it holds (it is alive; nothing is ended). Healthy schedulers are asked
-``GetLoad`` for the least-load and cache-aware policies.
+requests but keeps those it holds (it is alive; nothing is ended). Live schedulers are asked
+``GetLoad``: their load (for the least-load and cache-aware policies), their capacity (for the
+gateway's default pending limit) and their incarnation: a scheduler that restarted (whether or not it
+was seen down) holds none of the requests routed to its previous process, which are ended like a dead
+worker's.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class WorkerMonitor:
             logger.warning("%s worker %s is %s", role, worker.address, state)
             worker.draining = draining
         ok = ok or draining  # alive
+        if ok and role in SCHEDULER_ROLES:
+            await self._read_load(role, worker)  # before it is routed to again: a restart ends its requests
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
         if ok and not worker.healthy:
             logger.warning("%s worker %s is back", role, worker.address)
@@ -85,17 +90,27 @@ class WorkerMonitor:
             worker.healthy = False
             self.router.forget(role, worker)
             self.on_down(role, worker.address)
-        if ok and role in SCHEDULER_ROLES and self.router.policy_name != "round_robin":
-            try:
-                worker.reported_load = await self.clients.load(role, worker.address)
-            except grpc.aio.AioRpcError as e:
-                logger.debug("GetLoad %s failed: %s", worker.address, e.code())
         return ok and not worker.draining
 
     def remove(self, role: str, worker: Worker) -> None:
         """``worker`` left the pool (``discovery``): forget it and end what it still held."""
         self.router.forget(role, worker)
         self.on_down(role, worker.address)
+
+    async def _read_load(self, role: str, worker: Worker) -> None:
+        try:
+            report = await self.clients.load(role, worker.address)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("GetLoad %s failed: %s", worker.address, e.code())
+            return
+        restarted = bool(worker.incarnation) and report.incarnation != worker.incarnation
+        worker.reported_load = report.load
+        worker.capacity = report.capacity
+        worker.incarnation = report.incarnation
+        if restarted:
+            logger.warning("%s worker %s restarted: ending what its old process held", role, worker.address)
+            self.router.forget(role, worker)
+            self.on_down(role, worker.address)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

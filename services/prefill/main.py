@@ -10,6 +10,7 @@ from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_servi
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
 from pdserve.services.common.drain import drain
+from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.observers import SchedulerObservers
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.prefill.servicer import PrefillServicer
@@ -37,8 +38,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     loop_task = asyncio.create_task(servicer.loop.run(loop_stop))
     await server.set_serving(True)
     observers = SchedulerObservers(args, scheduler)
+    watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("prefill-scheduler ready on %s", address)
     await stop.wait()
+    if watchdog is not None:
+        await watchdog
     await drain(server, servicer, args.drain_timeout)
     loop_stop.set()
     await server.stop(grace=5.0)

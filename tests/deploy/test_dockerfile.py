@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import dockerfile
 import pytest
 import yaml
 
+from pdserve.layers import native
 from tests.deploy.conftest import CHART_DIR, REPO
 
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
@@ -143,4 +145,8 @@ def test_wheel_stage_builds_a_wheel_holding_every_module(tmp_path: Path) -> None
         for proto in (REPO / "proto" / "pdserve" / "v1").glob("*.proto")
         for suffix in ("_pb2.py", "_pb2_grpc.py")
     }
+    # the CPU kernels, compiled for every CPU class (the runtime images have no compiler)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    variants = [name for name in native.VARIANTS if x86 or name == "portable"]
+    expected |= {native.library_path(name).relative_to(REPO / "libs").as_posix() for name in variants}
     assert sorted(expected - packaged) == []

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.layers.native import forced_variant, runnable_variants
 from pdserve.model_source import resolve_model
+
+
+@pytest.fixture(params=runnable_variants())
+def kernel_variant(request) -> str:
+    """Each CPU kernel variant this machine can execute in turn (``pdserve.layers.native``): tests
+    taking this fixture run every variant against the same references."""
+    with forced_variant(request.param):
+        yield request.param
 
 
 @pytest.fixture(scope="session")

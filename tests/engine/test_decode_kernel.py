@@ -13,8 +13,8 @@ from tests.engine.attention_reference import assert_matches, reference
 RAGGED = (1, 15, 16, 17, 33, 100, 257)  # one key, around page boundaries, not multiples of the page
 
 
-@pytest.fixture(scope="module")
-def kernel():
+@pytest.fixture
+def kernel(kernel_variant):
     kernel = load_decode_kernel()
     assert kernel is not None, "the CPU decode kernel did not build"
     return kernel

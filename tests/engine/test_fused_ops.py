@@ -15,8 +15,8 @@ from pdserve.layers.rotary_embedding import RotaryEmbedding
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def ops():
+@pytest.fixture
+def ops(kernel_variant):
     ops = load_fused_ops()
     assert ops is not None, "the fused CPU ops did not build"
     return ops

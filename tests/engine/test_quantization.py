@@ -1,5 +1,6 @@
-"""``--quantization w8a8_int8``: the int8 linear against a float64 computation of the same scheme, and the
-quantized SmolLM2 against Hugging Face's unquantized model on real text (teacher-forced)."""
+"""``--quantization``: the int8 linear against a float64 computation of the same scheme, ``auto``'s
+choice, and each quantized SmolLM2 against Hugging Face's unquantized model on real text
+(teacher-forced): top-1 agreement and perplexity."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch.nn.functional as F
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
+from pdserve.layers.cpu_matmul import MatmulWeight
 from pdserve.layers.linear import Linear
-from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method, int8_weight_max
+from pdserve.layers.native import cpu_has
+from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method, resolve_quantization
 from tests.engine.driver import Driver
 
 
@@ -34,9 +37,9 @@ def test_quantize_rows_is_symmetric_per_row_int8(dtype):
 def quantized_reference(q_x, scale_x, weight, bias) -> torch.Tensor:
     """The int8 GEMM and epilogue in float64, from the layer's own quantized activations (uint8, offset
     by 128), with the weight quantized independently here (symmetric per output channel to the CPU's
-    largest exact weight magnitude, round half to even)."""
+    largest magnitude, round half to even)."""
     w = weight.float()
-    qmax = int8_weight_max()
+    qmax = 127
     scale_w = w.abs().amax(dim=1) / qmax
     q_w = torch.round(w / scale_w[:, None]).clamp(-qmax, qmax)
     out = ((q_x.double() - 128) @ q_w.double().T) * scale_x.double()[:, None] * scale_w.double()[None, :]
@@ -46,7 +49,7 @@ def quantized_reference(q_x, scale_x, weight, bias) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_matches_float64_reference(dtype, rows, bias):
+def test_int8_linear_matches_float64_reference(kernel_variant, dtype, rows, bias):
     gen = torch.Generator().manual_seed(rows)
     layer = Linear(576, 960, bias=bias).to(dtype)
     layer.weight.data = (torch.randn(960, 576, generator=gen) * 0.05).to(dtype)
@@ -57,9 +60,9 @@ def test_int8_linear_matches_float64_reference(dtype, rows, bias):
     layer.process_weights_after_loading()
     assert layer.weight is None
     if dtype == torch.bfloat16 and load_cpu_gemm() is not None:
-        assert isinstance(layer.packed, PanelWeight) and layer.packed.int8  # our VNNI kernel
+        assert isinstance(layer.packed, PanelWeight) and layer.packed.int8  # the VNNI kernel
     else:
-        assert layer.packed is None and layer.weight_packed is not None  # oneDNN's int8 GEMM
+        assert isinstance(layer.packed, MatmulWeight) and layer.packed.format == "w8a8"  # vpmaddwd
 
     x = torch.randn(rows, 576, generator=gen).to(dtype)
     if rows > 1:
@@ -81,26 +84,48 @@ def test_unknown_method_is_refused():
         get_linear_method("fp4")
 
 
-@pytest.fixture(scope="module")
-def w8a8_runner(model_path) -> ModelRunner:
-    return ModelRunner(model_path, dtype="bfloat16", max_total_tokens=4096, quantization="w8a8_int8")
+def test_auto_quantizes_float32_models_on_cpus_without_native_bf16():
+    cpu = torch.device("cpu")
+    native_bf16 = cpu_has("avx512_bf16", "amx_bf16")
+    assert resolve_quantization("auto", cpu, torch.float32) == (None if native_bf16 else "int4_or_int8")
+    assert resolve_quantization("auto", cpu, torch.bfloat16) is None
+    assert resolve_quantization("none", cpu, torch.float32) is None
+    assert resolve_quantization("w8a8_int8", cpu, torch.float32) == "w8a8_int8"
 
 
-def test_quantized_smollm2_stays_close_to_hf(w8a8_runner, hf_model, tokenizer, long_text):
+# (dtype, method, smallest top-1 agreement with HF fp32, largest perplexity ratio): int4 stores the
+# GGUF's Q4_1 weights and its Q8_0 LM head exactly, so only summation order differs from HF's
+ACCURACY = [
+    ("bfloat16", "w8a8_int8", 0.85, 1.08),
+    ("float32", "w8a8_int8", 0.85, 1.08),
+    ("float32", "int8_weight_only", 0.95, 1.03),
+    ("float32", "int4_weight_only", 0.995, 1.001),
+    ("float32", "int4_or_int8", 0.995, 1.001),  # auto's choice: every SmolLM2 weight is int4 then
+]
+
+
+@pytest.mark.parametrize(("dtype", "method", "min_agreement", "max_ppl_ratio"), ACCURACY)
+def test_quantized_smollm2_stays_close_to_hf(
+    model_path, hf_model, tokenizer, long_text, dtype, method, min_agreement, max_ppl_ratio
+):
     """Teacher-forced over ~500 tokens of real prose: the quantized model's top-1 next token agrees
     with HF's fp32 model at most positions and its perplexity is within a few percent, while every
-    linear layer but the LM head runs in int8."""
-    linears = [m for m in w8a8_runner.model.modules() if isinstance(m, Linear)]
+    linear layer (and the LM head) runs quantized."""
+    runner = ModelRunner(model_path, dtype=dtype, max_total_tokens=4096, quantization=method)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.quant_method is not None for m in linears)
+    assert isinstance(runner.model.lm_head_packed, MatmulWeight)
+    if method == "int4_or_int8":
+        assert {m.packed.format for m in linears} == {"int4"}
     ids = tokenizer(long_text)["input_ids"][:512]
 
-    driver = Driver(w8a8_runner)
+    driver = Driver(runner)
     seq = driver.add(ids)
     forward_batch = driver.prepare([(seq, None)])
     with torch.inference_mode():  # the forward of the runner, keeping every position's logits
-        w8a8_runner.attn_backend.init_forward_metadata(forward_batch)
-        hidden = w8a8_runner.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        ours = w8a8_runner.model.compute_logits(hidden).float()
+        runner.attn_backend.init_forward_metadata(forward_batch)
+        hidden = runner.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        ours = runner.model.compute_logits(hidden).float()
     driver.release(seq)
     with torch.no_grad():
         reference = hf_model(torch.tensor([ids])).logits[0].float()
@@ -109,6 +134,6 @@ def test_quantized_smollm2_stays_close_to_hf(w8a8_runner, hf_model, tokenizer, l
     targets = torch.tensor(ids[1:])
     ppl_ours = F.cross_entropy(ours[:-1], targets).exp().item()
     ppl_hf = F.cross_entropy(reference[:-1], targets).exp().item()
-    print(f"w8a8_int8 vs HF fp32: top-1 agreement {agreement:.3f}, perplexity {ppl_ours:.2f} vs {ppl_hf:.2f}")
-    assert agreement > 0.85
-    assert ppl_ours < ppl_hf * 1.08
+    print(f"{dtype} {method}: top-1 agreement {agreement:.3f}, perplexity {ppl_ours:.2f} vs HF {ppl_hf:.2f}")
+    assert agreement > min_agreement
+    assert ppl_ours < ppl_hf * max_ppl_ratio

@@ -14,16 +14,12 @@ import psutil
 
 from tests.ops.conftest import METRICS_OFFSETS, SERVED_NAMES, OpsStack
 from tests.reference import hf_greedy
+from tests.stack import children
 
 
 def worker_process(ops: OpsStack, role: str) -> psutil.Process:
     """The running ``pdserve <role>`` child of the launcher (PD 1+1: one per role)."""
-    port = str(ops.stack.internal_port_base + METRICS_OFFSETS[role])
-    for child in psutil.Process(ops.stack.proc.pid).children():
-        cmdline = child.cmdline()
-        if role in cmdline and port in cmdline:
-            return child
-    raise AssertionError(f"no {role} process")
+    return children(ops.stack)[f"{role}:{ops.stack.internal_port_base + METRICS_OFFSETS[role]}"]
 
 
 def wait_until_whole(ops: OpsStack, old: psutil.Process, timeout: float = 300) -> None:

@@ -13,6 +13,7 @@ from pdserve.engine.cuda_graph_runner import CudaGraphRunner
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
+from pdserve.layers.quantization import resolve_quantization
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
@@ -38,8 +39,8 @@ class ModelRunner:
             ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
         device: ``cpu``, ``cuda[:i]`` or ``auto`` (CUDA when there is a GPU).
-        quantization: None or ``w8a8_int8`` (int8 weights and per-token int8 activations in every
-            linear layer but the LM head; ``pdserve.layers.quantization``).
+        quantization: None, ``auto`` (per CPU), ``w8a8_int8``, ``int8_weight_only`` or
+            ``int4_weight_only`` (``pdserve.layers.quantization``).
         disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
             (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
             backend supports it; the KV pool then has one extra page for padded rows).
@@ -70,6 +71,7 @@ class ModelRunner:
         self.model_config = cfg = ModelConfig.from_pretrained(
             Path(model_path), dtype, self.device, max_model_len
         )
+        quantization = resolve_quantization(quantization, self.device, cfg.dtype)
         self.model = load_model(
             model_path,
             cfg.hf_config,
@@ -89,15 +91,23 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
         want_graphs = self.device.type == "cuda" and not disable_cuda_graph
-        self.kv_pool = KVPool(
-            num_pages + want_graphs,  # the last page: padded rows of graph replays
-            page_size,
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.dtype,
-            self.device,
-        )
+        try:
+            self.kv_pool = KVPool(
+                num_pages + want_graphs,  # the last page: padded rows of graph replays
+                page_size,
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.dtype,
+                self.device,
+            )
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            gib = num_pages * page_size * bytes_per_token / 2**30
+            raise RuntimeError(
+                f"cannot allocate a KV pool of {num_pages} pages of {page_size} tokens ({gib:.2f} GiB) on "
+                f"{self.device}: {e}. A restarted worker keeps the pool size of its first start: free "
+                "that memory, or give a smaller --max-total-tokens / --kv-cache-memory"
+            ) from e
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.cuda_graph_runner = None
         if want_graphs and self.attn_backend.supports_cuda_graph:

@@ -15,234 +15,18 @@ apart from summation order in the RMS and the exponential in SiLU (AVX-512 code 
 its own polynomial, within 3e-7 relative of libm, which moves ~1 in 10^4 bfloat16 results by a
 rounding step), and to float32 rounding in float32.
 
-Built by ``pdserve.layers.native``; ``load_fused_ops`` returns None without a C compiler and
-callers use PyTorch ops. Supported dtypes: float32 and bfloat16, contiguous rows.
+C source: ``pdserve/c-kernels/fused_ops.c`` (``pdserve.layers.native`` loads it); ``load_fused_ops``
+returns None when the kernels are off and callers use PyTorch ops. Supported dtypes: float32 and
+bfloat16, contiguous rows.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from pdserve.layers.native import AVX512_BF16, AVX512_EXP, build_library
-
-_SOURCE = (
-    r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-"""
-    + AVX512_EXP
-    + AVX512_BF16
-    + r"""
-#endif
-
-static inline float load_f32(float x) { return x; }
-static inline float round_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-static inline float load_bf16(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t store_bf16(float f) {
-  uint32_t u; memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even */
-  return (uint16_t)(u >> 16);
-}
-static inline float round_bf16(float f) { return load_bf16(store_bf16(f)); }
-
-/* rows run in parallel when there are enough of them to pay for waking the other threads */
-#define PARALLEL_ROWS _Pragma("omp parallel for schedule(static) if(rows >= 8) num_threads(threads)")
-
-/* x, out: [rows, hidden] (row strides in elements); residual: NULL or [rows, hidden], contiguous.
-   With a residual: s = round(x + residual) is written back to residual (the next layer's
-   residual), then out = round(w * round(s * rsqrt(mean(s^2) + eps))). */
-#define DEFINE_ADD_RMSNORM(NAME, T, LOAD, STORE, ROUND)                                            \
-void NAME(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t rows,            \
-          int64_t hidden, float eps, int threads) {                                                \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const T* xr = x + r * x_stride;                                                                \
-    T* o = out + r * hidden;                                                                       \
-    float sum = 0.f;                                                                               \
-    if (residual) {                                                                                \
-      T* res = residual + r * hidden;                                                              \
-      for (int64_t i = 0; i < hidden; ++i) {                                                       \
-        float s = ROUND(LOAD(xr[i]) + LOAD(res[i]));                                              \
-        res[i] = STORE(s);                                                                         \
-        sum += s * s;                                                                              \
-      }                                                                                            \
-      xr = res;                                                                                    \
-    } else {                                                                                       \
-      for (int64_t i = 0; i < hidden; ++i) { float s = LOAD(xr[i]); sum += s * s; }               \
-    }                                                                                              \
-    const float inv = 1.f / sqrtf(sum / (float)hidden + eps);                                      \
-    for (int64_t i = 0; i < hidden; ++i) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * inv));     \
-  }                                                                                                \
-}
-
-/* q: [tokens, num_q_heads * head_dim] and k: [tokens, num_k_heads * head_dim] with row strides
-   (elements), rotated in place in the NeoX "rotate half" layout: for i < head_dim / 2,
-   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). cos_sin: float32 [max_position, head_dim]
-   (cos of the half dims, then sin), cast to T as the activations are; positions: [tokens]. */
-#define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                                 \
-static inline void NAME##_heads(T* x, int64_t heads, int64_t half, const float* cs) {              \
-  for (int64_t h = 0; h < heads; ++h) {                                                            \
-    T* x1 = x + h * 2 * half; T* x2 = x1 + half;                                                   \
-    for (int64_t i = 0; i < half; ++i) {                                                           \
-      const float c = ROUND(cs[i]), s = ROUND(cs[half + i]);                                       \
-      const float a = LOAD(x1[i]), b = LOAD(x2[i]);                                                \
-      x1[i] = STORE(ROUND(a * c) - ROUND(b * s));                                                  \
-      x2[i] = STORE(ROUND(b * c) + ROUND(a * s));                                                  \
-    }                                                                                              \
-  }                                                                                                \
-}                                                                                                  \
-void NAME(T* q, int64_t q_stride, int64_t num_q_heads, T* k, int64_t k_stride,                    \
-          int64_t num_k_heads, int64_t head_dim, const float* cos_sin, const int64_t* positions,   \
-          int64_t rows, int threads) {                                                             \
-  const int64_t half = head_dim / 2;                                                               \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t t = 0; t < rows; ++t) {                                                             \
-    const float* cs = cos_sin + positions[t] * head_dim;                                           \
-    NAME##_heads(q + t * q_stride, num_q_heads, half, cs);                                         \
-    NAME##_heads(k + t * k_stride, num_k_heads, half, cs);                                         \
-  }                                                                                                \
-}
-
-/* x: [rows, 2 * d] = [gate | up] (row stride 2d); out: [rows, d] = round(round(silu(gate)) * up). */
-#define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                           \
-void NAME(const T* x, T* out, int64_t rows, int64_t d, int threads) {                              \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const T *gate = x + r * 2 * d, *up = gate + d;                                                 \
-    T* o = out + r * d;                                                                            \
-    int64_t i = VECTOR_SILU_##T(gate, up, o, d);                                                   \
-    for (; i < d; ++i) {                                                                           \
-      const float g = LOAD(gate[i]);                                                               \
-      o[i] = STORE(ROUND(g / (1.f + expf(fminf(-g, 80.f)))) * LOAD(up[i]));                        \
-    }                                                                                              \
-  }                                                                                                \
-}
-
-#ifdef __AVX512F__
-/* The bfloat16 rows 16 elements at a time (silu_mul16_bf16); returns how many elements it did. */
-static inline int64_t vector_silu_bf16(const uint16_t* gate, const uint16_t* up, uint16_t* o, int64_t d) {
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    _mm256_storeu_si256((void*)(o + i), silu_mul16_bf16(load16_bf16(gate + i), load16_bf16(up + i)));
-  return i;
-}
-#define VECTOR_SILU_uint16_t(gate, up, o, d) vector_silu_bf16(gate, up, o, d)
-#else
-#define VECTOR_SILU_uint16_t(gate, up, o, d) 0
-#endif
-#define VECTOR_SILU_float(gate, up, o, d) 0  /* float32 keeps libm's expf (vectorised by the compiler) */
-
-/* This step's K and V rows into the KV pool: row t of k (v), row_bytes bytes at k + t * k_stride
-   (bytes; a view into a fused qkv tensor), goes to token slot loc[t] of k_pool (v_pool). */
-void store_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_pool,
-              char* v_pool, const int64_t* loc, int64_t rows, int64_t row_bytes, int threads) {
-  #pragma omp parallel for schedule(static) if(rows * row_bytes >= (1 << 18)) num_threads(threads)
-  for (int64_t t = 0; t < rows; ++t) {
-    memcpy(k_pool + loc[t] * row_bytes, k + t * k_stride, row_bytes);
-    memcpy(v_pool + loc[t] * row_bytes, v + t * v_stride, row_bytes);
-  }
-}
-
-/* out[r] = the first index of the largest value of row r of x [rows, cols] (contiguous, finite or
-   -inf). With AVX-512 each lane keeps the first index of its own largest value (only a strictly
-   larger one replaces it); the row's answer is the smallest such index among the lanes holding
-   the largest value, then the tail past the last full vector is scanned in order. */
-#ifdef __AVX512F__
-static inline __m512 load16_f32(const float* x) { return _mm512_loadu_ps(x); }
-#define VECTOR_ARGMAX(T, LOAD16)                                                                   \
-  if (cols >= 16) {                                                                                \
-    __m512 top = LOAD16(row);                                                                      \
-    const __m512i step = _mm512_set1_epi32(16);                                                    \
-    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), where = at; \
-    for (i = 16; i + 16 <= cols; i += 16) {                                                        \
-      at = _mm512_add_epi32(at, step);                                                             \
-      const __m512 v = LOAD16(row + i);                                                            \
-      const __mmask16 larger = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);                             \
-      top = _mm512_mask_blend_ps(larger, top, v);                                                  \
-      where = _mm512_mask_blend_epi32(larger, where, at);                                          \
-    }                                                                                              \
-    best = _mm512_reduce_max_ps(top);                                                              \
-    const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);           \
-    index = _mm512_mask_reduce_min_epi32(holders, where);                                          \
-  }
-#else
-#define VECTOR_ARGMAX(T, LOAD16)
-#endif
-#define DEFINE_ARGMAX(NAME, T, LOAD, LOAD16)                                                       \
-void NAME(const T* x, int64_t rows, int64_t cols, int64_t* out, int threads) {                     \
-  _Pragma("omp parallel for schedule(static) if(rows * cols >= (1 << 16)) num_threads(threads)")   \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const T* row = x + r * cols;                                                                   \
-    float best = LOAD(row[0]);                                                                     \
-    int64_t index = 0, i = 1;                                                                      \
-    VECTOR_ARGMAX(T, LOAD16)                                                                       \
-    for (; i < cols; ++i) {                                                                        \
-      const float value = LOAD(row[i]);                                                            \
-      if (value > best) best = value, index = i;                                                   \
-    }                                                                                              \
-    out[r] = index;                                                                                \
-  }                                                                                                \
-}
-
-/* Per-row symmetric int8, stored offset by 128 as uint8 (oneDNN's u8 activations with zero point
-   128): x [rows, cols] (row stride in elements) -> q [rows, cols] uint8 with scales[r] = max|x_r| / 127
-   and q - 128 = round-half-even(x * (127 / max|x_r|)) (128 everywhere for a zero row); -ffast-math
-   may round the two divisions differently in the last bit, which can move a value that lies on a
-   .5 boundary by one step. */
-#define DEFINE_QUANTIZE_ROWS(NAME, T, LOAD)                                                        \
-void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, float* scales,     \
-          int threads) {                                                                           \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const T* xr = x + r * x_stride;                                                                \
-    float amax = 0.f;                                                                              \
-    for (int64_t i = 0; i < cols; ++i) amax = fmaxf(amax, fabsf(LOAD(xr[i])));                    \
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;                                             \
-    uint8_t* qr = q + r * cols;                                                                    \
-    for (int64_t i = 0; i < cols; ++i) qr[i] = (uint8_t)(128 + (int)nearbyintf(LOAD(xr[i]) * inv)); \
-    scales[r] = amax / 127.f;                                                                      \
-  }                                                                                                \
-}
-
-/* out [rows, cols] = acc * x_scales[r] (+ bias[c]) for float32 acc [rows, cols] (the int8 GEMM's
-   sums, already times the weight's per-channel scales). */
-#define DEFINE_DEQUANTIZE_ROWS(NAME, T, LOAD, STORE)                                               \
-void NAME(const float* acc, int64_t rows, int64_t cols, const float* x_scales, const T* bias,      \
-          T* out, int threads) {                                                                   \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const float* a = acc + r * cols;                                                               \
-    T* o = out + r * cols;                                                                         \
-    const float xs = x_scales[r];                                                                  \
-    if (bias) {                                                                                    \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs + LOAD(bias[c]));                  \
-    } else {                                                                                       \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs);                                  \
-    }                                                                                              \
-  }                                                                                                \
-}
-
-#define DEFINE_ALL(SUFFIX, T, LOAD, STORE, ROUND)                                                  \
-DEFINE_ADD_RMSNORM(add_rmsnorm_##SUFFIX, T, LOAD, STORE, ROUND)                                    \
-DEFINE_ROTARY(rotary_##SUFFIX, T, LOAD, STORE, ROUND)                                              \
-DEFINE_SILU_AND_MUL(silu_and_mul_##SUFFIX, T, LOAD, STORE, ROUND)                                  \
-DEFINE_ARGMAX(argmax_##SUFFIX, T, LOAD, load16_##SUFFIX)                                           \
-DEFINE_QUANTIZE_ROWS(quantize_rows_##SUFFIX, T, LOAD)                                              \
-DEFINE_DEQUANTIZE_ROWS(dequantize_rows_##SUFFIX, T, LOAD, STORE)
-
-DEFINE_ALL(f32, float, load_f32, store_f32, round_f32)
-DEFINE_ALL(bf16, uint16_t, load_bf16, store_bf16, round_bf16)
-"""
-)
+from pdserve.layers.native import kernel_library, per_variant
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -384,8 +168,7 @@ class FusedOps:
         return out
 
 
-@functools.cache
-def load_fused_ops() -> FusedOps | None:
-    """Build (once per source and CPU) and load the ops; None when no C compiler works here."""
-    lib = build_library("fused_ops", _SOURCE)
-    return None if lib is None else FusedOps(lib)
+@per_variant
+def load_fused_ops(variant: str) -> FusedOps:
+    """The ops of the selected kernel variant (``pdserve.layers.native``); None when the kernels are off."""
+    return FusedOps(kernel_library(variant))

@@ -6,7 +6,8 @@ its loader copies each one into its shard. After loading, ``process_weights_afte
 (vLLM's name for the hook) gives bfloat16 CPU weights a packed copy: for our AVX512-BF16 kernel
 (``pdserve.layers.cpu_gemm``) where the CPU and the shape allow, otherwise oneDNN's blocked
 layout, which its matmul reads 15–35% faster than a plain row-major weight it must reorder on
-every call (``benchmarks/engine.py`` shows the step time).
+every call (``benchmarks/engine.py`` shows the step time), and on CPUs where oneDNN has no
+bfloat16 path (AVX2 only) ``pdserve.layers.cpu_matmul``'s bfloat16 panels.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
+from pdserve.layers.cpu_matmul import MatmulWeight, load_cpu_matmul
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -47,7 +49,7 @@ class OneDNNWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
-PackedWeight = PanelWeight | OneDNNWeight
+PackedWeight = PanelWeight | OneDNNWeight | MatmulWeight
 
 
 def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
@@ -62,9 +64,10 @@ def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
     gemm = load_cpu_gemm()
     if gemm is not None and gemm.supports(weight):
         return gemm.pack(weight)
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return None
-    return OneDNNWeight(weight)
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return OneDNNWeight(weight)
+    matmul = load_cpu_matmul()  # CPUs without AVX-512: bfloat16 widened in registers, float32 FMAs
+    return matmul.pack(weight, "bf16") if matmul is not None and matmul.supports(weight, "bf16") else None
 
 
 def linear(

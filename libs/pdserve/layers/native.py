@@ -1,129 +1,139 @@
-"""Build small C kernels with the system C compiler on first use, and load them with ctypes.
+"""The CPU kernels' shared library: the variant built for this CPU's class, loaded with ctypes.
 
-A shared library is cached under ``$PDSERVE_CACHE_DIR/kernels`` keyed by its source, the flags,
-the compiler and the CPU's flags (``-march=native``), so each machine builds each source once;
-concurrent builders each install a complete file atomically. Without a working C compiler
-``build_library`` returns None and callers fall back to PyTorch ops.
+The C sources (``pdserve/c-kernels``) are compiled at install time (``setup.py``) once per class of
+x86-64 CPU: ``avx512bf16`` (AVX-512 with BF16 and VNNI), ``avx512``, ``avx2`` (AVX2 + FMA + F16C)
+and ``portable`` (no instruction set beyond the baseline). At run time ``kernel_library`` loads
+the best one the CPU supports (``/proc/cpuinfo``), so no compiler is needed where pdserve runs.
+``PDSERVE_CPU_KERNELS`` names another variant (or ``none``: PyTorch ops only); ``forced_variant``
+switches it within a process (the tests run every variant the machine can execute).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-import hashlib
+import importlib.machinery
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-
-from pdserve.model_source import cache_dir
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
-# -ffast-math lets reductions and exponentials vectorise (kernels here never see inf/NaN by design).
-# It is a compile flag only: linking with it would add GCC's crtfastmath startup code, which turns
-# on flush-to-zero in whichever thread loads the library.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-LINK_FLAGS = ("-shared", "-fopenmp")
-
-
-# e^x lane-wise for AVX-512 sources (inside their ``#ifdef __AVX512F__``, after <immintrin.h>): x
-# clamped to [-88, 88] (e^-88 gives 0), 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, ln 2
-# in two parts and a degree-6 Taylor polynomial; relative error below 3e-7.
-AVX512_EXP = r"""
-static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23)));
+# Best first: each variant and the /proc/cpuinfo flags a CPU needs to run it (setup.py's compiler flags).
+_AVX2 = ("avx2", "fma", "f16c", "bmi2")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "avx512bf16": (*_AVX512, "avx512_bf16", "avx512_vnni"),
+    "avx512": _AVX512,
+    "avx2": _AVX2,
+    "portable": (),
 }
-"""
-
-
-# bfloat16 <-> float32 lanes and the SwiGLU gate for AVX-512 sources (after AVX512_EXP): 16 values
-# widened exactly, rounded to nearest-even, and silu(gate) * up rounded where Hugging Face's
-# bfloat16 modules round (silu(gate), then the product; exp512 for the sigmoid instead of libm's
-# expf: the two differ below 3e-7 relative, which moves a result only when it lies that close to
-# a rounding boundary).
-AVX512_BF16 = r"""
-static inline __m512 bf16_to_f32_16(__m256i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-static inline __m512 load16_bf16(const uint16_t* x) {
-  return bf16_to_f32_16(_mm256_loadu_si256((const void*)x));
-}
-static inline __m256i round16_bf16(__m512 x) {
-#ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(x);  /* the same rounding in one instruction */
-#else
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-}
-static inline __m256i silu_mul16_bf16(__m512 gate, __m512 up) {
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-  const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  return round16_bf16(_mm512_mul_ps(bf16_to_f32_16(round16_bf16(silu)), up));
-}
-"""
-
-
-def build_library(name: str, source: str) -> ctypes.CDLL | None:
-    """Compile ``source`` (C11, OpenMP) into ``<name>-<hash>.so`` once, and load it.
-
-    Returns None (and logs why) when no C compiler is found or the build fails.
-    """
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.warning("no C compiler found: %s falls back to PyTorch ops", name)
-        return None
-    key = hashlib.sha1("\n".join([source, *FLAGS, *LINK_FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[
-        :16
-    ]
-    path = cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, obj, built = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.o", Path(tmp) / "lib.so"
-            src.write_text(source)
-            run = subprocess.run(
-                [compiler, *FLAGS, "-c", str(src), "-o", str(obj)], capture_output=True, text=True
-            )
-            if run.returncode == 0:
-                link = [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]
-                run = subprocess.run(link, capture_output=True, text=True)
-            if run.returncode != 0:
-                logger.warning("building %s failed, using PyTorch ops:\n%s", name, run.stderr)
-                return None
-            built.replace(path)
-    return ctypes.CDLL(str(path))
+_ENV = "PDSERVE_CPU_KERNELS"
+T = TypeVar("T")
+_forced: list[str | None] = [None]
 
 
 @functools.cache
-def _cpu_flags() -> str:
+def _cpu_flags() -> frozenset[str]:
     try:
-        return next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return ""
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def cpu_has(*flags: str) -> bool:
     """True when ``/proc/cpuinfo`` lists any of ``flags`` (e.g. ``"avx512_vnni"``, ``"avx_vnni"``)."""
-    have = set(_cpu_flags().split())
-    return any(flag in have for flag in flags)
+    return any(flag in _cpu_flags() for flag in flags)
+
+
+def cpu_description() -> str:
+    """The CPU's model name, core count and the kernel variant in use, for benchmark tables
+    (e.g. ``AMD EPYC, 2 cores, kernels avx2``)."""
+    name = "unknown CPU"
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), name)
+    return f"{name}, {os.cpu_count()} cores, kernels {selected_variant() or 'off'}"
+
+
+def library_path(variant: str) -> Path:
+    """Where the installed library of ``variant`` is (it may be absent: not built on this machine)."""
+    return Path(__file__).parent.parent / f"_kernels_{variant}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
+def choose_variants(cpu_flags: set[str] | frozenset[str], installed: set[str]) -> list[str]:
+    """Of the ``installed`` variants, those a CPU with ``cpu_flags`` can execute, best first."""
+    return [name for name, needs in VARIANTS.items() if set(needs) <= cpu_flags and name in installed]
+
+
+def runnable_variants() -> list[str]:
+    """The installed variants this CPU can execute, best first."""
+    installed = {name for name in VARIANTS if library_path(name).exists()}
+    return choose_variants(_cpu_flags(), installed)
+
+
+def selected_variant() -> str | None:
+    """The variant the kernels load: ``forced_variant``'s, else ``$PDSERVE_CPU_KERNELS``, else the
+    best runnable one; None for ``none`` (PyTorch ops only) or when none is installed.
+
+    Raises:
+        ValueError: ``$PDSERVE_CPU_KERNELS`` names an unknown variant or one this CPU cannot run.
+    """
+    if _forced[0] is not None:
+        return _forced[0]
+    return _default_variant()
+
+
+@functools.cache
+def _default_variant() -> str | None:
+    requested, runnable = os.environ.get(_ENV, "auto"), runnable_variants()
+    if requested == "none":
+        return None
+    if requested == "auto":
+        if not runnable:
+            logger.warning("no CPU kernel library is installed (rebuild pdserve): PyTorch ops only")
+        return runnable[0] if runnable else None
+    if requested not in runnable:
+        raise ValueError(f"{_ENV}={requested!r}: choose auto, none or one of {runnable} (runnable here)")
+    return requested
+
+
+@contextlib.contextmanager
+def forced_variant(variant: str) -> Iterator[None]:
+    """Within the block every kernel loader returns ``variant``'s kernels (one of ``runnable_variants``)."""
+    previous, _forced[0] = _forced[0], variant
+    try:
+        yield
+    finally:
+        _forced[0] = previous
+
+
+@functools.cache
+def kernel_library(variant: str) -> ctypes.CDLL:
+    """The loaded library of ``variant`` (one of ``runnable_variants()``).
+
+    Raises:
+        OSError: it is not installed or does not load.
+    """
+    lib = ctypes.CDLL(str(library_path(variant)))
+    lib.kernels_variant.restype = ctypes.c_char_p
+    return lib
+
+
+def per_variant(make: Callable[[str], T | None]) -> Callable[[], T | None]:
+    """Decorator: ``make(variant)`` builds a kernel wrapper from ``kernel_library(variant)`` (or None
+    where that variant lacks the kernel); the decorated function takes no arguments and returns the
+    selected variant's wrapper, made once per variant (None when the kernels are off)."""
+    made = functools.cache(make)
+
+    @functools.wraps(make)
+    def load() -> T | None:
+        variant = selected_variant()
+        return None if variant is None else made(variant)
+
+    return load

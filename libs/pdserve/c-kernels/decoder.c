@@ -1,0 +1,103 @@
+/* A whole decode step's decoder layers of a Llama-family model in one call (see
+   pdserve/layers/cpu_decoder.py): per layer, the same kernels the modules call one by one from
+   Python (add + RMSNorm, the q/k/v matmul, rotary, storing K/V, paged decode attention, the o
+   matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
+   allocation or an argument conversion between them: at batch 1 those cost as much as the
+   matmuls' own weight reads. Same kernels, same order, so the same results. */
+#include "common.h"
+
+/* The kernels of the other sources. */
+void add_rmsnorm_f32(const float*, int64_t, float*, const float*, float*, int64_t, int64_t, float, int);
+void add_rmsnorm_bf16(const bf16*, int64_t, bf16*, const bf16*, bf16*, int64_t, int64_t, float, int);
+void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, int64_t, const float*, const int64_t*,
+                int64_t, int);
+void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, const float*, const int64_t*,
+                 int64_t, int);
+void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int);
+void decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
+                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+void matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
+                  int64_t, int, int, int, int, int, int, int);
+void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
+                 int, int, int, int, int, int);
+
+/* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
+typedef struct {
+  int w8a8, format, N, K, halves;
+  const void *data, *scale, *mins;
+  const float* bias;
+} Linear;
+
+/* One decoder layer: its norms' weights (activation dtype), matmuls, and KV pool pages. */
+typedef struct {
+  const void *input_norm, *post_norm;
+  Linear qkv, o, gate_up, down;
+  void *k_pages, *v_pages;
+} Layer;
+
+/* The step: T decode tokens (one per request), their positions, KV slots, page tables and lengths. */
+typedef struct {
+  int T, bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
+  int64_t max_pages, page_size;
+  float eps, scale;
+  const float* cos_sin;
+  const int64_t *positions, *loc, *page_table, *seq_lens;
+} Step;
+
+static void linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
+                   int threads) {
+  if (w->w8a8)
+    matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T, w->N,
+                w->K, w->halves, silu, threads);
+  else
+    matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
+                 w->halves, silu, threads);
+}
+
+static void norm(const Step* s, const void* x, void* residual, const void* w, void* out) {
+  if (s->bf16)
+    add_rmsnorm_bf16(x, s->hidden, residual, w, out, s->T, s->hidden, s->eps, s->threads);
+  else
+    add_rmsnorm_f32(x, s->hidden, residual, w, out, s->T, s->hidden, s->eps, s->threads);
+}
+
+/* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written
+   (the running sum the final norm adds). Returns 0, or -1 when out of memory. */
+int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hidden, void* residual) {
+  const int64_t e = s->bf16 ? 2 : 4, T = s->T, D = s->head_dim;
+  const int64_t q_size = s->num_heads * D, kv_size = s->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  char* normed = malloc(T * s->hidden * e);
+  char* qkv = malloc(T * qkv_size * e);
+  char* attn = malloc(T * q_size * e);
+  char* act = malloc(T * s->intermediate * e);
+  if (!normed || !qkv || !attn || !act) {
+    free(normed), free(qkv), free(attn), free(act);
+    return -1;
+  }
+  for (int i = 0; i < num_layers; ++i) {
+    const Layer* L = layers + i;
+    if (i == 0) { /* the first layer's residual is its input */
+      memcpy(residual, hidden, T * s->hidden * e);
+      norm(s, hidden, NULL, L->input_norm, normed);
+    } else {
+      norm(s, hidden, residual, L->input_norm, normed);
+    }
+    linear(&L->qkv, normed, s->hidden, qkv, qkv_size, s->bf16, s->T, 0, s->threads);
+    char *q = qkv, *k = qkv + q_size * e, *v = k + kv_size * e;
+    if (s->bf16)
+      rotary_bf16((bf16*)q, qkv_size, s->num_heads, (bf16*)k, qkv_size, s->num_kv_heads, D, s->cos_sin,
+                  s->positions, T, s->threads);
+    else
+      rotary_f32((float*)q, qkv_size, s->num_heads, (float*)k, qkv_size, s->num_kv_heads, D, s->cos_sin,
+                 s->positions, T, s->threads);
+    store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->threads);
+    decode_attention(s->bf16, q, qkv_size, L->k_pages, L->v_pages, attn, s->page_table, s->seq_lens, T,
+                     s->max_pages, s->page_size, s->num_heads, s->num_kv_heads, D, s->scale, s->threads);
+    linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads);
+    norm(s, hidden, residual, L->post_norm, normed);
+    linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads);
+    linear(&L->down, act, s->intermediate, hidden, s->hidden, s->bf16, s->T, 0, s->threads);
+  }
+  free(normed), free(qkv), free(attn), free(act);
+  return 0;
+}

@@ -1,0 +1,154 @@
+/* Matmuls on weights packed once at load (see pdserve/layers/cpu_gemm.py): the AVX512-BF16 / VNNI
+   kernel over bfloat16 or int8 weight panels. */
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#include <omp.h>
+
+#define PANEL 32   /* output columns per panel: two vectors of 16 float32 */
+#define MR 8       /* rows per register tile: 8 x 2 accumulators */
+#define MBLOCK 64  /* rows per block: a block of activations stays in L2 */
+
+int gemm_supported(void) { return 1; }
+
+/* A row's two accumulators (+ biases), rounded: stored at c0 and c1, or with silu, silu(c0's
+   values) * c1's values at c0 (silu_mul16_bf16 on the rounded gate and up). */
+INLINE void store_row(int silu, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, bf16* c0, bf16* c1) {
+  const __m256i lo = round16_bf16(_mm512_add_ps(acc0, bias0));
+  const __m256i hi = round16_bf16(_mm512_add_ps(acc1, bias1));
+  if (silu) {
+    _mm256_storeu_si256((__m256i*)c0, silu_mul16_bf16(bf16_to_f32_16(lo), bf16_to_f32_16(hi)));
+  } else {
+    _mm256_storeu_si256((__m256i*)c0, lo);
+    _mm256_storeu_si256((__m256i*)c1, hi);
+  }
+}
+
+/* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
+   lda bytes; the packed weight; out [M, ldc] bfloat16. int8 only: x_scale [M], w_scale [N] and
+   w_comp [N] = 128 * (column sum of the int8 weight), which undoes the activations' offset. */
+typedef struct {
+  const char* x;
+  int64_t lda;
+  const char* packed;
+  const bf16* bias;
+  bf16* out;
+  int64_t ldc;
+  int M, N, K, halves, silu;
+  const float *x_scale, *w_scale;
+  const int32_t* w_comp;
+} Gemm;
+
+/* Rows m0 .. m0 + rows - 1 (rows <= MR; a constant where inlined, so the accumulators live in
+   registers) times panel n, whose two halves are output columns col0 and col1 (16 each). Each
+   step reads 128 bytes of the panel (32 columns x 2 bfloat16 or 4 int8 features) and 4 bytes of
+   each row; meanwhile the tile prefetches pf_lines cache lines from pf into L2. */
+INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, int col0, int col1,
+                 const char* pf, int pf_lines) {
+  const int steps = int8 ? g->K / 4 : g->K / 2;
+  const char* panel = g->packed + (int64_t)n * steps * 128;
+  const char* a = g->x + m0 * g->lda;
+  __m512 acc[MR][2];
+  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int every = pf_lines > 0 ? (steps + pf_lines - 1) / pf_lines : steps + 1;
+  for (int p = 0, line = 0; p < steps; ++p) {
+    const __m512i b0 = _mm512_loadu_si512(panel + p * 128);
+    const __m512i b1 = _mm512_loadu_si512(panel + p * 128 + 64);
+    if (p % every == 0 && line < pf_lines) _mm_prefetch(pf + 64 * line++, _MM_HINT_T1);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      int32_t word;
+      memcpy(&word, a + r * g->lda + 4 * p, 4);
+      const __m512i av = _mm512_set1_epi32(word);
+      if (int8) {
+        acc[r][0] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][0]), av, b0));
+        acc[r][1] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][1]), av, b1));
+      } else {
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
+      }
+    }
+  }
+  const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
+  const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
+  __m512i comp0 = _mm512_setzero_si512(), comp1 = comp0;
+  __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
+  if (int8) {
+    comp0 = _mm512_loadu_si512(g->w_comp + col0), comp1 = _mm512_loadu_si512(g->w_comp + col1);
+    ws0 = _mm512_loadu_ps(g->w_scale + col0), ws1 = _mm512_loadu_ps(g->w_scale + col1);
+  }
+  bf16* c = g->out + m0 * g->ldc;
+  for (int r = 0; r < rows; ++r) {
+    __m512 v0 = acc[r][0], v1 = acc[r][1];
+    if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * x_scale * w_scale */
+      const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
+      const __m512i sum0 = _mm512_sub_epi32(_mm512_castps_si512(v0), comp0);
+      const __m512i sum1 = _mm512_sub_epi32(_mm512_castps_si512(v1), comp1);
+      v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(xs, ws0));
+      v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(xs, ws1));
+    }
+    store_row(g->silu, v0, v1, bias0, bias1, c + r * g->ldc + col0, c + r * g->ldc + col1);
+  }
+}
+
+#define TILE_CASE(R)                                    \
+  case R:                                               \
+    if (int8) tile(1, R, g, m0, n, col0, col1, pf, pf_lines); \
+    else tile(0, R, g, m0, n, col0, col1, pf, pf_lines);      \
+    break;
+static void tile_rows(int int8, int rows, const Gemm* g, int m0, int n, int col0, int col1, const char* pf,
+                      int pf_lines) {
+  switch (rows) {
+    TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+  }
+}
+
+/* Threads split the panels; rows go in blocks of MBLOCK, each block in tiles of MR rows. Panel n
+   holds weight rows 32n..32n+31, or with halves, rows 16n..16n+15 of each half of W; its output
+   columns are the same rows' indices. With silu (halves only; W = [gate; up]) the output is
+   silu(gate) * up, [M, N/2], at the gate columns. */
+static void run(int int8, const Gemm* g, int threads) {
+  const int panels = g->N / PANEL;
+  const int panel_lines = g->K * PANEL * (int8 ? 1 : 2) / 64;
+  #pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
+      const int tiles = (m_hi - m_lo + MR - 1) / MR;
+      for (int n = lo; n < hi; ++n) {
+        const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
+        const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
+        /* one tile reads its panel once: the hardware prefetcher alone does better there */
+        const char* next = tiles > 1 && n + 1 < hi ? g->packed + (int64_t)(n + 1) * panel_lines * 64 : NULL;
+        for (int i = 0; i < tiles; ++i) {
+          const int m0 = m_lo + i * MR, rows = m_hi - m0 < MR ? m_hi - m0 : MR;
+          const int l0 = panel_lines * i / tiles, l1 = panel_lines * (i + 1) / tiles;
+          tile_rows(int8, rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
+        }
+      }
+    }
+  }
+}
+
+/* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2]. */
+void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, bf16* out, int64_t ldc,
+               int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+                  NULL, NULL, NULL};
+  run(0, &g, threads);
+}
+
+/* The same for int8: x_q [M, K] uint8 (int8 + 128; row stride lda bytes) with x_scale [M], W packed
+   as [N/32, K/4, 32, 4] int8 with w_scale [N] and w_comp [N]. */
+void gemm_int8(const uint8_t* x_q, int64_t lda, const float* x_scale, const int8_t* packed,
+               const float* w_scale, const int32_t* w_comp, const bf16* bias, bf16* out, int64_t ldc,
+               int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+                  x_scale, w_scale, w_comp};
+  run(1, &g, threads);
+}
+#else
+int gemm_supported(void) { return 0; }
+#endif

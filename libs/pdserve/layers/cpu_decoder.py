@@ -1,0 +1,141 @@
+"""A decode step's decoder layers in one C call (``pdserve/c-kernels/decoder.c``), for Llama-family
+models whose linear layers all run on ``cpu_matmul``'s packed weights (the quantized methods).
+
+Through the modules, a batch-1 decode step of SmolLM2 (30 layers) makes ~300 kernel calls from
+Python, each with its argument checks, tensor allocations and ctypes conversions; those fixed
+costs were as large as the step's weight reads (~10 ms of a ~25 ms step here). ``CpuDecoder``
+builds every layer's parameters (weight pointers, formats, norms, KV pages) once, so a decode
+step of the layers is one ``decoder_layers`` call that runs the same kernels in the same order
+(the same results as the modules' path, which the tests check). It serves batches in which every
+request decodes one token (the attention backend's decode-kernel rows); the model runs everything
+else through its modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.layers.cpu_matmul import FORMATS, MatmulWeight
+from pdserve.layers.native import kernel_library, selected_variant
+
+if TYPE_CHECKING:
+    from pdserve.engine.forward_batch import ForwardBatch
+
+_P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w8a8", _C), ("format", _C), ("N", _C), ("K", _C), ("halves", _C), ("data", _P),
+                ("scale", _P), ("mins", _P), ("bias", _P)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_pages", _P), ("v_pages", _P)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _C), ("bf16", _C), ("hidden", _C), ("num_heads", _C), ("num_kv_heads", _C),
+                ("head_dim", _C), ("intermediate", _C), ("threads", _C), ("max_pages", _I), ("page_size", _I),
+                ("eps", _F), ("scale", _F), ("cos_sin", _P), ("positions", _P), ("loc", _P),
+                ("page_table", _P), ("seq_lens", _P)]  # fmt: skip
+
+
+def _linear(module: Any, keep: list) -> _Linear:
+    packed: MatmulWeight = module.packed
+    bias = None if module.bias is None else module.bias.detach().float().contiguous()
+    keep.append(bias)
+    ptr = lambda t: None if t is None else t.data_ptr()
+    return _Linear(
+        packed.format == "w8a8", FORMATS.get(packed.format, 0), packed.out_features, packed.in_features,
+        packed.halves, ptr(packed.data), ptr(packed.scale), ptr(packed.mins), ptr(bias),
+    )  # fmt: skip
+
+
+class CpuDecoder:
+    """The decoder layers of a ``LlamaModel`` as one C call per decode step.
+
+    Build with ``CpuDecoder.build(model)`` (None where it does not apply); ``takes(fb)`` says whether
+    a batch is one it runs; ``__call__(hidden, positions, fb)`` returns ``(hidden, residual)`` as the
+    layers' loop would, for the model's final norm.
+    """
+
+    def __init__(self, model: Any, lib: ctypes.CDLL):
+        self._fn = lib.decoder_layers
+        self._fn.restype, self._fn.argtypes = _C, [_P, _C, _P, _P, _P]
+        first = model.layers[0]
+        attn = first.self_attn
+        self.dtype = first.input_layernorm.weight.dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.hidden = first.input_layernorm.weight.shape[0]
+        self.intermediate = first.mlp.down_proj.packed.in_features
+        self.eps, self.scale = first.input_layernorm.eps, attn.attn.scaling
+        self.rotary = model.rotary_emb
+        self._keep: list = []
+        self._layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self._layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                _linear(attn.qkv_proj, self._keep), _linear(attn.o_proj, self._keep),
+                _linear(mlp.gate_up_proj, self._keep), _linear(mlp.down_proj, self._keep),
+            )  # fmt: skip
+        self._pool_ptr = None
+
+    @classmethod
+    def build(cls, model: Any) -> CpuDecoder | None:
+        """The fused decoder of ``model`` (a ``LlamaModel`` whose weights are processed), or None when
+        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, and
+        every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
+        variant = selected_variant()
+        if variant is None or not len(model.layers):
+            return None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.qk_norm or not all(isinstance(m.packed, MatmulWeight) for m in linears):
+                return None
+            if not mlp.gate_up_proj.packed.halves or layer.input_layernorm.weight.device.type != "cpu":
+                return None
+            if layer.input_layernorm.weight.dtype not in (torch.float32, torch.bfloat16):
+                return None
+        return cls(model, kernel_library(variant))
+
+    def takes(self, fb: ForwardBatch) -> bool:
+        """Whether every token of ``fb`` is a decode the attention backend runs as a decode-kernel row."""
+        backend = fb.attn_backend
+        rows = getattr(backend, "kernel_rows", None)
+        return (
+            rows is not None
+            and rows.token_index is None
+            and getattr(backend, "tiles", None) is None
+            and len(fb.positions) == len(fb.seq_lens)
+        )
+
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = fb.token_to_kv_pool
+        if self._pool_ptr != pool.kv_data.data_ptr():  # the pool's pages, once per pool
+            for i in range(len(self._layers)):
+                k_pages, v_pages = pool.kv_data[i]
+                self._layers[i].k_pages, self._layers[i].v_pages = k_pages.data_ptr(), v_pages.data_ptr()
+            self._pool_ptr = pool.kv_data.data_ptr()
+        rows = fb.attn_backend.kernel_rows
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        positions, loc = positions.contiguous(), fb.out_cache_loc.contiguous()
+        step = _Step(
+            hidden.shape[0], hidden.dtype == torch.bfloat16, self.hidden, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.intermediate, torch.get_num_threads(), rows.page_table.shape[1],
+            pool.page_size, self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(), positions.data_ptr(),
+            loc.data_ptr(), rows.page_table.data_ptr(), rows.seq_lens.data_ptr(),
+        )  # fmt: skip
+        if self._fn(
+            self._layers, len(self._layers), ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()
+        ):
+            raise MemoryError("decoder_layers: out of memory for a step's scratch buffers")
+        return hidden, residual

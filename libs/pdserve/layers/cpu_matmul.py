@@ -1,0 +1,241 @@
+"""Matmuls for any x86-64 CPU over weights packed once at load: float activations (float32 or
+bfloat16) against float32, bfloat16, int8 or int4 weights, and an exact int8 x int8 (W8A8) matmul.
+
+On CPUs without native bfloat16 (AVX2 + FMA: AMD Zen 2/3, Intel Haswell to Ice Lake clients) a
+decode step is bound by reading the weights, and a float32 weight costs four bytes a parameter.
+These kernels read weights stored smaller and widen them in registers: bfloat16 (``bf16``), int8
+per output column (``int8``: ``w = q * scale[n]``), int8 in groups of 32 inputs (``int8_g32``:
+``w = q * scale[g, n]``, llama.cpp's Q8_0) or int4 in groups of 32 with a scale and a minimum
+(``int4``: ``w = q * scale[g, n] + min[g, n]``, ``q`` in 0..15: llama.cpp's Q4_1), so a GGUF's
+Q4_1 and Q8_0 weights are stored exactly; sums are float32, as ``F.linear`` on the dequantized
+weight computes them, in another order. ``w8a8`` quantizes each row of activations to int8 (per
+row, symmetric) and sums int8 x int8 products exactly in int32 (AVX2 ``vpmaddwd`` on int16: the
+u8 x s8 instruction oneDNN uses without VNNI saturates, which made its int8 GEMM wrong there),
+twice the float32 FMA rate on these CPUs.
+
+Layout and algorithm: see ``pdserve/c-kernels/matmul.c`` (panels of 16 output columns, a
+register-blocked micro-kernel, SiLU-and-mul in the epilogue of a ``[gate; up]`` weight packed in
+``halves``). The portable variant runs the same sums in plain C. ``load_cpu_matmul`` returns None
+when the kernels are off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pdserve.layers.native import kernel_library, per_variant
+
+PANEL = 16  # output columns per panel
+GROUP = 32  # int4: inputs per scale
+FORMATS = {"float32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8_g32": 4}  # matmul.c's W_F32 .. W_I8G
+GROUPED = ("int4", "int8_g32")  # scales per group of 32 inputs
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _rows_in_panels(w: torch.Tensor, halves: bool) -> torch.Tensor:
+    """``w`` ``[N, ...]`` with its rows in panel order: with ``halves``, panel ``j`` holds rows
+    ``8j..8j+7`` of each half of ``w`` (gate, then the same up rows), else rows ``16j..16j+15``."""
+    if not halves:
+        return w
+    n = w.shape[0]
+    return w.reshape(2, n // PANEL, PANEL // 2, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row of ``weight`` ``[N, K]``: (int8 ``q``, float32 ``scale`` ``[N]``),
+    ``scale = max|w| / 127``, ``q = round-half-even(w / scale)``."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _half(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float16 (as the grouped formats store their scales), kept as float32."""
+    return x.half().float()
+
+
+def quantize_int8_grouped(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in groups of 32 inputs (llama.cpp's Q8_0): (int8 ``q`` ``[N, K]``, ``scale``
+    ``[N, K / 32]``), ``scale = max|w| / 127`` over the group rounded to float16 (held in float32).
+    ``K`` a multiple of 32."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    scale = _half(w.abs().amax(dim=2) / 127)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8).reshape(n, k), scale
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of 32 inputs (llama.cpp's Q4_1): (uint8 ``q`` ``[N, K]`` in 0..15,
+    ``scale`` and ``mins`` ``[N, K / 32]``, float16 values held in float32) with ``w ~ q * scale +
+    min``, ``min`` the group's smallest weight and ``scale = (max - min) / 15``, both rounded to
+    float16 as GGUF stores them (so a Q4_1 block's own values come back). ``K`` a multiple of 32."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    mins, maxs = _half(w.amin(dim=2)), w.amax(dim=2)
+    scale = _half((maxs - mins) / 15)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - mins[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, mins
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` that ``quantize_int4``'s outputs stand for."""
+    n, k = q.shape
+    w = torch.addcmul(mins[..., None], q.reshape(n, k // GROUP, GROUP).float(), scale[..., None])
+    return w.reshape(n, k)
+
+
+class MatmulWeight:
+    """A weight ``W`` ``[N, K]`` packed for ``CpuMatmul`` in one of ``FORMATS`` or ``w8a8``, from its
+    stored values ``rows`` ``[N, K]`` (float32 / bfloat16 weights, int8 or int4 ``q``) and scales.
+
+    Attributes:
+        format: ``float32``, ``bf16``, ``int8``, ``int4`` (float activations) or ``w8a8``.
+        halves: panels pair gate and up rows (``silu_and_mul`` works); ``matmul`` is the same either way.
+        data: the panels; scale: int8 / w8a8 float32 ``[N]``, grouped formats float16
+            ``[N / 16, K / 32, 16]``; mins: int4's, the same.
+    """
+
+    def __init__(
+        self, kernel: CpuMatmul, format: str, rows: torch.Tensor, scale=None, mins=None, halves=False
+    ):
+        n, k = rows.shape
+        self._kernel, self.format, self.halves = kernel, format, halves
+        self.out_features, self.in_features = n, k
+        panels = _rows_in_panels(rows, halves).reshape(n // PANEL, PANEL, k)
+        self.scale, self.mins = scale, mins
+        if format == "w8a8":
+            self.data = panels.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        elif format == "int4":
+            q = panels.transpose(1, 2)
+            self.data = (q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)).contiguous()
+        else:
+            self.data = panels.transpose(1, 2).contiguous()
+        if format in GROUPED:  # float16 [N / 16, K / 32, 16]
+            self.scale, self.mins = (
+                None
+                if t is None
+                else _rows_in_panels(t, halves)
+                .reshape(n // PANEL, PANEL, -1)
+                .transpose(1, 2)
+                .half()
+                .contiguous()
+                for t in (scale, mins)
+            )
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The stored values and scales back in row order (``halves`` False only)."""
+        n, k = self.out_features, self.in_features
+        if self.format == "w8a8":
+            return self.data.permute(0, 2, 1, 3).reshape(n, k), self.scale, None
+        data = torch.cat([self.data & 15, self.data >> 4], dim=2) if self.format == "int4" else self.data
+        scale, mins = self.scale, self.mins
+        if self.format in GROUPED:
+            scale, mins = (
+                None if t is None else t.transpose(1, 2).reshape(n, k // GROUP).float() for t in (scale, mins)
+            )
+        return data.transpose(1, 2).reshape(n, k), scale, mins
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a matmul reads from the weight (panels and scales)."""
+        return sum(t.nbytes for t in (self.data, self.scale, self.mins) if t is not None)
+
+    def to_halves(self) -> MatmulWeight:
+        """The same weight packed in ``halves`` (for ``silu_and_mul``)."""
+        if self.halves:
+            return self
+        rows, scale, mins = self._rows()
+        return MatmulWeight(self._kernel, self.format, rows, scale, mins, halves=True)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ bias)`` for float32 or bfloat16 ``x`` ``[..., K]``: a new ``[..., N]`` in x's dtype."""
+        return self._run(x, bias, silu=False)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of ``[gate | up] = x W^T (+ bias)``: ``[..., N / 2]`` (``halves`` only).
+
+        Raises:
+            ValueError: the weight was not packed with ``halves``.
+        """
+        if not self.halves:
+            raise ValueError("silu_and_mul needs a weight packed with halves=True")
+        return self._run(x, bias, silu=True)
+
+    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"the CPU matmul takes float32 or bfloat16 activations, got {x.dtype}")
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        n, k, m = self.out_features, self.in_features, rows.shape[0]
+        width = n // 2 if silu else n
+        out = torch.empty(m, width, dtype=x.dtype)
+        if m:
+            if bias is not None and bias.dtype != torch.float32:
+                bias = bias.float()
+            x_bf16 = x.dtype == torch.bfloat16
+            tail = (out.data_ptr(), width, x_bf16, m, n, k, self.halves, silu, torch.get_num_threads())
+            bias_ptr = None if bias is None else bias.data_ptr()
+            if self.format == "w8a8":
+                self._kernel.w8a8_fn(
+                    rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
+                    self.scale.data_ptr(), bias_ptr, *tail,
+                )  # fmt: skip
+            else:
+                self._kernel.float_fn(
+                    rows.data_ptr(), rows.stride(0), x_bf16, FORMATS[self.format], self.data.data_ptr(),
+                    None if self.scale is None else self.scale.data_ptr(),
+                    None if self.mins is None else self.mins.data_ptr(), bias_ptr, *tail,
+                )  # fmt: skip
+        return out.view(*shape[:-1], width)
+
+
+class CpuMatmul:
+    """The kernels of one library variant; ``pack`` a weight for them."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.float_fn, self.w8a8_fn = lib.matmul_float, lib.matmul_w8a8
+        tail = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_bf16, M, N, K, halves, silu, threads
+        self.float_fn.restype, self.float_fn.argtypes = None, [_P, _I, _C, _C, _P, _P, _P, _P, *tail]
+        self.w8a8_fn.restype, self.w8a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, *tail]
+
+    @staticmethod
+    def supports(weight: torch.Tensor, format: str) -> bool:
+        """Whether ``weight`` ``[N, K]`` packs in ``format``: on CPU, ``N % 16 == 0``, and for int4 and
+        int8_g32 ``K % 32 == 0``, for w8a8 ``K`` even."""
+        n, k = weight.shape
+        k_multiple = {"int4": GROUP, "int8_g32": GROUP, "w8a8": 2}.get(format, 1)
+        return weight.device.type == "cpu" and n % PANEL == 0 and k % k_multiple == 0
+
+    def pack(self, weight: torch.Tensor, format: str, halves: bool = False) -> MatmulWeight:
+        """Pack (quantize) ``weight`` ``[N, K]`` (any float dtype, ``supports(weight, format)``).
+
+        Raises:
+            ValueError: an unknown format.
+        """
+        weight = weight.detach()
+        if format == "float32":
+            return MatmulWeight(self, format, weight.float(), halves=halves)
+        if format == "bf16":
+            return MatmulWeight(self, format, weight.to(torch.bfloat16), halves=halves)
+        if format in ("int8", "w8a8"):
+            q, scale = quantize_int8(weight)
+            return MatmulWeight(self, format, q, scale.contiguous(), halves=halves)
+        if format == "int8_g32":
+            q, scale = quantize_int8_grouped(weight)
+            return MatmulWeight(self, format, q, scale, halves=halves)
+        if format == "int4":
+            q, scale, mins = quantize_int4(weight)
+            return MatmulWeight(self, format, q, scale, mins, halves=halves)
+        raise ValueError(f"unknown weight format {format!r}; choose one of {[*FORMATS, 'w8a8']}")
+
+
+@per_variant
+def load_cpu_matmul(variant: str) -> CpuMatmul:
+    """The kernels of the selected variant (``pdserve.layers.native``); None when the kernels are off."""
+    return CpuMatmul(kernel_library(variant))
