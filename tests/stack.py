@@ -139,7 +139,8 @@ class Stack:
 def _services_started(log_path: str) -> bool:
     """Whether the launcher has started its first service (so it holds every fixed port)."""
     with open(log_path) as f:
-        return " started " in f.read()
+        log = f.read()
+    return " started " in log or '"message": "started ' in log  # --log-format text or json
 
 
 def children(stack: Stack) -> dict[str, psutil.Process]:
