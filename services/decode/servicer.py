@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 
@@ -197,16 +198,25 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.loop.wake()
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
-        """One Prefill call; returns once the response and the NIXL notification both arrived."""
+        """One Prefill call; returns once its response came and every page of its KV has landed.
+
+        The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
+        before the call goes out, and cancelled on any failure: after that nothing writes its pages.
+        """
         timeout = PREFILL_TIMEOUT_S
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        notified = asyncio.create_task(self.agent.wait_for_notification(req.rid.encode(), timeout_s=timeout))
+        peer = self._peer(address)
+        if not peer.peer_incarnation:
+            await peer.handshake(timeout)
+        tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
+        receive = self.agent.expect(peer.peer_name, tid, req.pages[req.num_prefix_pages :])
+        start = time.monotonic()
         try:
-            resp = await self._peer(address).prefill(req, timeout)
-            await notified
+            resp = await peer.prefill(req, tid, timeout)
+            await receive.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
-            notified.cancel()
+            receive.cancel()  # no-op once every page landed
         return resp
 
     async def close(self) -> None:

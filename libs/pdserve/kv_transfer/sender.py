@@ -1,0 +1,325 @@
+"""Sending side of KV transfers: a gather thread and a post thread per agent, as a two-stage pipeline.
+
+A transfer's pages are sent in groups, as ``send`` calls add them (a chunked prefill adds each chunk's
+finished pages while the next chunk computes). A group whose pages form few runs that are consecutive
+on both sides (descriptors of ``StagingConfig.direct_min_bytes`` or more) is one WRITE straight into
+the destination pages. Any other group is split into slots: the gather thread copies a slot's pages out
+of the pool into a send slot while the post thread WRITEs the previous slot, as one descriptor, into
+a slot of the receiver's lane, so the copy overlaps the wire and the descriptor count no longer grows
+with the number of scattered pages. Each WRITE carries a LANDED notification; the receiver ACKs lane
+slots once it has scattered them.
+
+Page reads (the gather, a direct WRITE on CPU) run under the transfer's lock and only while it is
+open, so once ``cancel`` returns its source pages may be freed and reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv_transfer import messages
+from pdserve.kv_transfer.completion import Completion
+from pdserve.kv_transfer.descriptors import coalesce, page_run_descs
+from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.layout import KVAgentInfo
+from pdserve.kv_transfer.page_copy import PageCopier
+from pdserve.kv_transfer.staging import SlotRing, StagingArea
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.0002
+
+
+class PeerLink:
+    """What the sender knows of one receiver: its info, and its lane's free slots (None: no lane)."""
+
+    def __init__(self, info: KVAgentInfo):
+        self.info = info
+        self.lane = SlotRing(info.staging_slots) if info.staging_slots > 0 else None
+
+
+@dataclass
+class _Group:
+    transfer: KVTransfer
+    src: list[int]
+    first: int  # index of src[0]'s destination in transfer.dst_pages
+    staged: bool
+    send_slot: int = -1
+
+
+class KVTransfer:
+    """One outbound transfer into a peer's ``dst_pages`` (made by ``KVTransferAgent.start_transfer``).
+
+    ``send`` any number of times, then ``finish``; ``wait`` returns once every byte has been written.
+
+    Attributes:
+        peer_name, tid: the receiver and the transfer id its notifications name.
+        dst_pages: the receiver's destination pages.
+        nbytes: bytes written so far.
+        descriptors: NIXL descriptors posted so far (one per staged slot).
+    """
+
+    def __init__(
+        self, sender: KVSender, link: PeerLink, tid: bytes, dst_pages: Sequence[int], stall_s: float
+    ):
+        self.peer_name = link.info.agent_name
+        self.tid = tid
+        self.dst_pages = np.asarray(dst_pages, dtype=np.int64)
+        self.nbytes = 0
+        self.descriptors = 0
+        self.stall_s = stall_s
+        self.lock = threading.Lock()  # held while pool pages of this transfer are read
+        self._sender = sender
+        self._link = link
+        self._pending = 0
+        self._finished = False
+        self._closed = False  # failed, cancelled or complete: no page is read any more
+        self._completion = Completion()
+
+    def send(self, src_pages: Sequence[int], first: int) -> None:
+        """Queue our pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
+
+        Raises:
+            ValueError: a page out of range, ``first`` out of range, or ``send`` after ``finish``.
+        """
+        src = [int(p) for p in src_pages]
+        if not src:
+            return
+        if self._finished:
+            raise ValueError("send() after finish()")
+        if first < 0 or first + len(src) > len(self.dst_pages):
+            raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
+        if min(src) < 0 or max(src) >= self._sender.copier.num_pages:
+            raise ValueError(f"a source page is outside [0, {self._sender.copier.num_pages})")
+        groups = self._sender.plan(self, src, first)
+        with self.lock:
+            if self._closed:
+                return
+            self._pending += len(groups)
+        for group in groups:
+            self._sender.enqueue(group)
+
+    def finish(self) -> None:
+        """No more ``send`` calls; the transfer completes once what was sent is written."""
+        with self.lock:
+            self._finished = True
+            complete = self._pending == 0 and not self._closed
+            if complete:
+                self._closed = True
+        if complete:
+            self._completion.set_result(self.nbytes)
+
+    async def wait(self, timeout_s: float) -> int:
+        """Bytes written, once every page sent is written (after ``finish``).
+
+        Raises:
+            KVTransferError: a WRITE failed, the peer is gone, or the transfer was cancelled.
+            KVTransferTimeout: not done within ``timeout_s`` (the transfer is then cancelled).
+        """
+        try:
+            return await self._completion.wait(timeout_s)
+        except TimeoutError:
+            self.cancel()
+            raise KVTransferTimeout(f"KV transfer {self.tid!r} to {self.peer_name!r} timed out") from None
+
+    def cancel(self) -> None:
+        """Stop: once this returns no page of this transfer is read. Idempotent; the receiver is told."""
+        self._fail(KVTransferError(f"KV transfer {self.tid!r} to {self.peer_name!r} cancelled"))
+
+    @property
+    def done(self) -> bool:
+        return self._completion.done
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed
+
+    def _group_done(self, nbytes: int, descriptors: int) -> None:
+        with self.lock:
+            self.nbytes += nbytes
+            self.descriptors += descriptors
+            self._pending -= 1
+            complete = self._pending == 0 and self._finished and not self._closed
+            if complete:
+                self._closed = True
+        if complete:
+            self._completion.set_result(self.nbytes)
+
+    def _fail(self, error: BaseException) -> None:
+        with self.lock:
+            was_open, self._closed = not self._closed, True
+        if was_open and self._completion.set_exception(error):
+            self._sender.notify_abort(self.peer_name, self.tid)
+
+
+class KVSender:
+    """The gather and post threads of one agent.
+
+    Args:
+        call: runs a NIXL call for a peer, turning NIXL errors into ``KVTransferError``.
+        nixl: the NIXL agent.
+        local: this agent's info (pool address, device).
+        staging: this agent's staging memory (its send slots).
+        copier: gathers pages into send slots.
+        pump: fetches notifications now (ACKs free lane slots).
+    """
+
+    def __init__(self, call: Callable[..., Any], nixl, local: KVAgentInfo, staging: StagingArea,
+                 copier: PageCopier, pump: Callable[[], None]):  # fmt: skip
+        self._call = call
+        self._nixl = nixl
+        self._local = local
+        self.staging = staging
+        self.copier = copier
+        self._pump = pump
+        self._send_slots = SlotRing(staging.send_slots)
+        self._gather_q: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
+        self._post_q: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
+        self._active = 0  # groups in the pipeline
+        self._active_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(
+                target=self._loop, args=(q, step), name=f"kv-{kind}-{local.agent_name}", daemon=True
+            )
+            for kind, q, step in (
+                ("gather", self._gather_q, self._gather),
+                ("post", self._post_q, self._post),
+            )
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def plan(self, transfer: KVTransfer, src: list[int], first: int) -> list[_Group]:
+        """Split pages into one direct group (few runs, or no usable lane) or slot-sized staged groups
+        (as many pages as both our send slots and the receiver's lane slots hold)."""
+        dst = transfer.dst_pages[first : first + len(src)].tolist()
+        peer = transfer._link.info
+        k = min(self.staging.pages_per_slot, peer.staging_slot_bytes // self.copier.span_bytes)
+        run_bytes = len(src) * self.copier.span_bytes / len(coalesce(src, dst)) / self.copier.planes
+        if transfer._link.lane is None or k < 1 or run_bytes >= self.staging.direct_min_bytes:
+            return [_Group(transfer, src, first, staged=False)]
+        return [_Group(transfer, src[i : i + k], first + i, staged=True) for i in range(0, len(src), k)]
+
+    def enqueue(self, group: _Group) -> None:
+        with self._active_lock:
+            self._active += 1
+        (self._gather_q if group.staged else self._post_q).put(group)
+
+    def busy(self) -> bool:
+        return self._active > 0
+
+    def notify_abort(self, peer_name: str, tid: bytes) -> None:
+        try:
+            self._call(peer_name, self._nixl.send_notif, peer_name, messages.abort(tid))
+        except KVTransferError as e:
+            logger.info("telling %r that KV transfer %r aborted: %s", peer_name, tid, e)
+
+    def close(self) -> None:
+        self._gather_q.put(None)
+        self._post_q.put(None)
+        for thread in self._threads:
+            thread.join(5)
+
+    # ---- threads ----------------------------------------------------------------------------
+    def _loop(self, q: queue.SimpleQueue, step: Callable[[_Group], None]) -> None:
+        while (group := q.get()) is not None:
+            try:
+                step(group)
+            except Exception as e:  # any failure fails this transfer, not the thread
+                self._drop(group)
+                if not isinstance(e, KVTransferError):
+                    logger.exception("KV transfer %r: unexpected error", group.transfer.tid)
+                    e = KVTransferError(f"KV transfer {group.transfer.tid!r} failed: {e}")
+                group.transfer._fail(e)
+
+    def _gather(self, group: _Group) -> None:
+        t = group.transfer
+        if not t.is_open:
+            return self._drop(group)
+        group.send_slot = self._send_slots.acquire(time.monotonic() + t.stall_s, what="send slot")
+        with t.lock:
+            if not t.is_open:
+                return self._drop(group)
+            self.copier.gather(group.src, self.staging.slot(group.send_slot))
+        self._post_q.put(group)
+
+    def _post(self, group: _Group) -> None:
+        t = group.transfer
+        if not t.is_open:
+            return self._drop(group)
+        if not group.staged:
+            with t.lock:
+                if not t.is_open:
+                    return self._drop(group)
+                nbytes, descriptors = self._write_direct(group)
+        else:
+            nbytes, descriptors = self._write_staged(group)
+        self._drop(group)
+        t._group_done(nbytes, descriptors)
+
+    def _write_direct(self, group: _Group) -> tuple[int, int]:
+        t = group.transfer
+        peer = t._link.info
+        dst = t.dst_pages[group.first : group.first + len(group.src)].tolist()
+        runs = np.array(coalesce(group.src, dst), dtype=np.int64).reshape(-1, 3)
+        local = page_run_descs(self._local, runs[:, 0], runs[:, 2])
+        remote = page_run_descs(peer, runs[:, 1], runs[:, 2])
+        notif = messages.landed(t.tid, group.first, len(group.src), messages.DIRECT)
+        self._write(t, local, remote, notif)
+        return int(local[:, 1].sum()), len(local)
+
+    def _write_staged(self, group: _Group) -> tuple[int, int]:
+        t = group.transfer
+        lane = t._link.lane
+        peer = t._link.info
+        slot = lane.acquire(time.monotonic() + t.stall_s, self._pump, what=f"receive slot of {t.peer_name!r}")
+        nbytes = len(group.src) * self.copier.span_bytes
+        local = _one_desc(self.staging.addr(group.send_slot), nbytes, self._local.device_id)
+        remote = _one_desc(peer.staging_addr + slot * peer.staging_slot_bytes, nbytes, peer.device_id)
+        try:
+            self._write(t, local, remote, messages.landed(t.tid, group.first, len(group.src), slot))
+        except BaseException:
+            lane.release(slot)  # nothing was announced in it: the receiver will not ACK it
+            raise
+        return nbytes, 1
+
+    def _write(self, t: KVTransfer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> None:
+        """One NIXL WRITE with ``notif``, polled to completion within the transfer's stall timeout."""
+        nixl, peer = self._nixl, t._link.info
+        handle = self._call(
+            t.peer_name, nixl.initialize_xfer, "WRITE",
+            nixl.get_xfer_descs(local, self._local.mem_type), nixl.get_xfer_descs(remote, peer.mem_type),
+            t.peer_name, notif,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + t.stall_s
+            state = self._call(t.peer_name, nixl.transfer, handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVTransferTimeout(f"KV write to {t.peer_name!r} stalled for {t.stall_s:.3g} s")
+                time.sleep(_POLL_S)
+                state = self._call(t.peer_name, nixl.check_xfer_state, handle)
+            if state != "DONE":
+                raise KVTransferError(f"KV write to {t.peer_name!r} failed")
+        finally:
+            handle.release()
+
+    def _drop(self, group: _Group) -> None:
+        """The group leaves the pipeline (written, failed or skipped): give its send slot back."""
+        if group.send_slot >= 0:
+            self._send_slots.release(group.send_slot)
+            group.send_slot = -1
+        with self._active_lock:
+            self._active -= 1
+
+
+def _one_desc(addr: int, nbytes: int, device_id: int) -> np.ndarray:
+    return np.array([[addr, nbytes, max(device_id, 0)]], dtype=np.uint64)
