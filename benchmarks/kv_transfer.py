@@ -63,14 +63,16 @@ def _raw_agent(name: str, pool: torch.Tensor) -> nixl_agent:
     return agent
 
 
-def after_churn(rng: np.random.Generator, n: int, steps: int = 2000) -> list[int]:
+def after_churn(rng: np.random.Generator, n: int, steps: int = 4000, occupancy: float = 0.85) -> list[int]:
     """``n`` pages from a real allocator of ``NUM_PAGES`` pages after ``steps`` random allocations
-    (1-63 pages, as requests of 16-1,000 tokens) and frees, the live ones then freed at random until
-    ``n`` pages are free."""
+    (1-63 pages, as requests of 16-1,000 tokens) and frees (of a random live request, always once
+    ``occupancy`` of the pool is taken, else with probability 0.3), the live ones then freed at
+    random until ``n`` pages are free: a busy server's pool."""
     allocator = PagedTokenToKVPoolAllocator(NUM_PAGES, PAGE_SIZE)
     live: list[list[int]] = []
     for _ in range(steps):
-        if live and (rng.random() < 0.5 or allocator.available_size() < 64):
+        full = allocator.available_size() < NUM_PAGES * (1 - occupancy)
+        if live and (full or rng.random() < 0.3):
             allocator.free(live.pop(int(rng.integers(len(live)))))
         elif pages := allocator.alloc(int(rng.integers(1, 64))):
             live.append(pages)

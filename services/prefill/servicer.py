@@ -45,15 +45,23 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         address: this service's advertised "host:port".
         agent: the NIXL agent.
         stream_chunks: send a chunked prompt's finished pages after each chunk (else all at the end).
+        transfer_timeout_s: how long a transfer may wait for the decode side (a free slot, a WRITE's
+            completion), and at most for the end of its write after the prompt's last chunk.
     """
 
     def __init__(
-        self, scheduler: Scheduler, address: str, agent: KVTransferAgent, stream_chunks: bool = True
+        self,
+        scheduler: Scheduler,
+        address: str,
+        agent: KVTransferAgent,
+        stream_chunks: bool = True,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
     ) -> None:
         self.scheduler = scheduler
         self.address = address
         self.agent = agent
         self.stream_chunks = stream_chunks
+        self.transfer_timeout_s = transfer_timeout_s
         self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers)
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, KVTransfer] = {}  # open, by rid
@@ -94,7 +102,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             )
         tid = (request.kv_transfer_id or request.rid).encode()
         try:
-            transfer = self.agent.start_transfer(request.dst_agent_name, tid, dst_pages, TRANSFER_TIMEOUT_S)
+            transfer = self.agent.start_transfer(
+                request.dst_agent_name, tid, dst_pages, self.transfer_timeout_s
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except KVTransferError as e:
@@ -183,7 +193,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     async def _finish(self, req: Req, transfer: KVTransfer) -> None:
         """Await the end of ``req``'s write, then answer its Prefill call and release its pages."""
         prefilled = time.monotonic()
-        timeout = TRANSFER_TIMEOUT_S
+        timeout = self.transfer_timeout_s
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
         try:
