@@ -5,8 +5,9 @@ pool), packed from its start, so it is one contiguous region whatever ``n``. On 
 numpy row copies of the pool's bytes, one page (``planes`` rows of ``page_bytes``) at a time: they run
 on one thread with the GIL released, next to the forward's OpenMP team instead of starting a second
 one (torch's copies would); ``index_copy_`` was 2-3x slower than that on the 2-core Zen 3. On CUDA
-they are one ``index_select`` / ``index_copy_`` kernel each, synchronized before the slot is sent or
-acknowledged.
+they are one ``index_select`` / ``index_copy_`` kernel each on a side stream, synchronized before the
+slot is sent or acknowledged (a transfer reads pages written by forwards whose results the scheduler
+has already read back, so the default stream needs no waiting for).
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ class PageCopier:
         self.device = kv_data.device
         self._pool = kv_data.view(self.planes, self.num_pages, self.page_elems)
         self._pool_bytes = _bytes(self._pool) if kv_data.device.type == "cpu" else None
+        # a side stream: copies never queue behind (or wait for) a forward on the default stream
+        self._stream = torch.cuda.Stream(kv_data.device) if kv_data.is_cuda else None
 
     def gather(self, pages: Sequence[int], slot: torch.Tensor) -> int:
         """Copy ``pages`` (every plane) into the start of ``slot`` (flat, the pool's dtype); returns bytes."""
         n = len(pages)
         out = slot[: n * self.span_elems].view(self.planes, n, self.page_elems)
-        if self._pool_bytes is None:
-            index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-            torch.index_select(self._pool, 1, index, out=out)
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+                torch.index_select(self._pool, 1, index, out=out)
+            self._stream.synchronize()
         else:
             dst, src = _bytes(out), self._pool_bytes
             for j, page in enumerate(pages):
@@ -52,10 +56,11 @@ class PageCopier:
         """Copy the first ``len(pages)`` pages held in ``slot`` into ``pages`` of the pool."""
         n = len(pages)
         src = slot[: n * self.span_elems].view(self.planes, n, self.page_elems)
-        if self._pool_bytes is None:
-            index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
-            self._pool.index_copy_(1, index, src)
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                index = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+                self._pool.index_copy_(1, index, src)
+            self._stream.synchronize()
         else:
             dst, rows = self._pool_bytes, _bytes(src)
             for j, page in enumerate(pages):
