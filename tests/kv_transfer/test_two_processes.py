@@ -116,7 +116,7 @@ async def test_failure_mid_transfer_corrupts_nothing_and_frees_every_slot(prefil
     agents, kv = prefill
     peer, expected = decode
     agent = agents["staged"]
-    target, name = (KVSender, "_write_staged") if seam == "post" else (PageCopier, "gather")
+    target, name = (KVSender, "_start_write") if seam == "post" else (PageCopier, "gather")
     real, calls = getattr(target, name), []
 
     def failing(self, *args):

@@ -133,15 +133,15 @@ async def test_streamed_staged_transfer_equals_hf(schedulers, pd):
 async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothing(
     schedulers, pd, monkeypatch
 ):
-    real, calls = KVSender._write_staged, []
+    real, calls = KVSender._start_write, []
 
-    def third_write_fails(self, group):
+    def third_write_fails(self, *args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected: the wire broke")
-        return real(self, group)
+        return real(self, *args)
 
-    monkeypatch.setattr(KVSender, "_write_staged", third_write_fails)
+    monkeypatch.setattr(KVSender, "_start_write", third_write_fails)
     tokens, finish, error = await _run(pd, "broken")
     monkeypatch.undo()
     assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error and "wire broke" in error

@@ -52,7 +52,16 @@ class _Group:
     src: list[int]
     first: int  # index of src[0]'s destination in transfer.dst_pages
     staged: bool
-    send_slot: int = -1
+    send_slot: int = -1  # our slot holding the gathered pages
+    lane_slot: int = -1  # the receiver's slot they are written into
+    handle: Any = None  # the NIXL WRITE in flight
+    state: str = ""
+    deadline: float = 0.0
+    nbytes: int = 0
+    descriptors: int = 0
+
+
+_NO_GROUP = _Group(None, [], 0, False)  # type: ignore[arg-type]
 
 
 class KVTransfer:
@@ -186,13 +195,8 @@ class KVSender:
         self._active = 0  # groups in the pipeline
         self._active_lock = threading.Lock()
         self._threads = [
-            threading.Thread(
-                target=self._loop, args=(q, step), name=f"kv-{kind}-{local.agent_name}", daemon=True
-            )
-            for kind, q, step in (
-                ("gather", self._gather_q, self._gather),
-                ("post", self._post_q, self._post),
-            )
+            threading.Thread(target=loop, name=f"kv-{kind}-{local.agent_name}", daemon=True)
+            for kind, loop in (("gather", self._gather_loop), ("post", self._post_loop))
         ]
         for thread in self._threads:
             thread.start()
@@ -229,18 +233,44 @@ class KVSender:
             thread.join(5)
 
     # ---- threads ----------------------------------------------------------------------------
-    def _loop(self, q: queue.SimpleQueue, step: Callable[[_Group], None]) -> None:
-        while (group := q.get()) is not None:
-            try:
-                step(group)
-            except Exception as e:  # any failure fails this transfer, not the thread
-                self._drop(group)
-                if not isinstance(e, KVTransferError):
-                    logger.exception("KV transfer %r: unexpected error", group.transfer.tid)
-                    e = KVTransferError(f"KV transfer {group.transfer.tid!r} failed: {e}")
-                group.transfer._fail(e)
+    def _gather_loop(self) -> None:
+        while (group := self._gather_q.get()) is not None:
+            self._guard(group, self._gather)
 
-    def _gather(self, group: _Group) -> None:
+    def _post_loop(self) -> None:
+        """Post each group's WRITE as it comes, without waiting for the previous one to complete
+        (completion waits for the receiver's progress), and poll the ones in flight."""
+        inflight: list[_Group] = []
+        while True:
+            try:
+                group = self._post_q.get(timeout=_POLL_S if inflight else None)
+            except queue.Empty:
+                group = _NO_GROUP
+            if group is None:
+                break
+            if group is not _NO_GROUP and not self._guard(group, self._post):
+                inflight.append(group)
+            inflight = [g for g in inflight if not self._guard(g, self._poll)]
+        for group in inflight:
+            group.handle.release()
+
+    def _guard(self, group: _Group, step: Callable[[_Group], bool]) -> bool:
+        """Run ``step``; True when the group left the pipeline (written, skipped, or failed)."""
+        try:
+            return step(group)
+        except Exception as e:  # any failure fails this transfer, not the thread
+            if not isinstance(e, KVTransferError):
+                logger.exception("KV transfer %r: unexpected error", group.transfer.tid)
+                e = KVTransferError(f"KV transfer {group.transfer.tid!r} failed: {e}")
+            if group.handle is not None:
+                group.handle.release()
+            if group.lane_slot >= 0 and not isinstance(e, KVTransferTimeout):
+                group.transfer._link.lane.release(group.lane_slot)  # not announced: no ACK will come
+            self._drop(group)
+            group.transfer._fail(e)
+            return True
+
+    def _gather(self, group: _Group) -> bool:
         t = group.transfer
         if not t.is_open:
             return self._drop(group)
@@ -250,75 +280,71 @@ class KVSender:
                 return self._drop(group)
             self.copier.gather(group.src, self.staging.slot(group.send_slot))
         self._post_q.put(group)
+        return False
 
-    def _post(self, group: _Group) -> None:
+    def _post(self, group: _Group) -> bool:
         t = group.transfer
         if not t.is_open:
             return self._drop(group)
-        if not group.staged:
-            with t.lock:
+        peer = t._link.info
+        if group.staged:
+            lane = t._link.lane
+            what = f"receive slot of {t.peer_name!r}"
+            group.lane_slot = lane.acquire(time.monotonic() + t.stall_s, self._pump, what=what)
+            group.nbytes = len(group.src) * self.copier.span_bytes
+            local = _one_desc(self.staging.addr(group.send_slot), group.nbytes, self._local.device_id)
+            addr = peer.staging_addr + group.lane_slot * peer.staging_slot_bytes
+            remote = _one_desc(addr, group.nbytes, peer.device_id)
+            self._start_write(group, local, remote, group.lane_slot)
+        else:
+            dst = t.dst_pages[group.first : group.first + len(group.src)].tolist()
+            runs = np.array(coalesce(group.src, dst), dtype=np.int64).reshape(-1, 3)
+            local = page_run_descs(self._local, runs[:, 0], runs[:, 2])
+            remote = page_run_descs(peer, runs[:, 1], runs[:, 2])
+            group.nbytes = int(local[:, 1].sum())
+            with t.lock:  # the WRITE reads pool pages (on CPU, inside the post itself)
                 if not t.is_open:
                     return self._drop(group)
-                nbytes, descriptors = self._write_direct(group)
-        else:
-            nbytes, descriptors = self._write_staged(group)
+                self._start_write(group, local, remote, messages.DIRECT)
+        return self._poll(group)
+
+    def _start_write(self, group: _Group, local: np.ndarray, remote: np.ndarray, slot: int) -> None:
+        """Post one NIXL WRITE carrying the group's LANDED notification."""
+        t, nixl = group.transfer, self._nixl
+        notif = messages.landed(t.tid, group.first, len(group.src), slot)
+        local_descs = nixl.get_xfer_descs(local, self._local.mem_type)
+        remote_descs = nixl.get_xfer_descs(remote, t._link.info.mem_type)
+        group.handle = self._call(t.peer_name, nixl.initialize_xfer, "WRITE", local_descs, remote_descs,
+                                  t.peer_name, notif)  # fmt: skip
+        group.descriptors = len(local)
+        group.deadline = time.monotonic() + t.stall_s
+        group.state = self._call(t.peer_name, nixl.transfer, group.handle)
+
+    def _poll(self, group: _Group) -> bool:
+        """True once the group's WRITE is complete (the group is then done)."""
+        t = group.transfer
+        if group.state == "PROC":
+            group.state = self._call(t.peer_name, self._nixl.check_xfer_state, group.handle)
+        if group.state == "PROC":
+            if time.monotonic() > group.deadline:
+                raise KVTransferTimeout(f"KV write to {t.peer_name!r} stalled for {t.stall_s:.3g} s")
+            return False
+        if group.state != "DONE":
+            raise KVTransferError(f"KV write to {t.peer_name!r} failed")
+        group.handle.release()
+        group.handle = None
         self._drop(group)
-        t._group_done(nbytes, descriptors)
+        t._group_done(group.nbytes, group.descriptors)
+        return True
 
-    def _write_direct(self, group: _Group) -> tuple[int, int]:
-        t = group.transfer
-        peer = t._link.info
-        dst = t.dst_pages[group.first : group.first + len(group.src)].tolist()
-        runs = np.array(coalesce(group.src, dst), dtype=np.int64).reshape(-1, 3)
-        local = page_run_descs(self._local, runs[:, 0], runs[:, 2])
-        remote = page_run_descs(peer, runs[:, 1], runs[:, 2])
-        notif = messages.landed(t.tid, group.first, len(group.src), messages.DIRECT)
-        self._write(t, local, remote, notif)
-        return int(local[:, 1].sum()), len(local)
-
-    def _write_staged(self, group: _Group) -> tuple[int, int]:
-        t = group.transfer
-        lane = t._link.lane
-        peer = t._link.info
-        slot = lane.acquire(time.monotonic() + t.stall_s, self._pump, what=f"receive slot of {t.peer_name!r}")
-        nbytes = len(group.src) * self.copier.span_bytes
-        local = _one_desc(self.staging.addr(group.send_slot), nbytes, self._local.device_id)
-        remote = _one_desc(peer.staging_addr + slot * peer.staging_slot_bytes, nbytes, peer.device_id)
-        try:
-            self._write(t, local, remote, messages.landed(t.tid, group.first, len(group.src), slot))
-        except BaseException:
-            lane.release(slot)  # nothing was announced in it: the receiver will not ACK it
-            raise
-        return nbytes, 1
-
-    def _write(self, t: KVTransfer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> None:
-        """One NIXL WRITE with ``notif``, polled to completion within the transfer's stall timeout."""
-        nixl, peer = self._nixl, t._link.info
-        handle = self._call(
-            t.peer_name, nixl.initialize_xfer, "WRITE",
-            nixl.get_xfer_descs(local, self._local.mem_type), nixl.get_xfer_descs(remote, peer.mem_type),
-            t.peer_name, notif,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + t.stall_s
-            state = self._call(t.peer_name, nixl.transfer, handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise KVTransferTimeout(f"KV write to {t.peer_name!r} stalled for {t.stall_s:.3g} s")
-                time.sleep(_POLL_S)
-                state = self._call(t.peer_name, nixl.check_xfer_state, handle)
-            if state != "DONE":
-                raise KVTransferError(f"KV write to {t.peer_name!r} failed")
-        finally:
-            handle.release()
-
-    def _drop(self, group: _Group) -> None:
+    def _drop(self, group: _Group) -> bool:
         """The group leaves the pipeline (written, failed or skipped): give its send slot back."""
         if group.send_slot >= 0:
             self._send_slots.release(group.send_slot)
             group.send_slot = -1
         with self._active_lock:
             self._active -= 1
+        return True
 
 
 def _one_desc(addr: int, nbytes: int, device_id: int) -> np.ndarray:
