@@ -2,8 +2,10 @@
 
 Without NIXL's own progress thread (which spins a full core), UCX makes progress only inside agent
 calls, and notifications (LANDED, ACK, ABORT: see ``messages``) arrive only when someone fetches them.
-The pump fetches every ``active_interval_s`` while ``busy()`` says a transfer is in flight, every
-``linger_interval_s`` for ``linger_s`` after the last message, and every ``idle_interval_s`` otherwise.
+The pump fetches every ``hot_interval_s`` while messages flow (one came in the last ``hot_s``: slots
+landing or being ACKed), every ``busy_interval_s`` while ``busy()`` says a transfer is open or for
+``linger_s`` after the last message, and every ``idle_interval_s`` otherwise: a receive open for the
+seconds a long prompt takes to prefill costs ~1,000 fetches a second, not 5,000.
 It is a thread rather than an asyncio task so transfers keep moving while the event loop runs a
 forward pass; ``pump()`` lets another thread (a sender waiting for an ACK) fetch at once.
 """
@@ -36,16 +38,17 @@ class NotificationPump:
         handle: Callable[[str, bytes], None],
         busy: Callable[[], bool],
         name: str,
-        active_interval_s: float = 0.0002,
-        linger_interval_s: float = 0.001,
+        hot_interval_s: float = 0.0002,
+        busy_interval_s: float = 0.001,
         idle_interval_s: float = 0.005,
+        hot_s: float = 0.005,
         linger_s: float = 1.0,
     ):
         self._fetch = fetch
         self._handle = handle
         self._busy = busy
-        self._intervals = (active_interval_s, linger_interval_s, idle_interval_s)
-        self._linger_s = linger_s
+        self._intervals = (hot_interval_s, busy_interval_s, idle_interval_s)
+        self._hot_s, self._linger_s = hot_s, linger_s
         self._last_seen = 0.0
         self._kick = threading.Event()
         self._closed = False
@@ -78,11 +81,12 @@ class NotificationPump:
                 self.pump()
             except NIXL_ERRORS:
                 logger.exception("polling NIXL notifications failed")
-            active, linger, idle = self._intervals
-            if self._busy():
-                interval = active
-            elif time.monotonic() - self._last_seen < self._linger_s:
-                interval = linger
+            hot, busy, idle = self._intervals
+            quiet = time.monotonic() - self._last_seen
+            if quiet < self._hot_s:
+                interval = hot
+            elif self._busy() or quiet < self._linger_s:
+                interval = busy
             else:
                 interval = idle
             self._kick.wait(interval)
