@@ -34,7 +34,7 @@ from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.pd.test_dead_detokenizer import start_detokenizer, wait_until
 from tests.reference import chat_ids, hf_greedy
 
-PROMPT = chat_ids([{"role": "user", "content": "List five facts about the moon. " * 12}])
+PROMPT = chat_ids([{"role": "user", "content": "List five facts about the moon. " * 40}])
 MAX_NEW = 8
 TRANSFER_TIMEOUT_S = 2.0
 
