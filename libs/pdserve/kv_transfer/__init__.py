@@ -35,8 +35,8 @@ from pdserve.kv_transfer.descriptors import coalesce
 from pdserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.receiver import KVReceive
-from pdserve.kv_transfer.sender import KVTransfer
 from pdserve.kv_transfer.staging import Lane, StagingConfig
+from pdserve.kv_transfer.transfer import KVTransfer
 
 __all__ = [
     "POOL_LAYOUT",

@@ -24,8 +24,9 @@ from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check
 from pdserve.kv_transfer.notifications import NotificationPump
 from pdserve.kv_transfer.page_copy import PageCopier
 from pdserve.kv_transfer.receiver import KVReceive, KVReceiver
-from pdserve.kv_transfer.sender import KVSender, KVTransfer, PeerLink
+from pdserve.kv_transfer.sender import KVSender
 from pdserve.kv_transfer.staging import Lane, StagingArea, StagingConfig
+from pdserve.kv_transfer.transfer import KVTransfer, PeerLink
 
 logger = logging.getLogger(__name__)
 

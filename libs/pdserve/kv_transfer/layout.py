@@ -88,11 +88,6 @@ class KVAgentInfo:
     staging_slot_bytes: int = 0
 
     @property
-    def plane_bytes(self) -> int:
-        """Bytes of one (layer, k/v) plane of the pool: ``num_pages * page_bytes``."""
-        return self.num_pages * self.layout.page_bytes
-
-    @property
     def mem_type(self) -> str:
         """NIXL memory segment of the pool: ``"DRAM"`` or ``"VRAM"``."""
         return "DRAM" if self.device_id < 0 else "VRAM"

@@ -19,31 +19,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pdserve.kv_transfer import messages
-from pdserve.kv_transfer.completion import Completion
 from pdserve.kv_transfer.descriptors import coalesce, page_run_descs
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import KVAgentInfo
 from pdserve.kv_transfer.page_copy import PageCopier
 from pdserve.kv_transfer.staging import SlotRing, StagingArea
+from pdserve.kv_transfer.transfer import KVTransfer
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.0002
-
-
-class PeerLink:
-    """What the sender knows of one receiver: its info, and its lane's free slots (None: no lane)."""
-
-    def __init__(self, info: KVAgentInfo):
-        self.info = info
-        self.lane = SlotRing(info.staging_slots) if info.staging_slots > 0 else None
 
 
 @dataclass
@@ -64,111 +56,6 @@ class _Group:
 _NO_GROUP = _Group(None, [], 0, False)  # type: ignore[arg-type]
 
 
-class KVTransfer:
-    """One outbound transfer into a peer's ``dst_pages`` (made by ``KVTransferAgent.start_transfer``).
-
-    ``send`` any number of times, then ``finish``; ``wait`` returns once every byte has been written.
-
-    Attributes:
-        peer_name, tid: the receiver and the transfer id its notifications name.
-        dst_pages: the receiver's destination pages.
-        nbytes: bytes written so far.
-        descriptors: NIXL descriptors posted so far (one per staged slot).
-    """
-
-    def __init__(
-        self, sender: KVSender, link: PeerLink, tid: bytes, dst_pages: Sequence[int], stall_s: float
-    ):
-        self.peer_name = link.info.agent_name
-        self.tid = tid
-        self.dst_pages = np.asarray(dst_pages, dtype=np.int64)
-        self.nbytes = 0
-        self.descriptors = 0
-        self.stall_s = stall_s
-        self.lock = threading.Lock()  # held while pool pages of this transfer are read
-        self._sender = sender
-        self._link = link
-        self._pending = 0
-        self._finished = False
-        self._closed = False  # failed, cancelled or complete: no page is read any more
-        self._completion = Completion()
-
-    def send(self, src_pages: Sequence[int], first: int) -> None:
-        """Queue our pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
-
-        Raises:
-            ValueError: a page out of range, ``first`` out of range, or ``send`` after ``finish``.
-        """
-        src = [int(p) for p in src_pages]
-        if not src:
-            return
-        if self._finished:
-            raise ValueError("send() after finish()")
-        if first < 0 or first + len(src) > len(self.dst_pages):
-            raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
-        if min(src) < 0 or max(src) >= self._sender.copier.num_pages:
-            raise ValueError(f"a source page is outside [0, {self._sender.copier.num_pages})")
-        groups = self._sender.plan(self, src, first)
-        with self.lock:
-            if self._closed:
-                return
-            self._pending += len(groups)
-        for group in groups:
-            self._sender.enqueue(group)
-
-    def finish(self) -> None:
-        """No more ``send`` calls; the transfer completes once what was sent is written."""
-        with self.lock:
-            self._finished = True
-            complete = self._pending == 0 and not self._closed
-            if complete:
-                self._closed = True
-        if complete:
-            self._completion.set_result(self.nbytes)
-
-    async def wait(self, timeout_s: float) -> int:
-        """Bytes written, once every page sent is written (after ``finish``).
-
-        Raises:
-            KVTransferError: a WRITE failed, the peer is gone, or the transfer was cancelled.
-            KVTransferTimeout: not done within ``timeout_s`` (the transfer is then cancelled).
-        """
-        try:
-            return await self._completion.wait(timeout_s)
-        except TimeoutError:
-            self.cancel()
-            raise KVTransferTimeout(f"KV transfer {self.tid!r} to {self.peer_name!r} timed out") from None
-
-    def cancel(self) -> None:
-        """Stop: once this returns no page of this transfer is read. Idempotent; the receiver is told."""
-        self._fail(KVTransferError(f"KV transfer {self.tid!r} to {self.peer_name!r} cancelled"))
-
-    @property
-    def done(self) -> bool:
-        return self._completion.done
-
-    @property
-    def is_open(self) -> bool:
-        return not self._closed
-
-    def _group_done(self, nbytes: int, descriptors: int) -> None:
-        with self.lock:
-            self.nbytes += nbytes
-            self.descriptors += descriptors
-            self._pending -= 1
-            complete = self._pending == 0 and self._finished and not self._closed
-            if complete:
-                self._closed = True
-        if complete:
-            self._completion.set_result(self.nbytes)
-
-    def _fail(self, error: BaseException) -> None:
-        with self.lock:
-            was_open, self._closed = not self._closed, True
-        if was_open and self._completion.set_exception(error):
-            self._sender.notify_abort(self.peer_name, self.tid)
-
-
 class KVSender:
     """The gather and post threads of one agent.
 
@@ -181,8 +68,15 @@ class KVSender:
         pump: fetches notifications now (ACKs free lane slots).
     """
 
-    def __init__(self, call: Callable[..., Any], nixl, local: KVAgentInfo, staging: StagingArea,
-                 copier: PageCopier, pump: Callable[[], None]):  # fmt: skip
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        nixl: Any,
+        local: KVAgentInfo,
+        staging: StagingArea,
+        copier: PageCopier,
+        pump: Callable[[], None],
+    ):
         self._call = call
         self._nixl = nixl
         self._local = local
@@ -205,10 +99,10 @@ class KVSender:
         """Split pages into one direct group (few runs, or no usable lane) or slot-sized staged groups
         (as many pages as both our send slots and the receiver's lane slots hold)."""
         dst = transfer.dst_pages[first : first + len(src)].tolist()
-        peer = transfer._link.info
+        peer = transfer.link.info
         k = min(self.staging.pages_per_slot, peer.staging_slot_bytes // self.copier.span_bytes)
         run_bytes = len(src) * self.copier.span_bytes / len(coalesce(src, dst)) / self.copier.planes
-        if transfer._link.lane is None or k < 1 or run_bytes >= self.staging.direct_min_bytes:
+        if transfer.link.lane is None or k < 1 or run_bytes >= self.staging.direct_min_bytes:
             return [_Group(transfer, src, first, staged=False)]
         return [_Group(transfer, src[i : i + k], first + i, staged=True) for i in range(0, len(src), k)]
 
@@ -265,9 +159,9 @@ class KVSender:
             if group.handle is not None:
                 group.handle.release()
             if group.lane_slot >= 0 and not isinstance(e, KVTransferTimeout):
-                group.transfer._link.lane.release(group.lane_slot)  # not announced: no ACK will come
+                group.transfer.link.lane.release(group.lane_slot)  # not announced: no ACK will come
             self._drop(group)
-            group.transfer._fail(e)
+            group.transfer.fail(e)
             return True
 
     def _gather(self, group: _Group) -> bool:
@@ -286,9 +180,9 @@ class KVSender:
         t = group.transfer
         if not t.is_open:
             return self._drop(group)
-        peer = t._link.info
+        peer = t.link.info
         if group.staged:
-            lane = t._link.lane
+            lane = t.link.lane
             what = f"receive slot of {t.peer_name!r}"
             group.lane_slot = lane.acquire(time.monotonic() + t.stall_s, self._pump, what=what)
             group.nbytes = len(group.src) * self.copier.span_bytes
@@ -313,9 +207,10 @@ class KVSender:
         t, nixl = group.transfer, self._nixl
         notif = messages.landed(t.tid, group.first, len(group.src), slot)
         local_descs = nixl.get_xfer_descs(local, self._local.mem_type)
-        remote_descs = nixl.get_xfer_descs(remote, t._link.info.mem_type)
-        group.handle = self._call(t.peer_name, nixl.initialize_xfer, "WRITE", local_descs, remote_descs,
-                                  t.peer_name, notif)  # fmt: skip
+        remote_descs = nixl.get_xfer_descs(remote, t.link.info.mem_type)
+        group.handle = self._call(
+            t.peer_name, nixl.initialize_xfer, "WRITE", local_descs, remote_descs, t.peer_name, notif
+        )
         group.descriptors = len(local)
         group.deadline = time.monotonic() + t.stall_s
         group.state = self._call(t.peer_name, nixl.transfer, group.handle)
@@ -334,7 +229,7 @@ class KVSender:
         group.handle.release()
         group.handle = None
         self._drop(group)
-        t._group_done(group.nbytes, group.descriptors)
+        t.group_done(group.nbytes, group.descriptors)
         return True
 
     def _drop(self, group: _Group) -> bool:
