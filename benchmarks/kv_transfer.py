@@ -249,7 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1000, 4000], help="prompt lengths")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
+    parser.add_argument("--reps", type=int, default=11, help="repetitions per measurement (median reported)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pools in DRAM or VRAM")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
