@@ -9,7 +9,7 @@ import uuid
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent, KVTransferError
+from pdserve.kv_transfer import KVReceive, KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -57,6 +57,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
+        self.receives: dict[str, KVReceive] = {}  # rid -> its KV transfer in flight
+        scheduler.on_kv_abandoned = self._abandon_kv
         self.started: set[str] = set()  # rids whose first output went out
 
     # ---- gRPC ---------------------------------------------------------------------------
@@ -210,14 +212,24 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         if not peer.peer_incarnation:
             await peer.handshake(timeout)
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
-        receive = self.agent.expect(peer.peer_name, tid, req.pages[req.num_prefix_pages :])
+        receive = self.receives[req.rid] = self.agent.expect(
+            peer.peer_name, tid, req.pages[req.num_prefix_pages :]
+        )
         start = time.monotonic()
         try:
             resp = await peer.prefill(req, tid, timeout)
             await receive.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
             receive.cancel()  # no-op once every page landed
+            if self.receives.get(req.rid) is receive:
+                del self.receives[req.rid]
         return resp
+
+    def _abandon_kv(self, req: Req) -> None:
+        """The scheduler frees ``req``'s pages next: stop its transfer first (no scatter after this)."""
+        receive = self.receives.pop(req.rid, None)
+        if receive is not None:
+            receive.cancel()
 
     async def close(self) -> None:
         for task in self.prefill_tasks.values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.scheduler.kv_ledger import KVLedger
@@ -99,6 +100,9 @@ class Scheduler:
         self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
         self.in_flight: set[str] = set()
         self.aborted_outputs: list[StepOutput] = []
+        # decode role: called with a request whose prompt KV is still arriving, just before its pages
+        # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
+        self.on_kv_abandoned: Callable[[Req], None] | None = None
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -397,7 +401,8 @@ class Scheduler:
         for queue in (self.waiting, self.prefilling, self.running, self.prefilled):
             if req in queue:
                 queue.remove(req)
-        self.waiting_for_kv.pop(req.rid, None)
+        if self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None:
+            self.on_kv_abandoned(req)
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
