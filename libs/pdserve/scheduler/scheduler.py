@@ -169,7 +169,7 @@ class Scheduler:
 
     def kv_failed(self, rid: str, error: str) -> StepOutput | None:
         """The prefill for ``rid`` failed for good: free its pages and fail it."""
-        req = self.waiting_for_kv.pop(rid, None)
+        req = self.waiting_for_kv.get(rid)
         if req is None:
             return None
         self._end(req, FinishReason.ERROR, error)
