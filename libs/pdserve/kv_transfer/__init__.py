@@ -25,9 +25,28 @@ only from the expected sender, only while the transfer is expected), so decode n
 before its last byte has arrived, and a cancelled transfer is never written again (staged pages reach
 the pool only through the receiver's scatter).
 
-Measured (``make bench-kv``, 2-core AMD EPYC Zen 3 shared with other jobs, SmolLM2 geometry, GB/s
-until the decode side has every page, ratio to a raw one-buffer NIXL WRITE in the same run):
-MEASUREMENTS
+Measured on the 2-core AMD EPYC Zen 3 shared with other jobs (load 7-12), SmolLM2 geometry, time
+until the decode side has every page, as a ratio to a raw one-buffer NIXL WRITE in the same run:
+
+=================================  ===========  ==========  ============================
+1,000-token prompt                 fp32         bf16        NIXL descriptors
+=================================  ===========  ==========  ============================
+contiguous, direct                 0.95-1.06x   0.97-1.07x  60
+scattered, direct (previous)       0.43-0.50x   0.25-0.33x  3,780
+scattered, staged                  0.43-0.57x   0.31-0.32x  13 (fp32) / 6 (bf16)
+after churn, best fit, direct      0.82-0.94x   0.63-0.80x  180-360
+page-major pool (side prototype)   0.78-0.96x   0.92-1.05x  63
+=================================  ===========  ==========  ============================
+
+Why staging stays short of 0.8x here: CMA (``process_vm_writev``) moves ~3 GB/s on this box and a
+memcpy ~6 GB/s, so gather + wire + scatter is about twice the wire's CPU work; the threads overlap
+it only with a free core, and a loaded 2-core box has none (profile: gather 10 ms, WRITEs 12-19 ms,
+scatter 8 ms on the other side, for 46 MB). Tried and dropped: NIXL prepped descriptor lists
+(``initialize_xfer`` is 37 us of a 1+ ms slot), NIXL's strided (Nx5) descriptors (its UCX backend
+moved only the first block of each), transparent huge pages under the staging slots (no change),
+UCX's legacy protocols (no CMA puts). A pool laid out page-major would reach the target with no
+copies, but every attention kernel would need a page stride: left for a change agreed with the
+kernels' owners.
 """
 
 from pdserve.kv_transfer.agent import KVTransferAgent
