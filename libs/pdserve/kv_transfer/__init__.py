@@ -11,7 +11,7 @@ writing scattered pages as one descriptor per piece ran at 0.29-0.50x a raw one-
 now move in one of two ways, per group of pages a ``send`` hands over (``sender.KVSender.plan``):
 
 - direct: runs of pages consecutive on both sides whose descriptors average ``direct_min_bytes``
-  (32 KiB) or more go straight into the destination pages, one descriptor per layer, k/v and run;
+  (16 KiB) or more go straight into the destination pages, one descriptor per layer, k/v and run;
 - staged: any other group is gathered into a registered send slot (a few MiB), written as ONE
   descriptor into a slot of the receiver's lane, scattered there into the destination pages, and the
   slot ACKed back; a gather thread fills the next slot while a post thread writes the previous one,
