@@ -63,12 +63,12 @@ async def pd(schedulers):
     prefill = PrefillServicer(
         prefill_sched,
         prefill_server.address,
-        build_kv_agent(prefill_sched, "prefill", prefill_server.address, staging),
+        build_kv_agent(prefill_sched, "prefill", prefill_server.address, "127.0.0.1", staging),
         transfer_timeout_s=TRANSFER_TIMEOUT_S,
     )
     prefill_server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, prefill)
     decode_server = GrpcServer("127.0.0.1:0", [])
-    decode_agent = build_kv_agent(decode_sched, "decode", decode_server.address, staging)
+    decode_agent = build_kv_agent(decode_sched, "decode", decode_server.address, "127.0.0.1", staging)
     decode = DecodeServicer(decode_sched, decode_server.address, decode_agent, prefill_retries=0)
     decode_server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, decode)
     for server, servicer in ((prefill_server, prefill), (decode_server, decode)):
