@@ -1,13 +1,24 @@
-"""Decode side of the PD handshake: agent exchange (once per peer) and Prefill calls."""
+"""Decode side of the PD handshake: agent exchange (once per peer) and Prefill calls.
+
+A prefill worker that hangs (stopped, stuck event loop, or a stuck step: it then reports
+NOT_SERVING) is noticed by its health checks within a few seconds: the Prefill calls in flight to it
+are given up (``PrefillHung``), so that the decode worker, which owns the request and its pages,
+retries them on another prefill worker; its NIXL peer is dropped and the agent handshake redone
+once it answers again (a restarted worker is a new incarnation anyway).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
 from pdserve.kv_transfer import KVTransferAgent
 from pdserve.rpc import tls
+from pdserve.rpc.health_watch import HealthWatch
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
 from pdserve.services.common.convert import (
@@ -18,21 +29,37 @@ from pdserve.services.common.convert import (
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_PREFILL_DEAD_AFTER_S = 5.0
+
+
+class PrefillHung(Exception):
+    """The prefill worker left its health checks unanswered for ``dead_after`` seconds."""
 
 
 class PrefillPeer:
-    """One prefill worker as seen from a decode worker: channel, stub and the agent handshake.
+    """One prefill worker as seen from a decode worker: channel, stub, the agent handshake and a
+    ``HealthWatch`` (polling from the first call on) that gives up calls to it when it hangs.
 
     The decode agent grants the worker a receive lane (staging slots it may write gathered pages
     into), kept for its address across reconnects: a worker restarted on the same address is a new
     process, the old one gone.
+
+    Args:
+        address: the prefill worker's "host:port".
+        agent: this decode worker's NIXL agent.
+        dead_after: seconds without a SERVING health answer after which calls to it fail.
     """
 
-    def __init__(self, address: str, agent: KVTransferAgent) -> None:
+    def __init__(
+        self, address: str, agent: KVTransferAgent, dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S
+    ) -> None:
         self.address = address
         self.agent = agent
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
+        self.health = HealthWatch(self.channel, dead_after)
         self.peer_name = ""
         self.peer_incarnation = ""
 
@@ -50,9 +77,52 @@ class PrefillPeer:
         self.peer_name = info.agent_name
         self.peer_incarnation = info.incarnation
 
+    async def connect(self, timeout: float) -> None:
+        """The handshake, unless done since the peer last (re)started; under the health watch.
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
+            PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
+        """
+        if not self.peer_incarnation:
+            await self._watched(self.handshake(timeout))
+
     async def prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
         """Ask the peer to prefill ``req`` and write the pages we lack as transfer ``tid``; returns its
-        first token (the pages may still be landing: await the transfer's ``KVReceive`` too)."""
+        first token (the pages may still be landing: await the transfer's ``KVReceive`` too).
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
+            PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
+        """
+        return await self._watched(self._prefill(req, tid, timeout))
+
+    async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``'s result, unless the peer's health checks go unanswered first (``PrefillHung``)."""
+        self.health.start()
+        call = asyncio.ensure_future(coro)
+        silent = asyncio.ensure_future(self.health.wait_silent())
+        try:
+            await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silent.cancel()
+            if not call.done():
+                call.cancel()
+        if not call.done() or call.cancelled():
+            self._forget_peer()
+            raise PrefillHung(
+                f"prefill worker {self.address} did not answer its health checks for "
+                f"{self.health.silent_for():.1f} s (hung or stopped)"
+            )
+        return call.result()
+
+    def _forget_peer(self) -> None:
+        """Drop the hung peer's NIXL connection; the handshake is redone when it answers again."""
+        if self.peer_name:
+            self.agent.remove_peer(self.peer_name)
+        self.peer_incarnation = ""
+
+    async def _prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
         local = self.agent.local_info()
         request = scheduler_pb2.PrefillRequest(
             rid=req.rid,
@@ -73,4 +143,5 @@ class PrefillPeer:
             raise
 
     async def close(self) -> None:
+        await self.health.close()
         await self.channel.close()

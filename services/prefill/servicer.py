@@ -16,6 +16,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
@@ -114,6 +115,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except ValueError as e:
             transfer.cancel()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            transfer.cancel()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.transfers[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.wake()
