@@ -50,6 +50,15 @@ class Console:
         redraw = self.live and self._status
         self._write(f"{CLEAR_LINE if redraw else ''}{text}\n{self._status if redraw else ''}")
 
+    def announce(self, text: str) -> None:
+        """A line of the launcher's own for the operator (start-up progress, "pdserve is up"): plain
+        text, or with ``json_lines`` an INFO record of the ``pdserve.launch`` logger (whose handler,
+        a ``ConsoleHandler``, writes it as JSON), so that every line is one JSON object."""
+        if self.json_lines:
+            logging.getLogger("pdserve.launch").info(text)
+        else:
+            self.print(text)
+
     def child_line(self, name: str, line: str) -> None:
         """A line of a child's output, prefixed with its name: ``"decode-0    | ..."`` (JSON: see
         ``json_lines``; the launcher's name for the child is its ``process`` field)."""

@@ -216,7 +216,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
     try:
         if await _start(supervisor, stop):
             scheme, over = ("https", " over TLS") if args.identity else ("http", "")
-            console.print(
+            console.announce(
                 f"pdserve is up: OpenAI API at {scheme}://{args.host}:{args.port}/v1, "
                 f"gRPC at {args.host}:{args.grpc_port}{over} (Ctrl-C to stop)"
             )

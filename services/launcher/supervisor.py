@@ -136,7 +136,7 @@ class Supervisor:
             done += 1
             waiting.remove(spec.name)
             elapsed = time.monotonic() - t0
-            self.console.print(f"[{done}/{len(self.specs)}] {spec.name} ready ({elapsed:.1f} s)")
+            self.console.announce(f"[{done}/{len(self.specs)}] {spec.name} ready ({elapsed:.1f} s)")
 
         async def show_progress() -> None:
             for tick in itertools.count():
