@@ -23,6 +23,8 @@
   value: /etc/pdserve/tls/ca.crt
 {{- end }}
 {{- end }}
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ .Values.gateway.drainTimeoutSeconds | int | toString | quote }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
 {{- if not (kindIs "invalid" .Values.gateway.maxPendingRequests) }}
@@ -65,6 +67,8 @@ pods, decode runs colocated (prefills itself).
   value: $(POD_NAME)
 - name: PDSERVE_SCHEDULE_POLICY
   value: {{ $values.schedulePolicy }}
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ $values.drainTimeoutSeconds | int | toString | quote }}
 {{- with $values.maxRunningRequests }}
 - name: PDSERVE_MAX_RUNNING_REQUESTS
   value: {{ . | int64 | toString | quote }}

@@ -106,6 +106,20 @@ Service's name, which resolves to the IP of every ready pod.
 {{- get (dict "tokenizer" "pdserve.v1.Tokenizer" "detokenizer" "pdserve.v1.Detokenizer" "prefill" "pdserve.v1.PrefillScheduler" "decode" "pdserve.v1.DecodeScheduler") . }}
 {{- end }}
 
+{{/*
+(list $ "decode") -> the pod's terminationGracePeriodSeconds: the role's own value, or (null) its
+drainTimeoutSeconds plus a 15 s margin for what follows the drain (the aborts' flush, the servers'
+stop). Roles without a drain (tokenizer, detokenizer) give their own value.
+*/}}
+{{- define "pdserve.terminationGrace" -}}
+{{- $values := index (index . 0).Values (index . 1) -}}
+{{- if kindIs "invalid" $values.terminationGracePeriodSeconds -}}
+{{- add (int $values.drainTimeoutSeconds) 15 -}}
+{{- else -}}
+{{- int $values.terminationGracePeriodSeconds -}}
+{{- end -}}
+{{- end }}
+
 {{/* Values that the schema cannot check on their own. */}}
 {{- define "pdserve.validate" -}}
 {{- $gpuRoles := list }}
@@ -131,6 +145,12 @@ Service's name, which resolves to the IP of every ready pod.
 {{- end }}
 {{- if and (eq .Values.model.source.type "initContainer") (not .Values.model.source.initContainer.image) }}
 {{- fail "model.source.type=initContainer needs model.source.initContainer.image" }}
+{{- end }}
+{{- range $component := list "gateway" "prefill" "decode" }}
+{{- $values := index $.Values $component }}
+{{- if lt (int (include "pdserve.terminationGrace" (list $ $component))) (add (int $values.drainTimeoutSeconds) 5) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds must be at least %s.drainTimeoutSeconds + 5 (Kubernetes kills the pod at the grace period, cutting its drain)" $component $component) }}
+{{- end }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}

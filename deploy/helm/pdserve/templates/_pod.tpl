@@ -53,7 +53,7 @@ spec:
   {{- with $values.runtimeClassName }}
   runtimeClassName: {{ . }}
   {{- end }}
-  terminationGracePeriodSeconds: {{ int $values.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ include "pdserve.terminationGrace" (list $root $component) }}
   {{- with $values.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
