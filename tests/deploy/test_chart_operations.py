@@ -1,8 +1,20 @@
-"""Day-2 parts of the chart: drain timeouts and termination grace per role."""
+"""Day-2 parts of the chart: drain timeouts and termination grace per role, every pod's own metrics
+port and the PodMonitor that scrapes it, the Grafana dashboard (its queries against the metric names
+the services really register)."""
 
 from __future__ import annotations
 
-from tests.deploy.conftest import Rendered, load_values, render
+import json
+import re
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from pdserve.observability import rpc_observer
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.services.detokenizer.metrics import DetokenizerMetrics
+from pdserve.services.gateway.metrics import GatewayMetrics
+from tests.deploy.conftest import NAMESPACE, Rendered, load_values, render
 
 DRAINING = ("gateway", "prefill", "decode")  # the roles with a --drain-timeout
 
@@ -33,3 +45,104 @@ def test_an_explicit_grace_period_wins_and_drains_follow_their_values() -> None:
     assert chart.workload("gateway")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 135
     assert chart.env("decode")["PDSERVE_DRAIN_TIMEOUT"] == "10"
     assert chart.workload("decode")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions with In) against ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def test_pod_monitor_scrapes_the_metrics_port_of_every_pdserve_pod() -> None:
+    chart = render(load_values("gpu-pd", {"podMonitor": {"enabled": True, "labels": {"release": "kp"}}}))
+    (monitor,) = chart.kind("PodMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kp"
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert spec["podTargetLabels"] == ["app.kubernetes.io/component"]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
+    port = chart.values.get("metrics", {}).get("port", 9400)
+    workloads = chart.workloads()
+    assert len(workloads) == 5  # gpu-pd deploys every role
+    for name, workload in workloads.items():
+        pod = workload["spec"]["template"]
+        assert selects(spec["selector"], pod["metadata"]["labels"]), name
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert ports["metrics"] == port, name
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert chart.env(component)["PDSERVE_METRICS_PORT"] == str(port)
+    for pod in chart.kind("Pod").values():  # helm test's pod serves no metrics
+        assert not selects(spec["selector"], pod["metadata"].get("labels", {}))
+
+
+def test_pod_monitor_is_off_by_default_and_network_policies_admit_the_scrapes(rendered: Rendered) -> None:
+    assert rendered.kind("PodMonitor") == {}
+    chart = render(load_values("default", {"networkPolicy": {"enabled": True}, "metrics": {"port": 9500}}))
+    for name, policy in chart.kind("NetworkPolicy").items():
+        open_ports = [
+            p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]
+        ]
+        assert 9500 in open_ports, name
+
+
+def queryable_names(*registries: CollectorRegistry) -> set[str]:
+    """The series names PromQL sees for ``registries``' families (counters with ``_total``,
+    histograms' ``_bucket``/``_sum``/``_count``)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    return {
+        family.name + suffix
+        for registry in registries
+        for family in registry.collect()
+        for suffix in suffixes[family.type]
+    }
+
+
+def test_dashboard_config_map_queries_only_metrics_the_services_register() -> None:
+    chart = render(
+        load_values("gpu-pd", {"grafanaDashboard": {"enabled": True}, "podMonitor": {"enabled": True}})
+    )
+    config_map = chart.kind("ConfigMap")["llm-pdserve-dashboard"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["pdserve.json"])
+    panels = dashboard["panels"]
+    titles = " | ".join(p["title"] for p in panels)
+    for topic in (
+        "first token",
+        "Inter-token",
+        "throughput",
+        "Queue",
+        "KV cache usage",
+        "hit rate",
+        "transfer",
+    ):
+        assert topic in titles, topic
+    rpc_observer._metrics()  # the process-wide RPC metrics every service registers
+    registered = queryable_names(
+        SchedulerMetrics("decode", "m").registry,
+        GatewayMetrics("m").registry,
+        DetokenizerMetrics("m").registry,
+        REGISTRY,
+    )
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    used = {name for expr in exprs for name in re.findall(r"pdserve:[a-zA-Z0-9_:]+", expr)}
+    assert len(used) >= 15
+    assert used <= registered, f"not registered by any service: {sorted(used - registered)}"
+    # the role label the panels split by is the PodMonitor's pod target label, as Prometheus names it
+    (monitor,) = chart.kind("PodMonitor").values()
+    (role_label,) = monitor["spec"]["podTargetLabels"]
+    role = re.sub(r"[^a-zA-Z0-9_]", "_", role_label)
+    assert role == "app_kubernetes_io_component" and sum(role in expr for expr in exprs) >= 5
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+
+
+def test_dashboard_is_off_by_default(rendered: Rendered) -> None:
+    assert "llm-pdserve-dashboard" not in rendered.kind("ConfigMap")

@@ -14,10 +14,14 @@ import threading
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest, start_http_server
 from prometheus_client.metrics_core import Metric
 
 logger = logging.getLogger(__name__)
+
+# prometheus-client adds a ``<name>_created`` sample to every counter and histogram, which its text
+# format writes as a gauge family of its own; Prometheus has no use for them (vLLM turns them off too).
+disable_created_metrics()
 
 
 def add_metrics_args(parser: argparse.ArgumentParser) -> None:

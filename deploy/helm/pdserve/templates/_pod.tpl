@@ -112,6 +112,9 @@ spec:
           containerPort: {{ int $tls.healthPort }}
           protocol: TCP
         {{- end }}
+        - name: metrics
+          containerPort: {{ int $root.Values.metrics.port }}
+          protocol: TCP
       envFrom:
         - configMapRef:
             name: {{ include "pdserve.fullname" $root }}-common
