@@ -1,6 +1,6 @@
 """Day-2 parts of the chart: drain timeouts and termination grace per role, every pod's own metrics
 port and the PodMonitor that scrapes it, the Grafana dashboard (its queries against the metric names
-the services really register)."""
+the services really register), KEDA's queue-based autoscaling of the schedulers."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from pdserve.observability import rpc_observer
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.services.detokenizer.metrics import DetokenizerMetrics
+from pdserve.services.gateway.discovery import parse_dns_target
 from pdserve.services.gateway.metrics import GatewayMetrics
 from tests.deploy.conftest import NAMESPACE, Rendered, load_values, render
 
@@ -65,7 +66,7 @@ def test_pod_monitor_scrapes_the_metrics_port_of_every_pdserve_pod() -> None:
     assert monitor["metadata"]["labels"]["release"] == "kp"
     spec = monitor["spec"]
     assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert spec["podTargetLabels"] == ["app.kubernetes.io/component"]
+    assert spec["podTargetLabels"] == ["app.kubernetes.io/instance", "app.kubernetes.io/component"]
     (endpoint,) = spec["podMetricsEndpoints"]
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
     port = chart.values.get("metrics", {}).get("port", 9400)
@@ -90,6 +91,22 @@ def test_pod_monitor_is_off_by_default_and_network_policies_admit_the_scrapes(re
             p["port"] for rule in policy["spec"]["ingress"] if "from" not in rule for p in rule["ports"]
         ]
         assert 9500 in open_ports, name
+
+
+def prometheus_label(pod_label: str) -> str:
+    """The label Prometheus gives a pod label it copies (``podTargetLabels``): ``/.-`` become ``_``."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", pod_label)
+
+
+def registered_series() -> set[str]:
+    """Every series name the services' registries can expose."""
+    rpc_observer._metrics()  # the process-wide RPC metrics every service registers
+    return queryable_names(
+        SchedulerMetrics("decode", "m").registry,
+        GatewayMetrics("m").registry,
+        DetokenizerMetrics("m").registry,
+        REGISTRY,
+    )
 
 
 def queryable_names(*registries: CollectorRegistry) -> set[str]:
@@ -123,13 +140,7 @@ def test_dashboard_config_map_queries_only_metrics_the_services_register() -> No
         "transfer",
     ):
         assert topic in titles, topic
-    rpc_observer._metrics()  # the process-wide RPC metrics every service registers
-    registered = queryable_names(
-        SchedulerMetrics("decode", "m").registry,
-        GatewayMetrics("m").registry,
-        DetokenizerMetrics("m").registry,
-        REGISTRY,
-    )
+    registered = registered_series()
     exprs = [t["expr"] for p in panels for t in p["targets"]]
     exprs += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = {name for expr in exprs for name in re.findall(r"pdserve:[a-zA-Z0-9_:]+", expr)}
@@ -137,8 +148,7 @@ def test_dashboard_config_map_queries_only_metrics_the_services_register() -> No
     assert used <= registered, f"not registered by any service: {sorted(used - registered)}"
     # the role label the panels split by is the PodMonitor's pod target label, as Prometheus names it
     (monitor,) = chart.kind("PodMonitor").values()
-    (role_label,) = monitor["spec"]["podTargetLabels"]
-    role = re.sub(r"[^a-zA-Z0-9_]", "_", role_label)
+    role = prometheus_label(monitor["spec"]["podTargetLabels"][-1])
     assert role == "app_kubernetes_io_component" and sum(role in expr for expr in exprs) >= 5
     for panel in panels:
         assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
@@ -146,3 +156,63 @@ def test_dashboard_config_map_queries_only_metrics_the_services_register() -> No
 
 def test_dashboard_is_off_by_default(rendered: Rendered) -> None:
     assert "llm-pdserve-dashboard" not in rendered.kind("ConfigMap")
+
+
+def test_keda_scales_each_scheduler_statefulset_on_queue_depth_and_kv_usage() -> None:
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 6, "queueDepthTarget": 3}
+    chart = render(
+        load_values(
+            "gpu-pd",
+            {
+                "podMonitor": {"enabled": True},
+                "prefill": {"autoscaling": autoscaling},
+                "decode": {"autoscaling": autoscaling},
+            },
+        )
+    )
+    registered = registered_series()
+    scaled = chart.kind("ScaledObject")
+    assert sorted(scaled) == ["llm-pdserve-decode", "llm-pdserve-prefill"]
+    for component in ("prefill", "decode"):
+        obj = scaled[f"llm-pdserve-{component}"]
+        assert obj["apiVersion"] == "keda.sh/v1alpha1"
+        spec = obj["spec"]
+        target = spec["scaleTargetRef"]
+        workload = chart.kind(target["kind"])[target["name"]]
+        assert (target["apiVersion"], target["kind"]) == ("apps/v1", "StatefulSet")
+        assert "replicas" not in workload["spec"]  # KEDA owns it; helm upgrade must not reset it
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 6)
+        pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+        queries = {}
+        for trigger in spec["triggers"]:
+            assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+            meta = trigger["metadata"]
+            assert meta["serverAddress"] == "http://prometheus-operated.monitoring.svc:9090"
+            queries[trigger["name"]] = (meta["query"], float(meta["threshold"]))
+            (name,) = re.findall(r"pdserve:[a-zA-Z0-9_:]+", meta["query"])
+            assert name in registered
+            # the query's label matchers select this StatefulSet's pods, as the PodMonitor labels them
+            matchers = dict(re.findall(r'(\w+)="([^"]*)"', meta["query"]))
+            assert matchers.pop("namespace") == NAMESPACE
+            assert matchers == {
+                prometheus_label(k): v for k, v in pod_labels.items() if prometheus_label(k) in matchers
+            }
+            assert set(matchers) == {"app_kubernetes_io_instance", "app_kubernetes_io_component"}
+        assert queries["queue-depth"][1] == 3 and "num_queue_reqs" in queries["queue-depth"][0]
+        assert queries["kv-usage"][1] == 0.9 and "kv_cache_usage_perc" in queries["kv-usage"][0]
+        # the gateway follows the pods through the headless Service's DNS name
+        host, port = parse_dns_target(chart.env("gateway")[f"PDSERVE_{component.upper()}_ADDRESSES"])
+        service = chart.kind("Service")[f"llm-pdserve-{component}"]
+        assert host == f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+        assert service["spec"]["clusterIP"] == "None"
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels)
+        assert port == workload["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+
+
+def test_without_autoscaling_the_gateway_lists_fixed_pods(rendered: Rendered) -> None:
+    assert rendered.kind("ScaledObject") == {}
+    decode = rendered.env("gateway")["PDSERVE_DECODE_ADDRESSES"]
+    assert (
+        not decode.startswith("dns:")
+        and decode.count(",") == rendered.workload("decode")["spec"]["replicas"] - 1
+    )

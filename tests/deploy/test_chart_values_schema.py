@@ -36,6 +36,7 @@ SCHEMA_VIOLATIONS = [
     ({"tls": {"serverName": ""}}, "/tls/serverName"),
     ({"tls": {"cert": "/etc/tls.crt"}}, "/tls"),
     ({"decode": {"drainTimeoutSeconds": -1}}, "/decode/drainTimeoutSeconds"),
+    ({"decode": {"autoscaling": {"kvUsageTarget": 1.5}}}, "/decode/autoscaling/kvUsageTarget"),
 ]
 
 # Values each valid on its own that the chart refuses together (pdserve.validate).
@@ -52,6 +53,11 @@ TEMPLATE_FAILURES = [
     (
         {"prefill": {"replicas": 1, "drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
         "prefill.terminationGracePeriodSeconds must be at least prefill.drainTimeoutSeconds",
+    ),
+    ({"decode": {"autoscaling": {"enabled": True}}}, "decode.autoscaling reads the per-pod metrics"),
+    (
+        {"podMonitor": {"enabled": True}, "prefill": {"autoscaling": {"enabled": True}}},
+        "prefill.autoscaling needs prefill.replicas > 0",
     ),
 ]
 

@@ -40,9 +40,9 @@
 - name: PDSERVE_DETOKENIZER_ADDRESSES
   value: {{ include "pdserve.serviceAddress" (list . "detokenizer") }}
 - name: PDSERVE_DECODE_ADDRESSES
-  value: {{ include "pdserve.podAddresses" (list . "decode") | quote }}
+  value: {{ include "pdserve.workerAddresses" (list . "decode") | quote }}
 - name: PDSERVE_PREFILL_ADDRESSES
-  value: {{ include "pdserve.podAddresses" (list . "prefill") | quote }}
+  value: {{ include "pdserve.workerAddresses" (list . "prefill") | quote }}
 {{- with include "pdserve.apiKeySecretName" . }}
 - name: PDSERVE_API_KEY
   valueFrom:

@@ -95,6 +95,20 @@ Service's name, which resolves to the IP of every ready pod.
 {{- join "," $addresses }}
 {{- end }}
 
+{{/*
+(list $ "decode") -> the gateway's address flag for a scheduler role: its fixed pod list, or with
+<role>.autoscaling the headless Service as dns:<name>:<port>, resolved again as pods come and go.
+*/}}
+{{- define "pdserve.workerAddresses" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) }}
+{{- if and $values.autoscaling.enabled (gt (int $values.replicas) 0) }}
+{{- printf "dns:%s.%s.svc.%s:%d" (include "pdserve.componentName" .) $root.Release.Namespace $root.Values.clusterDomain (int $values.port) }}
+{{- else }}
+{{- include "pdserve.podAddresses" . }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.serviceAddress" -}}
 {{- $root := index . 0 }}
 {{- $values := index $root.Values (index . 1) }}
@@ -151,6 +165,20 @@ stop). Roles without a drain (tokenizer, detokenizer) give their own value.
 {{- if lt (int (include "pdserve.terminationGrace" (list $ $component))) (add (int $values.drainTimeoutSeconds) 5) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds must be at least %s.drainTimeoutSeconds + 5 (Kubernetes kills the pod at the grace period, cutting its drain)" $component $component) }}
 {{- end }}
+{{- end }}
+{{- range $component := list "prefill" "decode" }}
+{{- $autoscaling := (index $.Values $component).autoscaling }}
+{{- if $autoscaling.enabled }}
+{{- if not $.Values.podMonitor.enabled }}
+{{- fail (printf "%s.autoscaling reads the per-pod metrics from Prometheus: set podMonitor.enabled" $component) }}
+{{- end }}
+{{- if lt (int $autoscaling.maxReplicas) (int $autoscaling.minReplicas) }}
+{{- fail (printf "%s.autoscaling.maxReplicas is below its minReplicas" $component) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.prefill.autoscaling.enabled (eq (int .Values.prefill.replicas) 0) }}
+{{- fail "prefill.autoscaling needs prefill.replicas > 0 (0 prefill replicas is the colocated mode)" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}
