@@ -14,7 +14,7 @@ import psutil
 
 from tests.ops.conftest import METRICS_OFFSETS, SERVED_NAMES, OpsStack
 from tests.reference import hf_greedy
-from tests.stack import children
+from tests.stack import children, wait_for_log
 
 
 def worker_process(ops: OpsStack, role: str) -> psutil.Process:
@@ -22,9 +22,11 @@ def worker_process(ops: OpsStack, role: str) -> psutil.Process:
     return children(ops.stack)[f"{role}:{ops.stack.internal_port_base + METRICS_OFFSETS[role]}"]
 
 
-def wait_until_whole(ops: OpsStack, old: psutil.Process, timeout: float = 300) -> None:
-    """``old`` exited with status 0; its restart serves requests again (gateway /health 200)."""
-    assert old.wait(timeout=120) == 0
+def wait_until_whole(ops: OpsStack, process: str, old: psutil.Process, timeout: float = 300) -> None:
+    """``old`` (the launcher's ``process``) exited with status 0 — the launcher's log says so, as only
+    a parent learns a status — and its restart serves requests again (gateway /health 200)."""
+    old.wait(timeout=120)
+    wait_for_log(ops.stack, f"{process} (pid {old.pid}) exited with code 0", timeout=30)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -92,7 +94,7 @@ def test_sigterm_decode_worker_completes_its_requests(ops_stack: OpsStack) -> No
         assert (r["error"], r["finish_reason"], r["completion_tokens"]) == (None, "length", 64), r
     (line,) = drain_lines(ops_stack, "decode-0")
     assert line["message"].startswith("draining: new requests refused, 4 held")
-    wait_until_whole(ops_stack, decode)
+    wait_until_whole(ops_stack, "decode-0", decode)
 
 
 def test_sigterm_prefill_worker_finishes_the_prefills_it_owes(ops_stack: OpsStack) -> None:
@@ -127,4 +129,4 @@ def test_sigterm_prefill_worker_finishes_the_prefills_it_owes(ops_stack: OpsStac
     reference = hf_greedy(prompts[0], 8)  # stops early only at EOS, which the server ignored
     expected = httpx.post(f"{ops_stack.base_url}/detokenize", json={"tokens": reference}, timeout=30)
     assert results[0]["text"].startswith(expected.json()["prompt"]) and len(reference) >= 4
-    wait_until_whole(ops_stack, prefill)
+    wait_until_whole(ops_stack, "prefill-0", prefill)
