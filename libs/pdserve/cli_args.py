@@ -166,3 +166,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order"
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step's scheduling and result processing between forwards, not beside the next one",
+    )

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
+from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_int, setup_logging
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
@@ -34,6 +34,12 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DEAD_AFTER_S,
         help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed output of a request (its first and last go out at once)",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -44,7 +50,15 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, role)
     agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
-    servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after)
+    servicer = DecodeServicer(
+        scheduler,
+        address,
+        agent,
+        args.prefill_retries,
+        args.detokenizer_dead_after,
+        overlap=not args.disable_overlap_schedule,
+        stream_interval=args.stream_interval,
+    )
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -108,8 +108,10 @@ def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> 
     return sum(handle.prompt_tokens), completion, cached
 
 
-def sse_response(request: Request, handle: RequestHandle, events: AsyncIterator[str]) -> StreamingResponse:
-    """Server-sent events ``data: <json>`` from ``events``, then ``data: [DONE]``.
+def sse_response(
+    request: Request, handle: RequestHandle, events: AsyncIterator[bytes | str]
+) -> StreamingResponse:
+    """Server-sent events ``data: <json>`` from ``events`` (JSON bytes or text), then ``data: [DONE]``.
 
     An error after the stream has started is sent as one ``data: {"error": ...}`` event (the status
     is already 200). The handle is closed, and its running choices aborted, when the client goes away.
@@ -120,11 +122,11 @@ def sse_response(request: Request, handle: RequestHandle, events: AsyncIterator[
         try:
             async with handle:
                 async for event in events:
-                    yield f"data: {event}\n\n"
+                    yield b"data: " + (event if isinstance(event, bytes) else event.encode()) + b"\n\n"
         except GatewayError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
+            yield b"data: " + orjson.dumps(e.body()) + b"\n\n"
         finally:
             watcher.cancel()
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

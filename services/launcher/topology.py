@@ -68,6 +68,8 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-radix-cache")
     if args.disable_cuda_graph:
         flags.append("--disable-cuda-graph")
+    if args.disable_overlap_schedule:
+        flags.append("--disable-overlap-schedule")
     return flags
 
 
@@ -153,6 +155,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         argv = [*common, "--port", str(port), *engine]
         if args.colocated:
             argv.append("--colocated")
+        if args.stream_interval != 1:
+            argv += ["--stream-interval", str(args.stream_interval)]
         gpu = _gpu_env(gpus, len(prefills) + i)
         specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)]))
     gateway = [

@@ -28,7 +28,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = internal_server(args, [service])
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, "prefill")
-    servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address, args.host))
+    agent = build_kv_agent(scheduler, "prefill", address, args.host)
+    servicer = PrefillServicer(scheduler, address, agent, overlap=not args.disable_overlap_schedule)
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

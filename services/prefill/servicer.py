@@ -34,11 +34,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     aborted, or gone) aborts the request and frees its pages here.
     """
 
-    def __init__(self, scheduler: Scheduler, address: str, agent: KVTransferAgent) -> None:
+    def __init__(
+        self, scheduler: Scheduler, address: str, agent: KVTransferAgent, overlap: bool = True
+    ) -> None:
         self.scheduler = scheduler
         self.address = address
         self.agent = agent
-        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers)
+        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, overlap=overlap)
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, asyncio.Task] = {}
 
@@ -71,12 +73,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                 "dst_start_page": request.dst_start_page,
             },
         )
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
-        self.loop.wake()
+        try:
+            await self.loop.add(req)
+        except ValueError as e:
+            self.waiters.pop(req.rid, None)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -100,14 +102,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     # ---- internals ----------------------------------------------------------------------
     def _abort(self, rid: str, reason: str) -> bool:
+        found = rid in self.scheduler.reqs
         task = self.transfers.pop(rid, None)
         if task is not None:
             task.cancel()
-            self.scheduler.prefill_sent(rid, ok=False, error=reason)
-            found = True
+            self.loop.call(Scheduler.prefill_sent, rid, False, reason)
         else:
-            found = self.scheduler.abort_request(rid, reason)
-        self.loop.wake()
+            self.loop.abort(rid, reason)
         return found
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -137,7 +138,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except Exception as e:
             logger.warning("KV write for %s failed: %s", req.rid, e)
             self.transfers.pop(req.rid, None)
-            self.scheduler.prefill_sent(req.rid, ok=False, error=str(e))
+            self.loop.call(Scheduler.prefill_sent, req.rid, False, str(e))
             waiter = self.waiters.get(req.rid)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(f"KV transfer failed: {e}"))
@@ -153,8 +154,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         if req.output_logprobs:
             token, logprob, top = req.output_logprobs[-1]
             response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
-        self.scheduler.prefill_sent(req.rid, ok=True)
+        self.loop.call(Scheduler.prefill_sent, req.rid, True)
         waiter = self.waiters.get(req.rid)
         if waiter is not None and not waiter.done():
             waiter.set_result(response)
-        self.loop.wake()

@@ -35,7 +35,7 @@ class KVLedger:
         self.allocator = allocator
         self.page_size = page_size
         self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
-        self.in_use: dict[str, int] = {}  # rid -> pages owned (not counting radix prefix pages)
+        self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -110,7 +110,7 @@ class KVLedger:
             return False
         req.req_pool_idx = self.req_to_token_pool.alloc()
         req.pages.extend(pages)
-        self.in_use[req.rid] = len(req.pages) - req.num_prefix_pages
+        self.in_use[req] = len(req.pages) - req.num_prefix_pages
         self._write_req_to_token(req, 0, len(req.pages) * self.page_size)
         return True
 
@@ -124,7 +124,7 @@ class KVLedger:
             return False
         start = len(req.pages) * self.page_size
         req.pages.extend(pages)
-        self.in_use[req.rid] += need
+        self.in_use[req] += need
         self._write_req_to_token(req, start, len(req.pages) * self.page_size)
         return True
 
@@ -140,7 +140,7 @@ class KVLedger:
         pages the tree already held under other indices replace its duplicates (which are freed)
         in ``req.pages`` and in ``req_to_token``, and they stop counting as in use.
         """
-        full = min(req.num_computed // self.page_size, len(req.pages))
+        full = min(_known_computed(req) // self.page_size, len(req.pages))
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
@@ -151,7 +151,7 @@ class KVLedger:
         req.last_node = match.last_node
         req.pages[:full] = match.page_indices
         req.num_prefix_pages = full
-        self.in_use[req.rid] = len(req.pages) - full
+        self.in_use[req] = len(req.pages) - full
         self._write_req_to_token(req, 0, full * self.page_size)
 
     # ---- release ------------------------------------------------------------------
@@ -162,11 +162,11 @@ class KVLedger:
         have KV go into the radix cache; the partial last page and unused pages are freed.
         Otherwise (abort, failure, retraction) every owned page is freed.
         """
-        if req.rid not in self.in_use and req.last_node is None:
+        if req not in self.in_use and req.last_node is None:
             return
         owned = req.pages[req.num_prefix_pages :]
         if cache:
-            full = min(req.num_computed // self.page_size, len(req.pages))
+            full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
             duplicates = self.tree.insert(key, req.pages[:full])
             self.allocator.free(duplicates)
@@ -181,4 +181,11 @@ class KVLedger:
         req.pages = []
         req.num_prefix_pages = 0
         req.num_computed = 0
-        self.in_use.pop(req.rid, None)
+        self.in_use.pop(req, None)
+
+
+def _known_computed(req: Req) -> int:
+    """Tokens whose KV is in the pool (or being written by a forward that runs before any later one)
+    and whose ids are known: a step scheduled ahead of its predecessor's result has computed positions
+    whose token ids are still pending, and those cannot key the radix cache."""
+    return min(req.num_computed, len(req.origin_input_ids) + len(req.output_ids))
