@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +22,9 @@ RATE_HZ = 200
 
 
 def py_spy() -> str | None:
-    """The py-spy executable (the ``dev`` extra installs it), or None."""
-    return shutil.which("py-spy")
+    """The py-spy executable (the ``dev`` extra installs it beside this Python), or None."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 @contextmanager

@@ -1,10 +1,12 @@
 """Which processes a one-machine deployment runs, with their flags and ports.
 
 Ports: the gateway's public servers bind ``--host``: ``--port`` (HTTP) and ``--grpc-port`` (public
-gRPC API). Everything else binds ``--internal-host``: ``--internal-port-base`` + 1 (tokenizer), + 2
-(detokenizer), + 3 (the gateway's internal gRPC server, where detokenizers stream outputs to), + 10 + i
-(prefill-i) and + 20 + i (decode-i; with more than 10 prefill workers the decode ports start right
-after the last prefill port). With ``--tls-*`` every service gets the same certificate flags.
+gRPC API; with ``--gateway-workers N`` every worker binds both, SO_REUSEPORT). Everything else binds
+``--internal-host``: ``--internal-port-base`` + 1 (tokenizer), + 2 (detokenizer), + 3 + i (gateway
+worker i's internal gRPC server, where detokenizers stream outputs to), + 10 + i (prefill-i) and
++ 20 + i (decode-i). With more than 7 gateway workers the prefill ports start right after the last
+gateway port, and with more than 10 prefill workers the decode ports right after the last prefill
+port. With ``--tls-*`` every service gets the same certificate flags.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         ),
     ]
     num_prefill = 0 if args.colocated else args.num_prefill
-    prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
-    first_decode = base + 10 + max(10, num_prefill)
+    first_prefill = base + max(10, 3 + args.gateway_workers)
+    prefills = [f"{host}:{first_prefill + i}" for i in range(num_prefill)]
+    first_decode = first_prefill + max(10, num_prefill)
     decodes = [f"{host}:{first_decode + i}" for i in range(args.num_decode)]
     num_schedulers = len(prefills) + len(decodes)
     env = _shared_cores_env(num_schedulers)
@@ -179,8 +182,11 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         gateway += ["--served-model-name", args.served_model_name]
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    if args.gateway_workers > 1:
+        gateway += ["--workers", str(args.gateway_workers)]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
-    binds = [(args.host, args.port), (args.host, args.grpc_port), (host, base + 3)]
+    binds = [(args.host, args.port), (args.host, args.grpc_port)]
+    binds += [(host, base + 3 + i) for i in range(args.gateway_workers)]
     specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds))
     return specs
