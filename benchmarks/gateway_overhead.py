@@ -55,7 +55,12 @@ from benchmarks.serving_lib.overhead import (
     overhead_table,
     summarize_overhead,
 )
-from benchmarks.serving_lib.procs import cpu_seconds, loaded_kernels, pdserve_processes
+from benchmarks.serving_lib.procs import (
+    cpu_seconds,
+    loaded_kernels,
+    pdserve_processes,
+    rerun_with_scheduler_env,
+)
 from benchmarks.serving_lib.stats import RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
 from benchmarks.serving_lib.workload import PromptSource
@@ -199,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the comparison from command-line ``argv``; print the table and the JSON line, return that JSON."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("benchmarks").setLevel(logging.INFO)
+    argv = sys.argv[1:] if argv is None else argv
+    rerun_with_scheduler_env("benchmarks.gateway_overhead", argv)
     args = parse_args(argv)
     cfg = OverheadConfig(
         prompt_tokens=args.prompt_tokens,

@@ -40,6 +40,7 @@ from benchmarks.gateway_overhead import OverheadBench, OverheadConfig
 from benchmarks.serving_lib.in_process import InProcessServer
 from benchmarks.serving_lib.launch import LaunchSpec, launched
 from benchmarks.serving_lib.overhead import HTTP, SideRun, summarize_overhead
+from benchmarks.serving_lib.procs import rerun_with_scheduler_env
 from benchmarks.serving_lib.profiles import profiled, summarize_profile
 from benchmarks.serving_lib.tiny_model import tiny_checkpoint
 from pdserve.tokenization import Tokenizer
@@ -189,7 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("benchmarks").setLevel(logging.INFO)
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.here or not args.checkout:  # this process drives a scheduler: the stack's OpenMP settings
+        rerun_with_scheduler_env("benchmarks.stack_overhead", argv)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of the stacks

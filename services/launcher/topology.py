@@ -75,16 +75,19 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
     return flags
 
 
-def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
-    """Environment of scheduler processes that share this machine's cores.
+def scheduler_env() -> dict[str, str]:
+    """Environment of the scheduler processes, which share this machine's cores with each other and
+    with the gateway, tokenizer and detokenizer.
 
     OpenMP threads spin at the end of every parallel region waiting for the next one (libgomp's
-    default); two scheduler processes running forwards at once then burn each other's cores
-    spinning (PD 1+1 on 2 cores: 61 vs 153 output tok/s at concurrency 16 with ``PASSIVE``).
-    One scheduler keeps the default, which is faster alone; an ``OMP_WAIT_POLICY`` of the
+    default), so between forwards, and whenever another process holds a core, a scheduler's team
+    burns cores the other services need: PD 1+1 on 2 cores made 61 vs 153 output tok/s at
+    concurrency 16 with ``PASSIVE``; one colocated scheduler (SmolLM2 fp32, batch 16, on this 2-core
+    host under load) spent 88-91 vs 18 ms of CPU per output token, 3-5x its wall time
+    (``make bench-stack`` measures the services' CPU per token). An ``OMP_WAIT_POLICY`` of the
     launcher's own environment wins.
     """
-    if num_schedulers <= 1 or "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -145,7 +148,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     first_decode = first_prefill + max(10, num_prefill)
     decodes = [f"{host}:{first_decode + i}" for i in range(args.num_decode)]
     num_schedulers = len(prefills) + len(decodes)
-    env = _shared_cores_env(num_schedulers)
+    env = scheduler_env()
     gpus = scheduler_gpus(args)
     engine = _engine_flags(args, per_device=-(-num_schedulers // len(gpus)) if gpus else num_schedulers)
     for i, addr in enumerate(prefills):
