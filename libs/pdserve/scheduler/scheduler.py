@@ -407,6 +407,8 @@ class Scheduler:
         for req in self.prefilling:  # continue chunked requests first
             if budget <= 0:
                 break
+            if req.to_abort:  # ends when its batch in flight is processed
+                continue
             n = min(budget, req.seq_len - req.num_computed)
             reqs.append(req)
             lens.append(n)
