@@ -128,7 +128,8 @@ class ForwardBatch:
                 loc = runner.req_to_token_pool.req_to_token[pool_rows, positions]
         else:
             starts = torch.cumsum(ext, 0) - ext
-            positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(starts - prefix, ext)
+            offsets = torch.repeat_interleave(starts - prefix, ext)
+            positions = torch.arange(num_tokens, device=device) - offsets
             if loc is None:
                 loc = runner.req_to_token_pool.req_to_token[pool_rows.repeat_interleave(ext), positions]
         if forward_mode is None:

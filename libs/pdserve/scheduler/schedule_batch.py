@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
@@ -39,8 +41,10 @@ class ScheduleBatch:
     prev: ScheduleBatch | None = None
     pending: list[tuple[int, int]] = field(default_factory=list)
     forward_batch: ForwardBatch | None = None
+    ready: torch.cuda.Event | None = None  # on CUDA: recorded once ``forward_batch`` is built
     result: GenerationBatchResult | None = None
     row_errors: dict[int, str] = field(default_factory=dict)
+    _pending_index: torch.Tensor | None = None  # int64 [2, len(pending)] on the device
 
     def __post_init__(self) -> None:
         if not self.prefix_lens:
@@ -72,7 +76,18 @@ class ScheduleBatch:
 
         Raises whatever building the sampling tensors raises for a request's parameters (the
         scheduler then finds the request responsible, ``Scheduler._prepare``).
+
+        On CUDA the tensors are built on a side stream of the scheduler's thread, so that building
+        them never waits for the forward running on the device; ``ready`` marks when they are.
         """
+        stream = _side_stream(runner.device)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self._build(runner, prev)
+            if stream is not None:
+                self.ready = torch.cuda.Event()
+                self.ready.record(stream)
+
+    def _build(self, runner, prev: ScheduleBatch | None) -> None:
         self.prev = prev
         input_ids: list[int] = []
         self.pending = []
@@ -88,6 +103,8 @@ class ScheduleBatch:
                 input_ids.extend(req.fill_ids[start : start + n])
         if self.pending and prev is None:
             raise RuntimeError("a request with a pending token needs the batch that samples it")
+        pending = torch.tensor(self.pending, dtype=torch.int64, device=runner.device)
+        self._pending_index = pending.reshape(-1, 2).T
         params = [r.sampling_params for r in self.reqs]
         sampling_info = SamplingBatchInfo.build(
             params,
@@ -117,12 +134,18 @@ class ScheduleBatch:
         """Fill the pending input ids from ``prev``'s sampled tokens (on the forward thread, once
         ``prev`` has run). Rows of ``prev`` that failed give token 0: their requests have failed, and
         what this batch computes for them is discarded."""
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
         if not self.pending:
             return
         if self.prev is None or self.prev.result is None:
             raise RuntimeError("the previous batch produced no tokens to decode from")
-        fb = self.forward_batch
-        dst = torch.tensor([d for d, _ in self.pending], dtype=torch.int64, device=fb.input_ids.device)
-        src = torch.tensor([s for _, s in self.pending], dtype=torch.int64, device=fb.input_ids.device)
-        fb.input_ids[dst] = self.prev.result.next_token_tensor[src]
+        dst, src = self._pending_index
+        self.forward_batch.input_ids[dst] = self.prev.result.next_token_tensor[src]
         self.prev = None  # free it: its tensors are not needed any more
+
+
+@cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream batches are built on (CUDA only; one per device)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
