@@ -35,18 +35,20 @@ def off(stack_off: Stack) -> Stack:
 
 
 def chat(stack: Stack, question: str, stream: bool = False, max_tokens: int = 12):
-    """One chat on a fresh connection (so that the kernel may pick either gateway worker)."""
+    """One chat on a fresh connection (so that the kernel may pick either gateway worker); a stream
+    comes back as its list of chunks."""
     client = openai.OpenAI(
         base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, http_client=httpx.Client()
     )
     with client:
-        return client.chat.completions.create(
+        resp = client.chat.completions.create(
             model=SERVED_MODEL,
             messages=[{"role": "user", "content": question}],
             temperature=0,
             max_tokens=max_tokens,
             stream=stream,
         )
+        return list(resp) if stream else resp
 
 
 def test_greedy_chats_without_overlap_match_the_reference(off) -> None:
