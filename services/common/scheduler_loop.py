@@ -36,6 +36,7 @@ from typing import Any
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.services.common.liveness import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ class SchedulerLoop:
         after_schedule: called after each ``schedule()`` (the decode role starts prefill calls there,
             the prefill role starts KV writes).
         overlap: overlap each step's CPU work with the next forward (see the module docstring).
+
+    Attributes:
+        heartbeat: beaten once per iteration (the worker's liveness, see ``liveness.StepWatchdog``).
+            Every iteration awaits the forward it launched one iteration earlier (at once without
+            overlap), so a forward that never returns stops the beats within one iteration.
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class SchedulerLoop:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
         self._inbox: list[StepInput] = []
+        self.heartbeat = Heartbeat()
 
     # ---- step inputs (any coroutine of the loop's thread) -----------------------------------
     def add(self, req: Req) -> asyncio.Future:
@@ -136,6 +143,7 @@ class SchedulerLoop:
         in_flight: tuple[ScheduleBatch, asyncio.Future] | None = None
         try:
             while not stop.is_set():
+                self.heartbeat.beat()
                 self._wakeup.clear()
                 outputs = self._apply_inputs()
                 batch = sched.schedule()

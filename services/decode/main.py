@@ -6,11 +6,19 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_int, setup_logging
+from pdserve.cli_args import (
+    apply_env_defaults,
+    parse_service_args,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
+from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.scheduler_args import add_scheduler_args
+from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -35,6 +43,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
     )
     parser.add_argument(
+        "--prefill-dead-after",
+        type=positive_float,
+        default=DEFAULT_PREFILL_DEAD_AFTER_S,
+        help="seconds a prefill worker may leave its health checks unanswered before the prefills it "
+        "holds are retried on another one",
+    )
+    parser.add_argument(
         "--stream-interval",
         type=positive_int,
         default=1,
@@ -56,6 +71,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         agent,
         args.prefill_retries,
         args.detokenizer_dead_after,
+        args.prefill_dead_after,
         overlap=not args.disable_overlap_schedule,
         stream_interval=args.stream_interval,
     )
@@ -63,8 +79,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))
     await server.set_serving(True)
+    watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("decode-scheduler (%s) ready on %s", role, address)
     await stop.wait()
+    if watchdog is not None:
+        await watchdog
     await server.stop(grace=5.0)
     await loop_task
     await servicer.close()

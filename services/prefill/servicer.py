@@ -9,6 +9,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVLayoutMismatch, KVTransferAgent
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
@@ -79,6 +80,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except ValueError as e:
             self.waiters.pop(req.rid, None)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            self.waiters.pop(req.rid, None)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         try:
             return await waiter
         except asyncio.CancelledError:

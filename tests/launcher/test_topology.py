@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.services.gateway.main import parse_args as gateway_args
 from pdserve.services.gateway.workers import worker_specs
+from pdserve.services.launcher.kv_pool_pin import pin_kv_pool
 from pdserve.services.launcher.main import make_parser
 from pdserve.services.launcher.ports import PortReservation
 from pdserve.services.launcher.topology import build_topology
@@ -211,6 +212,7 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
     assert _flag(decode.argv, "--stream-interval") == "4" and "--disable-overlap-schedule" in decode.argv
     plain = {s.name: s for s in build_topology(make_parser().parse_args([]), "/m")}
     assert "--workers" not in plain["gateway"].argv and "--stream-interval" not in plain["decode-0"].argv
+    assert gateway.liveness == ""  # the gateway's own supervisor watches each worker
 
 
 def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() -> None:
@@ -232,3 +234,29 @@ def test_many_gateway_workers_push_the_scheduler_ports_up() -> None:
         port for spec in build_topology(args, "/m") for _, port in spec.binds if base < port < args.grpc_port
     )
     assert ports == [base + i for i in range(1, 12)] + [base + 12, base + 22]
+
+
+def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:
+    args = make_parser().parse_args(["--num-prefill", "1", "--internal-port-base", "40000", "--port", "8000"])
+    specs = {s.name: s for s in build_topology(args, "/m")}
+    assert {name: s.liveness for name, s in specs.items()} == {
+        "tokenizer": "127.0.0.1:40001",
+        "detokenizer": "127.0.0.1:40002",
+        "prefill-0": "127.0.0.1:40010",
+        "decode-0": "127.0.0.1:40020",
+        "gateway": "127.0.0.1:40003",  # its internal gRPC server: /health is about the other roles
+    }
+    assert [n for n, s in specs.items() if s.pin_kv_pool] == ["prefill-0", "decode-0"]
+    assert _flag(specs["decode-0"].argv, "--max-queue-time") == "60"
+    assert _flag(specs["decode-0"].argv, "--watchdog-timeout") == "120"
+    assert "--max-queued-requests" not in specs["decode-0"].argv  # the scheduler sizes it from its pool
+    sized = make_parser().parse_args(["--max-total-tokens", "4096", "--max-queued-requests", "0"])
+    specs = build_topology(sized, "/m")
+    assert not any(s.pin_kv_pool for s in specs)
+    assert _flag(specs[2].argv, "--max-queued-requests") == "0"
+
+
+def test_a_pinned_pool_replaces_every_sizing_flag() -> None:
+    argv = ["--port", "1", "--kv-memory-fraction", "0.125", "--dtype", "float32"]
+    assert pin_kv_pool(argv, 1296) == ["--port", "1", "--dtype", "float32", "--max-total-tokens", "1296"]
+    assert pin_kv_pool(pin_kv_pool(argv, 1296), 1296).count("--max-total-tokens") == 1

@@ -31,6 +31,10 @@
 - name: PDSERVE_WORKERS
   value: {{ .Values.gateway.workers | int | toString | quote }}
 {{- end }}
+{{- if not (kindIs "invalid" .Values.gateway.maxPendingRequests) }}
+- name: PDSERVE_MAX_PENDING_REQUESTS
+  value: {{ .Values.gateway.maxPendingRequests | int64 | toString | quote }}
+{{- end }}
 {{- with .Values.model.servedModelName }}
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ . | quote }}
