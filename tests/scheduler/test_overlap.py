@@ -108,14 +108,15 @@ def test_a_forward_failure_fails_only_the_request_responsible(runner, monkeypatc
 
 
 def test_bad_sampling_inputs_fail_only_their_request(runner):
-    """A request whose parameters break building the batch (here a logit_bias naming a token outside
-    the vocabulary, set after admission checks) fails alone; the others run on."""
+    """A request whose parameters break building the batch (here a logit_bias value that is no number,
+    set after admission checks: ids outside the vocabulary are dropped by the build itself) fails
+    alone; the others run on."""
     sched = fresh(runner, role="mixed")
     good = ids("The capital of France is")
     sched.add_request(req("good", good, max_new=6))
     bad = req("bad", ids("Hello"), max_new=6)
     sched.add_request(bad)
-    bad.sampling_params.logit_bias = {runner.model_config.vocab_size + 5: 1.0}
+    bad.sampling_params.logit_bias = {5: "not a number"}
     done = drive(sched, overlap=True)
     assert done["bad"].finish_reason is FinishReason.ERROR and "invalid sampling inputs" in done["bad"].error
     assert done["good"].output_ids == hf_greedy(good, 6)
