@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.scheduler.batch_runner import run_batch
@@ -129,6 +130,9 @@ class Scheduler:
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
         self.needs_results = False  # the last schedule() needs the outstanding batch processed first
         self.aborted_outputs: list[StepOutput] = []
+        # decode role: called with a request whose prompt KV is still arriving, just before its pages
+        # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
+        self.on_kv_abandoned: Callable[[Req], None] | None = None
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
         self.max_queued_requests = queue_bound(config.max_queued_requests, self.request_capacity)
@@ -207,7 +211,7 @@ class Scheduler:
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         """The prefill for ``rid`` failed for good: free its pages and fail it (``retryable``: for a
         reason of the servers' state, such as every prefill worker down or hung)."""
-        req = self.waiting_for_kv.pop(rid, None)
+        req = self.waiting_for_kv.get(rid)  # _end pops it, after stopping its transfer
         if req is None:
             return None
         req.retryable = retryable
@@ -219,6 +223,15 @@ class Scheduler:
         """Requests whose prompt KV is complete in the prefill role (first token in output_ids)."""
         reqs, self.prefilled = self.prefilled, []
         return reqs
+
+    def computed_tokens(self, req: Req) -> int:
+        """Tokens of ``req`` whose KV is in the pool now: ``num_computed`` less the tokens of the
+        scheduled batches not processed yet (their forwards may still be writing them)."""
+        n = req.num_computed
+        if req.in_batches:
+            for batch in self.outstanding:
+                n -= sum(batch.extend_lens[i] for i, r in enumerate(batch.reqs) if r is req)
+        return n
 
     def prefill_sent(self, rid: str, ok: bool, error: str = "") -> None:
         """The KV write of a prefilled request ended: cache its pages (or free them) and forget it."""
@@ -543,7 +556,8 @@ class Scheduler:
         for queue in (self.waiting, self.prefilling, self.running, self.prefilled):
             if req in queue:
                 queue.remove(req)
-        self.waiting_for_kv.pop(req.rid, None)
+        if self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None:
+            self.on_kv_abandoned(req)
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
