@@ -34,7 +34,14 @@ from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.pd.test_dead_detokenizer import start_detokenizer, wait_until
 from tests.reference import chat_ids, hf_greedy
 
-PROMPT = chat_ids([{"role": "user", "content": "List five facts about the moon. " * 40}])
+
+def prompt(topic: str) -> list[int]:
+    """A prompt of several chunks; each test fails requests on its own topic, so that the decode
+    side's radix cache (which keeps an earlier test's prompt) never shrinks the transfer under test."""
+    return chat_ids([{"role": "user", "content": f"List five facts about {topic}. " * 40}])
+
+
+PROMPT = prompt("the moon")
 MAX_NEW = 8
 TRANSFER_TIMEOUT_S = 2.0
 
@@ -95,14 +102,14 @@ async def pd(schedulers):
         prefill.agent.close()
 
 
-async def _run(pd, rid: str) -> tuple[list[int], int, str]:
-    """Generate ``PROMPT`` greedily; returns (token ids, finish reason, error) once it finished."""
+async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
+    """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
     stub, prefill_address, detok_address, detok = pd
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
     await stub.Generate(
         scheduler_pb2.TokenizedGenerateReqInput(
             rid=rid,
-            input_ids=PROMPT,
+            input_ids=input_ids,
             sampling_params=sampling_params_to_pb(params),
             prefill_address=prefill_address,
             output_address=detok_address,
@@ -142,13 +149,14 @@ async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothi
         return real(self, *args)
 
     monkeypatch.setattr(KVSender, "_start_write", third_write_fails)
-    tokens, finish, error = await _run(pd, "broken")
+    sun = prompt("the sun")
+    tokens, finish, error = await _run(pd, "broken", sun)
     monkeypatch.undo()
     assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error and "wire broke" in error
     assert len(calls) >= 3
     await _idle_and_conserved(schedulers)
-    tokens, finish, _ = await _run(pd, "after-broken")  # reuses the failed request's freed pages
-    assert tokens == hf_greedy(PROMPT, MAX_NEW)
+    tokens, finish, _ = await _run(pd, "after-broken", sun)  # reuses the failed request's freed pages
+    assert tokens == hf_greedy(sun, MAX_NEW)
     await _idle_and_conserved(schedulers)
 
 
@@ -164,11 +172,12 @@ async def test_a_decode_side_that_stalls_times_out_on_both_sides(schedulers, pd,
         real(self, sender, landed)
 
     monkeypatch.setattr(KVReceiver, "on_landed", hung)
-    tokens, finish, error = await _run(pd, "stalled")
+    mars = prompt("Mars")
+    tokens, finish, error = await _run(pd, "stalled", mars)
     assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error, error
     await _idle_and_conserved(schedulers)
     stalled.set()
     monkeypatch.undo()
-    tokens, finish, _ = await _run(pd, "after-stall")
-    assert tokens == hf_greedy(PROMPT, MAX_NEW)
+    tokens, finish, _ = await _run(pd, "after-stall", mars)
+    assert tokens == hf_greedy(mars, MAX_NEW)
     await _idle_and_conserved(schedulers)
