@@ -115,19 +115,18 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         self.transfers[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
-        try:
-            await self.loop.add(req)
-        except (ValueError, QueueFull) as e:
-            self.waiters.pop(req.rid, None)
-            self.transfers.pop(req.rid, None)
-            transfer.cancel()
-            code = (
-                grpc.StatusCode.INVALID_ARGUMENT
-                if isinstance(e, ValueError)
-                else grpc.StatusCode.RESOURCE_EXHAUSTED
-            )
-            await context.abort(code, str(e))
-        try:
+        try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
+            try:
+                await self.loop.add(req)
+            except (ValueError, QueueFull) as e:
+                self.transfers.pop(req.rid, None)
+                transfer.cancel()
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT
+                    if isinstance(e, ValueError)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                await context.abort(code, str(e))
             return await waiter
         except asyncio.CancelledError:
             self._abort(req.rid, "prefill call cancelled")
