@@ -17,7 +17,7 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float
+from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.stats_log import add_stats_args
@@ -109,6 +109,18 @@ def make_parser() -> argparse.ArgumentParser:
         help="how the gateway picks workers",
     )
     p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed output (SSE event) of a request; its first and last go out at once",
+    )
+    p.add_argument(
+        "--gateway-workers",
+        type=positive_int,
+        default=1,
+        help="gateway processes sharing the HTTP and public gRPC ports, each owning its own requests",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require this key on the HTTP and gRPC APIs (give it as PDSERVE_API_KEY or in --config: "
@@ -156,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prefill must be at least 1 (or use --colocated)")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
-    internal_ports = 10 + max(10, 0 if args.colocated else args.num_prefill) + args.num_decode
+    num_prefill = 0 if args.colocated else args.num_prefill
+    internal_ports = max(10, 3 + args.gateway_workers) + max(10, num_prefill) + args.num_decode
     if (
         args.metrics_port_base is not None
         and abs(args.metrics_port_base - args.internal_port_base) < internal_ports
