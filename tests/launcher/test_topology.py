@@ -213,7 +213,10 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
     gateway, decode = specs["gateway"], specs["decode-0"]
     assert _flag(gateway.argv, "--workers") == "3"
     host, base = args.internal_host, args.internal_port_base
-    assert gateway.binds[2:] == [(host, base + 3 + i) for i in range(3)]
+    # each worker's internal port, then each one's metrics port
+    assert gateway.binds[2:] == [(host, base + 3 + i) for i in range(3)] + [
+        (host, base + 103 + i) for i in range(3)
+    ]
     assert _flag(decode.argv, "--stream-interval") == "4" and "--disable-overlap-schedule" in decode.argv
     plain = {s.name: s for s in build_topology(make_parser().parse_args([]), "/m")}
     assert "--workers" not in plain["gateway"].argv and "--stream-interval" not in plain["decode-0"].argv
@@ -222,10 +225,12 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
 
 def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() -> None:
     argv = ["--internal-host", "10.0.0.7", "--internal-grpc-port", "9000", "--decode-addresses", "d:1"]
+    argv += ["--metrics-port", "9100"]
     args = gateway_args([*argv, "--workers", "2", *BACKENDS])
     specs = worker_specs(args, argv)
     assert [s.name for s in specs] == ["gateway-0", "gateway-1"]
     assert [_flag(s.argv[len(argv) :], "--internal-grpc-port") for s in specs] == ["9000", "9001"]
+    assert [_flag(s.argv[len(argv) :], "--metrics-port") for s in specs] == ["9100", "9101"]
     assert all("--reuse-port" in s.argv and _flag(s.argv, "--workers") == "1" for s in specs)
     assert [s.health for s in specs] == ["10.0.0.7:9000", "10.0.0.7:9001"]
     with pytest.raises(SystemExit):  # each worker needs a known port to be probed and reached at
@@ -235,10 +240,10 @@ def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() ->
 def test_many_gateway_workers_push_the_scheduler_ports_up() -> None:
     args = make_parser().parse_args(["--gateway-workers", "9", "--num-prefill", "1"])
     base = args.internal_port_base
-    ports = sorted(
-        port for spec in build_topology(args, "/m") for _, port in spec.binds if base < port < args.grpc_port
-    )
+    binds = [port for spec in build_topology(args, "/m") for _, port in spec.binds]
+    ports = sorted(port for port in binds if base < port < base + 100)
     assert ports == [base + i for i in range(1, 12)] + [base + 12, base + 22]
+    assert sorted(port for port in binds if base + 100 < port < args.grpc_port) == [p + 100 for p in ports]
 
 
 def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:
