@@ -216,3 +216,16 @@ def test_without_autoscaling_the_gateway_lists_fixed_pods(rendered: Rendered) ->
         not decode.startswith("dns:")
         and decode.count(",") == rendered.workload("decode")["spec"]["replicas"] - 1
     )
+
+
+def test_log_format_and_tracing_reach_every_role() -> None:
+    chart = render(
+        load_values("gpu-pd", {"logFormat": "json", "tracing": {"otlpEndpoint": "http://otel:4317"}})
+    )
+    for component in ("gateway", "tokenizer", "detokenizer", "prefill", "decode"):
+        env = chart.env(component)
+        assert (env["PDSERVE_LOG_FORMAT"], env["PDSERVE_OTLP_TRACES_ENDPOINT"]) == (
+            "json",
+            "http://otel:4317",
+        )
+    assert "PDSERVE_OTLP_TRACES_ENDPOINT" not in render(load_values("default")).env("decode")
