@@ -250,15 +250,30 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.prefill_tasks.pop(rid, None)
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
+        """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
+        handshake (a drain and restart, a crash) refuses it, not knowing our agent
+        (FAILED_PRECONDITION): the agent info is exchanged again and, the worker being a new
+        incarnation, the call made once more on it."""
+        peer = self._peer(address)
+        known = peer.peer_incarnation
+        try:
+            return await self._prefill_call(req, peer)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not known:
+                raise
+            await peer.connect(_prefill_timeout(req))  # the failure reset the handshake
+            if peer.peer_incarnation == known:
+                raise  # the same process refused it
+            logger.info("prefill worker %s restarted: handshake redone", address, extra={"rid": req.rid})
+            return await self._prefill_call(req, peer)
+
+    async def _prefill_call(self, req: Req, peer: PrefillPeer) -> scheduler_pb2.PrefillResponse:
         """One Prefill call; returns once its response came and every page of its KV has landed.
 
         The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
         before the call goes out, and cancelled on any failure: after that nothing writes its pages.
         """
-        timeout = PREFILL_TIMEOUT_S
-        if req.deadline:
-            timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        peer = self._peer(address)
+        timeout = _prefill_timeout(req)
         await peer.connect(timeout)
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
         receive = self.receives[req.rid] = self.agent.expect(
@@ -286,6 +301,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         await self.outputs.close()
         for peer in self.peers.values():
             await peer.close()
+
+
+def _prefill_timeout(req: Req) -> float:
+    """Seconds a Prefill call of ``req`` may take: ``PREFILL_TIMEOUT_S``, less by its deadline."""
+    if req.deadline:
+        return max(0.1, min(PREFILL_TIMEOUT_S, req.deadline - time.time()))
+    return PREFILL_TIMEOUT_S
 
 
 def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
