@@ -1,4 +1,7 @@
-"""The Hugging Face transformers reference: fp32 greedy ``generate()`` on the same GGUF."""
+"""The Hugging Face transformers reference: fp32 greedy ``generate()`` on the same weights the server
+serves: the default GGUF as ``pdserve.model_source`` converts it (dequantized by transformers and
+kept in float16; ``tests/test_model_source.py`` checks that conversion against transformers' own
+float32 dequantization of the GGUF)."""
 
 from __future__ import annotations
 
@@ -9,14 +12,12 @@ import torch
 
 @functools.cache
 def hf_model():
-    """SmolLM2-135M-Instruct loaded by transformers straight from the package's GGUF (fp32, eval)."""
+    """SmolLM2-135M-Instruct loaded by transformers from the converted checkpoint, in float32 (eval)."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.model_source import default_gguf_path
+    from pdserve.model_source import resolve_model
 
-    gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(), dtype=torch.float32).eval()
 
 
 @functools.cache

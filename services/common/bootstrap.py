@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent, StagingConfig
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
-from pdserve.model_source import resolve_model
+from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -18,7 +18,7 @@ from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
     """ModelRunner (weights, pools, attention backend) plus the scheduler core for ``role``."""
     runner = ModelRunner(
-        resolve_model(args.model),
+        resolve_model(args.model, args.revision),
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
@@ -29,6 +29,7 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         quantization=args.quantization,
         device=args.device,
         disable_cuda_graph=args.disable_cuda_graph or role == "prefill",  # a prefill worker never decodes
+        max_model_len=args.max_model_len,
     )
     config = SchedulerConfig(
         role=role,
@@ -39,7 +40,8 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         max_queued_requests=args.max_queued_requests,
         max_queue_time=args.max_queue_time,
     )
-    return Scheduler(runner, config, SchedulerMetrics(role))
+    model_name = served_model_names(args.model, args.served_model_name)[0]
+    return Scheduler(runner, config, SchedulerMetrics(role, model_name))
 
 
 async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Scheduler:

@@ -10,6 +10,7 @@ import uuid
 import grpc
 
 from pdserve.kv_transfer import KVReceive, KVTransferAgent, KVTransferError
+from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
@@ -48,6 +49,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             it holds our prefills before they are given up on it (and retried on another one).
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
         stream_interval: tokens per output of a request (its first and last go out at once).
+
+    Attributes:
+        draining: set by ``drain`` (SIGTERM): Generate is refused (UNAVAILABLE), the rest goes on.
     """
 
     def __init__(
@@ -78,11 +82,18 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.receives: dict[str, KVReceive] = {}  # rid -> its KV transfer in flight
         scheduler.on_kv_abandoned = self._abandon_kv
         self.started: set[str] = set()  # rids whose first output went out
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, scheduler.role)
 
     # ---- gRPC ---------------------------------------------------------------------------
     async def Generate(
         self, request: scheduler_pb2.TokenizedGenerateReqInput, context
     ) -> scheduler_pb2.GenerateAck:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode worker {self.address} is shutting down: retry on another",
+            )
         try:
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
@@ -103,6 +114,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                 "scheduler_address": self.address,
             },
         )
+        tracing.start_request_span(req, self.scheduler.role)  # from arrival; ended when the request ends
         try:
             position = await self.loop.add(req)
         except ValueError as e:
@@ -112,16 +124,21 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        found = request.rid in self.scheduler.reqs
-        self._abort(request.rid, request.reason or "aborted")
-        return scheduler_pb2.AbortResponse(found=found)
+        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
-    def _abort(self, rid: str, reason: str) -> None:
-        """Stop a prefill in flight for ``rid`` and abort it in the scheduler at the next step."""
+    def busy(self) -> bool:
+        """Requests still held (queued, waiting for KV or running)."""
+        return bool(self.scheduler.reqs)
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Stop a prefill in flight for ``rid`` and abort it in the scheduler at the next step; False if
+        the scheduler does not hold it."""
+        found = rid in self.scheduler.reqs
         task = self.prefill_tasks.pop(rid, None)
         if task is not None:
             task.cancel()
         self.loop.abort(rid, reason)
+        return found
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -176,7 +193,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         for rid in rids:
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
-            self._abort(rid, f"detokenizer {address} is gone")
+            self.abort(rid, f"detokenizer {address} is gone")
 
     # ---- PD: ask prefill workers ------------------------------------------------------------
     def _start_prefills(self) -> None:
@@ -206,12 +223,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             resp = None
             for address in attempts:
                 try:
-                    resp = await self._prefill_once(req, address)
+                    with tracing.request_context(req):
+                        resp = await self._prefill_once(req, address)
                     break
                 except (grpc.aio.AioRpcError, KVTransferError, PrefillHung) as e:
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
-                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
+                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg, extra={"rid": rid})
                     if isinstance(e, grpc.aio.AioRpcError):
                         retryable = retryable and e.code() in _SERVER_STATE
                         if e.code() in _NOT_RETRYABLE:
@@ -232,15 +250,30 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.prefill_tasks.pop(rid, None)
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
+        """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
+        handshake (a drain and restart, a crash) refuses it, not knowing our agent
+        (FAILED_PRECONDITION): the agent info is exchanged again and, the worker being a new
+        incarnation, the call made once more on it."""
+        peer = self._peer(address)
+        known = peer.peer_incarnation
+        try:
+            return await self._prefill_call(req, peer)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not known:
+                raise
+            await peer.connect(_prefill_timeout(req))  # the failure reset the handshake
+            if peer.peer_incarnation == known:
+                raise  # the same process refused it
+            logger.info("prefill worker %s restarted: handshake redone", address, extra={"rid": req.rid})
+            return await self._prefill_call(req, peer)
+
+    async def _prefill_call(self, req: Req, peer: PrefillPeer) -> scheduler_pb2.PrefillResponse:
         """One Prefill call; returns once its response came and every page of its KV has landed.
 
         The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
         before the call goes out, and cancelled on any failure: after that nothing writes its pages.
         """
-        timeout = PREFILL_TIMEOUT_S
-        if req.deadline:
-            timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        peer = self._peer(address)
+        timeout = _prefill_timeout(req)
         await peer.connect(timeout)
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
         receive = self.receives[req.rid] = self.agent.expect(
@@ -268,6 +301,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         await self.outputs.close()
         for peer in self.peers.values():
             await peer.close()
+
+
+def _prefill_timeout(req: Req) -> float:
+    """Seconds a Prefill call of ``req`` may take: ``PREFILL_TIMEOUT_S``, less by its deadline."""
+    if req.deadline:
+        return max(0.1, min(PREFILL_TIMEOUT_S, req.deadline - time.time()))
+    return PREFILL_TIMEOUT_S
 
 
 def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:

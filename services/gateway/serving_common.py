@@ -20,19 +20,24 @@ REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class ServingContext:
-    """What the serving modules share: the manager and the served model name."""
+    """What the serving modules share: the manager and the served model names.
 
-    def __init__(self, manager: RequestManager, served_model_name: str) -> None:
+    ``model_names``: every id a client may send (``--served-model-name``, aliases included); the
+    first, ``served_model_name``, is the one responses report.
+    """
+
+    def __init__(self, manager: RequestManager, model_names: str | list[str]) -> None:
         self.manager = manager
-        self.served_model_name = served_model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.served_model_name = self.model_names[0]
 
     def check_model(self, model: str | None, required: bool = True) -> None:
-        """Raises ``GatewayError`` 404 unless ``model`` is the served model (or absent where optional)."""
+        """Raises ``GatewayError`` 404 unless ``model`` is a served name (or absent where optional)."""
         if model is None and not required:
             return
-        if model != self.served_model_name:
+        if model not in self.model_names:
             raise GatewayError(
-                404, f"The model '{model}' does not exist (served: '{self.served_model_name}')",
+                404, f"The model '{model}' does not exist (served: '{', '.join(self.model_names)}')",
                 param="model", code="model_not_found",
             )  # fmt: skip
 

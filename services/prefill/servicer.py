@@ -17,6 +17,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
+from pdserve.observability import tracing
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -40,7 +41,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     ``Prefill`` queues the request and waits; the KV pages decode lacks are written into decode's
     pages as they are computed, and the call answers with the first token once all are written. A
-    cancelled call (decode aborted, or gone) aborts the request and frees its pages here.
+    cancelled call (decode aborted, or gone) aborts the request and frees its pages here. While
+    ``draining`` (SIGTERM, see ``drain``) new Prefill calls are refused (UNAVAILABLE) and the ones
+    taken are finished.
 
     Args:
         scheduler: the prefill-role scheduler.
@@ -70,6 +73,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, KVTransfer] = {}  # open, by rid
         self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of their write
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, "prefill")
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -81,6 +86,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         return kv_agent_info_to_pb(self.agent.local_info())
 
     async def Prefill(self, request: scheduler_pb2.PrefillRequest, context) -> scheduler_pb2.PrefillResponse:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address} is shutting down: use another"
+            )
         if not self.agent.has_peer(request.dst_agent_name, request.dst_incarnation):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "unknown decode agent: exchange agent info first"
@@ -114,6 +123,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         self.transfers[req.rid] = transfer
+        tracing.start_request_span(req, "prefill")
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
             try:
@@ -129,7 +139,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                 await context.abort(code, str(e))
             return await waiter
         except asyncio.CancelledError:
-            self._abort(req.rid, "prefill call cancelled")
+            self.abort(req.rid, "prefill call cancelled")
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
@@ -137,7 +147,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.waiters.pop(req.rid, None)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        return scheduler_pb2.AbortResponse(found=self._abort(request.rid, request.reason or "aborted"))
+        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -147,9 +157,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             role="prefill", worker=self.address, text=self.scheduler.metrics.text()
         )
 
-    # ---- internals ----------------------------------------------------------------------
-    def _abort(self, rid: str, reason: str) -> bool:
-        """Cancel ``rid``'s transfer now and end it in the scheduler at the next step's input point."""
+    def busy(self) -> bool:
+        """Prefills taken and not yet answered (computing, or writing their KV)."""
+        return bool(self.scheduler.reqs or self.transfers or self.finishing)
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Cancel ``rid``'s transfer now and end it in the scheduler at the next step's input point;
+        False if the scheduler does not hold it."""
         found = rid in self.scheduler.reqs
         transfer = self.transfers.pop(rid, None)
         if transfer is not None:
@@ -210,7 +224,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except asyncio.CancelledError:
             return
         except KVTransferError as e:
-            logger.warning("KV write for %s failed: %s", req.rid, e)
+            logger.warning("KV write for %s failed: %s", req.rid, e, extra={"rid": req.rid})
             self.finishing.pop(req.rid, None)
             self.transfers.pop(req.rid, None)
             self.loop.call(Scheduler.prefill_sent, req.rid, False, str(e))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pdserve.layers.native import cpu_has
+from pdserve.model_source import capped_context_length
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,9 +63,14 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(
-        cls, model_path: Path, dtype: str = "auto", device: str | torch.device = "cpu"
+        cls,
+        model_path: Path,
+        dtype: str = "auto",
+        device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
     ) -> ModelConfig:
-        """Read ``model_path/config.json`` (and ``generation_config.json`` when present)."""
+        """Read ``model_path/config.json`` (and ``generation_config.json`` when present); the context
+        is capped at ``max_model_len`` (ValueError when it exceeds the model's)."""
         from transformers import AutoConfig, GenerationConfig
 
         hf = AutoConfig.from_pretrained(model_path)
@@ -76,6 +82,7 @@ class ModelConfig:
         window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
         if window:
             context_length = min(context_length, window)
+        context_length = capped_context_length(context_length, max_model_len)
         num_heads = hf.num_attention_heads
         return cls(
             hf_config=hf,

@@ -44,6 +44,8 @@ class ModelRunner:
         disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
             (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
             backend supports it; the KV pool then has one extra page for padded rows).
+        max_model_len: serve at most this many tokens per request (``--max-model-len``); default
+            the model's context.
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
@@ -63,9 +65,12 @@ class ModelRunner:
         quantization: str | None = None,
         disable_cuda_graph: bool = False,
         kv_memory_fraction: float = 0.25,
+        max_model_len: int | None = None,
     ):
         self.device = resolve_device(device)
-        self.model_config = cfg = ModelConfig.from_pretrained(Path(model_path), dtype, self.device)
+        self.model_config = cfg = ModelConfig.from_pretrained(
+            Path(model_path), dtype, self.device, max_model_len
+        )
         quantization = resolve_quantization(quantization, self.device, cfg.dtype)
         self.model = load_model(
             model_path,

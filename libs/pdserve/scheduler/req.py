@@ -88,6 +88,7 @@ class Req:
     admit_time: float = 0.0
     first_token_time: float = 0.0
     last_token_time: float = 0.0
+    finish_time: float = 0.0
     # set when an abort arrives while the request is inside a running forward
     to_abort: str = ""
     # overlap bookkeeping (see the class docstring)

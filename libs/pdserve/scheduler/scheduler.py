@@ -130,6 +130,8 @@ class Scheduler:
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
         self.needs_results = False  # the last schedule() needs the outstanding batch processed first
         self.aborted_outputs: list[StepOutput] = []
+        # called with every request as it ends (finish, abort, failure), after its pages are released
+        self.on_request_end: Callable[[Req], None] | None = None
         # decode role: called with a request whose prompt KV is still arriving, just before its pages
         # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
         self.on_kv_abandoned: Callable[[Req], None] | None = None
@@ -169,6 +171,7 @@ class Scheduler:
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
+        self.metrics.request_prompt_tokens.observe(len(req.origin_input_ids))
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         """Abort ``rid`` in whatever state it is; pages are released exactly once.
@@ -422,6 +425,7 @@ class Scheduler:
             return False
         if not req.output_ids:  # a retracted request re-admitted is not a new prompt
             req.cached_tokens = prefix
+            self.metrics.prefix_cache_queries.inc(len(req.origin_input_ids))
             self.metrics.prefix_cache_hit_tokens.inc(prefix)
         req.admit_time = time.time()
         self.metrics.queue_time.observe(req.admit_time - req.arrival_time)
@@ -517,7 +521,12 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         """Give ``req``'s pages back (its computed KV goes to the radix cache) and re-queue it."""
-        logger.info("retracting %s (%d tokens generated) to free KV pages", req.rid, len(req.output_ids))
+        logger.info(
+            "retracting %s (%d tokens generated) to free KV pages",
+            req.rid,
+            len(req.output_ids),
+            extra={"rid": req.rid},
+        )
         self.running.remove(req)
         self.ledger.release(req, cache=True)
         req.set_state(ReqState.WAITING)
@@ -567,10 +576,14 @@ class Scheduler:
         else:
             self.ledger.release(req, cache=cache)
         self.reqs.pop(req.rid, None)
+        req.finish_time = time.time()
         if req.first_token_time:
-            self.metrics.e2e.observe(time.time() - req.arrival_time)
+            self.metrics.e2e.observe(req.finish_time - req.arrival_time)
         if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
             self.metrics.finished.labels(finish_reason=req.finish_reason.value).inc()
+            self.metrics.request_generation_tokens.observe(len(req.output_ids))
+        if self.on_request_end is not None:
+            self.on_request_end(req)
 
     def _release_deferred(self, req: Req) -> None:
         """Release the KV of an ended request once no scheduled batch holds it any more."""
@@ -586,6 +599,7 @@ class Scheduler:
         m.kv_pages_free.set(self.ledger.free_pages())
         m.kv_pages_cached.set(self.ledger.cached_pages())
         m.kv_pages_total.set(self.usable_pages)
+        m.kv_cache_usage.set(self.ledger.used_pages() / self.usable_pages if self.usable_pages else 0.0)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""

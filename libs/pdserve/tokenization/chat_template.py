@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
 
@@ -36,6 +38,25 @@ class ChatPrompt:
 
     text: str
     input_ids: list[int]
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: the text of the file ``value`` names, or ``value`` itself when it is an
+    inline Jinja template (it contains ``{{`` or ``{%``).
+
+    Raises:
+        ValueError: ``value`` is neither an existing file nor a Jinja template, or does not parse.
+    """
+    path = Path(value).expanduser()
+    if "{{" not in value and "{%" not in value:
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        value = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment().parse(value)
+    except TemplateError as e:
+        raise ValueError(f"--chat-template does not parse as Jinja: {e}") from e
+    return value
 
 
 def render_chat(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
+from pdserve.model_source import capped_context_length
+
 
 @dataclass(frozen=True, slots=True)
 class TokenizerInfo:
@@ -17,7 +19,8 @@ class TokenizerInfo:
         vocab_size: number of ids the tokenizer knows (``len(tokenizer)``, added tokens included).
         eos_token_ids: every id that ends generation: the tokenizer's EOS, then those of
             generation_config.json and config.json (deduplicated, in that order).
-        context_length: ``max_position_embeddings`` of config.json, 0 when absent.
+        context_length: ``max_position_embeddings`` of config.json (0 when absent), capped at
+            ``--max-model-len``.
     """
 
     model_name: str
@@ -26,8 +29,14 @@ class TokenizerInfo:
     context_length: int
 
 
-def read_tokenizer_info(hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str) -> TokenizerInfo:
-    """Build the ``TokenizerInfo`` of ``hf`` loaded from the checkpoint directory ``checkpoint``."""
+def read_tokenizer_info(
+    hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str, max_model_len: int | None = None
+) -> TokenizerInfo:
+    """Build the ``TokenizerInfo`` of ``hf`` loaded from the checkpoint directory ``checkpoint``.
+
+    Raises:
+        ValueError: ``max_model_len`` exceeds the model's context.
+    """
     config = AutoConfig.from_pretrained(checkpoint)
     text_config = config.get_text_config()
     try:
@@ -43,5 +52,7 @@ def read_tokenizer_info(hf: PreTrainedTokenizerBase, checkpoint: Path, model_nam
         model_name=model_name,
         vocab_size=len(hf),
         eos_token_ids=eos,
-        context_length=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+        context_length=capped_context_length(
+            int(getattr(text_config, "max_position_embeddings", 0) or 0), max_model_len
+        ),
     )

@@ -53,7 +53,7 @@ spec:
   {{- with $values.runtimeClassName }}
   runtimeClassName: {{ . }}
   {{- end }}
-  terminationGracePeriodSeconds: {{ int $values.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ include "pdserve.terminationGrace" (list $root $component) }}
   {{- with $values.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -112,6 +112,9 @@ spec:
           containerPort: {{ int $tls.healthPort }}
           protocol: TCP
         {{- end }}
+        - name: metrics
+          containerPort: {{ int $root.Values.metrics.port }}
+          protocol: TCP
       envFrom:
         - configMapRef:
             name: {{ include "pdserve.fullname" $root }}-common
