@@ -71,3 +71,37 @@ def chat_ids(messages: list[dict]) -> list[int]:
     tok = hf_tokenizer()
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@functools.cache
+def xgrammar_compiler():
+    """An xgrammar compiler of its own over the reference tokenizer (EOS 2 ends a grammar)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer(), vocab_size=49152, stop_token_ids=[2])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def hf_constrained_greedy(input_ids: list[int], max_new_tokens: int, kind: str, grammar: str) -> list[int]:
+    """Greedy continuation by HF ``generate()`` under xgrammar's own HF logits processor
+    (``kind``: json_schema, compact as the server writes it; regex; ebnf; structural_tag)."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    compiler = xgrammar_compiler()
+    compile_fn = {
+        "json_schema": lambda g: compiler.compile_json_schema(g, any_whitespace=False),
+        "regex": compiler.compile_regex,
+        "ebnf": compiler.compile_grammar,
+        "structural_tag": compiler.compile_structural_tag,
+    }[kind]
+    model = hf_model()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([input_ids]),
+            attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+            logits_processor=[LogitsProcessor(compile_fn(grammar))],
+        )
+    return out[0, len(input_ids) :].tolist()

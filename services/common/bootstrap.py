@@ -7,6 +7,9 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from transformers import AutoTokenizer
+
+from pdserve.constrained.backend import GrammarBackend
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
@@ -16,9 +19,11 @@ from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
-    """ModelRunner (weights, pools, attention backend) plus the scheduler core for ``role``."""
+    """ModelRunner (weights, pools, attention backend), the grammar backend (which loads the
+    tokenizer only when the first constrained request comes) and the scheduler core for ``role``."""
+    model_path = resolve_model(args.model)
     runner = ModelRunner(
-        resolve_model(args.model),
+        model_path,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
@@ -37,7 +42,11 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
     )
-    return Scheduler(runner, config, SchedulerMetrics(role))
+    cfg = runner.model_config
+    grammars = GrammarBackend(
+        lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
+    )
+    return Scheduler(runner, config, SchedulerMetrics(role), grammars)
 
 
 async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Scheduler:

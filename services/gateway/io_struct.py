@@ -41,13 +41,17 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 @dataclass(slots=True)
 class ChatPrompt:
     """Chat messages to render with the model's chat template (done by the tokenizer service)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]]  # pdserve.v1.ChatMessage fields
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools_json: str = ""

@@ -10,8 +10,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.services.gateway.io_struct import SamplingParams
-from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, LogitBias, param_error
+from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, LogitBias
+from pdserve.services.gateway.protocol_errors import param_error
+from pdserve.services.gateway.structured_outputs import GrammarText
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -19,7 +22,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 class NativeSamplingParams(BaseModel):
     """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``.
 
-    Float fields must be finite (NaN and inf are rejected).
+    Float fields must be finite (NaN and inf are rejected). At most one of ``json_schema`` (JSON
+    text), ``regex``, ``ebnf`` and ``structural_tag`` holds the output to a grammar (SGLang's names).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -43,6 +47,11 @@ class NativeSamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     logit_bias: LogitBias = Field(default_factory=dict)
+    # constrained decoding (SGLang's names): at most one, as text (a schema as JSON text)
+    json_schema: str | None = GrammarText
+    regex: str | None = GrammarText
+    ebnf: str | None = GrammarText
+    structural_tag: str | None = GrammarText
 
     @model_validator(mode="after")
     def _check(self):
@@ -53,6 +62,13 @@ class NativeSamplingParams(BaseModel):
             raise param_error(
                 "sampling_params.min_new_tokens",
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})",
+            )
+        grammars = [kind for kind in GRAMMAR_KINDS if getattr(self, kind)]
+        if len(grammars) > 1:
+            raise param_error(f"sampling_params.{grammars[1]}", f"give at most one of {', '.join(grammars)}")
+        if grammars and self.ignore_eos:
+            raise param_error(
+                "sampling_params.ignore_eos", f"'ignore_eos' cannot be combined with {grammars[0]}"
             )
         return self
 

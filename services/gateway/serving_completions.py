@@ -26,6 +26,7 @@ from pdserve.services.gateway.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
+    log_unknown_fields,
     request_id,
     sse_response,
     usage_counts,
@@ -40,8 +41,9 @@ class OpenAIServingCompletion:
         """Serve one completions request. Raises ``GatewayError`` for every failure before streaming."""
         self.ctx.check_model(body.model)
         rid = request_id(request)
+        log_unknown_fields(rid, body.unknown_fields())
         prompts = body.prompts()
-        sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0)
+        sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0, body.constraint)
         echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
         handle = await self.ctx.manager.submit(GenerateReqInput(rid, prompts, sampling, n=body.n))
         if body.stream:

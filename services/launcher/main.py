@@ -19,6 +19,7 @@ from pdserve.cli_args import add_engine_args, add_model_arg, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
+from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.ports import PortReservation
@@ -91,6 +92,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="how the gateway picks workers",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    add_chat_parser_args(p)
     p.add_argument(
         "--api-key",
         default=None,

@@ -175,6 +175,9 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         gateway += ["--served-model-name", args.served_model_name]
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag, None):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
     binds = [(args.host, args.port), (args.host, args.grpc_port), (host, base + 3)]

@@ -17,6 +17,7 @@ from pdserve.services.common.convert import (
     sampling_params_from_pb,
     token_logprob_to_pb,
 )
+from pdserve.services.common.grammar_wait import grammar_error
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.servicer import load_info
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -78,6 +79,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.wake()
         try:
+            error = await grammar_error(self.scheduler, req.rid)
+            if error:
+                if waiter.done():
+                    waiter.exception()  # the scheduler failed it too: retrieved, not logged
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            self.loop.wake()
             return await waiter
         except asyncio.CancelledError:
             self._abort(req.rid, "prefill call cancelled")

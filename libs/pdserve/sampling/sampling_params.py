@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.constrained.spec import GRAMMAR_KINDS, GrammarSpec
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
@@ -38,6 +40,9 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's logit before penalties'
             bias, bans and sampling (OpenAI semantics: -100 bans a token, +100 all but forces it);
             logprobs stay those of the unbiased distribution.
+        json_schema / regex / ebnf / structural_tag: at most one grammar the output is held to
+            (``pdserve.constrained.GrammarSpec`` says what each kind means); EOS is allowed only
+            where the grammar is complete, and logprobs are those of the masked distribution.
     """
 
     temperature: float = 1.0
@@ -60,6 +65,19 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The request's grammar, or None when its output is unconstrained."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return GrammarSpec(kind, text)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -138,3 +156,15 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(GRAMMAR_KINDS)} may be set, got {', '.join(given)}")
+        if given:
+            if self.ignore_eos:
+                raise ValueError(
+                    f"ignore_eos cannot be combined with {given[0]}: the grammar decides the end"
+                )
+            self.grammar.validate()

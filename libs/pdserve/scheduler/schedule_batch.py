@@ -57,6 +57,7 @@ class ScheduleBatch:
             eos_token_ids=runner.model_config.eos_token_ids,
             vocab_size=runner.model_config.vocab_size,
             device=runner.device,
+            grammars=[r.grammar for r in self.reqs],
         )
         return ForwardBatch.init_new(
             forward_mode=self.forward_mode,

@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pdserve.constrained.backend import GrammarBackend
+from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.policy import SchedulePolicy
@@ -42,6 +44,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     new_token_reserve: int = 32  # tokens reserved per request at admission, beyond its prompt
+    grammar_compile_timeout: float = 20.0  # seconds a constrained request may wait for its grammar
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -68,9 +71,17 @@ class Scheduler:
         runner: the engine (``pdserve.engine.model_runner.ModelRunner``), owner of the pools.
         config: scheduling knobs.
         metrics: Prometheus metrics of this process; a private registry when omitted.
+        grammar_backend: compiles the grammars of constrained requests; without one, such
+            requests are refused.
     """
 
-    def __init__(self, runner, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        runner,
+        config: SchedulerConfig,
+        metrics: SchedulerMetrics | None = None,
+        grammar_backend: GrammarBackend | None = None,
+    ) -> None:
         config.validate()
         self.runner = runner
         self.config = config
@@ -91,6 +102,7 @@ class Scheduler:
         self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
         self.metrics = metrics or SchedulerMetrics(config.role)
         self.reqs: dict[str, Req] = {}
+        self.grammar_queue = GrammarQueue(grammar_backend, config.grammar_compile_timeout, self.metrics)
         self.waiting: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, extending in chunks (mixed / prefill roles)
         self.running: list[Req] = []  # decoding (mixed / decode roles)
@@ -102,8 +114,10 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request. Raises ValueError if it names a token outside the vocabulary (in its
-        prompt or ``logit_bias``) or cannot fit the context or the pool."""
+        """Queue a new request (a constrained one in the grammar queue until its grammar compiled:
+        ``grammar_future`` tells when). Raises ValueError if it names a token outside the
+        vocabulary (in its prompt or ``logit_bias``), cannot fit the context or the pool, or
+        carries a grammar this scheduler cannot compile (no backend; bad size)."""
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
@@ -121,9 +135,17 @@ class Scheduler:
                 f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"
                 f" ({self.usable_pages} pages of {self.page_size} tokens)"
             )
+        if req.sampling_params.grammar is not None:
+            self.grammar_queue.add(req)
+        else:
+            self.waiting.append(req)
         self.reqs[req.rid] = req
-        self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
+
+    def grammar_future(self, rid: str):
+        """The compile ``rid`` waits for in the grammar queue (a ``concurrent.futures.Future`` that
+        resolves to the compiled grammar or raises ``GrammarError``), or None."""
+        return self.grammar_queue.future(rid)
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         """Abort ``rid`` in whatever state it is; pages are released exactly once.
@@ -148,7 +170,8 @@ class Scheduler:
         return reqs
 
     def kv_ready(self, rid: str, first_token_id: int, logprob=None) -> StepOutput | None:
-        """The prefill worker wrote ``rid``'s prompt KV into our pages and sampled its next token."""
+        """The prefill worker wrote ``rid``'s prompt KV into our pages and sampled its next token
+        (under the request's grammar, if it has one: our own matcher advances by that token)."""
         req = self.waiting_for_kv.pop(rid, None)
         if req is None:
             return None
@@ -186,11 +209,12 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or len(self.grammar_queue))
 
     def schedule(self) -> ScheduleBatch | None:
         """Pick this step's requests: chunks of extends within the token budget, then decodes."""
         self._expire_deadlines()
+        self._take_compiled_grammars()
         if self.role == "decode":
             self._admit_for_kv()
         decodes = self._prepare_decodes() if self.role != "prefill" else []
@@ -258,12 +282,22 @@ class Scheduler:
         return outputs
 
     # ---- internals ----------------------------------------------------------------------
+    def _take_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose compile failed end."""
+        ready, failed = self.grammar_queue.pop_done()
+        self.waiting += ready
+        for req, error in failed:
+            self._end(req, FinishReason.ERROR, error)
+            self.aborted_outputs.append(StepOutput(req, finished=True))
+
     def _cached_prefix_len(self, req: Req) -> int:
         return self.ledger.tree.match_prefix(req.fill_ids[:-1]).num_tokens
 
     def _append_token(self, req: Req, token: int, logprob, now: float | None = None) -> None:
         now = now or time.time()
         req.output_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)  # a refusal fails the request in check_finished
         if logprob is not None:
             req.output_logprobs.append((token, logprob[0], logprob[1]))
         if req.first_token_time == 0.0:
@@ -398,6 +432,7 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         self.waiting_for_kv.pop(req.rid, None)
+        self.grammar_queue.remove(req)
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
@@ -411,7 +446,7 @@ class Scheduler:
     def _update_gauges(self) -> None:
         m = self.metrics
         m.num_running.set(len(self.running) + len(self.prefilling) + len(self.waiting_for_kv))
-        m.num_queue.set(len(self.waiting))
+        m.num_queue.set(len(self.waiting) + len(self.grammar_queue))
         m.kv_pages_used.set(self.ledger.used_pages())
         m.kv_pages_free.set(self.ledger.free_pages())
         m.kv_pages_cached.set(self.ledger.cached_pages())

@@ -16,7 +16,10 @@ class SamplingKwargs(TypedDict, total=False):
     ``temperature=0`` is greedy; ``max_new_tokens`` counts generated tokens; ``stop`` strings are
     matched on the output text; ``n`` > 1 asks for parallel samples; with ``return_logprob`` each
     token carries its logprob (natural log) and ``top_logprobs_num`` alternatives; ``logit_bias``
-    maps token ids to a value in [-100, 100] added to their logits before sampling.
+    maps token ids to a value in [-100, 100] added to their logits before sampling. At most one of
+    ``json_schema`` (a JSON Schema, as a dict or JSON text), ``regex``, ``ebnf`` (a grammar whose
+    start rule is ``root``) and ``structural_tag`` (xgrammar's format, dict or JSON text) holds
+    the output to a grammar.
     """
 
     temperature: float
@@ -39,6 +42,10 @@ class SamplingKwargs(TypedDict, total=False):
     return_logprob: bool
     top_logprobs_num: int
     logit_bias: Mapping[int, float]
+    json_schema: str | Mapping[str, Any]
+    regex: str
+    ebnf: str
+    structural_tag: str | Mapping[str, Any]
 
 
 class RequestKwargs(SamplingKwargs, total=False):
@@ -76,6 +83,8 @@ def sampling_params(sampling: Mapping[str, Any]) -> Any:
             continue
         if name == "stop" and isinstance(value, str):
             value = [value]
+        if name in ("json_schema", "structural_tag") and isinstance(value, Mapping):
+            value = json.dumps(value)
         try:
             params.MergeFrom(_wire.SamplingParams(**{name: value}))
         except (TypeError, ValueError) as err:

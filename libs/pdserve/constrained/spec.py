@@ -1,0 +1,40 @@
+"""``GrammarSpec``: what a request holds its output to, as text the grammar backend compiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The sampling-parameter names of the grammar kinds (SGLang's names), in the order they are checked.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# Longest grammar text a scheduler accepts (characters). The gateway bounds what clients send more
+# tightly; this leaves room for what it generates (tool-call and reasoning wrappers).
+MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """One grammar: ``kind`` (one of ``GRAMMAR_KINDS``) and its ``text``.
+
+    - ``json_schema``: a JSON Schema (JSON text); the output is one JSON value valid under it,
+      written compactly (no free whitespace, so small models cannot loop on blanks).
+    - ``regex``: the whole output matches this regular expression (ECMAScript-like syntax).
+    - ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) syntax whose start rule is ``root``.
+    - ``structural_tag``: an xgrammar structural tag (JSON text), e.g. free text with tool calls
+      held to their schemas, or a reasoning block followed by a JSON answer.
+
+    Equal specs compile to the same grammar, so the spec itself is the cache key.
+    """
+
+    kind: str
+    text: str
+
+    def validate(self) -> None:
+        """Raises ValueError for an unknown kind, an empty text or one over ``MAX_GRAMMAR_CHARS``."""
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
+        if not self.text:
+            raise ValueError(f"{self.kind} must not be empty")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"{self.kind} has {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS} are accepted"
+            )
