@@ -185,7 +185,6 @@ CASES = [
         path="/generate",
         param="sampling_params.ebnf",
     ),  # fmt: skip
-
     Case(
         "request-id-too-long", 400, chat(), headers={**AUTH, "X-Request-Id": "r" * 300}, param="X-Request-Id"
     ),

@@ -235,7 +235,11 @@ REJECTED = [
         "tool-call-on-a-user-message",
         chat(
             messages=[
-                {"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f", "arguments": ""}}]}
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [{"function": {"name": "f", "arguments": ""}}],
+                }
             ]
         ),
         "only an assistant message carries 'tool_calls'",
