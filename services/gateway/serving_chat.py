@@ -66,6 +66,8 @@ class OpenAIServingChat:
             return sse_response(request, handle, self._chunks(body, plan, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
+        for r in results:
+            r.text = await self._without_stop_token(plan, r.text, r.matched_stop)
         choices = [await self._choice(body, plan, r) for r in results]
         response = ChatCompletionResponse(
             id=f"chatcmpl-{rid}",
@@ -106,7 +108,8 @@ class OpenAIServingChat:
         async for delta in handle:
             result, parser = results[delta.index], parsers[delta.index]
             result.add(delta)
-            reasoning, content, calls = parser.feed(delta.text)
+            text = await self._without_stop_token(plan, delta.text, delta.matched_stop)
+            reasoning, content, calls = parser.feed(text)
             if delta.finish_reason is not None:
                 more = parser.finish()
                 reasoning, content, calls = reasoning + more[0], content + more[1], calls + more[2]
@@ -122,6 +125,14 @@ class OpenAIServingChat:
             yield chunk([choice], self._usage(handle, results, body) if body.continuous_usage else None)
         if body.include_usage:
             yield chunk([], self._usage(handle, results, body))
+
+    async def _without_stop_token(self, plan: ChatPlan, text: str, matched_stop: str | int | None) -> str:
+        """``text`` without the stop token that ended it, where special tokens are kept for the
+        tool-call parser (an EOS such as ``<|eot_id|>`` is not part of the answer)."""
+        if plan.tools is None or plan.tools.skip_special_tokens or not isinstance(matched_stop, int):
+            return text
+        stop_text = (await self.ctx.manager.token_texts.get([matched_stop]))[matched_stop]
+        return text.removesuffix(stop_text)
 
     @staticmethod
     def _usage(handle: RequestHandle, results: list[ChoiceResult], body: ChatCompletionRequest) -> UsageInfo:

@@ -125,6 +125,15 @@ def test_a_refused_token_is_remembered(backend):
     assert m.rejected == b
 
 
+def test_an_ended_grammar_masks_nothing(backend):
+    """A finished request may still be in a batch an overlapped loop built: its row stays unmasked."""
+    m = backend.matcher(compiled(backend, "regex", "a"))
+    assert m.accept(hf_tokenizer().encode("a")[0]) and m.accept(EOS) and m.terminated
+    logits = torch.zeros(1, VOCAB)
+    apply_grammars(logits, [m])
+    assert torch.isfinite(logits).all()
+
+
 def test_masks_only_constrained_rows(backend):
     m = backend.matcher(compiled(backend, "regex", "(yes|no)"))
     logits = torch.randn(3, VOCAB)

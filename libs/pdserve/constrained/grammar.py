@@ -36,8 +36,11 @@ class Grammar:
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, bit ``t % 32`` of word
-        ``t // 32`` set when token ``t`` is allowed)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        ``t // 32`` set when token ``t`` is allowed). A grammar that has ended (or refused a token)
+        leaves the row as it is (all allowed): the request is finished and a token sampled for it
+        (an overlapped loop may have scheduled it once more) is discarded."""
+        if self.rejected is None and not self._matcher.is_terminated():
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def apply_grammars(logits: torch.Tensor, grammars: Sequence[Grammar | None]) -> list[int]:

@@ -111,17 +111,18 @@ def generate_request(
     return request
 
 
-_MESSAGE_KEYS = {"role", "content", "name"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 def chat_request(messages: Sequence[Mapping[str, Any]], default_model: str, kwargs: ChatKwargs) -> Any:
     """A ``GenerateRequest`` whose prompt is ``messages`` rendered by the model's chat template.
 
-    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``); ``content`` is a
-    string or, as in OpenAI's API, a list of ``{"type": "text", "text": ...}`` parts, which are sent
-    joined without a separator (what the HTTP API renders them as). The server checks the messages
-    and ``tools`` as /v1/chat/completions does with ``tool_choice='none'``: known roles, no tool
-    messages, tools shown to the template and never parsed.
+    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``; an assistant turn
+    with the ``"tool_calls"`` it made, a ``"tool"`` turn with the ``"tool_call_id"`` it answers, as in
+    OpenAI's API); ``content`` is a string or, as in OpenAI's API, a list of ``{"type": "text",
+    "text": ...}`` parts, which are sent joined without a separator (what the HTTP API renders them
+    as). The server checks the messages and ``tools`` as /v1/chat/completions does with
+    ``tool_choice='none'``: known roles, tools shown to the template and never parsed.
 
     Raises:
         TypeError: when a message is not such a dict or a value has the wrong type, or on a bad kwarg.
@@ -149,11 +150,17 @@ def chat_request(messages: Sequence[Mapping[str, Any]], default_model: str, kwar
 
 
 def _message_fields(message: Any) -> dict[str, str]:
-    """The ``pdserve.v1.ChatMessage`` fields of one message (strings; content parts joined)."""
+    """The ``pdserve.v1.ChatMessage`` fields of one message (strings; content parts joined; tool
+    calls as JSON text)."""
     if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys() <= _MESSAGE_KEYS:
         shape = sorted(message) if isinstance(message, Mapping) else type(message).__name__
-        raise TypeError(f"a chat message has keys role, content and optionally name; got {shape}")
+        raise TypeError(
+            "a chat message has keys role, content and optionally name, tool_calls, tool_call_id; "
+            f"got {shape}"
+        )
     fields = {**message, "content": _content_text(message["content"])}
+    if "tool_calls" in fields:
+        fields["tool_calls_json"] = json.dumps(list(fields.pop("tool_calls")))
     for key, value in fields.items():
         if not isinstance(value, str):
             raise TypeError(f"{key} must be a string, got {type(value).__name__}")
