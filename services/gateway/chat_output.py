@@ -104,7 +104,8 @@ def _choice_name(choice) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ChoiceOutput:
-    """One choice's output split: reasoning (or None), content (or None) and its tool calls."""
+    """One choice's output split: reasoning (or None), content (None when tool calls were parsed
+    and no text came before them) and its tool calls."""
 
     reasoning: str | None
     content: str | None
@@ -130,7 +131,7 @@ class ChoiceParser:
         if self.plan.reasoning is not None:
             reasoning, text = self.plan.reasoning.split(text, self.plan.in_reasoning)
         if self.plan.tools is None:
-            return ChoiceOutput(reasoning, text or None, [])
+            return ChoiceOutput(reasoning, text, [])
         parsed = self.plan.tools.parse(text)
         return ChoiceOutput(reasoning, parsed.content, parsed.tool_calls[: self.plan.max_calls])
 

@@ -61,9 +61,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = list(request.input_ids)
+        generated = min(max(request.num_output_ids, 0), max(len(ids) - 1, 0))
         req = Req(
             rid=request.rid,
-            origin_input_ids=list(request.input_ids),
+            origin_input_ids=ids[: len(ids) - generated],
+            output_ids=ids[len(ids) - generated :],
             sampling_params=params,
             deadline=request.deadline_unix_s,
             meta={

@@ -134,3 +134,30 @@ def test_a_scheduler_without_backend_refuses_grammars(big_runner):
     with pytest.raises(ValueError, match="no grammar backend"):
         sched.add_request(Req("x", ask("x"), SamplingParams(regex="a")))
     assert not sched.has_work()
+
+
+def test_a_prefill_worker_resumes_a_grammar_after_the_tokens_already_generated(big_runner, backend):
+    """A request retracted on a decode worker is prefilled again with its generated tokens: the
+    prefill worker's matcher accepts them first, so its token is the one the grammar allows next."""
+    schema = json.dumps(PERSON)
+    prompt = ask("Describe a person as JSON.")
+    full = hf_constrained_greedy(prompt, 64, "json_schema", schema)
+    sched = scheduler(big_runner, backend, role="prefill")
+    for k in (0, 5, len(full) - 2):
+        req = Req(
+            f"resume-{k}", prompt, SamplingParams(temperature=0.0, json_schema=schema), output_ids=full[:k]
+        )
+        sched.add_request(req)
+        sched.grammar_future(req.rid).exception(timeout=120)
+        while not sched.prefilled:
+            batch = sched.schedule()
+            sched.process_result(batch, sched.run_batch(batch))
+        assert sched.pop_prefilled() == [req]
+        assert req.output_ids == full[: k + 1]
+        sched.prefill_sent(req.rid, ok=True)
+    refused = Req("refused", prompt, SamplingParams(temperature=0.0, json_schema=schema), output_ids=[2])
+    sched.add_request(refused)
+    sched.grammar_future("refused").exception(timeout=120)
+    assert sched.schedule() is None
+    assert refused.finish_reason == FinishReason.ERROR and "not allowed by the grammar" in refused.error
+    assert sched.ledger.used_pages() == 0

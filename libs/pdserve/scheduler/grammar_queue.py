@@ -57,8 +57,10 @@ class GrammarQueue:
         """Take out the requests whose wait is over.
 
         Returns:
-            ``(ready, failed)``: ready requests carry a fresh ``Grammar`` in ``req.grammar``; failed
-            ones come with the reason (the compile error, or the timeout), both in arrival order.
+            ``(ready, failed)``: ready requests carry a ``Grammar`` in ``req.grammar``, advanced by
+            the tokens they already generated (a request retracted on a decode worker and prefilled
+            again here); failed ones come with the reason (the compile error, the timeout, or a
+            generated token the grammar refuses), both in arrival order.
         """
         ready: list[Req] = []
         failed: list[tuple[Req, str]] = []
@@ -70,8 +72,13 @@ class GrammarQueue:
                     req.grammar = self.backend.matcher(future.result())
                 except Exception as e:  # GrammarError, or the compile thread's own failure
                     failed.append((req, str(e) or type(e).__name__))
-                else:
+                    continue
+                if all(req.grammar.accept(token) for token in req.output_ids):
                     ready.append(req)
+                else:
+                    failed.append(
+                        (req, f"generated token {req.grammar.rejected} is not allowed by the grammar")
+                    )
             elif now - start > self.timeout_s:
                 del self._pending[rid]
                 failed.append((req, f"grammar compilation took longer than {self.timeout_s:g} s"))
