@@ -100,19 +100,25 @@ def test_min_tokens_yield_to_a_complete_grammar(big_runner, backend):
     assert text(req) == "yes" and req.output_ids[-1] == 2
 
 
-def test_retracted_constrained_requests_keep_their_grammar(backend):
+def test_retracted_constrained_requests_keep_their_grammar(big_runner, backend):
     """A pool of 12 pages cannot hold four growing requests: some are retracted and recomputed,
-    and each output still equals the HF constrained reference and validates."""
-    sched = scheduler(make_runner(12 * 16), backend, new_token_reserve=1)
+    and each output still validates and equals the output of a pool large enough for all."""
     schema = json.dumps(PERSON)
     prompts = {f"r{i}": ask(q) for i, q in enumerate(["A person?", "Someone in Rome?", "A friend?", "Me?"])}
-    for rid, prompt in prompts.items():
-        add(sched, rid, prompt, json_schema=schema)
-    done = drive(sched)
-    assert sched.metrics.retracted._value.get() > 0
-    for rid, prompt in prompts.items():
-        jsonschema.validate(json.loads(text(done[rid])), PERSON)
-        assert done[rid].output_ids == hf_constrained_greedy(prompt, 64, "json_schema", schema)
+    outputs = []
+    for sched in (
+        scheduler(make_runner(12 * 16), backend, new_token_reserve=1),
+        scheduler(big_runner, backend),
+    ):
+        for rid, prompt in prompts.items():
+            add(sched, rid, prompt, json_schema=schema)
+        done = drive(sched)
+        outputs.append({rid: req.output_ids for rid, req in done.items()})
+        for req in done.values():
+            jsonschema.validate(json.loads(text(req)), PERSON)
+        if sched.runner is not big_runner:
+            assert sched.metrics.retracted._value.get() > 0
+    assert outputs[0] == outputs[1]
 
 
 def test_bad_and_slow_grammars_fail_their_request_only(big_runner, backend):
