@@ -45,14 +45,15 @@ def hf_greedy(
     max_new_tokens: int,
     logit_bias: dict[int, float] | None = None,
     min_new_tokens: int = 0,
+    processors: list | None = None,
 ) -> list[int]:
     """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server.
     ``logit_bias`` (token id -> value) is added to the logits before each argmax; EOS is masked
-    until ``min_new_tokens`` tokens were generated."""
+    until ``min_new_tokens`` tokens were generated; ``processors`` are further logits processors."""
     from transformers import LogitsProcessorList
 
     model = hf_model()
-    processors = LogitsProcessorList([_AddLogitBias(logit_bias)] if logit_bias else [])
+    processors = LogitsProcessorList(([_AddLogitBias(logit_bias)] if logit_bias else []) + (processors or []))
     with torch.no_grad():
         out = model.generate(
             torch.tensor([input_ids]),
@@ -94,14 +95,4 @@ def hf_constrained_greedy(input_ids: list[int], max_new_tokens: int, kind: str, 
         "ebnf": compiler.compile_grammar,
         "structural_tag": compiler.compile_structural_tag,
     }[kind]
-    model = hf_model()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([input_ids]),
-            attention_mask=torch.ones(1, len(input_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=model.config.eos_token_id,
-            logits_processor=[LogitsProcessor(compile_fn(grammar))],
-        )
-    return out[0, len(input_ids) :].tolist()
+    return hf_greedy(input_ids, max_new_tokens, processors=[LogitsProcessor(compile_fn(grammar))])

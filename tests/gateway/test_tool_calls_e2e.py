@@ -56,6 +56,23 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
+def required_call(stack: Stack, **extra):
+    """The one choice of a greedy QUESTION that must call a tool."""
+    return (
+        client(stack)
+        .chat.completions.create(
+            model=SERVED_MODEL,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="required",
+            temperature=0,
+            max_tokens=96,
+            **extra,
+        )
+        .choices[0]
+    )
+
+
 def check_calls(calls) -> None:
     assert calls
     for call in calls:
@@ -65,16 +82,7 @@ def check_calls(calls) -> None:
 
 @pytest.mark.parametrize("which", ["colocated", "stack"])
 def test_required_tool_call_validates_against_the_tool_schema(which, request) -> None:
-    st: Stack = request.getfixturevalue(which)
-    resp = client(st).chat.completions.create(
-        model=SERVED_MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
-        tool_choice="required",
-        temperature=0,
-        max_tokens=96,
-    )
-    choice = resp.choices[0]
+    choice = required_call(request.getfixturevalue(which))
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
     check_calls(choice.message.tool_calls)
@@ -105,11 +113,7 @@ def test_named_call_streams_arguments_that_concatenate_to_the_whole(colocated) -
 
 
 def test_parallel_calls_off_gives_one_call_and_auto_may_answer_in_text(colocated) -> None:
-    one = client(colocated).chat.completions.create(
-        model=SERVED_MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
-        parallel_tool_calls=False, temperature=0, max_tokens=96,
-    )  # fmt: skip
-    assert len(one.choices[0].message.tool_calls) == 1
+    assert len(required_call(colocated, parallel_tool_calls=False).message.tool_calls) == 1
     auto = client(colocated).chat.completions.create(
         model=SERVED_MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=TOOLS,
         temperature=0, max_tokens=16,
@@ -120,18 +124,11 @@ def test_parallel_calls_off_gives_one_call_and_auto_may_answer_in_text(colocated
 
 
 def test_second_turn_with_the_tool_result_renders_and_answers(colocated) -> None:
-    first = client(colocated).chat.completions.create(
-        model=SERVED_MODEL,
-        messages=QUESTION,
-        tools=TOOLS,
-        tool_choice="required",
-        temperature=0,
-        max_tokens=96,
-    )
-    call = first.choices[0].message.tool_calls[0]
+    first = required_call(colocated)
+    call = first.message.tool_calls[0]
     turn = [
         *QUESTION,
-        first.choices[0].message.model_dump(exclude_none=True),
+        first.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"},
     ]
     tokens = httpx.post(f"{colocated.base_url}/tokenize", json={"messages": turn}, timeout=60).json()[

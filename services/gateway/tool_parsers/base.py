@@ -74,6 +74,7 @@ class ToolParser(ABC):
     name: ClassVar[str]
     arguments_keys: ClassVar[tuple[str, ...]] = ("arguments", "parameters")
     skip_special_tokens: ClassVar[bool] = True
+    separator: ClassVar[str] = "\n"  # between parallel calls
 
     @abstractmethod
     def find_calls(self, text: str) -> tuple[int, int] | None:
@@ -96,9 +97,21 @@ class ToolParser(ABC):
         """A structural-tag element for one call of ``tool`` in this format (its arguments held
         to the tool's schema)."""
 
-    @abstractmethod
     def calls_format(self, tags: list[dict[str, Any]], at_least_one: bool, parallel: bool) -> dict[str, Any]:
-        """A structural-tag element for the calls section: one or more (``parallel``) of ``tags``."""
+        """A structural-tag element for the calls section: one or more (``parallel``) of ``tags``,
+        ``separator`` between them (a lone tag as it is)."""
+        if len(tags) == 1 and not parallel:
+            return tags[0]
+        return self.tags_with_separator(tags, at_least_one, parallel)
+
+    def tags_with_separator(self, tags: list[dict[str, Any]], at_least_one: bool, parallel: bool) -> dict:
+        return {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": self.separator,
+            "at_least_one": at_least_one,
+            "stop_after_first": not parallel,
+        }
 
     # ---- built from the above ----------------------------------------------------------------
     def parse(self, text: str) -> ParsedOutput:

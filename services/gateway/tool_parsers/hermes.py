@@ -30,14 +30,3 @@ class HermesParser(ToolParser):
 
     def call_tag(self, tool: Tool) -> dict[str, Any]:
         return self.object_tag(tool, START + "\n", "\n" + END)
-
-    def calls_format(self, tags: list[dict[str, Any]], at_least_one: bool, parallel: bool) -> dict[str, Any]:
-        if len(tags) == 1 and not parallel:
-            return tags[0]
-        return {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "\n",
-            "at_least_one": at_least_one,
-            "stop_after_first": not parallel,
-        }

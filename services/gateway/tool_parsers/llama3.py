@@ -16,6 +16,7 @@ class Llama3Parser(ToolParser):
     name = "llama3"
     arguments_keys = ("parameters", "arguments")
     skip_special_tokens = False  # <|python_tag|> is a special token
+    separator = "; "
 
     def find_calls(self, text: str) -> tuple[int, int] | None:
         body = text.lstrip()
@@ -45,17 +46,6 @@ class Llama3Parser(ToolParser):
 
     def call_tag(self, tool: Tool) -> dict[str, Any]:
         return self.object_tag(tool, "", "")
-
-    def calls_format(self, tags: list[dict[str, Any]], at_least_one: bool, parallel: bool) -> dict[str, Any]:
-        if len(tags) == 1 and not parallel:
-            return tags[0]
-        return {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": "; ",
-            "at_least_one": at_least_one,
-            "stop_after_first": not parallel,
-        }
 
 
 def _skip(text: str, at: int) -> int:

@@ -16,6 +16,7 @@ TOOL_CALLS = "[TOOL_CALLS]"
 class MistralParser(ToolParser):
     name = "mistral"
     skip_special_tokens = False
+    separator = ", "
 
     def find_calls(self, text: str) -> tuple[int, int] | None:
         at = text.find(TOOL_CALLS)
@@ -34,11 +35,5 @@ class MistralParser(ToolParser):
         return self.object_tag(tool, "", "")
 
     def calls_format(self, tags: list[dict[str, Any]], at_least_one: bool, parallel: bool) -> dict[str, Any]:
-        calls = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": ", ",
-            "at_least_one": at_least_one,
-            "stop_after_first": not parallel,
-        }
+        calls = self.tags_with_separator(tags, at_least_one, parallel)
         return st_sequence(st_const(TOOL_CALLS + "["), calls, st_const("]"))
