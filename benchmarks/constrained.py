@@ -11,10 +11,13 @@
    each request for exactly the number of tokens its constrained twin produced (``max_tokens``
    with ``ignore_eos``), so both sides generate the same tokens per request and differ only in
    the grammar work. ``--rounds`` alternates the order (constrained first, then free first, ...)
-   so the drift of a shared machine hits both alike.
+   so the drift of a shared machine hits both alike. Beside wall-clock tokens per second, each
+   side's CPU seconds of the stack's processes are measured (psutil): on a loaded machine the
+   CPU time per output token is the steadier measure of the grammar's cost.
 
-Prints a table per round, then one JSON line with the compile times and the throughput ratio
-constrained / free over all rounds (the aim of issue 22: overhead <= 10%, ratio >= 0.9).
+Prints a table per round, then one JSON line with the compile times and the ratios constrained /
+free over all rounds of output tok/s and of output tokens per stack CPU second (the aim of
+issue 22: overhead <= 10%, ratio >= 0.9).
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from tabulate import tabulate
 
 from benchmarks.serving_lib.launch import LaunchSpec, launched
 from benchmarks.serving_lib.load import run_level
+from benchmarks.serving_lib.procs import cpu_seconds, pdserve_processes
 from benchmarks.serving_lib.stats import RequestRecord, summarize
 from pdserve.constrained import GrammarSpec
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.layers.native import cpu_description
 
 CITIES = ["Paris", "Rome", "Oslo", "Lima", "Kyoto", "Cairo", "Quito", "Perth"]
 SCHEMA = {
@@ -134,8 +139,11 @@ async def chat(client: openai.AsyncOpenAI, model: str, messages: list[dict], **k
     return record
 
 
-async def throughput(base_url: str, model: str, n: int, concurrency: int, rounds: int) -> list[dict]:
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600)
+async def throughput(stack, model: str, n: int, concurrency: int, rounds: int) -> list[dict]:
+    """Per round and side: ``summarize``'s numbers plus ``cpu_s``, the CPU seconds the stack's
+    processes used while that side ran."""
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, timeout=600)
+    processes = pdserve_processes(stack.proc.pid)
     items = list(enumerate(prompts(n)))
     schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     lengths: dict[int, int] = {}
@@ -161,8 +169,10 @@ async def throughput(base_url: str, model: str, n: int, concurrency: int, rounds
         if r % 2:
             order.reverse()
         for label, send in order:
-            records = await run_level(send, items, "concurrency", concurrency, desc=f"{label} round {r}")
-            results.append({"round": r, **summarize(label, "concurrency", concurrency, records).to_dict()})
+            with cpu_seconds(processes) as cpu:
+                records = await run_level(send, items, "concurrency", concurrency, desc=f"{label} round {r}")
+            summary = summarize(label, "concurrency", concurrency, records).to_dict()
+            results.append({"round": r, **summary, "cpu_s": round(sum(cpu.values()), 2)})
     return results
 
 
@@ -178,27 +188,41 @@ def main(argv: list[str] | None = None) -> None:
 
     compile_result = compile_times(args.compiles)
     with launched(LaunchSpec("constrained", args.flags)) as stack:
-        results = asyncio.run(
-            throughput(stack.base_url, args.model, args.num_requests, args.concurrency, args.rounds)
-        )
+        results = asyncio.run(throughput(stack, args.model, args.num_requests, args.concurrency, args.rounds))
     rows = [
         [r["round"], r["label"], r["completed"], r["errors"], r["mean_output_tokens"], r["output_throughput"],
-         r["ttft_ms"]["p50"], r["itl_ms"]["p50"], r["e2e_ms"]["p50"]]
+         r["cpu_s"], r["ttft_ms"]["p50"], r["itl_ms"]["p50"], r["e2e_ms"]["p50"]]
         for r in results
     ]  # fmt: skip
-    headers = ["round", "side", "ok", "errors", "out tokens", "out tok/s", "TTFT p50", "ITL p50", "E2E p50"]
+    headers = ["round", "side", "ok", "errors", "out tokens", "out tok/s", "stack CPU s", "TTFT p50",
+               "ITL p50", "E2E p50"]  # fmt: skip
+    cpu = cpu_description()
+    print(f"CPU: {cpu}")
     print(tabulate(rows, headers=headers))
-    tok_s = {
-        side: sum(r["output_throughput"] for r in results if r["label"] == side)
-        for side in ("constrained", "free")
-    }
-    ratio = round(tok_s["constrained"] / tok_s["free"], 3) if tok_s["free"] else None
+    ratio, cpu_ratio = side_ratio(results, "output_throughput"), side_ratio(results, "tokens_per_cpu_s")
     print(
         f"\n50-property schema: tokenizer analysis {compile_result['tokenizer_analysis_s']} s (once per "
         f"scheduler), compile cold {compile_result['cold_ms']} ms, cached {compile_result['cached_ms']} ms; "
-        f"constrained / free output tok/s at concurrency {args.concurrency}: {ratio}"
+        f"constrained / free at concurrency {args.concurrency}: output tok/s {ratio}, "
+        f"output tokens per stack CPU second {cpu_ratio}"
     )
-    print(json.dumps({"compile": compile_result, "ratio": ratio, "target_ratio": 0.9, "results": results}))
+    summary = {"cpu": cpu, "compile": compile_result, "ratio": ratio, "cpu_ratio": cpu_ratio}
+    print(json.dumps({**summary, "target_ratio": 0.9, "results": results}))
+
+
+def side_ratio(results: list[dict], key: str) -> float | None:
+    """Constrained / free over all rounds: of the summed output tok/s (``output_throughput``), or of
+    output tokens per CPU second of the stack (``tokens_per_cpu_s``: all tokens over all CPU seconds)."""
+
+    def side(label: str) -> float:
+        rows = [r for r in results if r["label"] == label]
+        if key == "output_throughput":
+            return sum(r[key] for r in rows)
+        cpu = sum(r["cpu_s"] for r in rows)
+        return sum(r["completed"] * r["mean_output_tokens"] for r in rows) / cpu if cpu else 0.0
+
+    free = side("free")
+    return round(side("constrained") / free, 3) if free else None
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Expected numbers come from the checkpoint's config.json and the HF tokenizer, no
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import httpx
@@ -113,18 +114,23 @@ async def test_harmless_openai_chat_fields_are_accepted(local_gateway) -> None:
     assert info.value.body["type"] == "service_unavailable"
 
 
-async def test_unknown_completion_fields_and_message_fields_are_accepted(local_gateway) -> None:
+async def test_unknown_completion_fields_and_message_fields_are_accepted(local_gateway, caplog) -> None:
     """A completions request with fields this server does not know, and a chat whose messages
-    carry fields a client copied from a response (refusal, annotations): accepted and ignored."""
-    for path, body in (
-        ("/v1/completions", completion(store=True, best_guess=1, prompt_cache_key="k")),
+    carry fields a client copied from a response (refusal, annotations): accepted, ignored and
+    logged by name (as vLLM does)."""
+    for path, body, ignored in (
+        ("/v1/completions", completion(store=True, best_guess=1, prompt_cache_key="k"), "best_guess, store"),
         (
             "/v1/chat/completions",
             chat(messages=[{"role": "user", "content": "hi", "refusal": None, "annotations": []}]),
+            "messages.0.annotations, messages.0.refusal",
         ),
     ):
-        r = await post(local_gateway, path, body)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pdserve.services.gateway.serving_common"):
+            r = await post(local_gateway, path, body, headers={"X-Request-Id": "unknown-fields"})
         assert r.status_code == 503, r.text  # validated, then no scheduler
+        assert f"request unknown-fields: ignoring unknown fields {ignored}" in caplog.messages
 
 
 @dataclass
