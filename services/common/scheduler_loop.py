@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.services.common.liveness import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ class SchedulerLoop:
         on_outputs: called on the loop thread with every step's outputs (tokens, finishes, aborts).
         after_schedule: called after each ``schedule()`` (the decode role starts prefill calls there,
             the prefill role starts KV writes).
+
+    Attributes:
+        heartbeat: beaten once per iteration (the worker's liveness, see ``liveness.StepWatchdog``).
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class SchedulerLoop:
         self.after_schedule = after_schedule or (lambda: None)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
+        self.heartbeat = Heartbeat()
 
     def wake(self) -> None:
         """Call after adding or aborting a request so an idle loop schedules at once."""
@@ -48,6 +53,7 @@ class SchedulerLoop:
         loop = asyncio.get_running_loop()
         sched = self.scheduler
         while not stop.is_set():
+            self.heartbeat.beat()
             self._wakeup.clear()
             batch = sched.schedule()
             self.after_schedule()

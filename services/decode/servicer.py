@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import grpc
 
 from pdserve.kv_transfer import KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
 from pdserve.services.common.grammar_wait import grammar_error
 from pdserve.services.common.scheduler_loop import SchedulerLoop
-from pdserve.services.decode.prefill_client import PrefillPeer
+from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,14 @@ logger = logging.getLogger(__name__)
 PREFILL_TIMEOUT_S = 120.0
 # errors that another prefill worker would return too
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+# failures of the prefill pool's state (down, full, slow): the client may retry the request later
+_SERVER_STATE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+# the process's identity in GetLoad: the gateway fails what it routed to an earlier incarnation
+INCARNATION = uuid.uuid4().hex
 
 
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
@@ -35,6 +45,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: how many other prefill workers a failed prefill is retried on.
         detokenizer_dead_after: seconds a detokenizer may stay unreachable before it counts as gone;
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
+        prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
+            it holds our prefills before they are given up on it (and retried on another one).
     """
 
     def __init__(
@@ -44,8 +56,10 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         agent: KVTransferAgent | None,
         prefill_retries: int = 1,
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
+        prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
     ) -> None:
         self.scheduler = scheduler
+        self.prefill_dead_after = prefill_dead_after
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
@@ -87,6 +101,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.scheduler.add_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         error = await grammar_error(self.scheduler, req.rid)
         self.loop.wake()
         if error:
@@ -157,33 +173,38 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     def _peer(self, address: str) -> PrefillPeer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PrefillPeer(address, self.agent)
+            peer = self.peers[address] = PrefillPeer(address, self.agent, self.prefill_dead_after)
         return peer
 
     async def _prefill(self, req: Req) -> None:
         """Get ``req``'s prompt KV from a prefill worker, trying the router's fallbacks on failure.
 
-        A worker that is unreachable, dies mid-transfer or times out costs one attempt; the decode
-        pages stay reserved and the next worker overwrites them. Invalid requests are not retried.
+        A worker that is unreachable, dies mid-transfer, hangs (``PrefillHung``) or times out costs
+        one attempt; the decode pages stay reserved and the next worker overwrites them. Invalid
+        requests are not retried. A request that fails on every worker for such reasons of the
+        servers' state fails as retryable (503 at the gateway).
         """
         rid = req.rid
         addresses = [req.meta["prefill_address"], *req.meta.get("fallback_prefill_addresses", ())]
         attempts = addresses[: 1 + self.prefill_retries]
         errors: list[str] = []
+        retryable = True
         try:
             resp = None
             for address in attempts:
                 try:
                     resp = await self._prefill_once(req, address)
                     break
-                except (grpc.aio.AioRpcError, KVTransferError) as e:
+                except (grpc.aio.AioRpcError, KVTransferError, PrefillHung) as e:
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
                     logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
-                    if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
-                        break
+                    if isinstance(e, grpc.aio.AioRpcError):
+                        retryable = retryable and e.code() in _SERVER_STATE
+                        if e.code() in _NOT_RETRYABLE:
+                            break
             if resp is None:
-                out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors))
+                out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors), retryable)
             else:
                 self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
                 req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
@@ -222,6 +243,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
 
 def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
+    """The scheduler's load, limits and this process's incarnation (``GetLoad``)."""
     ledger = scheduler.ledger
     return common_pb2.LoadInfo(
         num_running_reqs=len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting_for_kv),
@@ -229,4 +251,9 @@ def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
         kv_pages_used=ledger.used_pages(),
         kv_pages_free=ledger.free_pages(),
         kv_pages_cached=ledger.cached_pages(),
+        kv_pages_total=scheduler.usable_pages,
+        page_size=scheduler.page_size,
+        request_capacity=scheduler.request_capacity,
+        max_queued_requests=scheduler.max_queued_requests,
+        incarnation=INCARNATION,
     )

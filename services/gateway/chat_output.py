@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.constrained import MAX_GRAMMAR_CHARS
+from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS
 from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.protocol import ChatCompletionRequest
 from pdserve.services.gateway.reasoning_parser import ReasoningParser
@@ -65,10 +65,10 @@ def plan_chat(
     in_reasoning = reasoning is not None and reasoning.starts_reasoning(continued)
     if constraint is not None and reasoning is not None:
         constraint = reasoning.constraint(constraint, in_reasoning)
-    if constraint is not None and len(constraint.text) > MAX_GRAMMAR_CHARS:
+    if constraint is not None and len(constraint.text) > MAX_SCHEDULER_GRAMMAR_CHARS:
         raise invalid_request(
             f"the request's grammar has {len(constraint.text)} characters (tools' schemas included); "
-            f"at most {MAX_GRAMMAR_CHARS}",
+            f"at most {MAX_SCHEDULER_GRAMMAR_CHARS}",
             param="tools",
         )
     return ChatPlan(

@@ -18,27 +18,31 @@ can report ``param``.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from pdserve.sampling.bounds import INT32_MAX, MAX_N, MAX_TOOLS, MAX_TOOLS_CHARS, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
-from pdserve.services.gateway.protocol_errors import param_error, unsupported
-from pdserve.services.gateway.protocol_tools import MAX_TOOLS, AssistantToolCall, ToolChoice, ToolDef
+from pdserve.services.gateway.protocol_fields import (
+    LogitBias,
+    PositiveFloat32,
+    Seed,
+    Stop,
+    StopTokenIds,
+    TokenCount,
+    TopK,
+    check_stop,
+    param_error,
+    unsupported,
+)
+from pdserve.services.gateway.protocol_tools import AssistantToolCall, ToolChoice, ToolDef
 from pdserve.services.gateway.structured_outputs import (
     Constraint,
     ResponseFormat,
     StructuredOutputs,
     request_constraint,
 )
-
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-_INT64 = 2**63 - 1
-
-NonNegInt = Annotated[int, Field(ge=0)]
-# OpenAI's logit_bias: token id (a JSON object key, so a string of digits) -> bias in [-100, 100]
-LogitBias = dict[NonNegInt, Annotated[float, Field(ge=-100.0, le=100.0)]]
 
 
 class StreamOptions(BaseModel):
@@ -54,26 +58,26 @@ class _OpenAIRequest(BaseModel):
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM / SGLang sampling extras.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: PositiveFloat32 | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool = False
     # constrained decoding (OpenAI's and vLLM's forms)
     response_format: ResponseFormat | None = None
@@ -85,10 +89,8 @@ class _OpenAIRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
-            raise ValueError("stop strings must not be empty")
-        return v
+    def _stop_within_bounds(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return check_stop(v, "stop")
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -257,8 +259,10 @@ class ChatInput(BaseModel):
 
     /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
     they take the same messages and tools: at least one message (see ``ChatMessage``); at most
-    ``MAX_TOOLS`` tools (the gRPC API sends its tools with ``tool_choice='none'``: shown to the
-    template, never parsed); ``continue_final_message`` only with ``add_generation_prompt`` false.
+    ``MAX_TOOLS`` tools, ``MAX_TOOLS_CHARS`` characters of JSON in all (the gRPC API sends its tools
+    with ``tool_choice='none'``: shown to the template, never parsed); ``continue_final_message``
+    only with ``add_generation_prompt`` false and an assistant message last (as vLLM; the last user
+    turn "continued" would give an empty answer).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -271,6 +275,14 @@ class ChatInput(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_within_bounds(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in v])) if v else 0
+        if size > MAX_TOOLS_CHARS:
+            raise param_error("tools", f"the tools have {size} characters as JSON; at most {MAX_TOOLS_CHARS}")
+        return v
+
     @model_validator(mode="after")
     def _check_template_input(self):
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
@@ -278,6 +290,12 @@ class ChatInput(BaseModel):
         if self.add_generation_prompt and self.continue_final_message:
             raise param_error(
                 "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise param_error(
+                "continue_final_message",
+                "'continue_final_message' continues the last message, which must be the assistant's "
+                f"(it is the {self.messages[-1].role}'s)",
             )
         return self
 
@@ -303,7 +321,7 @@ class ChatCompletionRequest(ChatInput, _OpenAIRequest):
 
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

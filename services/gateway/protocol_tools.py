@@ -1,15 +1,16 @@
 """Pydantic models of OpenAI's tool-calling request fields: ``tools``, ``tool_choice`` and an
-assistant message's ``tool_calls`` (bounded: 128 tools, names as OpenAI allows them)."""
+assistant message's ``tool_calls`` (bounded by ``pdserve.sampling.bounds``: 128 tools, each one's
+parameter schema and description at most 64 KiB characters, names as OpenAI allows them)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdserve.services.gateway.structured_outputs import MAX_GRAMMAR_CHARS
+from pdserve.sampling.bounds import MAX_GRAMMAR_CHARS
 
-MAX_TOOLS = 128  # OpenAI's limit on tools per request
 ToolName = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
 
 
@@ -22,6 +23,13 @@ class FunctionDef(BaseModel):
     description: str | None = Field(None, max_length=MAX_GRAMMAR_CHARS)
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_within_bounds(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and (size := len(json.dumps(v))) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the schema has {size} characters as JSON; at most {MAX_GRAMMAR_CHARS}")
+        return v
 
 
 class ToolDef(BaseModel):

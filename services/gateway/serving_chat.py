@@ -42,6 +42,7 @@ from pdserve.services.gateway.serving_common import (
     log_unknown_fields,
     request_id,
     sse_response,
+    submit,
     usage_counts,
 )
 from pdserve.services.gateway.tool_parsers import ToolCallDelta
@@ -61,9 +62,9 @@ class OpenAIServingChat:
         if plan.tools is not None and not plan.tools.skip_special_tokens:
             sampling.skip_special_tokens = False  # the call marker is a special token
         obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
-        handle = await self.ctx.manager.submit(obj)
+        handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
-            return sse_response(request, handle, self._chunks(body, plan, handle))
+            return await sse_response(request, handle, self._chunks(body, plan, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
         for r in results:
@@ -131,7 +132,7 @@ class OpenAIServingChat:
         tool-call parser (an EOS such as ``<|eot_id|>`` is not part of the answer)."""
         if plan.tools is None or plan.tools.skip_special_tokens or not isinstance(matched_stop, int):
             return text
-        stop_text = (await self.ctx.manager.token_texts.get([matched_stop]))[matched_stop]
+        stop_text = (await self.ctx.manager.token_pieces.get([matched_stop]))[matched_stop].text
         return text.removesuffix(stop_text)
 
     @staticmethod
@@ -139,14 +140,15 @@ class OpenAIServingChat:
         return UsageInfo.of(*usage_counts(handle, results, body.n))
 
     async def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
-        """OpenAI chat logprobs: per token its text, bytes, logprob and ``top_logprobs`` alternatives."""
-        texts = await self.ctx.manager.token_texts.get(
+        """OpenAI chat logprobs: per token its text, its real bytes (those of its piece: a token that
+        holds part of a UTF-8 character keeps them), logprob and ``top_logprobs`` alternatives."""
+        pieces = await self.ctx.manager.token_pieces.get(
             [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
         )
 
         def entry(token_id: int, logprob: float) -> TopLogprobEntry:
-            text = texts[token_id]
-            return TopLogprobEntry(token=text, logprob=logprob, bytes=list(text.encode()))
+            piece = pieces[token_id]
+            return TopLogprobEntry(token=piece.text, logprob=logprob, bytes=list(piece.data))
 
         content = [
             ChatLogprobEntry(

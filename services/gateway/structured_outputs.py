@@ -20,12 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdserve.services.gateway.protocol_errors import param_error
+from pdserve.sampling.bounds import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS
+from pdserve.services.gateway.protocol_fields import param_error
 
-# Bounds on what a client sends (the schedulers accept up to 256 KiB of generated grammar).
-MAX_GRAMMAR_CHARS = 64 * 1024  # a schema (as JSON text), regex, EBNF grammar or structural tag
-MAX_CHOICES = 256
-MAX_CHOICE_CHARS = 1024
 # Longest run of whitespace a generated JSON part may hold: small models loop on blank lines.
 JSON_MAX_WHITESPACE = 1
 

@@ -9,6 +9,7 @@ import logging
 from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
+from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.prefill.servicer import PrefillServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -33,8 +34,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))
     await server.set_serving(True)
+    watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("prefill-scheduler ready on %s", address)
     await stop.wait()
+    if watchdog is not None:
+        await watchdog
     await server.stop(grace=5.0)
     await loop_task
     servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from pdserve.kv_transfer import KVLayoutMismatch, KVTransferAgent
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
@@ -79,6 +80,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.scheduler.add_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.wake()
         try:

@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from pdserve.constrained import MAX_GRAMMAR_CHARS, GrammarSpec
+from pdserve.constrained import GrammarSpec
 from pdserve.constrained.backend import GrammarBackend, GrammarError
 from pdserve.constrained.grammar import apply_grammars
+from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS, BoundError
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.reference import hf_tokenizer
 
@@ -148,14 +149,14 @@ def test_masks_only_constrained_rows(backend):
 
 
 def test_spec_and_sampling_params_bounds():
-    with pytest.raises(ValueError, match="at most"):
-        GrammarSpec("regex", "a" * (MAX_GRAMMAR_CHARS + 1)).validate()
-    with pytest.raises(ValueError, match="unknown grammar kind"):
-        GrammarSpec("lark", "x").validate()
-    with pytest.raises(ValueError, match="at most one of"):
-        SamplingParams(regex="a", ebnf='root ::= "a"').validate()
-    with pytest.raises(ValueError, match="ignore_eos"):
-        SamplingParams(regex="a", ignore_eos=True).validate()
-    with pytest.raises(ValueError, match="must not be empty"):
-        SamplingParams(regex="").validate()
+    for params, field, message in (
+        (SamplingParams(regex="a" * (MAX_SCHEDULER_GRAMMAR_CHARS + 1)), "regex", "at most 262144"),
+        (SamplingParams(regex="a", ebnf='root ::= "a"'), "ebnf", "cannot be combined with regex"),
+        (SamplingParams(regex="a", ignore_eos=True), "ignore_eos", "cannot be combined with regex"),
+        (SamplingParams(regex=""), "regex", "must not be empty"),
+    ):
+        with pytest.raises(BoundError, match=message) as info:
+            params.validate()
+        assert info.value.field == field
+    SamplingParams(regex="a" * MAX_SCHEDULER_GRAMMAR_CHARS).validate()
     assert SamplingParams(json_schema="{}").grammar == GrammarSpec("json_schema", "{}")

@@ -6,6 +6,6 @@ loop with the ``GrammarBackend`` while the request waits in its grammar queue, g
 bitmask every step; the scheduler advances the matcher by each token the request keeps.
 """
 
-from pdserve.constrained.spec import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS, GrammarSpec
+from pdserve.constrained.spec import GRAMMAR_KINDS, GrammarSpec
 
-__all__ = ["GRAMMAR_KINDS", "MAX_GRAMMAR_CHARS", "GrammarSpec"]
+__all__ = ["GRAMMAR_KINDS", "GrammarSpec"]

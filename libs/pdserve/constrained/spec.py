@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 # The sampling-parameter names of the grammar kinds (SGLang's names), in the order they are checked.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
-# Longest grammar text a scheduler accepts (characters). The gateway bounds what clients send more
-# tightly; this leaves room for what it generates (tool-call and reasoning wrappers).
-MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,14 +24,3 @@ class GrammarSpec:
 
     kind: str
     text: str
-
-    def validate(self) -> None:
-        """Raises ValueError for an unknown kind, an empty text or one over ``MAX_GRAMMAR_CHARS``."""
-        if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
-        if not self.text:
-            raise ValueError(f"{self.kind} must not be empty")
-        if len(self.text) > MAX_GRAMMAR_CHARS:
-            raise ValueError(
-                f"{self.kind} has {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS} are accepted"
-            )

@@ -46,7 +46,7 @@ class Sampler:
         greedy. A batch that only takes each row's argmax reads the logits as they are (the largest
         bfloat16 value is the largest after a cast); anything else works on a float32 copy.
         Constrained rows (``info.grammars``) are masked by their grammar first."""
-        top_k_max = max(top_logprobs_nums or [0])
+        top_k_max = min(max(top_logprobs_nums or [0]), logits.shape[-1])
         if return_logprob or top_k_max or not (info is None or info.argmax_only):
             logits = logits.float()
         constrained = apply_grammars(logits, info.grammars) if info is not None and info.grammars else []
@@ -115,7 +115,7 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tens
     """
     probs = torch.softmax(logits / info.temperatures[rows], dim=-1)
     top_ks = info.top_ks[rows]
-    k = int(top_ks.max()) if info.need_top_k else info.vocab_size
+    k = min(int(top_ks.max()), info.vocab_size) if info.need_top_k else info.vocab_size
     if k < info.vocab_size:
         sorted_probs, order = probs.topk(k, dim=-1)
     else:

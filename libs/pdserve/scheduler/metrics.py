@@ -38,6 +38,12 @@ class SchedulerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.rejected = Counter(
+            "pdserve:requests_rejected",
+            "Requests refused for overload: queue_full (at arrival) or queue_time (waited too long)",
+            ["reason"],
+            registry=r,
+        )
         self.retracted = Counter(
             "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
         )
