@@ -76,7 +76,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         elif which == "input_ids":
             prompt = list(request.input_ids.ids)
         elif which == "chat":
-            prompt = _validate(ChatInput, _chat_fields(request.chat)).chat_prompt()
+            prompt = validate_as_body(ChatInput, _chat_fields(request.chat)).chat_prompt()
         else:
             raise invalid_request("one of text, input_ids or chat is required", param="input")
         if not prompt:
@@ -87,7 +87,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             "return_logprob": sampling.pop("return_logprob", False),
             "top_logprobs_num": sampling.pop("top_logprobs_num", 0),
         }
-        options = _validate(
+        options = validate_as_body(
             GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **logprob_options}
         )
         params = options.sampling_params
@@ -169,7 +169,7 @@ def _json_field(name: str, text: str) -> Any:
         raise invalid_request(f"'{name}' is not valid JSON: {e}", param=name) from None
 
 
-def _validate(model: type[_Model], fields: dict[str, Any]) -> _Model:
+def validate_as_body(model: type[_Model], fields: dict[str, Any]) -> _Model:
     """``fields`` validated by ``model``; a failure raises the 400 HTTP answers for that JSON body."""
     try:
         return model.model_validate(fields)
