@@ -9,7 +9,6 @@ transformers decoding under xgrammar's own HF logits processor.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 
@@ -55,9 +54,16 @@ async def ask_schemas(stack: Stack, **sampling) -> list:
     )
 
 
-@functools.cache
+_GREEDY: dict[str, tuple[str, ...]] = {}
+
+
 def colocated_greedy(stack: Stack) -> tuple[str, ...]:
-    return tuple(r.choices[0].message.content for r in asyncio.run(ask_schemas(stack, temperature=0)))
+    """The greedy answers of ``stack`` to every schema, asked once per stack (a ``Stack`` is unhashable)."""
+    if stack.base_url not in _GREEDY:
+        _GREEDY[stack.base_url] = tuple(
+            r.choices[0].message.content for r in asyncio.run(ask_schemas(stack, temperature=0))
+        )
+    return _GREEDY[stack.base_url]
 
 
 def check_valid(contents, schemas=SCHEMAS) -> None:
