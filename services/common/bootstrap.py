@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from pdserve.constrained.backend import GrammarBackend
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent
+from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent, StagingConfig
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
 from pdserve.model_source import resolve_model
 from pdserve.scheduler.metrics import SchedulerMetrics
@@ -63,9 +63,12 @@ async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Sched
         return await asyncio.get_running_loop().run_in_executor(pool, build_scheduler, args, role)
 
 
-def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> KVTransferAgent:
-    """One NIXL agent per scheduler process with the whole KV pool registered; its UCX transports use
-    only the interface of ``host``, the internal address the process binds (``restrict_ucx_to``)."""
+def build_kv_agent(
+    scheduler: Scheduler, role: str, address: str, host: str, staging: StagingConfig | None = None
+) -> KVTransferAgent:
+    """One NIXL agent per scheduler process with the whole KV pool and its staging memory registered; its
+    UCX transports use only the interface of ``host``, the internal address the process binds
+    (``restrict_ucx_to``)."""
     restrict_ucx_to(host)
     runner = scheduler.runner
     cfg = runner.model_config
@@ -79,4 +82,4 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
         layout=POOL_LAYOUT,
     )
     name = f"{role}-{address}-{uuid.uuid4().hex[:8]}"
-    return KVTransferAgent(name, runner.kv_pool.kv_data, layout)
+    return KVTransferAgent(name, runner.kv_pool.kv_data, layout, staging)

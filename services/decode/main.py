@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_float, setup_logging
+from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
@@ -37,6 +38,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
     )
     parser.add_argument(
+        "--kv-staging-lanes",
+        type=int,
+        default=StagingConfig.lanes,
+        help="prefill workers that may send scattered KV pages through staging slots at once"
+        " (0: they write pages directly, one NIXL descriptor per layer and run of pages)",
+    )
+    parser.add_argument(
         "--prefill-dead-after",
         type=positive_float,
         default=DEFAULT_PREFILL_DEAD_AFTER_S,
@@ -52,7 +60,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = internal_server(args, [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, role)
-    agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
+    staging = StagingConfig(lanes=max(0, args.kv_staging_lanes))
+    agent = build_kv_agent(scheduler, role, address, args.host, staging) if role == "decode" else None
     servicer = DecodeServicer(
         scheduler,
         address,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -27,6 +29,7 @@ from pdserve.services.common.convert import (
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PREFILL_DEAD_AFTER_S = 5.0
 
@@ -38,6 +41,10 @@ class PrefillHung(Exception):
 class PrefillPeer:
     """One prefill worker as seen from a decode worker: channel, stub, the agent handshake and a
     ``HealthWatch`` (polling from the first call on) that gives up calls to it when it hangs.
+
+    The decode agent grants the worker a receive lane (staging slots it may write gathered pages
+    into), kept for its address across reconnects: a worker restarted on the same address is a new
+    process, the old one gone.
 
     Args:
         address: the prefill worker's "host:port".
@@ -53,30 +60,47 @@ class PrefillPeer:
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
         self.health = HealthWatch(self.channel, dead_after)
+        self.peer_name = ""
         self.peer_incarnation = ""
-        self.peer_agent_name = ""
 
     async def handshake(self, timeout: float) -> None:
-        """Send our agent info, learn the peer's; done once per peer and redone after a restart.
+        """Send our agent info (and its lane), learn the peer's; done once per peer and redone after a
+        restart.
 
         Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout mismatch).
         """
+        lane = self.agent.lane_for(self.address)
         info = await self.stub.ExchangeKVAgentInfo(
-            kv_agent_info_to_pb(self.agent.local_info()), timeout=timeout
+            kv_agent_info_to_pb(self.agent.local_info(lane)), timeout=timeout
         )
-        self.agent.add_peer(kv_agent_info_from_pb(info))
+        self.agent.add_peer(kv_agent_info_from_pb(info), lane=lane)
+        self.peer_name = info.agent_name
         self.peer_incarnation = info.incarnation
-        self.peer_agent_name = info.agent_name
 
-    async def prefill(self, req: Req, timeout: float) -> scheduler_pb2.PrefillResponse:
-        """Ask the peer to prefill ``req`` and write the pages we lack; returns its first token.
+    async def connect(self, timeout: float) -> None:
+        """The handshake, unless done since the peer last (re)started; under the health watch.
 
         Raises:
             grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
             PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
         """
+        if not self.peer_incarnation:
+            await self._watched(self.handshake(timeout))
+
+    async def prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
+        """Ask the peer to prefill ``req`` and write the pages we lack as transfer ``tid``; returns its
+        first token (the pages may still be landing: await the transfer's ``KVReceive`` too).
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
+            PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
+        """
+        return await self._watched(self._prefill(req, tid, timeout))
+
+    async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``'s result, unless the peer's health checks go unanswered first (``PrefillHung``)."""
         self.health.start()
-        call = asyncio.ensure_future(self._prefill(req, timeout))
+        call = asyncio.ensure_future(coro)
         silent = asyncio.ensure_future(self.health.wait_silent())
         try:
             await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
@@ -94,13 +118,11 @@ class PrefillPeer:
 
     def _forget_peer(self) -> None:
         """Drop the hung peer's NIXL connection; the handshake is redone when it answers again."""
-        if self.peer_agent_name:
-            self.agent.remove_peer(self.peer_agent_name)
+        if self.peer_name:
+            self.agent.remove_peer(self.peer_name)
         self.peer_incarnation = ""
 
-    async def _prefill(self, req: Req, timeout: float) -> scheduler_pb2.PrefillResponse:
-        if not self.peer_incarnation:
-            await self.handshake(timeout)
+    async def _prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
         local = self.agent.local_info()
         request = scheduler_pb2.PrefillRequest(
             rid=req.rid,
@@ -112,6 +134,7 @@ class PrefillPeer:
             dst_start_page=req.num_prefix_pages,
             deadline_unix_s=req.deadline,
             num_output_ids=len(req.output_ids),
+            kv_transfer_id=tid.decode(),
         )
         try:
             return await self.stub.Prefill(request, timeout=timeout)

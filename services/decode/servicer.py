@@ -9,7 +9,7 @@ import uuid
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent, KVTransferError
+from pdserve.kv_transfer import KVReceive, KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
@@ -71,6 +71,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
+        self.receives: dict[str, KVReceive] = {}  # rid -> its KV transfer in flight
+        scheduler.on_kv_abandoned = self._abandon_kv
         self.started: set[str] = set()  # rids whose first output went out
 
     # ---- gRPC ---------------------------------------------------------------------------
@@ -222,17 +224,35 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.loop.wake()
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
-        """One Prefill call; returns once the response and the NIXL notification both arrived."""
+        """One Prefill call; returns once its response came and every page of its KV has landed.
+
+        The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
+        before the call goes out, and cancelled on any failure: after that nothing writes its pages.
+        """
         timeout = PREFILL_TIMEOUT_S
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        notified = asyncio.create_task(self.agent.wait_for_notification(req.rid.encode(), timeout_s=timeout))
+        peer = self._peer(address)
+        await peer.connect(timeout)
+        tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
+        receive = self.receives[req.rid] = self.agent.expect(
+            peer.peer_name, tid, req.pages[req.num_prefix_pages :]
+        )
+        start = time.monotonic()
         try:
-            resp = await self._peer(address).prefill(req, timeout)
-            await notified
+            resp = await peer.prefill(req, tid, timeout)
+            await receive.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
-            notified.cancel()
+            receive.cancel()  # no-op once every page landed
+            if self.receives.get(req.rid) is receive:
+                del self.receives[req.rid]
         return resp
+
+    def _abandon_kv(self, req: Req) -> None:
+        """The scheduler frees ``req``'s pages next: stop its transfer first (no scatter after this)."""
+        receive = self.receives.pop(req.rid, None)
+        if receive is not None:
+            receive.cancel()
 
     async def close(self) -> None:
         for task in self.prefill_tasks.values():

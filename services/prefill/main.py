@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
     add_scheduler_args(parser, port=30010)
+    parser.add_argument(
+        "--kv-stream-chunks",
+        default="on",
+        choices=["on", "off"],
+        help="send a chunked prompt's finished pages while later chunks compute (off: all at the end)",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -29,7 +35,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = internal_server(args, [service])
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, "prefill")
-    servicer = PrefillServicer(scheduler, address, build_kv_agent(scheduler, "prefill", address, args.host))
+    agent = build_kv_agent(scheduler, "prefill", address, args.host)
+    servicer = PrefillServicer(scheduler, address, agent, stream_chunks=args.kv_stream_chunks == "on")
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

@@ -1,4 +1,11 @@
-"""PrefillScheduler servicer: prefill prompts for decode workers and write their KV over NIXL."""
+"""PrefillScheduler servicer: prefill prompts for decode workers and write their KV over NIXL.
+
+A request's KV transfer opens when its Prefill call arrives. After every scheduling step the pages its
+finished chunks filled are sent (``stream_chunks``), so they move while later chunks compute; the rest
+go once the last chunk has sampled the first token, and the call answers when every byte is written.
+A transfer is cancelled (no page of it read any more) before the scheduler's pages of an ended
+request can be handed to another one: on abort, and at the first step after a scheduler-side end.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import time
 
 import grpc
 
-from pdserve.kv_transfer import KVLayoutMismatch, KVTransferAgent
+from pdserve.kv_transfer import KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -31,18 +38,36 @@ TRANSFER_TIMEOUT_S = 30.0
 class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     """Prefill-scheduler service.
 
-    ``Prefill`` queues the request and waits; when the scheduler has its first token, the KV pages
-    decode lacks are written into decode's pages, then the call answers. A cancelled call (decode
-    aborted, or gone) aborts the request and frees its pages here.
+    ``Prefill`` queues the request and waits; the KV pages decode lacks are written into decode's
+    pages as they are computed, and the call answers with the first token once all are written. A
+    cancelled call (decode aborted, or gone) aborts the request and frees its pages here.
+
+    Args:
+        scheduler: the prefill-role scheduler.
+        address: this service's advertised "host:port".
+        agent: the NIXL agent.
+        stream_chunks: send a chunked prompt's finished pages after each chunk (else all at the end).
+        transfer_timeout_s: how long a transfer may wait for the decode side (a free slot, a WRITE's
+            completion), and at most for the end of its write after the prompt's last chunk.
     """
 
-    def __init__(self, scheduler: Scheduler, address: str, agent: KVTransferAgent) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        address: str,
+        agent: KVTransferAgent,
+        stream_chunks: bool = True,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+    ) -> None:
         self.scheduler = scheduler
         self.address = address
         self.agent = agent
+        self.stream_chunks = stream_chunks
+        self.transfer_timeout_s = transfer_timeout_s
         self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers)
         self.waiters: dict[str, asyncio.Future] = {}
-        self.transfers: dict[str, asyncio.Task] = {}
+        self.transfers: dict[str, KVTransfer] = {}  # open, by rid
+        self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of their write
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -70,18 +95,34 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             output_ids=ids[len(ids) - generated :],
             sampling_params=params,
             deadline=request.deadline_unix_s,
-            meta={
-                "dst_agent": request.dst_agent_name,
-                "dst_pages": list(request.dst_page_indices),
-                "dst_start_page": request.dst_start_page,
-            },
+            meta={"dst_start_page": request.dst_start_page, "sent_pages": 0},
         )
+        dst_pages = list(request.dst_page_indices)
+        prompt_pages = -(-len(request.input_ids) // self.scheduler.page_size)
+        if request.dst_start_page < 0 or request.dst_start_page + len(dst_pages) > prompt_pages:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"destination pages [{request.dst_start_page}, +{len(dst_pages)}) exceed the prompt's"
+                f" {prompt_pages} pages",
+            )
+        tid = (request.kv_transfer_id or request.rid).encode()
+        try:
+            transfer = self.agent.start_transfer(
+                request.dst_agent_name, tid, dst_pages, self.transfer_timeout_s
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
+            transfer.cancel()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
+            transfer.cancel()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.transfers[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.wake()
         try:
@@ -113,7 +154,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     # ---- internals ----------------------------------------------------------------------
     def _abort(self, rid: str, reason: str) -> bool:
-        task = self.transfers.pop(rid, None)
+        transfer = self.transfers.pop(rid, None)
+        if transfer is not None:
+            transfer.cancel()  # before the scheduler frees the pages it reads
+        task = self.finishing.pop(rid, None)
         if task is not None:
             task.cancel()
             self.scheduler.prefill_sent(rid, ok=False, error=reason)
@@ -126,37 +170,64 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         """Only failures and aborts come out of a prefill scheduler's steps."""
         for out in outputs:
+            transfer = self.transfers.pop(out.req.rid, None)
+            if transfer is not None:
+                transfer.cancel()
             waiter = self.waiters.get(out.req.rid)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(out.req.error or "aborted"))
 
     def _start_transfers(self) -> None:
+        """After each schedule (before the forward): stop transfers of requests that ended, send the
+        pages of finished chunks, and finish the transfers of requests whose prefill is complete."""
+        for rid in [rid for rid in self.transfers if rid not in self.scheduler.reqs]:
+            self.transfers.pop(rid).cancel()
+        if self.stream_chunks:
+            for req in self.scheduler.prefilling:
+                self._send_ready_pages(req, req.num_computed // self.scheduler.page_size)
         for req in self.scheduler.pop_prefilled():
-            self.transfers[req.rid] = asyncio.create_task(self._transfer(req))
+            transfer = self.transfers.get(req.rid)
+            if transfer is None:
+                continue
+            self._send_ready_pages(req, len(req.pages))
+            transfer.finish()
+            self.finishing[req.rid] = asyncio.create_task(self._finish(req, transfer))
 
-    async def _transfer(self, req: Req) -> None:
-        start = req.meta["dst_start_page"]
-        dst_pages = req.meta["dst_pages"]
-        src_pages = req.pages[start : start + len(dst_pages)]
-        timeout = TRANSFER_TIMEOUT_S
+    def _send_ready_pages(self, req: Req, ready_pages: int) -> None:
+        """Send the decode pages whose prompt pages ``< ready_pages`` are computed and not sent yet."""
+        transfer = self.transfers.get(req.rid)
+        if transfer is None:
+            return
+        start, sent = req.meta["dst_start_page"], req.meta["sent_pages"]
+        end = min(ready_pages - start, len(transfer.dst_pages))
+        if end > sent:
+            transfer.send(req.pages[start + sent : start + end], sent)
+            req.meta["sent_pages"] = end
+
+    async def _finish(self, req: Req, transfer: KVTransfer) -> None:
+        """Await the end of ``req``'s write, then answer its Prefill call and release its pages."""
+        prefilled = time.monotonic()
+        timeout = self.transfer_timeout_s
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
         try:
-            nbytes = await self.agent.write_pages(
-                req.meta["dst_agent"], src_pages, dst_pages, notif=req.rid.encode(), timeout_s=timeout
-            )
+            nbytes = await transfer.wait(timeout)
         except asyncio.CancelledError:
             return
-        except Exception as e:
+        except KVTransferError as e:
             logger.warning("KV write for %s failed: %s", req.rid, e)
+            self.finishing.pop(req.rid, None)
             self.transfers.pop(req.rid, None)
             self.scheduler.prefill_sent(req.rid, ok=False, error=str(e))
             waiter = self.waiters.get(req.rid)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(f"KV transfer failed: {e}"))
+            self.loop.wake()
             return
+        self.finishing.pop(req.rid, None)
         self.transfers.pop(req.rid, None)
         self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
+        self.scheduler.metrics.kv_transfer_seconds.observe(time.monotonic() - prefilled)
         response = scheduler_pb2.PrefillResponse(
             rid=req.rid,
             first_token_id=req.output_ids[-1],
