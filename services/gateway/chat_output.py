@@ -2,10 +2,11 @@
 
 ``plan_chat`` decides, before generation, how a /v1/chat/completions request is served: its
 grammar (from ``response_format`` / ``structured_outputs``, or from the tools when ``tool_choice``
-forces a call; wrapped so a reasoning block stays free text), whether tool calls are parsed out,
-and whether the output starts inside a reasoning block. ``ChoiceParser`` then splits one choice's
-text into ``reasoning_content``, ``content`` and ``tool_calls``, whole (``parse``) or streamed
-(``feed`` / ``finish``): the same parsers run either way, so a stream carries the same text.
+forces a call; wrapped so a reasoning block stays free text where the output may reason), whether
+tool calls are parsed out, and whether the output starts inside a reasoning block. ``ChoiceParser``
+then splits one choice's text into ``reasoning_content``, ``content`` and ``tool_calls``, whole
+(``parse``) or streamed (``feed`` / ``finish``): the same parsers run either way, so a stream
+carries the same text.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ class ChatPlan:
 
 
 def plan_chat(
-    body: ChatCompletionRequest, tool_parser: ToolParser | None, reasoning: ReasoningParser | None
+    body: ChatCompletionRequest,
+    tool_parser: ToolParser | None,
+    reasoning: ReasoningParser | None,
+    think_tokens: bool = False,
 ) -> ChatPlan:
     """The plan of ``body`` on a gateway with these parsers (``--tool-call-parser``,
-    ``--reasoning-parser``).
+    ``--reasoning-parser``) for a model whose vocabulary has ``<think>`` tokens (``think_tokens``)
+    or not.
 
     Raises:
         GatewayError: 400 when tools are to be called but the gateway has no tool-call parser,
@@ -63,7 +68,11 @@ def plan_chat(
         constraint = _forced_calls(body, tool_parser, choice, constraint)
     continued = body.messages[-1].content if body.continue_final_message else None
     in_reasoning = reasoning is not None and reasoning.starts_reasoning(continued)
-    if constraint is not None and reasoning is not None:
+    if (
+        constraint is not None
+        and reasoning is not None
+        and reasoning.may_reason(in_reasoning, think_tokens, body.chat_template_kwargs)
+    ):
         constraint = reasoning.constraint(constraint, in_reasoning)
     if constraint is not None and len(constraint.text) > MAX_SCHEDULER_GRAMMAR_CHARS:
         raise invalid_request(

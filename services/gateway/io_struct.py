@@ -146,12 +146,14 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """What the tokenizer service reports about the model (``Tokenizer.GetInfo``)."""
+    """What the tokenizer service reports about the model (``Tokenizer.GetInfo``); ``think_tokens``:
+    the vocabulary has ``<think>`` and ``</think>`` tokens (a reasoning model)."""
 
     model_name: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     context_length: int
+    think_tokens: bool = False
 
 
 @dataclass(slots=True)

@@ -10,7 +10,10 @@
 
 The same ``ReasoningStream`` splits streamed and whole outputs, so both give the same text. With a
 grammar, the reasoning block stays free text and the grammar applies to the answer after it
-(``constraint``).
+(``constraint``), but only where the output may reason (``may_reason``), as in vLLM (whose grammar
+starts after the end-of-reasoning token, or at the first token when the prompt already closed the
+block) and SGLang (``require_reasoning``): a model without ``<think>`` tokens, or a request that
+turns thinking off, gets its grammar from the first token.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ class ReasoningParser:
         assistant message the request continues (``continue_final_message``), else None."""
         opened = continued is not None and continued.rfind(START) > continued.rfind(END)
         return self.name == "deepseek_r1" or opened
+
+    def may_reason(self, in_reasoning: bool, think_tokens: bool, template_kwargs: dict | None) -> bool:
+        """Whether the output may hold a reasoning block, which a grammar must then leave free.
+
+        Args:
+            in_reasoning: the output starts inside a block (``starts_reasoning``).
+            think_tokens: the model's vocabulary has ``<think>`` and ``</think>`` tokens (a
+                reasoning model; without them it does not open a block of its own).
+            template_kwargs: the request's ``chat_template_kwargs``; ``enable_thinking: false``
+                (Qwen3's switch: its template closes an empty block in the prompt) turns reasoning off.
+        """
+        thinking = (template_kwargs or {}).get("enable_thinking", True) is not False
+        return in_reasoning or (think_tokens and thinking)
 
     def stream(self, in_reasoning: bool) -> ReasoningStream:
         return ReasoningStream(in_reasoning)

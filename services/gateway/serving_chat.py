@@ -57,7 +57,9 @@ class OpenAIServingChat:
         self.ctx.check_model(body.model)
         rid = request_id(request)
         log_unknown_fields(rid, body.unknown_fields())
-        plan = plan_chat(body, self.ctx.tool_parser, self.ctx.reasoning_parser)
+        reasoning = self.ctx.reasoning_parser
+        think_tokens = reasoning is not None and (await self.ctx.manager.model_info()).think_tokens
+        plan = plan_chat(body, self.ctx.tool_parser, reasoning, think_tokens)
         sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0, plan.constraint)
         if plan.tools is not None and not plan.tools.skip_special_tokens:
             sampling.skip_special_tokens = False  # the call marker is a special token

@@ -66,4 +66,5 @@ def info_to_pb(info: TokenizerInfo) -> tokenizer_pb2.TokenizerInfoResponse:
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
         context_length=info.context_length,
+        think_tokens=info.think_tokens,
     )

@@ -80,6 +80,29 @@ def test_bad_grammars_fail_with_a_clean_reason(backend, kind, text, reason):
     assert ".cc:" not in message and "Check failed" not in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("part", "kind", "reason"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"type": "objec"}},
+            "json_schema",
+            'Unsupported type "objec"',
+        ),
+        ({"type": "regex", "pattern": "(ab"}, "regex", "parenthesis is not closed"),
+        ({"type": "grammar", "grammar": 'root ::= "a" |'}, "ebnf", "EBNF parser error"),
+    ],
+)
+def test_a_structural_tag_names_the_part_that_is_wrong(backend, part, kind, reason):
+    """A reasoning block before the client's grammar: the error names the client's kind, not the tag."""
+    free = {"type": "optional", "content": {"type": "tag", "begin": "<think>", "end": "</think>",
+                                            "content": {"type": "any_text"}}}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [free, part]}}
+    future, _ = backend.compile(GrammarSpec("structural_tag", json.dumps(tag)))
+    with pytest.raises(GrammarError) as err:
+        future.result(timeout=120)
+    assert str(err.value).startswith(f"invalid {kind}: ") and reason in str(err.value)
+
+
 def test_compiles_are_cached_by_spec(backend):
     spec = GrammarSpec("regex", "[0-9]{3}-cache")
     first, hit = backend.compile(spec)

@@ -61,29 +61,36 @@ def test_impossible_tool_choices_are_400(fields, message) -> None:
 
 
 def test_a_grammar_over_the_bound_is_400() -> None:
-    huge = {
-        "type": "object",
-        "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(1500)},
-    }
-    tool = {"type": "function", "function": {"name": "big", "parameters": huge}}
+    # 128 tools of 68 properties: 254k characters of tools (under their 256 KiB bound), but their
+    # grammar (each call's tag and schema) is over the 256 KiB a scheduler compiles
+    params = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(68)}}
+    tools = [
+        {"type": "function", "function": {"name": f"t{j:063d}", "parameters": params}} for j in range(128)
+    ]
     with pytest.raises(GatewayError) as err:
-        plan_chat(body(tools=[tool], tool_choice="required"), HERMES, None)
+        plan_chat(body(tools=tools, tool_choice="required"), HERMES, None)
     assert "at most 262144" in err.value.message
 
 
-def test_reasoning_wraps_the_grammar_and_continued_think_blocks_start_reasoning() -> None:
+def test_reasoning_wraps_the_grammar_only_where_the_output_may_reason() -> None:
     schema = {"response_format": {"type": "json_object"}}
     qwen = ReasoningParser("qwen3")
-    plan = plan_chat(body(**schema), None, qwen)
-    assert plan.constraint.kind == "structural_tag" and not plan.in_reasoning
+    plain = plan_chat(body(**schema), None, qwen)  # no <think> tokens: the grammar holds from token one
+    assert plain.constraint.kind == "json_schema" and not plain.in_reasoning
+    thinker = plan_chat(body(**schema), None, qwen, think_tokens=True)
+    assert thinker.constraint.kind == "structural_tag" and not thinker.in_reasoning
+    off = body(chat_template_kwargs={"enable_thinking": False}, **schema)
+    assert plan_chat(off, None, qwen, think_tokens=True).constraint.kind == "json_schema"
     continued = body(
         messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>"}],
         add_generation_prompt=False,
         continue_final_message=True,
         **schema,
     )
-    assert plan_chat(continued, None, qwen).in_reasoning
-    assert plan_chat(body(**schema), None, ReasoningParser("deepseek_r1")).in_reasoning
+    opened = plan_chat(continued, None, qwen)
+    assert opened.in_reasoning and opened.constraint.kind == "structural_tag"
+    deepseek = plan_chat(body(**schema), None, ReasoningParser("deepseek_r1"))
+    assert deepseek.in_reasoning and deepseek.constraint.kind == "structural_tag"
 
 
 OUTPUT = (

@@ -10,6 +10,7 @@ xgrammar releases the GIL while it compiles, so the loop keeps scheduling meanwh
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -91,16 +92,9 @@ class GrammarBackend:
         compiler = self._get_compiler()
         start = time.perf_counter()
         try:
-            if spec.kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.text, any_whitespace=False)
-            elif spec.kind == "regex":
-                compiled = compiler.compile_regex(spec.text)
-            elif spec.kind == "ebnf":
-                compiled = compiler.compile_grammar(spec.text)
-            else:
-                compiled = compiler.compile_structural_tag(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar reports bad input as these
-            raise GrammarError(f"invalid {spec.kind}: {_reason(e)}") from None
+            compiled = _compile_with(compiler, spec)
+        except _XGRAMMAR_ERRORS as e:
+            raise GrammarError(_bad_part(compiler, spec) or f"invalid {spec.kind}: {_reason(e)}") from None
         logger.debug("compiled a %s in %.3f s", spec.kind, time.perf_counter() - start)
         return compiled
 
@@ -113,6 +107,51 @@ class GrammarBackend:
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+_XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar reports bad input
+# A structural tag's parts that are grammars of their own: their type, the key of their text, the kind.
+_TAG_PARTS = {"json_schema": ("json_schema", "json_schema"), "regex": ("pattern", "regex"),
+              "grammar": ("grammar", "ebnf")}  # fmt: skip
+
+
+def _compile_with(compiler, spec: GrammarSpec) -> Any:
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.text, any_whitespace=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.text)
+    return compiler.compile_structural_tag(spec.text)
+
+
+def _bad_part(compiler, spec: GrammarSpec) -> str | None:
+    """Why a structural tag failed, named after the first of its JSON Schema / regex / EBNF parts
+    that fails alone (the part a client sent: a reasoning or tool-call wrapper around it is the
+    gateway's), e.g. ``invalid json_schema: Unsupported type "objec"``; None when none does."""
+    if spec.kind != "structural_tag":
+        return None
+    try:
+        todo = [json.loads(spec.text)]
+    except ValueError:
+        return None
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        key, kind = _TAG_PARTS.get(node.get("type"), (None, None))
+        if kind is not None and key in node:
+            text = node[key] if isinstance(node[key], str) else json.dumps(node[key])
+            try:
+                _compile_with(compiler, GrammarSpec(kind, text))
+            except _XGRAMMAR_ERRORS as e:
+                return f"invalid {kind}: {_reason(e)}"
+        else:
+            todo.extend(node.values())
+    return None
 
 
 def _reason(error: Exception) -> str:
