@@ -213,3 +213,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(its liveness: the launcher and Kubernetes then restart it); 0 = never",
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+    parser.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step's scheduling and result processing between forwards, not beside the next one",
+    )

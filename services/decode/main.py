@@ -6,7 +6,13 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_float, setup_logging
+from pdserve.cli_args import (
+    apply_env_defaults,
+    parse_service_args,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
 from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
@@ -51,6 +57,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a prefill worker may leave its health checks unanswered before the prefills it "
         "holds are retried on another one",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed output of a request (its first and last go out at once)",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -69,6 +81,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         args.prefill_retries,
         args.detokenizer_dead_after,
         args.prefill_dead_after,
+        overlap=not args.disable_overlap_schedule,
+        stream_interval=args.stream_interval,
     )
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()

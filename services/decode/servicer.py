@@ -14,7 +14,7 @@ from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
-from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
+from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
 from pdserve.services.common.grammar_wait import grammar_error
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
@@ -47,6 +47,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
         prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
             it holds our prefills before they are given up on it (and retried on another one).
+        overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
+        stream_interval: tokens per output of a request (its first and last go out at once).
     """
 
     def __init__(
@@ -57,13 +59,16 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: int = 1,
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
         prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
+        overlap: bool = True,
+        stream_interval: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.prefill_dead_after = prefill_dead_after
+        self.stream_interval = stream_interval
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
-        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills)
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, overlap=overlap)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
             dead_after=detokenizer_dead_after,
@@ -100,28 +105,28 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             },
         )
         try:
-            self.scheduler.add_request(req)
+            position = await self.loop.add(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         error = await grammar_error(self.scheduler, req.rid)
-        self.loop.wake()
+        self.loop.wake()  # a compiled grammar moves its request on at the next step
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=len(self.scheduler.waiting))
+        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        found = self._abort(request.rid, request.reason or "aborted")
-        self.loop.wake()
+        found = request.rid in self.scheduler.reqs
+        self._abort(request.rid, request.reason or "aborted")
         return scheduler_pb2.AbortResponse(found=found)
 
-    def _abort(self, rid: str, reason: str) -> bool:
-        """Stop a prefill in flight for ``rid`` and abort it in the scheduler; False if unknown."""
+    def _abort(self, rid: str, reason: str) -> None:
+        """Stop a prefill in flight for ``rid`` and abort it in the scheduler at the next step."""
         task = self.prefill_tasks.pop(rid, None)
         if task is not None:
             task.cancel()
-        return self.scheduler.abort_request(rid, reason)
+        self.loop.abort(rid, reason)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -133,24 +138,36 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
     # ---- outputs ------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
-        """Group one step's outputs into one BatchTokenIDOutput per detokenizer."""
-        batches: dict[str, output_pb2.BatchTokenIDOutput] = {}
+        """One BatchTokenIDOutput per detokenizer for one step's outputs.
+
+        With ``stream_interval`` N > 1 a request's tokens go out N at a time (and always with its
+        first token and its finish): fewer messages, decodes and SSE events per token.
+        """
+        batches: dict[str, TokenIDBatchBuilder] = {}
+        interval = self.stream_interval
         for out in outputs:
             req = out.req
             target = req.meta.get("output_address", "")
             if not target:
                 continue
             first = req.rid not in self.started
+            sent = req.meta.get("sent", 0)
+            if not (first or out.finished) and len(req.output_ids) - sent < interval:
+                continue
             self.started.add(req.rid)
             if out.finished:
                 self.started.discard(req.rid)
                 task = self.prefill_tasks.pop(req.rid, None)
                 if task is not None:
                     task.cancel()
-            batch = batches.setdefault(target, output_pb2.BatchTokenIDOutput())
-            batch.outputs.append(token_output_to_pb(req, out.new_token_ids, out.finished, first))
-        for target, batch in batches.items():
-            self.outputs.send(target, batch)
+            new_ids = req.output_ids[sent:] if interval > 1 else out.new_token_ids
+            req.meta["sent"] = len(req.output_ids)
+            builder = batches.get(target)
+            if builder is None:
+                builder = batches[target] = TokenIDBatchBuilder()
+            builder.add(req, new_ids, out.finished, first)
+        for target, builder in batches.items():
+            self.outputs.send(target, builder.build())
 
     def _detokenizer_gone(self, address: str, dropped: list[output_pb2.BatchTokenIDOutput]) -> None:
         """Abort every request whose outputs go to the detokenizer at ``address``: no one reads them."""
@@ -165,7 +182,6 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
             self._abort(rid, f"detokenizer {address} is gone")
-        self.loop.wake()
 
     # ---- PD: ask prefill workers ------------------------------------------------------------
     def _start_prefills(self) -> None:
@@ -206,7 +222,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                         if e.code() in _NOT_RETRYABLE:
                             break
             if resp is None:
-                out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors), retryable)
+                self.loop.call(Scheduler.kv_failed, rid, "prefill failed: " + "; ".join(errors), retryable)
             else:
                 self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
                 req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
@@ -214,14 +230,11 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                 if resp.HasField("first_logprob"):
                     lp = resp.first_logprob
                     logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                out = self.scheduler.kv_ready(rid, resp.first_token_id, logprob)
+                self.loop.call(Scheduler.kv_ready, rid, resp.first_token_id, logprob)
         except asyncio.CancelledError:
             return
         finally:
             self.prefill_tasks.pop(rid, None)
-        if out is not None:
-            self._emit([out])
-        self.loop.wake()
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
         """One Prefill call; returns once its response came and every page of its KV has landed.

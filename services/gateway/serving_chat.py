@@ -22,13 +22,10 @@ from pdserve.services.gateway.protocol_responses import (
     AssistantMessage,
     CalledFunction,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatLogprobs,
     DeltaFunction,
-    DeltaMessage,
     DeltaToolCall,
     ToolCallOut,
     TopLogprobEntry,
@@ -45,6 +42,7 @@ from pdserve.services.gateway.serving_common import (
     submit,
     usage_counts,
 )
+from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice
 from pdserve.services.gateway.tool_parsers import ToolCallDelta
 
 
@@ -96,18 +94,12 @@ class OpenAIServingChat:
 
     async def _chunks(
         self, body: ChatCompletionRequest, plan: ChatPlan, handle: RequestHandle
-    ) -> AsyncIterator[str]:
-        model, chunk_id = self.ctx.served_model_name, f"chatcmpl-{handle.rid}"
+    ) -> AsyncIterator[bytes]:
+        encoder = ChunkEncoder("chat.completion.chunk", f"chatcmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
         parsers = [ChoiceParser(plan) for _ in results]
-
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            return ChatCompletionChunk(
-                id=chunk_id, model=model, choices=choices, usage=usage
-            ).model_dump_json()
-
         for r in results:
-            yield chunk([ChatChunkChoice(index=r.index, delta=DeltaMessage(role="assistant", content=""))])
+            yield encoder.encode([chat_choice(r.index, "", role="assistant")])
         async for delta in handle:
             result, parser = results[delta.index], parsers[delta.index]
             result.add(delta)
@@ -118,16 +110,19 @@ class OpenAIServingChat:
                 reasoning, content, calls = reasoning + more[0], content + more[1], calls + more[2]
             if not (reasoning or content or calls or delta.finish_reason or delta.logprobs):
                 continue
-            choice = ChatChunkChoice(
-                index=delta.index,
-                delta=_delta_message(reasoning, content, calls),
+            choice = chat_choice(
+                delta.index,
+                content or None,
                 logprobs=await self._logprobs(delta.logprobs) if body.logprobs else None,
                 finish_reason=_finish_reason(delta.finish_reason, parser.called),
                 matched_stop=delta.matched_stop,
+                reasoning_content=reasoning or None,
+                tool_calls=_delta_calls(calls),
             )
-            yield chunk([choice], self._usage(handle, results, body) if body.continuous_usage else None)
+            usage = self._usage(handle, results, body) if body.continuous_usage else None
+            yield encoder.encode([choice], usage)
         if body.include_usage:
-            yield chunk([], self._usage(handle, results, body))
+            yield encoder.encode([], self._usage(handle, results, body))
 
     async def _without_stop_token(self, plan: ChatPlan, text: str, matched_stop: str | int | None) -> str:
         """``text`` without the stop token that ended it, where special tokens are kept for the
@@ -167,8 +162,8 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called else reason
 
 
-def _delta_message(reasoning: str, content: str, calls: list[ToolCallDelta]) -> DeltaMessage:
-    tool_calls = [
+def _delta_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    return [
         DeltaToolCall(
             index=c.index,
             id=c.id,
@@ -177,6 +172,3 @@ def _delta_message(reasoning: str, content: str, calls: list[ToolCallDelta]) -> 
         )
         for c in calls
     ]
-    return DeltaMessage(
-        content=content or None, reasoning_content=reasoning or None, tool_calls=tool_calls or None
-    )

@@ -36,7 +36,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     address = f"{args.advertise_host or args.host}:{server.port}"
     scheduler = await build_scheduler_off_loop(args, "prefill")
     agent = build_kv_agent(scheduler, "prefill", address, args.host)
-    servicer = PrefillServicer(scheduler, address, agent, stream_chunks=args.kv_stream_chunks == "on")
+    servicer = PrefillServicer(
+        scheduler,
+        address,
+        agent,
+        stream_chunks=args.kv_stream_chunks == "on",
+        overlap=not args.disable_overlap_schedule,
+    )
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
     loop_task = asyncio.create_task(servicer.loop.run(stop))

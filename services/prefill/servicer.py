@@ -1,7 +1,8 @@
 """PrefillScheduler servicer: prefill prompts for decode workers and write their KV over NIXL.
 
 A request's KV transfer opens when its Prefill call arrives. After every scheduling step the pages its
-finished chunks filled are sent (``stream_chunks``), so they move while later chunks compute; the rest
+processed chunks filled are sent (``stream_chunks``; with the overlapped loop a chunk whose batch is
+still outstanding is not, ``Scheduler.computed_tokens``), so they move while later chunks compute; the rest
 go once the last chunk has sampled the first token, and the call answers when every byte is written.
 A transfer is cancelled (no page of it read any more) before the scheduler's pages of an ended
 request can be handed to another one: on abort, and at the first step after a scheduler-side end.
@@ -49,6 +50,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         stream_chunks: send a chunked prompt's finished pages after each chunk (else all at the end).
         transfer_timeout_s: how long a transfer may wait for the decode side (a free slot, a WRITE's
             completion), and at most for the end of its write after the prompt's last chunk.
+        overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
     """
 
     def __init__(
@@ -58,13 +60,14 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         agent: KVTransferAgent,
         stream_chunks: bool = True,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        overlap: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.address = address
         self.agent = agent
         self.stream_chunks = stream_chunks
         self.transfer_timeout_s = transfer_timeout_s
-        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers)
+        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, overlap=overlap)
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, KVTransfer] = {}  # open, by rid
         self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of their write
@@ -114,24 +117,26 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:
-            transfer.cancel()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            transfer.cancel()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.transfers[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
-        self.loop.wake()
-        try:
+        try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
+            try:
+                await self.loop.add(req)
+            except (ValueError, QueueFull) as e:
+                self.transfers.pop(req.rid, None)
+                transfer.cancel()
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT
+                    if isinstance(e, ValueError)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                await context.abort(code, str(e))
             error = await grammar_error(self.scheduler, req.rid)
+            self.loop.wake()  # a compiled grammar moves its request on at the next step
             if error:
                 if waiter.done():
                     waiter.exception()  # the scheduler failed it too: retrieved, not logged
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            self.loop.wake()
             return await waiter
         except asyncio.CancelledError:
             self._abort(req.rid, "prefill call cancelled")
@@ -154,17 +159,17 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     # ---- internals ----------------------------------------------------------------------
     def _abort(self, rid: str, reason: str) -> bool:
+        """Cancel ``rid``'s transfer now and end it in the scheduler at the next step's input point."""
+        found = rid in self.scheduler.reqs
         transfer = self.transfers.pop(rid, None)
         if transfer is not None:
             transfer.cancel()  # before the scheduler frees the pages it reads
         task = self.finishing.pop(rid, None)
         if task is not None:
             task.cancel()
-            self.scheduler.prefill_sent(rid, ok=False, error=reason)
-            found = True
+            self.loop.call(Scheduler.prefill_sent, rid, False, reason)
         else:
-            found = self.scheduler.abort_request(rid, reason)
-        self.loop.wake()
+            self.loop.abort(rid, reason)
         return found
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
@@ -184,7 +189,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.transfers.pop(rid).cancel()
         if self.stream_chunks:
             for req in self.scheduler.prefilling:
-                self._send_ready_pages(req, req.num_computed // self.scheduler.page_size)
+                self._send_ready_pages(req, self.scheduler.computed_tokens(req) // self.scheduler.page_size)
         for req in self.scheduler.pop_prefilled():
             transfer = self.transfers.get(req.rid)
             if transfer is None:
@@ -218,11 +223,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             logger.warning("KV write for %s failed: %s", req.rid, e)
             self.finishing.pop(req.rid, None)
             self.transfers.pop(req.rid, None)
-            self.scheduler.prefill_sent(req.rid, ok=False, error=str(e))
+            self.loop.call(Scheduler.prefill_sent, req.rid, False, str(e))
             waiter = self.waiters.get(req.rid)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(f"KV transfer failed: {e}"))
-            self.loop.wake()
             return
         self.finishing.pop(req.rid, None)
         self.transfers.pop(req.rid, None)
@@ -237,8 +241,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         if req.output_logprobs:
             token, logprob, top = req.output_logprobs[-1]
             response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
-        self.scheduler.prefill_sent(req.rid, ok=True)
+        self.loop.call(Scheduler.prefill_sent, req.rid, True)
         waiter = self.waiters.get(req.rid)
         if waiter is not None and not waiter.done():
             waiter.set_result(response)
-        self.loop.wake()

@@ -34,7 +34,14 @@ from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.pd.test_dead_detokenizer import start_detokenizer, wait_until
 from tests.reference import chat_ids, hf_greedy
 
-PROMPT = chat_ids([{"role": "user", "content": "List five facts about the moon. " * 40}])
+
+def prompt(topic: str) -> list[int]:
+    """A prompt of several chunks; each test fails requests on its own topic, so that the decode
+    side's radix cache (which keeps an earlier test's prompt) never shrinks the transfer under test."""
+    return chat_ids([{"role": "user", "content": f"List five facts about {topic}. " * 40}])
+
+
+PROMPT = prompt("the moon")
 MAX_NEW = 8
 TRANSFER_TIMEOUT_S = 2.0
 
@@ -83,6 +90,8 @@ async def pd(schedulers):
             prefill_server.address,
             detok_server.address,
             detok,
+            prefill,
+            decode_agent,
         )
     finally:
         await channel.close()
@@ -95,14 +104,14 @@ async def pd(schedulers):
         prefill.agent.close()
 
 
-async def _run(pd, rid: str) -> tuple[list[int], int, str]:
-    """Generate ``PROMPT`` greedily; returns (token ids, finish reason, error) once it finished."""
-    stub, prefill_address, detok_address, detok = pd
+async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
+    """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
+    stub, prefill_address, detok_address, detok, *_ = pd
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
     await stub.Generate(
         scheduler_pb2.TokenizedGenerateReqInput(
             rid=rid,
-            input_ids=PROMPT,
+            input_ids=input_ids,
             sampling_params=sampling_params_to_pb(params),
             prefill_address=prefill_address,
             output_address=detok_address,
@@ -142,13 +151,14 @@ async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothi
         return real(self, *args)
 
     monkeypatch.setattr(KVSender, "_start_write", third_write_fails)
-    tokens, finish, error = await _run(pd, "broken")
+    sun = prompt("the sun")
+    tokens, finish, error = await _run(pd, "broken", sun)
     monkeypatch.undo()
     assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error and "wire broke" in error
     assert len(calls) >= 3
     await _idle_and_conserved(schedulers)
-    tokens, finish, _ = await _run(pd, "after-broken")  # reuses the failed request's freed pages
-    assert tokens == hf_greedy(PROMPT, MAX_NEW)
+    tokens, finish, _ = await _run(pd, "after-broken", sun)  # reuses the failed request's freed pages
+    assert tokens == hf_greedy(sun, MAX_NEW)
     await _idle_and_conserved(schedulers)
 
 
@@ -164,11 +174,37 @@ async def test_a_decode_side_that_stalls_times_out_on_both_sides(schedulers, pd,
         real(self, sender, landed)
 
     monkeypatch.setattr(KVReceiver, "on_landed", hung)
-    tokens, finish, error = await _run(pd, "stalled")
+    mars = prompt("Mars")
+    tokens, finish, error = await _run(pd, "stalled", mars)
     assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error, error
     await _idle_and_conserved(schedulers)
     stalled.set()
     monkeypatch.undo()
-    tokens, finish, _ = await _run(pd, "after-stall")
-    assert tokens == hf_greedy(PROMPT, MAX_NEW)
+    tokens, finish, _ = await _run(pd, "after-stall", mars)
+    assert tokens == hf_greedy(mars, MAX_NEW)
+    await _idle_and_conserved(schedulers)
+
+
+async def test_a_prefill_call_cancelled_while_its_add_is_queued_aborts_it(schedulers, pd):
+    """Cancelled before the loop's next step applies its add (a decode side aborting early), the
+    Prefill call still aborts the request: its transfer is cancelled at once and the request ends at
+    that same step input point, instead of being prefilled and holding its pages until the transfer
+    times out. (The handler is called directly, so it is cancelled exactly at that await.)"""
+    *_, prefill, decode_agent = pd
+    prefill.agent.add_peer(decode_agent.local_info())  # what the decode side's handshake does
+    local = decode_agent.local_info()
+    request = scheduler_pb2.PrefillRequest(
+        rid="cancelled-early",
+        input_ids=prompt("Venus"),
+        sampling_params=sampling_params_to_pb(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)),
+        dst_agent_name=local.agent_name,
+        dst_incarnation=local.incarnation,
+    )
+    call = asyncio.create_task(prefill.Prefill(request, None))
+    while "cancelled-early" not in prefill.transfers:  # the call is awaiting its add
+        await asyncio.sleep(0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert "cancelled-early" not in prefill.transfers
     await _idle_and_conserved(schedulers)
