@@ -13,7 +13,7 @@ from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.reference import chat_ids, hf_constrained_greedy, hf_greedy, hf_tokenizer
-from tests.scheduler.test_scheduler import drive, make_runner
+from tests.scheduler.driver import drive, make_runner
 
 PERSON = {
     "type": "object",
@@ -62,7 +62,10 @@ def big_runner():
     return make_runner(8192)
 
 
-def test_constrained_rows_mixed_with_free_ones_match_hf(big_runner, backend):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_rows_mixed_with_free_ones_match_hf(big_runner, backend, overlap):
+    """Also overlapped: a constrained row waits for its pending token (its next mask follows from it)
+    while the free row's next step could be scheduled ahead."""
     sched = scheduler(big_runner, backend)
     schema, regex = json.dumps(PERSON), r"(yes|no), because [a-z ]{1,30}\."
     person, sky, free = ask("Describe a person as JSON."), ask("Is the sky blue?"), ask("Name a fruit.")
@@ -70,7 +73,7 @@ def test_constrained_rows_mixed_with_free_ones_match_hf(big_runner, backend):
     add(sched, "regex", sky, regex=regex)
     add(sched, "free", free, max_new_tokens=16)
     add(sched, "sampled", person, json_schema=schema, temperature=0.9, seed=7)
-    done = drive(sched)
+    done = drive(sched, overlap=overlap)
     assert done["json"].output_ids == hf_constrained_greedy(person, 64, "json_schema", schema)
     assert done["regex"].output_ids == hf_constrained_greedy(sky, 64, "regex", regex)
     assert done["free"].output_ids == hf_greedy(free, 16)
