@@ -112,8 +112,14 @@ def test_regex_choice_and_grammar_forms(which, request) -> None:
         "Answer: yes!",
         "Answer: no!",
     )
-    obj = json.loads(chat(response_format={"type": "json_object"}).message.content)
-    assert isinstance(obj, dict)
+    # any JSON object: on most questions greedy SmolLM2 nests or lengthens it past max_tokens
+    # (measured: 4 of 5 prompts); this one it closes
+    json_object = client.chat.completions.create(
+        model=SERVED_MODEL, messages=messages("What is 2+2?"), max_tokens=48, temperature=0,
+        response_format={"type": "json_object"},
+    ).choices[0]  # fmt: skip
+    assert json_object.finish_reason == "stop"
+    assert isinstance(json.loads(json_object.message.content), dict)
     completion = client.completions.create(
         model=SERVED_MODEL, prompt="The sky is", max_tokens=16, temperature=0,
         extra_body={"structured_outputs": {"regex": " [a-z]+ and [a-z]+\\."}},

@@ -57,7 +57,9 @@ def client(stack: Stack) -> openai.OpenAI:
 
 
 def required_call(stack: Stack, **extra):
-    """The one choice of a greedy QUESTION that must call a tool."""
+    """The one choice of a greedy QUESTION that must call a tool. One call: with parallel calls
+    allowed, greedy SmolLM2 repeats the same call until max_tokens (a second <tool_call> by token
+    ~45 of 96), and a cut call is content, not a call."""
     return (
         client(stack)
         .chat.completions.create(
@@ -67,7 +69,7 @@ def required_call(stack: Stack, **extra):
             tool_choice="required",
             temperature=0,
             max_tokens=96,
-            **extra,
+            **({"parallel_tool_calls": False} | extra),
         )
         .choices[0]
     )
