@@ -7,6 +7,9 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+from transformers import AutoTokenizer
+
+from pdserve.constrained.backend import GrammarBackend
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent, StagingConfig
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
@@ -16,9 +19,11 @@ from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
-    """ModelRunner (weights, pools, attention backend) plus the scheduler core for ``role``."""
+    """ModelRunner (weights, pools, attention backend), the grammar backend (which loads the
+    tokenizer only when the first constrained request comes) and the scheduler core for ``role``."""
+    model_path = resolve_model(args.model, args.revision)
     runner = ModelRunner(
-        resolve_model(args.model, args.revision),
+        model_path,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
@@ -41,7 +46,11 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         max_queue_time=args.max_queue_time,
     )
     model_name = served_model_names(args.model, args.served_model_name)[0]
-    return Scheduler(runner, config, SchedulerMetrics(role, model_name))
+    cfg = runner.model_config
+    grammars = GrammarBackend(
+        lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
+    )
+    return Scheduler(runner, config, SchedulerMetrics(role, model_name), grammars)
 
 
 async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Scheduler:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
 from pdserve.observability import tracing
 from pdserve.sampling.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ _OPTIONAL_FIELDS = (
     "min_new_tokens",
     "seed",
     "skip_special_tokens",
+    *GRAMMAR_KINDS,
 )
 _PLAIN_FIELDS = (
     "ignore_eos",

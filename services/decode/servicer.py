@@ -16,6 +16,7 @@ from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
+from pdserve.services.common.grammar_wait import grammar_error
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -121,6 +122,10 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        error = await grammar_error(self.scheduler, req.rid)
+        self.loop.wake()  # a compiled grammar moves its request on at the next step
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
@@ -315,7 +320,7 @@ def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
     ledger = scheduler.ledger
     return common_pb2.LoadInfo(
         num_running_reqs=len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting_for_kv),
-        num_queue_reqs=len(scheduler.waiting),
+        num_queue_reqs=len(scheduler.waiting) + len(scheduler.grammar_queue),
         kv_pages_used=ledger.used_pages(),
         kv_pages_free=ledger.free_pages(),
         kv_pages_cached=ledger.cached_pages(),

@@ -36,14 +36,17 @@ from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor
 from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.discovery import DEFAULT_INTERVAL_S, Discovery
 from pdserve.services.gateway.grpc_api import PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
+from pdserve.services.gateway.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.request_manager import ManagerConfig, RequestManager
 from pdserve.services.gateway.request_state import GatewayOutputServicer, RequestRegistry
 from pdserve.services.gateway.router import POLICIES, Router
 from pdserve.services.gateway.serving_common import ServingContext
+from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.services.gateway.worker_monitor import WorkerMonitor
 from pdserve.v1 import api_pb2, api_pb2_grpc, output_pb2, output_pb2_grpc
 
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
+    add_chat_parser_args(p)
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -219,7 +223,12 @@ class Gateway:
             self.clients, pools, self.router, self.manager.fail_worker, args.health_check_interval
         )
         self.discovery.on_removed = self.monitor.remove
-        self.ctx = ctx = ServingContext(self.manager, args.model_names)
+        self.ctx = ctx = ServingContext(
+            self.manager,
+            args.model_names,
+            TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
+            ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
+        )
         self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx))
         self.internal.add(
             output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)

@@ -24,6 +24,7 @@ from pdserve.observability.stats_log import add_stats_args
 from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
+from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.ports import PortReservation
@@ -120,6 +121,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateway processes sharing the HTTP and public gRPC ports, each owning its own requests",
     )
+    add_chat_parser_args(p)
     p.add_argument(
         "--api-key",
         default=None,

@@ -264,6 +264,9 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     ]  # fmt: skip
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag, None):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     if args.gateway_workers > 1:
         gateway += ["--workers", str(args.gateway_workers)]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}

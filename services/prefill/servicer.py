@@ -27,6 +27,7 @@ from pdserve.services.common.convert import (
     sampling_params_from_pb,
     token_logprob_to_pb,
 )
+from pdserve.services.common.grammar_wait import grammar_error
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.servicer import load_info
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -98,9 +99,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = list(request.input_ids)
+        generated = min(max(request.num_output_ids, 0), max(len(ids) - 1, 0))
         req = Req(
             rid=request.rid,
-            origin_input_ids=list(request.input_ids),
+            origin_input_ids=ids[: len(ids) - generated],
+            output_ids=ids[len(ids) - generated :],
             sampling_params=params,
             deadline=request.deadline_unix_s,
             meta={"dst_start_page": request.dst_start_page, "sent_pages": 0},
@@ -137,6 +141,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                     else grpc.StatusCode.RESOURCE_EXHAUSTED
                 )
                 await context.abort(code, str(e))
+            error = await grammar_error(self.scheduler, req.rid)
+            self.loop.wake()  # a compiled grammar moves its request on at the next step
+            if error:
+                if waiter.done():
+                    waiter.exception()  # the scheduler failed it too: retrieved, not logged
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             return await waiter
         except asyncio.CancelledError:
             self.abort(req.rid, "prefill call cancelled")

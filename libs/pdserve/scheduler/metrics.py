@@ -82,6 +82,12 @@ class SchedulerMetrics:
         self.retracted = Counter(
             "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
         )
+        self.grammar_requests = Counter(
+            "pdserve:grammar_requests",
+            "Constrained requests, by whether their compiled grammar came from the cache (hit, miss)",
+            ["cache"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -1,4 +1,5 @@
-"""What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length."""
+"""What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length,
+whether it has reasoning tokens."""
 
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ class TokenizerInfo:
             generation_config.json and config.json (deduplicated, in that order).
         context_length: ``max_position_embeddings`` of config.json (0 when absent), capped at
             ``--max-model-len``.
+        think_tokens: ``<think>`` and ``</think>`` are tokens of their own in the vocabulary, as in
+            reasoning models (Qwen3, DeepSeek-R1): the model may open a reasoning block.
     """
 
     model_name: str
     vocab_size: int
     eos_token_ids: list[int]
     context_length: int
+    think_tokens: bool = False
 
 
 def read_tokenizer_info(
@@ -55,4 +59,5 @@ def read_tokenizer_info(
         context_length=capped_context_length(
             int(getattr(text_config, "max_position_embeddings", 0) or 0), max_model_len
         ),
+        think_tokens={"<think>", "</think>"} <= hf.get_vocab().keys(),
     )
