@@ -209,6 +209,42 @@ def test_keda_scales_each_scheduler_statefulset_on_queue_depth_and_kv_usage() ->
         assert port == workload["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
 
 
+def test_hpa_controller_scales_each_scheduler_on_custom_per_pod_metrics() -> None:
+    """``controller: hpa``: an autoscaling/v2 HPA per scheduler StatefulSet on the per-pod custom
+    metrics that prometheus-adapter serves from our series (pdserve:<name> -> pdserve_<name>)."""
+    autoscaling = {"enabled": True, "controller": "hpa", "minReplicas": 2, "maxReplicas": 5}
+    chart = render(
+        load_values(
+            "gpu-pd",
+            {
+                "podMonitor": {"enabled": True},
+                "prefill": {"autoscaling": autoscaling},
+                "decode": {"autoscaling": {**autoscaling, "kvUsageTarget": 0.8}},
+            },
+        )
+    )
+    assert chart.kind("ScaledObject") == {}
+    registered = registered_series()
+    hpas = chart.kind("HorizontalPodAutoscaler")
+    for component, kv_target in (("prefill", "0.9"), ("decode", "0.8")):
+        hpa = hpas[f"llm-pdserve-{component}"]
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        spec = hpa["spec"]
+        target = spec["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == ("apps/v1", "StatefulSet")
+        assert "replicas" not in chart.kind("StatefulSet")[target["name"]]["spec"]  # the HPA owns it
+        assert (spec["minReplicas"], spec["maxReplicas"]) == (2, 5)
+        targets = {}
+        for metric in spec["metrics"]:
+            assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+            name = metric["pods"]["metric"]["name"]
+            assert name.replace("pdserve_", "pdserve:", 1) in registered
+            targets[name] = metric["pods"]["target"]["averageValue"]
+        assert targets == {"pdserve_num_queue_reqs": "4", "pdserve_kv_cache_usage_perc": kv_target}
+        host, _ = parse_dns_target(chart.env("gateway")[f"PDSERVE_{component.upper()}_ADDRESSES"])
+        assert host.startswith(f"llm-pdserve-{component}.")
+
+
 def test_without_autoscaling_the_gateway_lists_fixed_pods(rendered: Rendered) -> None:
     assert rendered.kind("ScaledObject") == {}
     decode = rendered.env("gateway")["PDSERVE_DECODE_ADDRESSES"]
@@ -229,3 +265,22 @@ def test_log_format_and_tracing_reach_every_role() -> None:
             "http://otel:4317",
         )
     assert "PDSERVE_OTLP_TRACES_ENDPOINT" not in render(load_values("default")).env("decode")
+
+
+def test_a_hub_model_is_downloaded_by_every_role_into_the_cache_with_its_token() -> None:
+    """``model.hub``: no HF_HUB_OFFLINE, $HF_HOME on the cache volume, the revision as --revision,
+    and $HF_TOKEN from the Secret's key in every role; without it every role stays offline."""
+    hub = {"enabled": True, "revision": "v1.2", "tokenSecret": {"name": "hf", "key": "tok"}}
+    chart = render(load_values("gpu-pd", {"model": {"name": "org/some-model", "hub": hub}}))
+    offline = render(load_values("gpu-pd"))
+    for component in ("gateway", "tokenizer", "detokenizer", "prefill", "decode"):
+        env = chart.env(component)
+        assert "HF_HUB_OFFLINE" not in env
+        assert (env["PDSERVE_MODEL"], env["PDSERVE_REVISION"]) == ("org/some-model", "v1.2")
+        mounts = {m["mountPath"] for m in chart.container(component)["volumeMounts"]}
+        assert env["HF_HOME"] == f"{env['PDSERVE_CACHE_DIR']}/huggingface"
+        assert env["PDSERVE_CACHE_DIR"] in mounts
+        token = {e["name"]: e.get("valueFrom") for e in chart.container(component)["env"]}["HF_TOKEN"]
+        assert token == {"secretKeyRef": {"name": "hf", "key": "tok"}}
+        assert offline.env(component)["HF_HUB_OFFLINE"] == "1"
+        assert "HF_TOKEN" not in {e["name"] for e in offline.container(component)["env"]}

@@ -139,6 +139,15 @@ spec:
           value: /tmp
         - name: PDSERVE_HOST
           value: 0.0.0.0
+        {{- with $root.Values.model.hub }}
+        {{- if and .enabled .tokenSecret.name }}
+        - name: HF_TOKEN
+          valueFrom:
+            secretKeyRef:
+              name: {{ .tokenSecret.name }}
+              key: {{ .tokenSecret.key }}
+        {{- end }}
+        {{- end }}
         {{- .env | nindent 8 }}
         {{- if $engine }}
         {{- with $root.Values.kvTransfer.extraEnv }}
