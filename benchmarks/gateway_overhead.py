@@ -100,7 +100,7 @@ class OverheadConfig:
             num_requests=args.num_requests,
             rounds=args.rounds,
             warmup=args.warmup,
-            seed=getattr(args, "seed", 0),
+            seed=args.seed,
         )
 
 

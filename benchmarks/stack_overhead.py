@@ -173,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="repeats of every level, sides alternating")
     p.add_argument("--warmup", type=int, default=8, help="uncounted requests per side first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, help="torch threads of every scheduler (default: torch's)")
     p.add_argument("--profile", metavar="DIR", help="py-spy every process in round 0; raw profiles in DIR")
     p.add_argument("--checkout", action="append", metavar="LABEL=PATH", help="another pdserve checkout")
