@@ -166,3 +166,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order"
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
+    parser.add_argument(
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per scheduler (processes: one GPU each on CUDA, a core share on CPU)",
+    )

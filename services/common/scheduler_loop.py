@@ -1,31 +1,52 @@
-"""Drive a ``Scheduler`` from an asyncio loop: schedule → forward on a worker thread → process.
+"""Drive a ``Scheduler`` from an asyncio loop: inputs → schedule → forward on a worker thread → process.
 
 The event loop thread owns all scheduler state; only the forward runs on the single worker thread,
-so gRPC handlers (add, abort) never race with scheduling decisions.
+so gRPC handlers (add, abort) never race with scheduling decisions: they submit events that enter
+the scheduler at one point per iteration (``collect_inputs``, ``pdserve.services.common.step_inputs``).
+Under tensor parallelism that point is where rank 0's inputs reach every rank, so all ranks apply
+the same events in the same order and run the same steps; only rank 0 emits outputs. A failed
+forward or collective there fails the whole rank group (the loop raises): a rank that skipped a
+step could never meet the others in their collectives again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.05  # how often an idle loop wakes to check deadlines
+IDLE_POLL_S = 0.05  # how often an idle loop wakes to check deadlines (and, under TP, meet its ranks)
+
+
+class TpGroupFailure(RuntimeError):
+    """The ranks of a tensor-parallel scheduler can no longer run in step (a rank died, hung, failed
+    a forward, or their states diverged); the whole group must restart."""
 
 
 class SchedulerLoop:
-    """Runs ``scheduler`` until ``stop`` is set.
+    """Runs ``scheduler`` until ``stop`` is set (on rank 0; the other ranks follow rank 0's stop).
 
     Args:
         scheduler: the transport-free scheduler.
-        on_outputs: called on the loop thread with every step's outputs (tokens, finishes, aborts).
+        on_outputs: called on the loop thread with every step's outputs (tokens, finishes, aborts);
+            rank 0 only.
         after_schedule: called after each ``schedule()`` (the decode role starts prefill calls there,
             the prefill role starts KV writes).
+        apply_inputs: applies one iteration's events to the scheduler (every rank, same order) and
+            returns the outputs they produced; by default ``NewRequest`` and ``Abort`` only.
+        tp: this rank's TP group.
+
+    Attributes:
+        inputs: where handlers submit events (``InputSync``).
+        iterations: iterations started, for the TP watchdog.
     """
 
     def __init__(
@@ -33,40 +54,101 @@ class SchedulerLoop:
         scheduler: Scheduler,
         on_outputs: Callable[[list[StepOutput]], None],
         after_schedule: Callable[[], None] | None = None,
+        apply_inputs: Callable[[StepInputs], Awaitable[list[StepOutput]]] | None = None,
+        tp: TpGroup = SINGLE_RANK,
     ) -> None:
         self.scheduler = scheduler
-        self.on_outputs = on_outputs
+        self.on_outputs = on_outputs if tp.is_driver else lambda outputs: None
+        self.apply_inputs = apply_inputs or self._apply_requests
         self.after_schedule = after_schedule or (lambda: None)
+        self.tp = tp
+        self.inputs = InputSync(tp)
+        self.iterations = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
+        self._digest: str | None = None
+        if tp.size > 1:
+            self._now = 0.0
+            scheduler.clock = lambda: self._now  # rank 0's reading of this step, on every rank
+
+    async def _apply_requests(self, inputs: StepInputs) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for event in inputs.events:
+            if isinstance(event, NewRequest):
+                outputs += add_request(self.scheduler, event.req)
+            elif isinstance(event, Abort):
+                self.scheduler.abort_request(event.rid, event.reason)
+        return outputs
 
     def wake(self) -> None:
-        """Call after adding or aborting a request so an idle loop schedules at once."""
+        """Call after submitting an event so an idle loop takes it at once."""
         self._wakeup.set()
 
+    async def collect_inputs(self, stop: asyncio.Event) -> StepInputs:
+        """The iteration's inputs: rank 0's events (and every rank's reports), the same on every rank.
+
+        Raises:
+            TpGroupFailure: a peer rank is gone, or the ranks' states diverged.
+        """
+        try:
+            inputs = await self.inputs.exchange(stop.is_set(), self._digest)
+        except RuntimeError as e:
+            raise TpGroupFailure(f"TP rank group broke: {e}") from e
+        if len(set(inputs.digests)) > 1:
+            raise TpGroupFailure(f"TP ranks' scheduler states diverged: {inputs.digests}")
+        if self.tp.size > 1:
+            self._now = inputs.now
+            if inputs.digests[0] is not None:
+                self.scheduler.metrics.tp_state_checks.inc()
+        return inputs
+
     async def run(self, stop: asyncio.Event) -> None:
+        """Raises ``TpGroupFailure`` (TP only) when the group cannot go on."""
         loop = asyncio.get_running_loop()
         sched = self.scheduler
-        while not stop.is_set():
-            self._wakeup.clear()
-            batch = sched.schedule()
-            self.after_schedule()
-            outputs = sched.pop_aborted()
-            if batch is not None:
-                try:
-                    result = await loop.run_in_executor(self.executor, sched.run_batch, batch)
-                except Exception as e:  # a failed forward fails its requests, not the service
-                    logger.exception("forward failed")
-                    outputs += sched.fail_batch(batch, f"forward failed: {e}")
+        try:
+            while True:
+                self.iterations += 1
+                self._wakeup.clear()
+                inputs = await self.collect_inputs(stop)
+                if inputs.stop:
+                    break
+                outputs = await self.apply_inputs(inputs)
+                batch = sched.schedule()
+                self.after_schedule()
+                outputs += sched.pop_aborted()
+                if batch is not None:
+                    try:
+                        result = await loop.run_in_executor(self.executor, sched.run_batch, batch)
+                    except Exception as e:
+                        if self.tp.size > 1:
+                            raise TpGroupFailure(f"forward failed on TP rank {self.tp.rank}: {e}") from e
+                        logger.exception("forward failed")  # fails its requests, not the service
+                        outputs += sched.fail_batch(batch, f"forward failed: {e}")
+                    else:
+                        outputs += sched.process_result(batch, result)
+                if self.tp.size > 1:
+                    self._digest = sched.state_digest()
+                if outputs:
+                    self.on_outputs(outputs)
+                if batch is None and self.tp.is_driver:
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+                    except TimeoutError:
+                        pass
                 else:
-                    outputs += sched.process_result(batch, result)
-            if outputs:
-                self.on_outputs(outputs)
-            if batch is None:
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
-                except TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(0)  # let gRPC handlers run between steps
-        self.executor.shutdown(wait=False, cancel_futures=True)
+                    await asyncio.sleep(0)  # let gRPC handlers run between steps
+        finally:
+            self.inputs.close()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def add_request(scheduler: Scheduler, req: Req) -> list[StepOutput]:
+    """Queue ``req``; a request the scheduler refuses (its handler checked it, so only a state that
+    changed meanwhile can) ends at once with an error output instead of failing the loop."""
+    try:
+        scheduler.add_request(req)
+    except ValueError as e:
+        req.finish(FinishReason.ERROR, str(e))
+        return [StepOutput(req, finished=True)]
+    return []

@@ -7,10 +7,12 @@ import asyncio
 import logging
 
 from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
+from pdserve.distributed import TpGroup
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
-from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
+from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop, gather_agents
 from pdserve.services.common.scheduler_args import add_scheduler_args
+from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -38,24 +40,34 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) -> DecodeServicer:
+    """This rank's scheduler (its shard of the model and KV pool), NIXL agent and servicer."""
     role = "mixed" if args.colocated else "decode"
+    scheduler = await build_scheduler_off_loop(args, role, tp)
+    agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
+    rank_agents = await gather_agents(agent, tp) if agent is not None else None
+    return DecodeServicer(
+        scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after, tp, rank_agents
+    )
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = internal_server(args, [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
     address = f"{args.advertise_host or args.host}:{server.port}"
-    scheduler = await build_scheduler_off_loop(args, role)
-    agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
-    servicer = DecodeServicer(scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after)
+    ranks = TpRanks(args, "decode", address) if args.tp_size > 1 else None
+    tp = await join_group(args, 0, ranks.address if ranks else "")
+    servicer = await build_servicer(args, address, tp)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
-    loop_task = asyncio.create_task(servicer.loop.run(stop))
     await server.set_serving(True)
-    logger.info("decode-scheduler (%s) ready on %s", role, address)
-    await stop.wait()
+    logger.info("decode-scheduler (%s, TP %d) ready on %s", servicer.scheduler.role, tp.size, address)
+    await supervise(servicer.loop, stop, ranks, args.tp_watchdog, servicer.fail_all)
     await server.stop(grace=5.0)
-    await loop_task
     await servicer.close()
-    if agent is not None:
-        agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
+    if servicer.agent is not None:
+        servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
+    if ranks is not None:
+        ranks.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent
+from pdserve.kv_transfer import KVAgentInfo, KVTransferAgent
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
@@ -21,11 +21,16 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillPeer:
-    """One prefill worker as seen from a decode worker: channel, stub and the agent handshake."""
+    """One prefill worker as seen from a decode worker: channel, stub and the agent handshake.
 
-    def __init__(self, address: str, agent: KVTransferAgent) -> None:
+    ``rank_agents`` are the NIXL agents of every rank of this decode worker (rank 0's is ``agent``'s):
+    prefill rank ``i`` writes its KV shard into the pool of decode rank ``i``.
+    """
+
+    def __init__(self, address: str, agent: KVTransferAgent, rank_agents: list[KVAgentInfo]) -> None:
         self.address = address
         self.agent = agent
+        self.rank_agents = rank_agents
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
         self.peer_incarnation = ""
@@ -33,11 +38,11 @@ class PrefillPeer:
     async def handshake(self, timeout: float) -> None:
         """Send our agent info, learn the peer's; done once per peer and redone after a restart.
 
-        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout mismatch).
+        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch).
         """
-        info = await self.stub.ExchangeKVAgentInfo(
-            kv_agent_info_to_pb(self.agent.local_info()), timeout=timeout
-        )
+        local = kv_agent_info_to_pb(self.agent.local_info())
+        local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in self.rank_agents[1:])
+        info = await self.stub.ExchangeKVAgentInfo(local, timeout=timeout)
         self.agent.add_peer(kv_agent_info_from_pb(info))
         self.peer_incarnation = info.incarnation
 

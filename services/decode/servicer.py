@@ -1,27 +1,59 @@
-"""DecodeScheduler servicer: translates gRPC to the scheduler core and streams token ids out."""
+"""DecodeScheduler servicer: translates gRPC to the scheduler core and streams token ids out.
+
+Handlers submit events (``step_inputs``) that the scheduler loop applies at the top of an
+iteration; under tensor parallelism the same servicer runs on every rank without a gRPC server
+(``tp.rank > 0``): it applies the events rank 0 hands it, never calls a prefill worker and emits
+nothing. In PD, prefill rank ``i`` writes its KV shard into this group's rank ``i``; rank 0 learns
+of the write from the prefill worker's answer and its own notification, and each other rank waits
+for its own notification before the request decodes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent, KVTransferError
+from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.kv_transfer import KVAgentInfo, KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
-from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.scheduler_loop import SchedulerLoop, add_request
+from pdserve.services.common.step_inputs import Abort, NewRequest, StepInputs
 from pdserve.services.decode.prefill_client import PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 PREFILL_TIMEOUT_S = 120.0
+# a rank's KV shard lands before the prefill worker answers rank 0; its notification follows at once
+RANK_NOTIFICATION_TIMEOUT_S = 10.0
 # errors that another prefill worker would return too
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+
+
+@dataclass(slots=True)
+class KVReady:
+    """A prefill worker wrote ``rid``'s prompt KV (every rank's shard) and sampled its first token."""
+
+    rid: str
+    first_token_id: int
+    logprob: tuple[float, list[tuple[int, float]]] | None
+    cached_tokens: int
+    transferred_bytes: int
+
+
+@dataclass(slots=True)
+class KVFailed:
+    """Every prefill attempt for ``rid`` failed."""
+
+    rid: str
+    error: str
 
 
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
@@ -34,6 +66,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: how many other prefill workers a failed prefill is retried on.
         detokenizer_dead_after: seconds a detokenizer may stay unreachable before it counts as gone;
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
+        tp: this rank's TP group.
+        rank_agents: every rank's NIXL agent (rank order), sent to prefill workers in the handshake.
     """
 
     def __init__(
@@ -43,12 +77,16 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         agent: KVTransferAgent | None,
         prefill_retries: int = 1,
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
+        tp: TpGroup = SINGLE_RANK,
+        rank_agents: list[KVAgentInfo] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
-        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills)
+        self.tp = tp
+        self.rank_agents = rank_agents or ([agent.local_info()] if agent is not None else [])
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, self._apply, tp)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
             dead_after=detokenizer_dead_after,
@@ -82,24 +120,64 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                 "scheduler_address": self.address,
             },
         )
+        pending = self.loop.inputs.pending()
         try:
-            self.scheduler.add_request(req)
+            if any(isinstance(e, NewRequest) and e.req.rid == req.rid for e in pending):
+                raise ValueError(f"duplicate rid {req.rid!r}")
+            self.scheduler.check_request(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.loop.inputs.submit(NewRequest(req))
         self.loop.wake()
-        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=len(self.scheduler.waiting))
+        queued = len(self.scheduler.waiting) + sum(isinstance(e, NewRequest) for e in pending)
+        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=queued)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        found = self._abort(request.rid, request.reason or "aborted")
+        rid = request.rid
+        found = rid in self.scheduler.reqs or any(
+            isinstance(e, NewRequest) and e.req.rid == rid for e in self.loop.inputs.pending()
+        )
+        self.loop.inputs.submit(Abort(rid, request.reason or "aborted"))
         self.loop.wake()
         return scheduler_pb2.AbortResponse(found=found)
 
-    def _abort(self, rid: str, reason: str) -> bool:
-        """Stop a prefill in flight for ``rid`` and abort it in the scheduler; False if unknown."""
+    # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
+    async def _apply(self, inputs: StepInputs) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        for event in inputs.events:
+            if isinstance(event, NewRequest):
+                outputs += add_request(self.scheduler, event.req)
+            elif isinstance(event, Abort):
+                self._abort(event.rid, event.reason)
+            elif isinstance(event, KVReady):
+                outputs += await self._kv_ready(event)
+            elif isinstance(event, KVFailed):
+                out = self.scheduler.kv_failed(event.rid, event.error)
+                outputs += [out] if out is not None else []
+        return outputs
+
+    def _abort(self, rid: str, reason: str) -> None:
+        """Stop a prefill in flight for ``rid`` (rank 0) and abort it in the scheduler."""
         task = self.prefill_tasks.pop(rid, None)
         if task is not None:
             task.cancel()
-        return self.scheduler.abort_request(rid, reason)
+        self.scheduler.abort_request(rid, reason)
+
+    async def _kv_ready(self, event: KVReady) -> list[StepOutput]:
+        """Rank 0 already saw its notification; another rank waits for its own shard's.
+
+        Raises:
+            KVTransferError: a rank's notification did not come (the group cannot go on in step).
+        """
+        req = self.scheduler.waiting_for_kv.get(event.rid)
+        if req is None:
+            return []  # aborted meanwhile
+        if not self.tp.is_driver:
+            await self.agent.wait_for_notification(event.rid.encode(), RANK_NOTIFICATION_TIMEOUT_S)
+        self.scheduler.metrics.kv_transfer_bytes.inc(event.transferred_bytes)
+        req.cached_tokens = max(req.cached_tokens, event.cached_tokens)
+        out = self.scheduler.kv_ready(event.rid, event.first_token_id, event.logprob)
+        return [out] if out is not None else []
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -142,18 +220,31 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         for rid in rids:
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
-            self._abort(rid, f"detokenizer {address} is gone")
+            self.loop.inputs.submit(Abort(rid, f"detokenizer {address} is gone"))
         self.loop.wake()
+
+    async def fail_all(self, error: str) -> None:
+        """The rank group is going down: every request (queued or not yet applied) ends with ``error``,
+        and the outputs that say so are delivered (a few seconds at most)."""
+        outputs = self.scheduler.fail_all(error)
+        for event in self.loop.inputs.pending():
+            if isinstance(event, NewRequest):
+                event.req.finish(FinishReason.ERROR, error)
+                outputs.append(StepOutput(event.req, finished=True))
+        self._emit(outputs)
+        await self.outputs.close()
 
     # ---- PD: ask prefill workers ------------------------------------------------------------
     def _start_prefills(self) -> None:
-        for req in self.scheduler.pop_kv_requests():
-            self.prefill_tasks[req.rid] = asyncio.create_task(self._prefill(req))
+        reqs = self.scheduler.pop_kv_requests()
+        if self.tp.is_driver:  # the other ranks get the KV from their prefill rank, the token from rank 0
+            for req in reqs:
+                self.prefill_tasks[req.rid] = asyncio.create_task(self._prefill(req))
 
     def _peer(self, address: str) -> PrefillPeer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PrefillPeer(address, self.agent)
+            peer = self.peers[address] = PrefillPeer(address, self.agent, self.rank_agents)
         return peer
 
     async def _prefill(self, req: Req) -> None:
@@ -179,21 +270,18 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                     if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
                         break
             if resp is None:
-                out = self.scheduler.kv_failed(rid, "prefill failed: " + "; ".join(errors))
+                event = KVFailed(rid, "prefill failed: " + "; ".join(errors))
             else:
-                self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
-                req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
                 logprob = None
                 if resp.HasField("first_logprob"):
                     lp = resp.first_logprob
                     logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                out = self.scheduler.kv_ready(rid, resp.first_token_id, logprob)
+                event = KVReady(rid, resp.first_token_id, logprob, resp.cached_tokens, resp.transferred_bytes)
         except asyncio.CancelledError:
             return
         finally:
             self.prefill_tasks.pop(rid, None)
-        if out is not None:
-            self._emit([out])
+        self.loop.inputs.submit(event)
         self.loop.wake()
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:

@@ -57,6 +57,7 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--schedule-policy", args.schedule_policy,
+        "--tp-size", str(args.tp_size),
     ]  # fmt: skip
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
@@ -115,9 +116,12 @@ def scheduler_gpus(args: argparse.Namespace) -> list[str]:
     return args.gpus.split(",") if args.gpus else visible_gpus()
 
 
-def _gpu_env(gpus: list[str], index: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: so PD 2+2 on four GPUs gets one each."""
-    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
+def _gpu_env(gpus: list[str], index: int, tp_size: int = 1) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: its ``tp_size`` GPUs (one per TP rank),
+    in turn, so PD 2+2 on four GPUs gets one each and with ``--tp-size 2`` on eight, two each."""
+    if not gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(index * tp_size + r) % len(gpus)] for r in range(tp_size))}
 
 
 def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec]:
@@ -142,18 +146,19 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     num_schedulers = len(prefills) + len(decodes)
     env = _shared_cores_env(num_schedulers)
     gpus = scheduler_gpus(args)
-    engine = _engine_flags(args, per_device=-(-num_schedulers // len(gpus)) if gpus else num_schedulers)
+    ranks = num_schedulers * args.tp_size  # processes that share the devices
+    engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
     for i, addr in enumerate(prefills):
         port = int(addr.rsplit(":", 1)[1])
         argv = [*common, "--port", str(port), *engine]
-        gpu = _gpu_env(gpus, i)
+        gpu = _gpu_env(gpus, i, args.tp_size)
         specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port)]))
     for i, addr in enumerate(decodes):
         port = int(addr.rsplit(":", 1)[1])
         argv = [*common, "--port", str(port), *engine]
         if args.colocated:
             argv.append("--colocated")
-        gpu = _gpu_env(gpus, len(prefills) + i)
+        gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
         specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)]))
     gateway = [
         "--model", model_dir,

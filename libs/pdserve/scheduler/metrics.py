@@ -38,6 +38,11 @@ class SchedulerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.tp_state_checks = Counter(
+            "pdserve:tp_state_checks",
+            "Steps after which every TP rank's scheduler state digest was compared and found equal",
+            registry=r,
+        )
         self.retracted = Counter(
             "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
         )

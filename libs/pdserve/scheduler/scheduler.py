@@ -4,6 +4,10 @@ Transport-free and single-threaded: every method is called from one thread (the 
 loop); only ``run_batch`` (the forward) may run on a worker thread, and while it runs the requests
 of that batch are marked in flight, so an abort arriving meanwhile is applied after the step.
 
+Deterministic in its inputs: given the same requests, aborts and KV events in the same order, and
+the same ``clock`` readings, two schedulers make the same decisions (batches, pages, radix-cache
+operations). The ranks of a tensor-parallel scheduler rely on that (``state_digest`` checks it).
+
 The step is schedule → run → process (cf. SGLang's ``event_loop_normal``):
 
     batch = scheduler.schedule()
@@ -13,8 +17,10 @@ The step is schedule → run → process (cf. SGLang's ``event_loop_normal``):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.scheduler.kv_ledger import KVLedger
@@ -65,13 +71,19 @@ class Scheduler:
     """One scheduler of one role over one ``ModelRunner``.
 
     Args:
-        runner: the engine (``pdserve.engine.model_runner.ModelRunner``), owner of the pools.
+        runner: the engine (``pdserve.engine.tp_worker.TpModelWorker``, or a ``ModelRunner``), whose
+            pools it schedules.
         config: scheduling knobs.
         metrics: Prometheus metrics of this process; a private registry when omitted.
+
+    Attributes:
+        clock: the time source of every scheduling decision (deadlines, admission order, lpm
+            starvation), ``time.time`` by default; a TP group sets rank 0's reading of each step.
     """
 
     def __init__(self, runner, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
         config.validate()
+        self.clock: Callable[[], float] = time.time
         self.runner = runner
         self.config = config
         self.role = config.role
@@ -88,7 +100,7 @@ class Scheduler:
         self.context_len = runner.model_config.context_length
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
         self.vocab_size = runner.model_config.vocab_size
-        self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
+        self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len, lambda: self.clock())
         self.metrics = metrics or SchedulerMetrics(config.role)
         self.reqs: dict[str, Req] = {}
         self.waiting: list[Req] = []
@@ -102,8 +114,15 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request. Raises ValueError if it names a token outside the vocabulary (in its
-        prompt or ``logit_bias``) or cannot fit the context or the pool."""
+        """Queue a new request. Raises ValueError as ``check_request``."""
+        self.check_request(req)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
+
+    def check_request(self, req: Req) -> None:
+        """Raise ValueError if ``req`` repeats a queued rid, names a token outside the vocabulary (in
+        its prompt or ``logit_bias``) or cannot fit the context or the pool; changes nothing."""
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
@@ -121,9 +140,6 @@ class Scheduler:
                 f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"
                 f" ({self.usable_pages} pages of {self.page_size} tokens)"
             )
-        self.reqs[req.rid] = req
-        self.waiting.append(req)
-        self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         """Abort ``rid`` in whatever state it is; pages are released exactly once.
@@ -210,7 +226,7 @@ class Scheduler:
     def process_result(self, batch: ScheduleBatch, result) -> list[StepOutput]:
         """Apply one step's sampled tokens; finish, hand over or keep each request."""
         self.in_flight = set()
-        now = time.time()
+        now = self.clock()
         outputs: list[StepOutput] = []
         for i, req in enumerate(batch.reqs):
             req.num_computed += batch.extend_lens[i]
@@ -252,6 +268,15 @@ class Scheduler:
             outputs.append(StepOutput(req, finished=True))
         return outputs
 
+    def fail_all(self, error: str) -> list[StepOutput]:
+        """End every request with ERROR ``error`` (the scheduler is going down)."""
+        self.in_flight = set()
+        outputs = []
+        for req in list(self.reqs.values()):
+            self._end(req, FinishReason.ERROR, error)
+            outputs.append(StepOutput(req, finished=True))
+        return outputs
+
     def pop_aborted(self) -> list[StepOutput]:
         """Requests aborted outside a step (explicit abort, deadline) since the last call."""
         outputs, self.aborted_outputs = self.aborted_outputs, []
@@ -262,7 +287,7 @@ class Scheduler:
         return self.ledger.tree.match_prefix(req.fill_ids[:-1]).num_tokens
 
     def _append_token(self, req: Req, token: int, logprob, now: float | None = None) -> None:
-        now = now or time.time()
+        now = now or self.clock()
         req.output_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append((token, logprob[0], logprob[1]))
@@ -299,7 +324,7 @@ class Scheduler:
         if not req.output_ids:  # a retracted request re-admitted is not a new prompt
             req.cached_tokens = prefix
             self.metrics.prefix_cache_hit_tokens.inc(prefix)
-        req.admit_time = time.time()
+        req.admit_time = self.clock()
         self.metrics.queue_time.observe(req.admit_time - req.arrival_time)
         self.waiting.remove(req)
         return True
@@ -387,7 +412,7 @@ class Scheduler:
         self.metrics.retracted.inc()
 
     def _expire_deadlines(self) -> None:
-        now = time.time()
+        now = self.clock()
         for req in list(self.reqs.values()):
             if req.deadline and now > req.deadline and req.rid not in self.in_flight:
                 self.abort_request(req.rid, "deadline exceeded")
@@ -404,7 +429,7 @@ class Scheduler:
         self.ledger.release(req, cache=valid_kv and req.num_computed > 0)
         self.reqs.pop(req.rid, None)
         if req.first_token_time:
-            self.metrics.e2e.observe(time.time() - req.arrival_time)
+            self.metrics.e2e.observe(self.clock() - req.arrival_time)
         if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
             self.metrics.finished.labels(finish_reason=req.finish_reason.value).inc()
 
@@ -420,6 +445,28 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""
         self.ledger.check_conservation(self.usable_pages)
+
+    def state_digest(self) -> str:
+        """A hash of the scheduling state every TP rank must hold identically: each queue's requests
+        in order with their progress and KV pages, and the pool's free / cached / used page counts."""
+        h = hashlib.blake2b(digest_size=16)
+        for queue in (
+            self.waiting,
+            self.prefilling,
+            self.running,
+            self.prefilled,
+            self.waiting_for_kv.values(),
+        ):
+            for r in queue:
+                h.update(
+                    repr(
+                        (r.rid, r.state.value, r.num_computed, r.output_ids, r.pages, r.req_pool_idx)
+                    ).encode()
+                )
+            h.update(b"|")
+        ledger = self.ledger
+        h.update(repr((ledger.free_pages(), ledger.cached_pages(), ledger.used_pages())).encode())
+        return h.hexdigest()
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,112 @@
+"""Issue 21 on the real stack: one colocated scheduler over two tensor-parallel ranks (gloo, two
+processes) gives HF's greedy tokens through chunked prefill, radix hits, retraction and aborts,
+with its ranks' states compared after every step; a killed rank takes the group down, every client
+gets an answer, and the group restarts and serves again."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.reference import chat_ids, hf_greedy
+from tests.stack import Stack, launch_stack
+from tests.tp.helpers import (
+    check_aborts,
+    check_chunked_prefill_and_radix_hit,
+    check_greedy_equals_hf,
+    check_group,
+    check_retraction,
+    generate,
+    tp_state_checks,
+)
+
+# a small pool (64 pages) so that six growing requests must retract; small chunks so prompts chunk
+FLAGS = ("--colocated", "--tp-size", "2", "--dtype", "float32", "--max-total-tokens", "1024")
+FLAGS += ("--chunked-prefill-size", "64")
+
+
+@pytest.fixture(scope="module")
+def tp_stack() -> Stack:
+    stack = launch_stack(*FLAGS, log_name="tp-colocated")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def tp(tp_stack: Stack) -> Stack:
+    before = tp_state_checks(tp_stack)
+    yield tp_stack
+    check_group(tp_stack, before)
+
+
+def test_greedy_equals_hf(tp):
+    check_greedy_equals_hf(tp)
+
+
+def test_chunked_prefill_and_radix_hit(tp):
+    check_chunked_prefill_and_radix_hit(tp)
+
+
+def test_retraction(tp):
+    check_retraction(tp, requests=6, new_tokens=160)
+
+
+def test_aborted_streams(tp):
+    check_aborts(tp)
+
+
+def _rank1(stack: Stack) -> psutil.Process:
+    """The decode service's TP rank 1: the child process its rank 0 spawned."""
+    port = stack.internal_port_base + 20
+    pids = subprocess.run(
+        ["pgrep", "-f", f"pdserve.cli decode .*--port {port}"], capture_output=True, text=True
+    )
+    rank0 = psutil.Process(int(pids.stdout.split()[0]))
+    (rank1,) = [c for c in rank0.children() if "multiprocessing" in " ".join(c.cmdline())]
+    return rank1
+
+
+def test_killed_rank_ends_every_request_and_the_group_restarts(tp_stack):
+    stack = tp_stack
+    ids = chat_ids([{"role": "user", "content": "Tell me a long story about the sea."}])
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+    }
+
+    async def load() -> tuple[float, list[tuple[float, httpx.Response]]]:
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def one() -> tuple[float, httpx.Response]:
+                resp = await client.post(f"{stack.base_url}/generate", json=body)
+                return time.monotonic(), resp
+
+            calls = [asyncio.create_task(one()) for _ in range(6)]
+            await asyncio.sleep(3.0)  # the six are decoding
+            killed = time.monotonic()
+            _rank1(stack).kill()
+            return killed, await asyncio.gather(*calls)
+
+    killed, answers = asyncio.run(load())
+    for answered, resp in answers:
+        assert answered - killed < 10, f"answered {answered - killed:.1f} s after the kill"
+        if resp.status_code == 200:  # ended with an error finish reason and the reason
+            assert resp.json()["meta_info"]["finish_reason"]["type"] == "error", resp.text
+        assert "TP" in resp.text or "scheduler" in resp.text, resp.text
+    unhealthy_seen = False
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{stack.base_url}/health", timeout=5).status_code
+        unhealthy_seen |= status != 200
+        if unhealthy_seen and status == 200:
+            break
+        time.sleep(0.5)
+    assert unhealthy_seen, "/health never showed the scheduler group down"
+    first = chat_ids([{"role": "user", "content": "What is the capital of France?"}])
+    assert generate(stack, first)["output_ids"] == hf_greedy(first, 24)
+    check_group(stack, 0)
