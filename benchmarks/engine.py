@@ -141,6 +141,18 @@ def run_tp_engine(size: int, path: Path, args, prompts: dict, scratch: Path) -> 
     return torch.load(out)
 
 
+def record(
+    results: dict, rows: list, tp: int, spec: str, batch: int, speeds: tuple, hf_tps: float | None
+) -> None:
+    """Add one engine measurement (``speeds``: prefill, decode tok/s) to the JSON and the table;
+    TP sizes above 1 prefix their keys with ``tp{N}_``."""
+    prefill_tps, decode_tps = speeds
+    ratio = None if hf_tps is None else decode_tps / hf_tps
+    key = f"{f'tp{tp}_' if tp > 1 else ''}{spec.replace('+', '_')}_b{batch}"
+    results |= {f"{key}_engine_tok_s": decode_tps, f"{key}_ratio": ratio, f"{key}_prefill_tok_s": prefill_tps}
+    rows.append((tp, spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -198,17 +210,10 @@ def main() -> None:
                 engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
                 if hf is not None:
                     hf_runs.append(hf_decode(hf, batch_prompts, args.new_tokens))
-            prefill_tps, decode_tps = max(r[0] for r in engine_runs), max(r[1] for r in engine_runs)
             hf_tps = hf_by_key[spec, batch] = max(hf_runs, default=None)  # None with --skip-hf: null in JSON
-            ratio = None if hf_tps is None else decode_tps / hf_tps
-            key = f"{spec.replace('+', '_')}_b{batch}"
-            results |= {
-                f"{key}_engine_tok_s": decode_tps,
-                f"{key}_hf_tok_s": hf_tps,
-                f"{key}_ratio": ratio,
-                f"{key}_prefill_tok_s": prefill_tps,
-            }
-            rows.append((1, spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
+            results[f"{spec.replace('+', '_')}_b{batch}_hf_tok_s"] = hf_tps
+            speeds = (max(r[0] for r in engine_runs), max(r[1] for r in engine_runs))
+            record(results, rows, 1, spec, batch, speeds, hf_tps)
         backend_name = type(runner.attn_backend).__name__ + (
             " + CUDA graphs" if runner.cuda_graph_runner else ""
         )
@@ -216,18 +221,8 @@ def main() -> None:
     for size in (int(t) for t in args.tp_size.split(",")):
         if size == 1:
             continue
-        for (spec, batch), (prefill_tps, decode_tps) in run_tp_engine(
-            size, path, args, prompts, Path(scratch.name)
-        ).items():
-            hf_tps = hf_by_key[spec, batch]
-            ratio = None if hf_tps is None else decode_tps / hf_tps
-            key = f"tp{size}_{spec.replace('+', '_')}_b{batch}"
-            results |= {
-                f"{key}_engine_tok_s": decode_tps,
-                f"{key}_ratio": ratio,
-                f"{key}_prefill_tok_s": prefill_tps,
-            }
-            rows.append((size, spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
+        for (spec, batch), speeds in run_tp_engine(size, path, args, prompts, Path(scratch.name)).items():
+            record(results, rows, size, spec, batch, speeds, hf_by_key[spec, batch])
     cpu = cpu_description()
     print(f"device {args.device} ({cpu}), attention backend {backend_name}")
     print(

@@ -12,17 +12,20 @@ step could never meet the others in their collectives again.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.scheduler.req import FinishReason, Req
+from pdserve.scheduler.req import FinishReason
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
 
 logger = logging.getLogger(__name__)
 
+Handler = Callable[[Any], "list[StepOutput] | None | Awaitable[list[StepOutput] | None]"]
 IDLE_POLL_S = 0.05  # how often an idle loop wakes to check deadlines (and, under TP, meet its ranks)
 
 
@@ -40,8 +43,9 @@ class SchedulerLoop:
             rank 0 only.
         after_schedule: called after each ``schedule()`` (the decode role starts prefill calls there,
             the prefill role starts KV writes).
-        apply_inputs: applies one iteration's events to the scheduler (every rank, same order) and
-            returns the outputs they produced; by default ``NewRequest`` and ``Abort`` only.
+        handlers: how the role applies each kind of event (on every rank, in the inputs' order): a
+            function of the event returning the outputs it produced (a list, None, or an awaitable
+            of either); ``NewRequest`` and ``Abort`` go to the scheduler unless overridden.
         tp: this rank's TP group.
 
     Attributes:
@@ -54,12 +58,12 @@ class SchedulerLoop:
         scheduler: Scheduler,
         on_outputs: Callable[[list[StepOutput]], None],
         after_schedule: Callable[[], None] | None = None,
-        apply_inputs: Callable[[StepInputs], Awaitable[list[StepOutput]]] | None = None,
+        handlers: dict[type, Handler] | None = None,
         tp: TpGroup = SINGLE_RANK,
     ) -> None:
         self.scheduler = scheduler
         self.on_outputs = on_outputs if tp.is_driver else lambda outputs: None
-        self.apply_inputs = apply_inputs or self._apply_requests
+        self.handlers: dict[type, Handler] = {NewRequest: self._add, Abort: self._abort, **(handlers or {})}
         self.after_schedule = after_schedule or (lambda: None)
         self.tp = tp
         self.inputs = InputSync(tp)
@@ -71,13 +75,27 @@ class SchedulerLoop:
             self._now = 0.0
             scheduler.clock = lambda: self._now  # rank 0's reading of this step, on every rank
 
-    async def _apply_requests(self, inputs: StepInputs) -> list[StepOutput]:
+    def _add(self, event: NewRequest) -> list[StepOutput]:
+        """Queue the request; one the scheduler refuses (its handler checked it, so only a state that
+        changed meanwhile can) ends at once with an error output instead of failing the loop."""
+        try:
+            self.scheduler.add_request(event.req)
+        except ValueError as e:
+            event.req.finish(FinishReason.ERROR, str(e))
+            return [StepOutput(event.req, finished=True)]
+        return []
+
+    def _abort(self, event: Abort) -> None:
+        self.scheduler.abort_request(event.rid, event.reason)
+
+    async def apply_inputs(self, inputs: StepInputs) -> list[StepOutput]:
+        """Apply the iteration's events in order; the outputs they produced."""
         outputs: list[StepOutput] = []
         for event in inputs.events:
-            if isinstance(event, NewRequest):
-                outputs += add_request(self.scheduler, event.req)
-            elif isinstance(event, Abort):
-                self.scheduler.abort_request(event.rid, event.reason)
+            produced = self.handlers[type(event)](event)
+            if inspect.isawaitable(produced):
+                produced = await produced
+            outputs += produced or []
         return outputs
 
     def wake(self) -> None:
@@ -141,14 +159,3 @@ class SchedulerLoop:
         finally:
             self.inputs.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def add_request(scheduler: Scheduler, req: Req) -> list[StepOutput]:
-    """Queue ``req``; a request the scheduler refuses (its handler checked it, so only a state that
-    changed meanwhile can) ends at once with an error output instead of failing the loop."""
-    try:
-        scheduler.add_request(req)
-    except ValueError as e:
-        req.finish(FinishReason.ERROR, str(e))
-        return [StepOutput(req, finished=True)]
-    return []

@@ -23,8 +23,8 @@ from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
-from pdserve.services.common.scheduler_loop import SchedulerLoop, add_request
-from pdserve.services.common.step_inputs import Abort, NewRequest, StepInputs
+from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.prefill_client import PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -86,7 +86,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.agent = agent
         self.tp = tp
         self.rank_agents = rank_agents or ([agent.local_info()] if agent is not None else [])
-        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, self._apply, tp)
+        handlers = {Abort: self._abort, KVReady: self._kv_ready, KVFailed: self._kv_failed}
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
             dead_after=detokenizer_dead_after,
@@ -142,26 +143,16 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.AbortResponse(found=found)
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
-    async def _apply(self, inputs: StepInputs) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        for event in inputs.events:
-            if isinstance(event, NewRequest):
-                outputs += add_request(self.scheduler, event.req)
-            elif isinstance(event, Abort):
-                self._abort(event.rid, event.reason)
-            elif isinstance(event, KVReady):
-                outputs += await self._kv_ready(event)
-            elif isinstance(event, KVFailed):
-                out = self.scheduler.kv_failed(event.rid, event.error)
-                outputs += [out] if out is not None else []
-        return outputs
-
-    def _abort(self, rid: str, reason: str) -> None:
-        """Stop a prefill in flight for ``rid`` (rank 0) and abort it in the scheduler."""
-        task = self.prefill_tasks.pop(rid, None)
+    def _abort(self, event: Abort) -> None:
+        """Stop a prefill in flight (rank 0) and abort the request in the scheduler."""
+        task = self.prefill_tasks.pop(event.rid, None)
         if task is not None:
             task.cancel()
-        self.scheduler.abort_request(rid, reason)
+        self.scheduler.abort_request(event.rid, event.reason)
+
+    def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
+        out = self.scheduler.kv_failed(event.rid, event.error)
+        return [out] if out is not None else []
 
     async def _kv_ready(self, event: KVReady) -> list[StepOutput]:
         """Rank 0 already saw its notification; another rank waits for its own shard's.

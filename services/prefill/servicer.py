@@ -26,8 +26,8 @@ from pdserve.services.common.convert import (
     sampling_params_from_pb,
     token_logprob_to_pb,
 )
-from pdserve.services.common.scheduler_loop import SchedulerLoop, add_request
-from pdserve.services.common.step_inputs import Abort, NewRequest, StepInputs
+from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.servicer import load_info
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -79,7 +79,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.agent = agent
         self.tp = tp
         self.rank_agents = rank_agents or [agent.local_info()]
-        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, self._apply, tp)
+        handlers = {Abort: self._abort, AddKVPeers: self._add_rank_peer, KVWritten: self._written}
+        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, handlers, tp)
         self.waiters: dict[str, asyncio.Future] = {}
         self.transfers: dict[str, asyncio.Task] = {}  # this rank's KV writes in flight
         self.written: dict[str, dict[int, KVWritten]] = {}  # prefilled rids: each rank's ended write
@@ -161,28 +162,16 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         )
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
-    async def _apply(self, inputs: StepInputs) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
-        for event in inputs.events:
-            if isinstance(event, NewRequest):
-                outputs += add_request(self.scheduler, event.req)
-            elif isinstance(event, Abort):
-                self._abort(event.rid, event.reason)
-            elif isinstance(event, AddKVPeers):
-                self._add_rank_peer(event.agents)
-            elif isinstance(event, KVWritten):
-                self._written(event)
-        return outputs
-
-    def _abort(self, rid: str, reason: str) -> None:
-        if rid in self.written:
-            self._finish_transfer(rid, reason)
+    def _abort(self, event: Abort) -> None:
+        if event.rid in self.written:
+            self._finish_transfer(event.rid, event.reason)
         else:
-            self.scheduler.abort_request(rid, reason)
+            self.scheduler.abort_request(event.rid, event.reason)
 
-    def _add_rank_peer(self, agents: list[KVAgentInfo]) -> None:
+    def _add_rank_peer(self, event: AddKVPeers) -> None:
         """This rank's decode peer (rank 0 loaded its own in the handshake). A peer that cannot be
         loaded here fails this rank's writes to it, which fails those prefills cleanly."""
+        agents = event.agents
         if self.tp.is_driver:
             return
         try:

@@ -259,7 +259,9 @@ def test_tensor_parallel_schedulers_ask_a_gpu_per_rank() -> None:
         assert chart.env(component)["PDSERVE_TP_SIZE"] == "2"
         resources = pod_spec(chart.workload(component))["containers"][0]["resources"]
         per_rank = chart.values[component]["gpus"]
-        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 2 * per_rank
+        assert (
+            resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 2 * per_rank
+        )
 
 
 def test_config_changes_roll_the_pods(default_chart: Rendered) -> None:

@@ -26,6 +26,7 @@ from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.engine.driver import Driver
 from tests.engine.test_greedy_vs_hf import hf_greedy_with_logprobs
+from tests.engine.test_model_families import hf_tokens
 
 PROMPT_LENS = [1, 33, 180, 450]
 NEW_TOKENS = 24
@@ -164,13 +165,4 @@ def test_tiny_checkpoints_with_replicated_kv_heads(tiny_checkpoints, tmp_path):
         hf = model_class.from_pretrained(tiny_checkpoints / name, dtype=torch.float32).eval()
         assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == single["tokens"], name
         for prompt, tokens in zip(prompts, single["tokens"], strict=True):
-            with torch.no_grad():
-                ref = hf.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-            assert tokens == ref[0, len(prompt) :].tolist(), f"{name}: prompt of {len(prompt)} tokens"
+            assert tokens == hf_tokens(hf, prompt, NEW_TOKENS), f"{name}: prompt of {len(prompt)} tokens"

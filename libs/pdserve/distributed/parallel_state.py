@@ -89,9 +89,13 @@ class TpGroup:
 SINGLE_RANK = TpGroup()
 
 
+RENDEZVOUS_TIMEOUT_S = 600.0  # ranks start (import torch, spawn) at their own pace
+
+
 def init_tp_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float) -> TpGroup:
     """Join (or, on rank 0, create) the TP group rendezvousing at ``address`` ("host:port", rank 0
-    listens there); returns at once for ``size == 1``.
+    listens there); returns at once for ``size == 1``. Ranks may arrive up to
+    ``RENDEZVOUS_TIMEOUT_S`` apart; afterwards every collective times out after ``timeout_s``.
 
     Gloo talks over the interface of ``address``'s host: loopback when it is 127.0.0.1, so ranks
     of one machine or one pod need no network name resolution (``GLOO_SOCKET_IFNAME`` overrides).
@@ -106,10 +110,12 @@ def init_tp_group(rank: int, size: int, address: str, device: torch.device, time
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(
+        host, int(port), size, is_master=rank == 0, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     )
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     logger.info("TP rank %d of %d joined (%s device group, gloo control group)", rank, size, backend)
     return TpGroup(rank, size, dist.group.WORLD, cpu_group)

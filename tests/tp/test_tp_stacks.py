@@ -1,7 +1,9 @@
-"""Issue 21 on the real stack: one colocated scheduler over two tensor-parallel ranks (gloo, two
-processes) gives HF's greedy tokens through chunked prefill, radix hits, retraction and aborts,
-with its ranks' states compared after every step; a killed rank takes the group down, every client
-gets an answer, and the group restarts and serves again."""
+"""Issue 21 on the real stack: a scheduler of two tensor-parallel ranks (gloo, two processes each),
+colocated and in PD (prefill rank i writes its KV heads into decode rank i over NIXL), gives HF's
+greedy tokens through chunked prefill, radix hits, retraction and aborts, with every scheduler's
+ranks comparing their state digests after every step and every pool conserved; a killed rank takes
+its group down, every client gets an answer within 10 s, and the group restarts and serves again;
+a prefill worker of another TP size is refused at the handshake, naming both sides' values."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import asyncio
 import subprocess
 import time
 
+import grpc
 import httpx
 import psutil
 import pytest
 
+from tests.pd.handshake import refused_handshake
 from tests.reference import chat_ids, hf_greedy
 from tests.stack import Stack, launch_stack
 from tests.tp.helpers import (
@@ -26,13 +30,25 @@ from tests.tp.helpers import (
 )
 
 # a small pool (64 pages) so that six growing requests must retract; small chunks so prompts chunk
-FLAGS = ("--colocated", "--tp-size", "2", "--dtype", "float32", "--max-total-tokens", "1024")
-FLAGS += ("--chunked-prefill-size", "64")
+COMMON = (
+    "--tp-size",
+    "2",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "1024",
+    "--chunked-prefill-size",
+    "64",
+)
+MODES = {
+    "colocated": ("--colocated", *COMMON),
+    "pd": ("--num-prefill", "1", "--num-decode", "1", *COMMON),
+}
 
 
-@pytest.fixture(scope="module")
-def tp_stack() -> Stack:
-    stack = launch_stack(*FLAGS, log_name="tp-colocated")
+@pytest.fixture(scope="module", params=sorted(MODES))
+def tp_stack(request: pytest.FixtureRequest) -> Stack:
+    stack = launch_stack(*MODES[request.param], log_name=f"tp-{request.param}")
     yield stack
     stack.stop()
 
@@ -71,6 +87,7 @@ def _rank1(stack: Stack) -> psutil.Process:
     return rank1
 
 
+@pytest.mark.parametrize("tp_stack", ["colocated"], indirect=True)
 def test_killed_rank_ends_every_request_and_the_group_restarts(tp_stack):
     stack = tp_stack
     ids = chat_ids([{"role": "user", "content": "Tell me a long story about the sea."}])
@@ -110,3 +127,10 @@ def test_killed_rank_ends_every_request_and_the_group_restarts(tp_stack):
     first = chat_ids([{"role": "user", "content": "What is the capital of France?"}])
     assert generate(stack, first)["output_ids"] == hf_greedy(first, 24)
     check_group(stack, 0)
+
+
+def test_handshake_with_another_tp_size_fails_clearly(tmp_path):
+    """A TP=1 decode worker's agent offered to a TP=2 prefill worker: refused, naming both sizes."""
+    err = refused_handshake(tmp_path, "--tp-size", "2")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tp_size: decode 1, prefill 2" in err.details(), err.details()
