@@ -50,7 +50,6 @@ class SchedulerLoop:
 
     Attributes:
         inputs: where handlers submit events (``InputSync``).
-        iterations: iterations started, for the TP watchdog.
     """
 
     def __init__(
@@ -67,7 +66,6 @@ class SchedulerLoop:
         self.after_schedule = after_schedule or (lambda: None)
         self.tp = tp
         self.inputs = InputSync(tp)
-        self.iterations = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
         self._digest: str | None = None
@@ -126,7 +124,6 @@ class SchedulerLoop:
         sched = self.scheduler
         try:
             while True:
-                self.iterations += 1
                 self._wakeup.clear()
                 inputs = await self.collect_inputs(stop)
                 if inputs.stop:

@@ -9,8 +9,9 @@ rank ``i`` takes GPU ``i`` of those visible (the launcher gives the process N GP
 A group that cannot run in step any more goes down as a whole, so that it restarts as a whole:
 
 - a rank dies: rank 0 sees its process end (checked every ``POLL_S``);
-- a rank hangs: every rank publishes the iteration it is in (shared memory); one that stays behind
-  rank 0 for ``--tp-watchdog`` seconds is hung;
+- a rank hangs: every rank's event loop stamps a heartbeat into shared memory every ``POLL_S / 2``
+  (forwards and collectives run on other threads, so a live rank always beats); one whose beat is
+  ``--tp-watchdog`` seconds old is hung (stopped, or its loop blocked);
 - a collective fails (a peer's connection closed, or ``COLLECTIVE_TIMEOUT_S`` passed) or a forward
   raises: the rank's loop raises ``TpGroupFailure``;
 - rank 0 dies: the kernel kills its children (``PR_SET_PDEATHSIG``).
@@ -84,12 +85,12 @@ class TpRanks:
             s.bind(("127.0.0.1", 0))
             self.address = f"127.0.0.1:{s.getsockname()[1]}"
         self.size = args.tp_size
-        self.iterations = ctx.Array("q", self.size, lock=False)  # iteration each rank is in
+        self.beats = ctx.Array("d", self.size, lock=False)  # each rank's last heartbeat (monotonic s)
         self.failure: str | None = None
         self.procs = [
             ctx.Process(
                 target=rank_main,
-                args=(args, service, rank, self.address, address, self.iterations, os.getpid()),
+                args=(args, service, rank, self.address, address, self.beats, os.getpid()),
                 name=f"{service}-tp{rank}",
             )
             for rank in range(1, self.size)
@@ -98,23 +99,18 @@ class TpRanks:
             proc.start()
         logger.info("started TP ranks 1..%d (pids %s)", self.size - 1, [p.pid for p in self.procs])
 
-    async def watch(self, loop: SchedulerLoop, on_failure: Callable[[], None], watchdog_s: float) -> None:
+    async def watch(self, on_failure: Callable[[], None], watchdog_s: float) -> None:
         """Until a rank dies or hangs: then set ``failure`` and call ``on_failure``."""
-        last = [(-1, time.monotonic())] * self.size
+        started = time.monotonic()
         while self.failure is None:
             await asyncio.sleep(POLL_S)
             now = time.monotonic()
             for rank, proc in enumerate(self.procs, start=1):
-                seen, since = last[rank]
-                current = self.iterations[rank]
-                if current != seen:
-                    last[rank] = (current, now)
+                silent = now - max(self.beats[rank], started)
                 if not proc.is_alive():
                     self.failure = f"TP rank {rank} exited with code {proc.exitcode}"
-                elif current < loop.iterations and now - last[rank][1] > watchdog_s:
-                    self.failure = (
-                        f"TP rank {rank} hung: {watchdog_s:g} s behind rank 0 in iteration {current}"
-                    )
+                elif silent > watchdog_s:
+                    self.failure = f"TP rank {rank} hung: no heartbeat for {silent:.1f} s"
                 else:
                     continue
                 logger.error("%s: the TP group goes down", self.failure)
@@ -141,7 +137,7 @@ async def supervise(
     request with an error (``fail_all``) and exit the process with status 1 at once: a thread may be
     stuck in a collective that will never complete."""
     task = asyncio.create_task(loop.run(stop))
-    watch = asyncio.create_task(ranks.watch(loop, task.cancel, watchdog_s)) if ranks else None
+    watch = asyncio.create_task(ranks.watch(task.cancel, watchdog_s)) if ranks else None
     try:
         await task
         return
@@ -171,7 +167,7 @@ def rank_main(
     rank: int,
     group_address: str,
     address: str,
-    iterations: Any,
+    beats: Any,
     parent_pid: int,
 ) -> None:
     """Entry point of rank ``rank`` > 0 (a spawned process): join, build, follow rank 0's loop."""
@@ -179,11 +175,11 @@ def rank_main(
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher signals the process group: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
     setup_logging(args.log_level, f"{service}-tp{rank}")
-    uvloop.run(_serve_rank(args, service, rank, group_address, address, iterations))
+    uvloop.run(_serve_rank(args, service, rank, group_address, address, beats))
 
 
 async def _serve_rank(
-    args: argparse.Namespace, service: str, rank: int, group_address: str, address: str, iterations: Any
+    args: argparse.Namespace, service: str, rank: int, group_address: str, address: str, beats: Any
 ) -> None:
     tp = await join_group(args, rank, group_address)
     build_servicer = importlib.import_module(f"pdserve.services.{service}.main").build_servicer
@@ -192,7 +188,7 @@ async def _serve_rank(
 
     async def beat() -> None:
         while True:
-            iterations[rank] = loop.iterations
+            beats[rank] = time.monotonic()
             await asyncio.sleep(POLL_S / 2)
 
     heartbeat = asyncio.create_task(beat())

@@ -46,9 +46,14 @@ MODES = {
 }
 
 
+WATCHDOG_S = 3.0  # the schedulers' --tp-watchdog (through the environment the launcher passes on)
+
+
 @pytest.fixture(scope="module", params=sorted(MODES))
 def tp_stack(request: pytest.FixtureRequest) -> Stack:
-    stack = launch_stack(*MODES[request.param], log_name=f"tp-{request.param}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDSERVE_TP_WATCHDOG", str(WATCHDOG_S))
+        stack = launch_stack(*MODES[request.param], log_name=f"tp-{request.param}")
     yield stack
     stack.stop()
 
@@ -88,7 +93,11 @@ def _rank1(stack: Stack) -> psutil.Process:
 
 
 @pytest.mark.parametrize("tp_stack", ["colocated"], indirect=True)
-def test_killed_rank_ends_every_request_and_the_group_restarts(tp_stack):
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_failed_rank_ends_every_request_and_the_group_restarts(tp_stack, fault):
+    """Rank 1 killed (its death is seen at once) or stopped (its heartbeat goes silent for the
+    watchdog's 3 s): every client is answered within 10 s, /health shows the group down, and the
+    restarted group serves HF's tokens again."""
     stack = tp_stack
     ids = chat_ids([{"role": "user", "content": "Tell me a long story about the sea."}])
     body = {
@@ -105,13 +114,16 @@ def test_killed_rank_ends_every_request_and_the_group_restarts(tp_stack):
 
             calls = [asyncio.create_task(one()) for _ in range(6)]
             await asyncio.sleep(3.0)  # the six are decoding
-            killed = time.monotonic()
-            _rank1(stack).kill()
-            return killed, await asyncio.gather(*calls)
+            failed = time.monotonic()
+            if fault == "killed":
+                _rank1(stack).kill()
+            else:
+                _rank1(stack).suspend()  # SIGSTOP: alive, silent
+            return failed, await asyncio.gather(*calls)
 
-    killed, answers = asyncio.run(load())
+    failed, answers = asyncio.run(load())
     for answered, resp in answers:
-        assert answered - killed < 10, f"answered {answered - killed:.1f} s after the kill"
+        assert answered - failed < 10, f"answered {answered - failed:.1f} s after rank 1 {fault}"
         if resp.status_code == 200:  # ended with an error finish reason and the reason
             assert resp.json()["meta_info"]["finish_reason"]["type"] == "error", resp.text
         assert "TP" in resp.text or "scheduler" in resp.text, resp.text
