@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from tests.reference import chat_ids, hf_greedy
+from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import Stack
 
 PROMPTS = [
@@ -18,18 +18,31 @@ PROMPTS = [
 
 def generate(stack: Stack, input_ids: list[int], max_new_tokens: int = 24, **params) -> dict:
     """Greedy ``/generate``; the response body (asserts HTTP 200)."""
+    return generate_all(stack, [input_ids], max_new_tokens, **params)[0]
+
+
+def generate_all(stack: Stack, prompts: list[list[int]], max_new_tokens: int, **params) -> list[dict]:
+    """Greedy ``/generate`` of every prompt at once; the response bodies (asserts HTTP 200)."""
     sampling = {"temperature": 0, "max_new_tokens": max_new_tokens, **params}
-    resp = httpx.post(
-        f"{stack.base_url}/generate", json={"input_ids": input_ids, "sampling_params": sampling}, timeout=300
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=600) as client:
+            url = f"{stack.base_url}/generate"
+            calls = [
+                client.post(url, json={"input_ids": ids, "sampling_params": sampling}) for ids in prompts
+            ]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(run())
+    for resp in responses:
+        assert resp.status_code == 200, resp.text
+    return [resp.json() for resp in responses]
 
 
 def check_greedy_equals_hf(stack: Stack) -> None:
-    for prompt in PROMPTS:
-        ids = chat_ids([{"role": "user", "content": prompt}])
-        assert generate(stack, ids)["output_ids"] == hf_greedy(ids, 24), prompt
+    prompts = [chat_ids([{"role": "user", "content": p}]) for p in PROMPTS]
+    for ids, result in zip(prompts, generate_all(stack, prompts, 24), strict=True):
+        assert result["output_ids"] == hf_greedy(ids, 24), hf_tokenizer().decode(ids)
 
 
 def check_chunked_prefill_and_radix_hit(stack: Stack) -> None:
@@ -43,34 +56,13 @@ def check_chunked_prefill_and_radix_hit(stack: Stack) -> None:
     assert again["meta_info"]["cached_tokens"] >= len(ids) // 16 * 16 - 16
 
 
-def check_retraction(stack: Stack, requests: int, new_tokens: int) -> None:
+def check_retraction(stack: Stack, requests: int, prompt_len: int, new_tokens: int) -> None:
     """More concurrent growth than the KV pool holds: requests are retracted and re-extended, and
     still give HF's tokens (EOS banned on both sides, so every request grows to the end)."""
-    prompts = [
-        chat_ids([{"role": "user", "content": f"Count slowly from {i} to {i + 200}."}])
-        for i in range(requests)
-    ]
+    text = hf_tokenizer()(" ".join(f"Item {i} is a small round stone." for i in range(400)))["input_ids"]
+    prompts = [text[i * 37 : i * 37 + prompt_len] for i in range(requests)]
     before = retracted(stack)
-
-    async def run() -> list[dict]:
-        async with httpx.AsyncClient(timeout=600) as client:
-            calls = [
-                client.post(
-                    f"{stack.base_url}/generate",
-                    json={
-                        "input_ids": ids,
-                        "sampling_params": {
-                            "temperature": 0,
-                            "max_new_tokens": new_tokens,
-                            "min_new_tokens": new_tokens,
-                        },
-                    },
-                )
-                for ids in prompts
-            ]
-            return [r.json() for r in await asyncio.gather(*calls)]
-
-    results = asyncio.run(run())
+    results = generate_all(stack, prompts, new_tokens, min_new_tokens=new_tokens)
     assert retracted(stack) > before, "the pool was large enough: nothing was retracted"
     for ids, result in zip(prompts, results, strict=True):
         assert result["output_ids"] == hf_greedy(ids, new_tokens, min_new_tokens=new_tokens)

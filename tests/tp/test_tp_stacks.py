@@ -74,7 +74,7 @@ def test_chunked_prefill_and_radix_hit(tp):
 
 
 def test_retraction(tp):
-    check_retraction(tp, requests=6, new_tokens=160)
+    check_retraction(tp, requests=6, prompt_len=110, new_tokens=64)
 
 
 def test_aborted_streams(tp):
