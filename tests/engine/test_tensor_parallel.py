@@ -88,16 +88,18 @@ def run_ranks(size: int, target, args: tuple, out_dir: Path) -> list:
 def generate(
     tp: TpGroup, model_path: Path, prompts: list[list[int]], params: list[SamplingParams], chunk: int = CHUNK
 ) -> dict:
-    """Extend the prompts (the last one in chunks of ``chunk`` tokens, beside the others' first
-    decodes), then decode them together; tokens, logprobs and this rank's KV heads and pages."""
+    """``run`` on this rank's shard of the model."""
     runner = ModelRunner(
-        model_path,
-        dtype="float32",
-        attention_backend="torch_native",
-        page_size=4,
-        max_total_tokens=4096,
-        tp=tp,
+        model_path, dtype="float32", attention_backend="torch_native", max_total_tokens=4096, tp=tp
     )
+    return run(runner, prompts, params, chunk)
+
+
+def run(
+    runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], chunk: int = CHUNK
+) -> dict:
+    """Extend the prompts (the last one in chunks of ``chunk`` tokens, beside the others' first
+    decodes), then decode them together; tokens, logprobs and the rank's KV heads and pages."""
     driver = Driver(TpModelWorker(runner))
     seqs = [driver.add(p, sp) for p, sp in zip(prompts, params, strict=True)]
     *short, long = seqs
@@ -106,6 +108,7 @@ def generate(
         driver.step([(s, None) for s in short] + [(long, min(chunk, len(long.prompt) - long.num_computed))])
     while any(len(s.output_ids) < NEW_TOKENS for s in seqs):
         driver.step([(s, None) for s in seqs if len(s.output_ids) < NEW_TOKENS])
+    driver.release(*seqs)
     return {
         "tokens": [s.output_ids for s in seqs],
         "logprobs": [s.logprobs for s in seqs],
@@ -119,13 +122,13 @@ def greedy(n: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, return_logprob=True, top_logprobs_num=2) for _ in range(n)]
 
 
-def test_smollm2_tp2_equals_tp1_and_hf(model_path, hf_model, tokenizer, long_text, tmp_path):
+def test_smollm2_tp2_equals_tp1_and_hf(runner, model_path, hf_model, tokenizer, long_text, tmp_path):
     text_ids = tokenizer(long_text)["input_ids"]
     prompts = [text_ids[11 * i : 11 * i + n] for i, n in enumerate(PROMPT_LENS)]
     ranks = run_ranks(2, generate, (model_path, prompts, greedy(len(prompts))), tmp_path)
-    single = generate(TpGroup(), model_path, prompts, greedy(len(prompts)))
+    single = run(runner, prompts, greedy(len(prompts)))  # the session's TP=1 engine
     assert [r["kv_heads"] for r in ranks] == [2, 1]  # SmolLM2's 3 KV heads: 2 + 1
-    assert ranks[0]["pages"] == ranks[1]["pages"] == single["pages"]
+    assert ranks[0]["pages"] == ranks[1]["pages"] == 4096 // 16
     for key in ("tokens", "logprobs", "top"):
         assert ranks[1][key] == ranks[0][key], f"rank 1's {key} differ from rank 0's"
     assert ranks[0]["tokens"] == single["tokens"]
