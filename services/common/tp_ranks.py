@@ -40,6 +40,7 @@ import uvloop
 
 from pdserve.cli_args import setup_logging
 from pdserve.distributed import TpGroup, init_tp_group
+from pdserve.rpc import tls
 from pdserve.services.common.bootstrap import rank_device
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.launcher.child import die_with_parent
@@ -90,7 +91,7 @@ class TpRanks:
         self.procs = [
             ctx.Process(
                 target=rank_main,
-                args=(args, service, rank, self.address, address, self.beats, os.getpid()),
+                args=(args, service, rank, self.address, address, self.beats, os.getpid(), tls.identity()),
                 name=f"{service}-tp{rank}",
             )
             for rank in range(1, self.size)
@@ -169,9 +170,12 @@ def rank_main(
     address: str,
     beats: Any,
     parent_pid: int,
+    identity: tls.TlsIdentity | None,
 ) -> None:
-    """Entry point of rank ``rank`` > 0 (a spawned process): join, build, follow rank 0's loop."""
+    """Entry point of rank ``rank`` > 0 (a spawned process): join, build, follow rank 0's loop.
+    ``identity`` is rank 0's internal TLS identity: any gRPC channel a rank opens uses it too."""
     die_with_parent(parent_pid)()
+    tls.configure(identity)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher signals the process group: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
     setup_logging(args.log_level, f"{service}-tp{rank}")
