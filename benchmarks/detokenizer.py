@@ -1,9 +1,12 @@
 """Detokenization throughput: 256 concurrent streams of real SmolLM2 token ids turned into text.
 
-``python -m benchmarks.detokenizer [--streams 256] [--tokens 256] [--no-grpc]``
+``python -m benchmarks.detokenizer [--streams 256] [--tokens 256] [--no-grpc] [--stops-at-bounds]``
 
 lib:  IncrementalDetokenizer.step on one BatchTokenIDOutput's worth per decode step (one new id per
       stream per step, half the streams with stop strings that never match, so hold-back runs).
+      ``--stops-at-bounds``: those streams carry the worst stop strings the request bounds allow
+      (``pdserve.sampling.bounds``: 1,024 characters in all, 255 spaces and a character that never
+      comes, so every prefix is tried after each space).
 grpc: the same steps as BatchTokenIDOutput messages streamed by a decode-scheduler-style client into
       a detokenizer process, text collected by a GatewayOutput servicer here; timed from the first
       send to the last final output received.
@@ -27,6 +30,7 @@ import grpc
 from pdserve.detokenize import DecodeOptions, IncrementalDetokenizer, TokenStep
 from pdserve.rpc.client_stream import ClientStreamSender
 from pdserve.rpc.server import GrpcServer, wait_for_health
+from pdserve.sampling.bounds import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc
 
@@ -35,6 +39,10 @@ WORDS = [
     *("你好", "世界", "缓存", "😀", "🚀", "naïve", "café"),
 ]
 STOPS = ("\n\nUser:", "###")
+WORST_STOPS = tuple(
+    " " * (MAX_STOP_STRING_CHARS - 1) + chr(0x2400 + i)
+    for i in range(MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS)
+)
 
 
 def token_streams(tokenizer: Tokenizer, streams: int, tokens: int) -> list[list[int]]:
@@ -46,18 +54,18 @@ def token_streams(tokenizer: Tokenizer, streams: int, tokens: int) -> list[list[
     return [ids[7 * k : 7 * k + tokens] for k in range(streams)]
 
 
-def options(k: int) -> DecodeOptions:
-    return DecodeOptions(stop=STOPS if k % 2 else ())
+def options(k: int, stops: tuple[str, ...] = STOPS) -> DecodeOptions:
+    return DecodeOptions(stop=stops if k % 2 else ())
 
 
-def bench_lib(tokenizer: Tokenizer, streams: list[list[int]]) -> dict[str, float]:
+def bench_lib(tokenizer: Tokenizer, streams: list[list[int]], stops: tuple[str, ...]) -> dict[str, float]:
     detok = IncrementalDetokenizer(tokenizer)
     steps = len(streams[0])
     latencies = []
     chars = 0
     for step in range(steps):
         batch = [
-            TokenStep(f"r{k}", [ids[step]], step == steps - 1, options(k) if step == 0 else None)
+            TokenStep(f"r{k}", [ids[step]], step == steps - 1, options(k, stops) if step == 0 else None)
             for k, ids in enumerate(streams)
         ]
         t0 = time.perf_counter()
@@ -96,7 +104,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def step_messages(streams: list[list[int]], gateway: str) -> list[output_pb2.BatchTokenIDOutput]:
+def step_messages(
+    streams: list[list[int]], gateway: str, stops: tuple[str, ...]
+) -> list[output_pb2.BatchTokenIDOutput]:
     steps = len(streams[0])
     batches = []
     for step in range(steps):
@@ -108,12 +118,12 @@ def step_messages(streams: list[list[int]], gateway: str) -> list[output_pb2.Bat
             if step == 0:
                 out.gateway_address = gateway
                 out.skip_special_tokens = True
-                out.stop.extend(options(k).stop)
+                out.stop.extend(options(k, stops).stop)
         batches.append(batch)
     return batches
 
 
-async def bench_grpc(model: str | None, streams: list[list[int]]) -> dict[str, float]:
+async def bench_grpc(model: str | None, streams: list[list[int]], stops: tuple[str, ...]) -> dict[str, float]:
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.services.detokenizer.main", "--port", str(port)]
     proc = subprocess.Popen([*cmd, *(["--model", model] if model else [])], stderr=subprocess.DEVNULL)
@@ -125,7 +135,7 @@ async def bench_grpc(model: str | None, streams: list[list[int]]) -> dict[str, f
         address = f"127.0.0.1:{port}"
         if not await wait_for_health(address, timeout=120):
             raise RuntimeError("detokenizer did not become healthy")
-        messages = step_messages(streams, server.address)
+        messages = step_messages(streams, server.address, stops)
         sender = ClientStreamSender(address, lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs)
         t0 = time.perf_counter()
         for msg in messages:
@@ -155,14 +165,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=256, help="ids per stream")
     parser.add_argument("--no-grpc", action="store_true", help="library path only")
+    parser.add_argument("--stops-at-bounds", action="store_true", help="worst stop strings allowed")
     args = parser.parse_args(argv)
 
     tokenizer = Tokenizer.load(args.model)
     streams = token_streams(tokenizer, args.streams, args.tokens)
-    lib = bench_lib(tokenizer, streams)
-    result = {"streams": args.streams, "tokens_per_stream": args.tokens, "lib": lib}
+    stops = WORST_STOPS if args.stops_at_bounds else STOPS
+    lib = bench_lib(tokenizer, streams, stops)
+    result = {
+        "streams": args.streams,
+        "tokens_per_stream": args.tokens,
+        "stops_at_bounds": args.stops_at_bounds,
+        "lib": lib,
+    }
     if not args.no_grpc:
-        result["grpc"] = asyncio.run(bench_grpc(args.model, streams))
+        result["grpc"] = asyncio.run(bench_grpc(args.model, streams, stops))
 
     print(f"{'path':<6} {'tokens/s':>12} {'step p50 ms':>12} {'step p99 ms':>12}")
     print(f"{'lib':<6} {lib['tokens_per_s']:>12,.0f} {lib['step_p50_ms']:>12.2f} {lib['step_p99_ms']:>12.2f}")

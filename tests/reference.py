@@ -20,12 +20,27 @@ def hf_model():
 
 
 @functools.cache
+def context_length() -> int:
+    """``max_position_embeddings`` of the default model's config.json."""
+    from transformers import AutoConfig
+
+    from pdserve.model_source import resolve_model
+
+    return AutoConfig.from_pretrained(resolve_model()).max_position_embeddings
+
+
+@functools.cache
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
     from pdserve.model_source import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model())
+
+
+def vocab_size() -> int:
+    """The HF tokenizer's size (added tokens included): token ids a request may name are below it."""
+    return len(hf_tokenizer())
 
 
 class _AddLogitBias:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import openai
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 SERVED_MODEL = "SmolLM2-135M-Instruct"  # the id the default model is served under
@@ -135,6 +136,40 @@ class Stack:
                 self.proc.wait()
 
 
+def _services_started(log_path: str) -> bool:
+    """Whether the launcher has started its first service (so it holds every fixed port)."""
+    with open(log_path) as f:
+        return " started " in f.read()
+
+
+def children(stack: Stack) -> dict[str, psutil.Process]:
+    """The launcher's running services by ``role:port`` ("decode:30020"); not dead or unborn ones."""
+    out = {}
+    for proc in psutil.Process(stack.proc.pid).children():
+        try:
+            cmd = proc.cmdline()  # empty for a zombie; the launcher's own between fork and exec
+        except psutil.Error:
+            continue
+        if "pdserve.cli" in cmd and cmd[cmd.index("pdserve.cli") + 1] != "launch":
+            out[f"{cmd[cmd.index('pdserve.cli') + 1]}:{cmd[cmd.index('--port') + 1]}"] = proc
+    return out
+
+
+def log_text(stack: Stack) -> str:
+    """The launcher's log (its own lines and every service's output) so far."""
+    with open(stack.log_path) as f:
+        return f.read()
+
+
+def wait_for_log(stack: Stack, text: str, timeout: float = 30.0) -> str:
+    """The launcher's log once it contains ``text``; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := log_text(stack)):
+        assert time.monotonic() < deadline, f"{text!r} not in the log:\n{log[-4000:]}"
+        time.sleep(0.2)
+    return log
+
+
 def launch_stack(
     *flags: str,
     log_name: str = "stack",
@@ -167,6 +202,12 @@ def launch_stack(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
+        if not _services_started(log_path):
+            # Not one connection before the launcher holds its fixed ports: a connect() to a port in
+            # the ephemeral range that nothing listens on may draw that same port as its source and
+            # connect to itself, leaving a TIME_WAIT that keeps the gateway off its port for 60 s.
+            time.sleep(0.2)
+            continue
         try:
             if httpx.get(f"{stack.base_url}/health", timeout=2, verify=stack.verify).status_code == 200:
                 return stack

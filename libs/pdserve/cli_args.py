@@ -6,6 +6,9 @@ import argparse
 import os
 
 from pdserve.rpc import tls
+from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
+
+DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # a scheduler step this long means the worker is stuck
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +104,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
     value = float(text)
@@ -164,6 +191,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=non_negative_int,
+        default=None,
+        help="waiting requests per scheduler beyond which new ones are refused (429); default: twice "
+        "the requests it can run at once (--max-running-requests, bounded by the KV pool); 0 = no bound",
+    )
+    parser.add_argument(
+        "--max-queue-time",
+        type=non_negative_float,
+        default=DEFAULT_MAX_QUEUE_TIME_S,
+        help="seconds a request may wait for admission before it fails with 503 (retry); 0 = no limit",
+    )
+    parser.add_argument(
+        "--watchdog-timeout",
+        type=non_negative_float,
+        default=DEFAULT_WATCHDOG_TIMEOUT_S,
+        help="seconds a scheduler step may take before the worker reports NOT_SERVING on grpc.health.v1 "
+        "(its liveness: the launcher and Kubernetes then restart it); 0 = never",
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     parser.add_argument(

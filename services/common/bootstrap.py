@@ -42,6 +42,8 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         chunked_prefill_size=args.chunked_prefill_size,
         schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache,
+        max_queued_requests=args.max_queued_requests,
+        max_queue_time=args.max_queue_time,
     )
     return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role))
 

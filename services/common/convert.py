@@ -76,6 +76,7 @@ def token_output_to_pb(
         token_ids=new_token_ids,
         finish_reason=_FINISH[req.finish_reason] if finished else common_pb2.FINISH_REASON_UNSPECIFIED,
         error=req.error if finished else "",
+        retryable=req.retryable if finished else False,
         prompt_tokens=len(req.origin_input_ids),
         cached_tokens=req.cached_tokens,
         completion_tokens=len(req.output_ids),

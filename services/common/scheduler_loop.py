@@ -19,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.services.common.liveness import Heartbeat
 from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class SchedulerLoop:
 
     Attributes:
         inputs: where handlers submit events (``InputSync``).
+        heartbeat: beaten once per iteration (the worker's liveness, see ``liveness.StepWatchdog``).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class SchedulerLoop:
         self.inputs = InputSync(tp)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
+        self.heartbeat = Heartbeat()
         self._digest: str | None = None
         if tp.size > 1:
             self._now = 0.0
@@ -75,10 +79,12 @@ class SchedulerLoop:
 
     def _add(self, event: NewRequest) -> list[StepOutput]:
         """Queue the request; one the scheduler refuses (its handler checked it, so only a state that
-        changed meanwhile can) ends at once with an error output instead of failing the loop."""
+        changed meanwhile can: a queue grown by retractions is retryable) ends at once with an error
+        output instead of failing the loop."""
         try:
             self.scheduler.add_request(event.req)
-        except ValueError as e:
+        except (ValueError, QueueFull) as e:
+            event.req.retryable = isinstance(e, QueueFull)
             event.req.finish(FinishReason.ERROR, str(e))
             return [StepOutput(event.req, finished=True)]
         return []
@@ -124,6 +130,7 @@ class SchedulerLoop:
         sched = self.scheduler
         try:
             while True:
+                self.heartbeat.beat()
                 self._wakeup.clear()
                 inputs = await self.collect_inputs(stop)
                 if inputs.stop:

@@ -6,13 +6,15 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
+from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_float, setup_logging
 from pdserve.distributed import TpGroup
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop, gather_agents
+from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
+from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,6 +38,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DEAD_AFTER_S,
         help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
     )
+    parser.add_argument(
+        "--prefill-dead-after",
+        type=positive_float,
+        default=DEFAULT_PREFILL_DEAD_AFTER_S,
+        help="seconds a prefill worker may leave its health checks unanswered before the prefills it "
+        "holds are retried on another one",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -47,7 +56,14 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
     agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
     rank_agents = await gather_agents(agent, tp) if agent is not None else None
     return DecodeServicer(
-        scheduler, address, agent, args.prefill_retries, args.detokenizer_dead_after, tp, rank_agents
+        scheduler,
+        address,
+        agent,
+        args.prefill_retries,
+        args.detokenizer_dead_after,
+        args.prefill_dead_after,
+        tp,
+        rank_agents,
     )
 
 
@@ -60,8 +76,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)
+    watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("decode-scheduler (%s, TP %d) ready on %s", servicer.scheduler.role, tp.size, address)
     await supervise(servicer.loop, stop, ranks, args.tp_watchdog, servicer.fail_all)
+    if watchdog is not None:
+        await watchdog
     await server.stop(grace=5.0)
     await servicer.close()
     if servicer.agent is not None:

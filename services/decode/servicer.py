@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -20,12 +21,13 @@ import grpc
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.kv_transfer import KVAgentInfo, KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.common.step_inputs import Abort, NewRequest
-from pdserve.services.decode.prefill_client import PrefillPeer
+from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,14 @@ PREFILL_TIMEOUT_S = 120.0
 RANK_NOTIFICATION_TIMEOUT_S = 10.0
 # errors that another prefill worker would return too
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+# failures of the prefill pool's state (down, full, slow): the client may retry the request later
+_SERVER_STATE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+# the process's identity in GetLoad: the gateway fails what it routed to an earlier incarnation
+INCARNATION = uuid.uuid4().hex
 
 
 @dataclass(slots=True)
@@ -50,10 +60,11 @@ class KVReady:
 
 @dataclass(slots=True)
 class KVFailed:
-    """Every prefill attempt for ``rid`` failed."""
+    """Every prefill attempt for ``rid`` failed (``retryable``: each for the prefill pool's state)."""
 
     rid: str
     error: str
+    retryable: bool
 
 
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
@@ -66,6 +77,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: how many other prefill workers a failed prefill is retried on.
         detokenizer_dead_after: seconds a detokenizer may stay unreachable before it counts as gone;
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
+        prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
+            it holds our prefills before they are given up on it (and retried on another one).
         tp: this rank's TP group.
         rank_agents: every rank's NIXL agent (rank order), sent to prefill workers in the handshake.
     """
@@ -77,10 +90,12 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         agent: KVTransferAgent | None,
         prefill_retries: int = 1,
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
+        prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
         tp: TpGroup = SINGLE_RANK,
         rank_agents: list[KVAgentInfo] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.prefill_dead_after = prefill_dead_after
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
@@ -125,9 +140,11 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         try:
             if any(isinstance(e, NewRequest) and e.req.rid == req.rid for e in pending):
                 raise ValueError(f"duplicate rid {req.rid!r}")
-            self.scheduler.check_request(req)
+            self.scheduler.check_request(req, pending=sum(isinstance(e, NewRequest) for e in pending))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.loop.inputs.submit(NewRequest(req))
         self.loop.wake()
         queued = len(self.scheduler.waiting) + sum(isinstance(e, NewRequest) for e in pending)
@@ -151,7 +168,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.scheduler.abort_request(event.rid, event.reason)
 
     def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
-        out = self.scheduler.kv_failed(event.rid, event.error)
+        out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
         return [out] if out is not None else []
 
     async def _kv_ready(self, event: KVReady) -> list[StepOutput]:
@@ -235,33 +252,40 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     def _peer(self, address: str) -> PrefillPeer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PrefillPeer(address, self.agent, self.rank_agents)
+            peer = self.peers[address] = PrefillPeer(
+                address, self.agent, self.rank_agents, self.prefill_dead_after
+            )
         return peer
 
     async def _prefill(self, req: Req) -> None:
         """Get ``req``'s prompt KV from a prefill worker, trying the router's fallbacks on failure.
 
-        A worker that is unreachable, dies mid-transfer or times out costs one attempt; the decode
-        pages stay reserved and the next worker overwrites them. Invalid requests are not retried.
+        A worker that is unreachable, dies mid-transfer, hangs (``PrefillHung``) or times out costs
+        one attempt; the decode pages stay reserved and the next worker overwrites them. Invalid
+        requests are not retried. A request that fails on every worker for such reasons of the
+        servers' state fails as retryable (503 at the gateway).
         """
         rid = req.rid
         addresses = [req.meta["prefill_address"], *req.meta.get("fallback_prefill_addresses", ())]
         attempts = addresses[: 1 + self.prefill_retries]
         errors: list[str] = []
+        retryable = True
         try:
             resp = None
             for address in attempts:
                 try:
                     resp = await self._prefill_once(req, address)
                     break
-                except (grpc.aio.AioRpcError, KVTransferError) as e:
+                except (grpc.aio.AioRpcError, KVTransferError, PrefillHung) as e:
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
                     logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
-                    if isinstance(e, grpc.aio.AioRpcError) and e.code() in _NOT_RETRYABLE:
-                        break
+                    if isinstance(e, grpc.aio.AioRpcError):
+                        retryable = retryable and e.code() in _SERVER_STATE
+                        if e.code() in _NOT_RETRYABLE:
+                            break
             if resp is None:
-                event = KVFailed(rid, "prefill failed: " + "; ".join(errors))
+                event = KVFailed(rid, "prefill failed: " + "; ".join(errors), retryable)
             else:
                 logprob = None
                 if resp.HasField("first_logprob"):
@@ -297,6 +321,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
 
 def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
+    """The scheduler's load, limits and this process's incarnation (``GetLoad``)."""
     ledger = scheduler.ledger
     return common_pb2.LoadInfo(
         num_running_reqs=len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting_for_kv),
@@ -304,4 +329,9 @@ def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
         kv_pages_used=ledger.used_pages(),
         kv_pages_free=ledger.free_pages(),
         kv_pages_cached=ledger.cached_pages(),
+        kv_pages_total=scheduler.usable_pages,
+        page_size=scheduler.page_size,
+        request_capacity=scheduler.request_capacity,
+        max_queued_requests=scheduler.max_queued_requests,
+        incarnation=INCARNATION,
     )

@@ -15,6 +15,7 @@ class Route:
     gateway_address: str
     scheduler_address: str
     index: int
+    stream: int = 0  # the StreamTokenIDs call it arrived on
 
 
 def is_first_output(out: output_pb2.TokenIDOutput) -> bool:
@@ -36,8 +37,19 @@ def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
     return TokenStep(out.rid, out.token_ids, finish, options)
 
 
-def to_route(out: output_pb2.TokenIDOutput) -> Route:
-    return Route(out.gateway_address, out.scheduler_address, out.index)
+def to_route(out: output_pb2.TokenIDOutput, stream: int = 0) -> Route:
+    return Route(out.gateway_address, out.scheduler_address, out.index, stream)
+
+
+def lost_output(rid: str, route: Route) -> output_pb2.StrOutput:
+    """The last output of a rid whose scheduler's stream ended: a retryable error."""
+    return output_pb2.StrOutput(
+        rid=rid,
+        finish_reason=common_pb2.FINISH_REASON_ERROR,
+        error=f"decode worker {route.scheduler_address or '?'} went away (its output stream ended); retry",
+        retryable=True,
+        index=route.index,
+    )
 
 
 def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -> output_pb2.StrOutput:
@@ -52,6 +64,7 @@ def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -
         matched_stop=delta.matched_stop or "",
         matched_stop_token=0 if stopped else out.matched_stop_token,
         error=out.error,
+        retryable=out.retryable,
         prompt_tokens=out.prompt_tokens,
         cached_tokens=out.cached_tokens,
         completion_tokens=out.completion_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import AsyncIterator
 
@@ -12,6 +13,7 @@ from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.services.detokenizer.convert import (
     Route,
     is_first_output,
+    lost_output,
     to_route,
     to_str_output,
     to_token_step,
@@ -42,6 +44,10 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
     A gateway replica that is gone (its output stream cannot reconnect for ``gateway_dead_after``
     seconds) owns no client any more: every rid routed to it is aborted at its decode-scheduler
     (reason "gateway ... is gone") and its decode state dropped here.
+
+    A decode-scheduler's StreamTokenIDs call that ends (the worker died or restarted, or the stream
+    broke) leaves its open rids without outputs: each is ended at its gateway with a retryable
+    error, aborted at its scheduler (in case it still runs) and its decode state dropped here.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
             on_dead=self._gateway_gone,
         )
         self._aborter = SchedulerAborter()
+        self._stream_ids = itertools.count(1)
 
     async def StreamTokenIDs(
         self,
@@ -67,14 +74,16 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         context: grpc.aio.ServicerContext,
     ) -> output_pb2.StreamAck:
         self.metrics.scheduler_streams.inc()
+        stream = next(self._stream_ids)
         try:
             async for batch in request_iterator:
-                self.handle_batch(batch)
+                self.handle_batch(batch, stream)
         except ValueError as e:
             logger.error("bad BatchTokenIDOutput from %s: %s", context.peer(), e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.metrics.scheduler_streams.dec()
+            self._stream_ended(stream)
         return output_pb2.StreamAck()
 
     async def GetMetrics(
@@ -82,8 +91,9 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
     ) -> common_pb2.MetricsResponse:
         return common_pb2.MetricsResponse(role="detokenizer", worker=self.worker, text=self.metrics.render())
 
-    def handle_batch(self, batch: output_pb2.BatchTokenIDOutput) -> None:
-        """Detokenize one step of one scheduler and queue the text to each gateway concerned.
+    def handle_batch(self, batch: output_pb2.BatchTokenIDOutput, stream: int = 0) -> None:
+        """Detokenize one step of one scheduler (arrived on call ``stream``) and queue the text to
+        each gateway concerned.
 
         Raises:
             ValueError: the batch breaks the contract (a rid twice, ids out of the vocabulary);
@@ -96,7 +106,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
                 if delta is None:
                     continue
                 if is_first_output(out):
-                    self._routes[out.rid] = to_route(out)
+                    self._routes[out.rid] = to_route(out, stream)
                 route = self._routes[out.rid]
                 per_gateway.setdefault(route.gateway_address, []).append(
                     to_str_output(out, delta, route.index)
@@ -118,6 +128,23 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
             self._aborter.abort(route.scheduler_address, out.rid, "stop")
         else:
             logger.warning("rid %s hit a stop string but carries no scheduler_address to abort", out.rid)
+
+    def _stream_ended(self, stream: int) -> None:
+        """Fail (retryable) every rid still open on scheduler stream ``stream``; drop its state."""
+        rids = [rid for rid, route in self._routes.items() if route.stream == stream]
+        if not rids:
+            return
+        logger.warning("a scheduler's output stream ended with %d requests open: failing them", len(rids))
+        per_gateway: dict[str, list[output_pb2.StrOutput]] = {}
+        for rid in rids:
+            route = self._routes.pop(rid)
+            per_gateway.setdefault(route.gateway_address, []).append(lost_output(rid, route))
+            if route.scheduler_address:
+                self._aborter.abort(route.scheduler_address, rid, "its output stream ended")
+        self.detokenizer.discard(rids)
+        for address, outputs in per_gateway.items():
+            self._gateways.send(address, output_pb2.BatchStrOutput(outputs=outputs))
+        self.metrics.active_streams.set(self.detokenizer.num_active)
 
     def _gateway_gone(self, address: str, dropped: list[output_pb2.BatchStrOutput]) -> None:
         """Abort every rid of the gateway at ``address`` at its scheduler and drop its decode state."""

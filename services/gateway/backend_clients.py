@@ -15,7 +15,14 @@ from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import from_rpc_error
-from pdserve.services.gateway.io_struct import ModelInfo, Prompt, SamplingParams, TokenizedPrompt
+from pdserve.services.gateway.io_struct import (
+    ModelInfo,
+    Prompt,
+    SamplingParams,
+    TokenizedPrompt,
+    TokenPiece,
+    WorkerLoad,
+)
 from pdserve.v1 import (
     common_pb2,
     output_pb2_grpc,
@@ -98,6 +105,14 @@ class BackendClients:
             raise from_rpc_error(e, "tokenizer") from e
         return resp.text
 
+    async def token_pieces(self, address: str, ids: list[int]) -> list[TokenPiece]:
+        request = tokenizer_pb2.TokenPiecesRequest(ids=ids)
+        try:
+            resp = await self._stub("tokenizer", address).GetTokenPieces(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "tokenizer") from e
+        return [TokenPiece(p.text, p.bytes) for p in resp.pieces]
+
     async def model_info(self, address: str) -> ModelInfo:
         try:
             resp = await self._stub("tokenizer", address).GetInfo(
@@ -135,12 +150,12 @@ class BackendClients:
             raise from_rpc_error(e, f"decode-scheduler {address}") from e
         return resp.found
 
-    async def load(self, role: Literal["decode", "prefill"], address: str) -> int:
-        """Queued plus running requests the scheduler reports (``GetLoad``)."""
+    async def load(self, role: Literal["decode", "prefill"], address: str) -> WorkerLoad:
+        """The scheduler's load, capacity and incarnation (``GetLoad``)."""
         resp = await self._stub(role, address).GetLoad(
             scheduler_pb2.LoadRequest(), timeout=self.probe_timeout
         )
-        return resp.num_running_reqs + resp.num_queue_reqs
+        return convert.worker_load_from_pb(resp)
 
     async def metrics(self, role: Role, address: str) -> tuple[str, str, str]:
         """``(role, worker, prometheus text)`` of one scheduler or detokenizer (``GetMetrics``)."""

@@ -16,6 +16,7 @@ from pdserve.services.gateway.io_struct import (
     TokenizedPrompt,
     TokenLogprob,
     TopLogprob,
+    WorkerLoad,
 )
 from pdserve.v1 import api_pb2, common_pb2, output_pb2, scheduler_pb2, tokenizer_pb2
 
@@ -90,6 +91,16 @@ def tokenized_req_to_pb(
     )
 
 
+def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
+    """A scheduler's ``LoadInfo`` as the router and admission control use it."""
+    bounded = info.max_queued_requests > 0
+    return WorkerLoad(
+        load=info.num_running_reqs + info.num_queue_reqs,
+        capacity=info.request_capacity + info.max_queued_requests if bounded else 0,
+        incarnation=info.incarnation,
+    )
+
+
 def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
     """A ``ChoiceDelta`` for choice ``index`` from one detokenizer ``StrOutput``."""
     if out.matched_stop:
@@ -109,6 +120,7 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         finish_reason=_FINISH_FROM_PB.get(out.finish_reason),
         matched_stop=matched,
         error=out.error,
+        retryable=out.retryable,
         prompt_tokens=out.prompt_tokens,
         cached_tokens=out.cached_tokens,
         completion_tokens=out.completion_tokens,

@@ -81,8 +81,15 @@ class GatewayError(Exception):
         return grpc.StatusCode.INVALID_ARGUMENT if self.status < 500 else grpc.StatusCode.INTERNAL
 
     def body(self) -> dict:
-        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``; text a client
+        sent that is not valid Unicode (a lone surrogate, echoed in a message) is escaped."""
+        message, param = _utf8_safe(self.message), self.param and _utf8_safe(self.param)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
+
+def _utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) as ``\\udXXX`` escapes."""
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 def http_error(status: int, message: str | None = None, **kwargs) -> GatewayError:
@@ -99,8 +106,19 @@ def context_length_exceeded(message: str, param: str) -> GatewayError:
     return GatewayError(400, message, param=param, code="context_length_exceeded")
 
 
-def generation_failed(error: str) -> GatewayError:
-    """A choice the runtime ended with finish_reason "error" (500)."""
+RETRY_AFTER_S = 1  # the Retry-After of every 429 and 503
+
+
+def retry_after() -> dict[str, str]:
+    """The headers of a response the client should retry (429, 503)."""
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def generation_failed(error: str, retryable: bool = False) -> GatewayError:
+    """A choice the runtime ended with finish_reason "error": 500, or 503 with ``Retry-After`` when
+    ``retryable`` (the server's state failed it: overload, a worker that hung or died)."""
+    if retryable:
+        return GatewayError(503, error or "the server cannot serve the request now", headers=retry_after())
     return GatewayError(500, f"generation failed: {error or 'unknown error'}")
 
 
@@ -115,7 +133,7 @@ def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
     address) found the request wrong is of no use to the client; server errors name it.
     """
     status = _FROM_GRPC.get(err.code(), 500)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    headers = retry_after() if status in (429, 503) else None
     details = err.details() or err.code().name
     return GatewayError(status, details if status < 500 else f"{service}: {details}", headers=headers)
 
@@ -129,23 +147,43 @@ def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
     errors = exc.errors()
     if not errors:
         return GatewayError(400, "invalid request")
-    err = errors[0]
+    err = _most_specific(errors)
     if err["type"] == "json_invalid":
         return GatewayError(400, f"invalid JSON body: {(err.get('ctx') or {}).get('error', err['msg'])}")
     if err["type"] in _NOT_AN_OBJECT and tuple(err["loc"]) == ("body",):
         return GatewayError(
             400, "the request body must be a JSON object (sent with Content-Type: application/json)"
         )
-    loc = [str(p) for p in err["loc"][1:] if not _is_union_tag(p)] if err["loc"][:1] == ("body",) else []
-    param = (err.get("ctx") or {}).get("param") or ".".join(loc) or None
+    param = (err.get("ctx") or {}).get("param") or _field(err) or None
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         message = f"'{param}' is required" if param else "request body is required"
     else:
         message = f"{param}: {msg}" if param and param not in msg else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    others = len({_field(e) for e in errors} - {_field(err)})  # a union's members count once
+    if others:
+        message += f" (and {others} more error{'s' if others > 1 else ''})"
     return GatewayError(400, message, param=param)
+
+
+def _field(err: dict) -> str:
+    """The dotted body field of a pydantic error (``""`` outside the body), union members left out."""
+    loc = err["loc"]
+    return ".".join(str(p) for p in loc[1:] if not _is_union_tag(p)) if loc[:1] == ("body",) else ""
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """The error to report: for a union field (``stop``: a string or a list of them), pydantic
+    reports every member that failed; the one whose type matched (its error not a type mismatch,
+    e.g. "at most 64 items") says what is wrong, not "Input should be a valid string"."""
+    first = errors[0]
+    loc = tuple(first["loc"])
+    if not loc or not _is_union_tag(loc[-1]) or not first["type"].endswith("_type"):
+        return first
+    field = loc[:-1]
+    members = (e for e in errors[1:] if tuple(e["loc"])[: len(field)] == field and len(e["loc"]) > len(field))
+    specific = (e for e in members if _is_union_tag(e["loc"][len(field)]) and not e["type"].endswith("_type"))
+    return next(specific, first)
 
 
 def _is_union_tag(part: object) -> bool:

@@ -5,7 +5,8 @@ A request is validated by the models of the HTTP API and refused with the same m
 (sampling parameters, rid, logprobs) as native /generate's (``GenerateOptions``), a ``chat`` input as
 /v1/chat/completions' messages, tools and template options (``ChatInput``). A call that is cancelled
 or passes its gRPC deadline aborts its request in the schedulers. Failures abort the call with the
-status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
+status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...);
+RESOURCE_EXHAUSTED and UNAVAILABLE carry their retry hint in the trailing metadata (``abort_with``).
 With an API key configured, every method first checks the call's ``authorization`` metadata.
 """
 
@@ -53,17 +54,17 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
             handle = await self.ctx.manager.submit(obj, timeout=timeout)
         except GatewayError as e:
-            await context.abort(e.grpc_code, e.message)
+            await abort_with(context, e)
         # The handle is closed (and its choices aborted) when the call ends for any reason.
         context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
         try:
             async with handle:
                 async for delta in handle:
                     if delta.finish_reason == "error":
-                        raise generation_failed(delta.error)
+                        raise generation_failed(delta.error, delta.retryable)
                     yield convert.generate_response_to_pb(obj.rid, delta)
         except GatewayError as e:
-            await context.abort(e.grpc_code, e.message)
+            await abort_with(context, e)
 
     def _to_generate_req(self, request: api_pb2.GenerateRequest) -> GenerateReqInput:
         if request.model:
@@ -96,6 +97,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             sampling_params=params.to_sampling_params(options.return_logprob, options.top_logprobs_num),
             n=params.n,
             add_special_tokens=which != "chat",
+            params_path="sampling_params.",
         )
 
     async def Abort(
@@ -109,9 +111,21 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         try:
             info = await self.ctx.manager.model_info()
         except GatewayError as e:
-            await context.abort(e.grpc_code, e.message)
+            await abort_with(context, e)
         card = api_pb2.ModelCard(id=self.ctx.served_model_name, context_length=info.context_length)
         return api_pb2.ListModelsResponse(models=[card])
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: GatewayError) -> None:
+    """End the call with ``error``'s status code and message. An error the client should retry
+    (429/503 with ``Retry-After``) carries the hint in the trailing metadata twice: ``retry-after``
+    (seconds, as HTTP's header) and ``grpc-retry-pushback-ms``, which gRPC's own retry policy (gRFC
+    A6, as the SDK configures it for UNAVAILABLE) waits for before it retries."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    if "Retry-After" in error.headers:
+        seconds = error.headers["Retry-After"]
+        metadata = (("retry-after", seconds), ("grpc-retry-pushback-ms", str(int(float(seconds) * 1000))))
+    await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
 
 
 def _chat_fields(chat: tokenizer_pb2.ChatMessages) -> dict[str, Any]:

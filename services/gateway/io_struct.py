@@ -62,7 +62,10 @@ class GenerateReqInput:
     """One client request: ``len(prompts) * n`` choices, choice ``j * n + i`` = prompt j, sample i.
 
     Sub-request rids are ``rid`` for a single choice and ``f"{rid}-{k}"`` (k = choice index)
-    otherwise; with a seed, sample i of each prompt uses ``seed + i``.
+    otherwise; with a seed, sample i of each prompt uses ``seed + i`` (wrapped into int64).
+    ``params_path`` is where the sampling fields sit in the client's request (``"sampling_params."``
+    for /generate and the gRPC API, ``""`` for OpenAI's flat bodies): errors name ``params_path +
+    field``.
     """
 
     rid: str
@@ -70,6 +73,20 @@ class GenerateReqInput:
     sampling_params: SamplingParams
     n: int = 1
     add_special_tokens: bool = True
+    params_path: str = ""
+
+    @property
+    def num_choices(self) -> int:
+        """Sub-requests this request fans out into: prompts × n."""
+        return len(self.prompts) * self.n
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPiece:
+    """One token alone: ``data`` its bytes, ``text`` them as text (a partial character as ``\\xNN``)."""
+
+    text: str
+    data: bytes
 
 
 @dataclass(slots=True)
@@ -103,9 +120,24 @@ class ChoiceDelta:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str = ""
+    retryable: bool = False  # an "error" finish caused by the server's state: 503 + Retry-After
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a scheduler reports in ``GetLoad``, as the gateway uses it.
+
+    ``load``: its queued plus running requests; ``capacity``: the requests it takes before refusing
+    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``incarnation``: changes
+    when its process restarts.
+    """
+
+    load: int
+    capacity: int
+    incarnation: str
 
 
 @dataclass(frozen=True, slots=True)

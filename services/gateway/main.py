@@ -17,7 +17,7 @@ import logging
 
 import uvicorn
 
-from pdserve.cli_args import add_model_arg, apply_env_defaults, setup_logging
+from pdserve.cli_args import add_model_arg, apply_env_defaults, non_negative_int, setup_logging
 from pdserve.model_source import served_model_name
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (HTTP and gRPC)")
     p.add_argument("--router-policy", default="cache_aware", choices=POLICIES)
     p.add_argument(
-        "--max-pending-requests", type=int, default=1024, help="in flight before 429; 0 = no limit"
+        "--max-pending-requests",
+        type=non_negative_int,
+        default=None,
+        help="requests in flight before new ones get 429; 0 = no limit; default: sized from the decode "
+        "workers' KV pools (the sum of the requests each can run at once and queue)",
     )
     p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")

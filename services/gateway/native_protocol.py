@@ -6,14 +6,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import SamplingParams
-from pdserve.services.gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, ChatMessage, LogitBias, param_error
+from pdserve.services.gateway.protocol import ChatMessage
+from pdserve.services.gateway.protocol_fields import (
+    LogitBias,
+    PositiveFloat32,
+    Seed,
+    Stop,
+    StopTokenIds,
+    TokenCount,
+    TokenId,
+    TopK,
+    check_stop,
+    param_error,
+)
 
-NonNegInt = Annotated[int, Field(ge=0)]
+MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: a million ids, more than any context holds
 
 
 class NativeSamplingParams(BaseModel):
@@ -24,31 +35,33 @@ class NativeSamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, le=FLOAT32_MAX)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: PositiveFloat32 | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    max_new_tokens: int | None = Field(None, ge=1)
-    min_new_tokens: int | None = Field(None, ge=0)
+    max_new_tokens: TokenCount | None = None
+    min_new_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegInt] = Field(default_factory=list)
-    stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
+    stop: Stop = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
-    seed: int | None = Field(None, ge=-(2**63 - 1), le=2**63 - 1)
+    seed: Seed | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     logit_bias: LogitBias = Field(default_factory=dict)
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_within_bounds(cls, v: str | list[str]) -> str | list[str]:
+        return check_stop(v, "sampling_params.stop")
+
     @model_validator(mode="after")
     def _check(self):
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if any(s == "" for s in stops):
-            raise param_error("sampling_params.stop", "stop strings must not be empty")
         if self.max_new_tokens is not None and (self.min_new_tokens or 0) > self.max_new_tokens:
             raise param_error(
                 "sampling_params.min_new_tokens",
@@ -95,7 +108,7 @@ class NativeGenerateRequest(GenerateOptions):
     being sample i of prompt j."""
 
     text: str | list[str] | None = None
-    input_ids: list[NonNegInt] | list[list[NonNegInt]] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
@@ -177,7 +190,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[NonNegInt]
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_IDS)
     skip_special_tokens: bool = True
 
 

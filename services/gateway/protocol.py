@@ -16,25 +16,24 @@ can report ``param``.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from pdserve.sampling.bounds import INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
-
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-_INT64 = 2**63 - 1
-
-NonNegInt = Annotated[int, Field(ge=0)]
-# OpenAI's logit_bias: token id (a JSON object key, so a string of digits) -> bias in [-100, 100]
-LogitBias = dict[NonNegInt, Annotated[float, Field(ge=-100.0, le=100.0)]]
-
-
-def param_error(param: str, message: str) -> PydanticCustomError:
-    """A validation error that names the request field ``param`` (dotted path)."""
-    return PydanticCustomError("invalid_param", message, {"param": param})
+from pdserve.services.gateway.protocol_fields import (
+    LogitBias,
+    PositiveFloat32,
+    Seed,
+    Stop,
+    StopTokenIds,
+    TokenCount,
+    TopK,
+    check_stop,
+    param_error,
+)
 
 
 def unsupported(param: str, detail: str = "") -> PydanticCustomError:
@@ -54,34 +53,32 @@ class _OpenAIRequest(BaseModel):
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
-    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
     logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM / SGLang sampling extras.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: PositiveFloat32 | None = None
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
-            raise ValueError("stop strings must not be empty")
-        return v
+    def _stop_within_bounds(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return check_stop(v, "stop")
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -225,8 +222,8 @@ class ChatInput(BaseModel):
     /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
     they take the same messages and tools: at least one message (see ``ChatMessage``); ``tools``
     only with ``tool_choice='none'`` (shown to the template, never parsed; the gRPC API sends its
-    tools that way); ``continue_final_message`` only with
-    ``add_generation_prompt`` false.
+    tools that way); ``continue_final_message`` only with ``add_generation_prompt`` false and an
+    assistant message last (as vLLM; the last user turn "continued" would give an empty answer).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -249,6 +246,12 @@ class ChatInput(BaseModel):
             raise param_error(
                 "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
             )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise param_error(
+                "continue_final_message",
+                "'continue_final_message' continues the last message, which must be the assistant's "
+                f"(it is the {self.messages[-1].role}'s)",
+            )
         return self
 
     def chat_prompt(self) -> ChatPrompt:
@@ -269,7 +272,7 @@ class ChatCompletionRequest(ChatInput, _OpenAIRequest):
 
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None

@@ -2,9 +2,10 @@
 
 The gateway's share of SGLang's TokenizerManager (``generate_request``): the tokenizer and the
 detokenizer are separate services here, so this module holds what is left in the entry process:
-admission control, length checks against the context, the default ``max_new_tokens``, fan-out of
-``n`` samples into sub-requests, routing, ``DecodeScheduler.Generate``, and ``Abort`` when a
-request ends early. Outputs arrive through ``request_state.GatewayOutputServicer``.
+admission (``admission``: the pending limit in sub-requests, vocabulary bounds, the context and the
+default ``max_new_tokens``), fan-out of ``n`` samples into sub-requests, routing,
+``DecodeScheduler.Generate``, and ``Abort`` when a request ends early. Outputs arrive through
+``request_state.GatewayOutputServicer``.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import logging
 import time
 from collections.abc import Coroutine
 
+from pdserve.sampling.bounds import wrap_int64
+from pdserve.services.gateway import admission
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
-    context_length_exceeded,
     duplicate_rid,
-    invalid_request,
+    retry_after,
 )
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
@@ -32,7 +34,7 @@ from pdserve.services.gateway.io_struct import (
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
 from pdserve.services.gateway.router import Router, WorkerPool
-from pdserve.services.gateway.token_texts import TokenTexts
+from pdserve.services.gateway.token_pieces import TokenPieces
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,15 @@ class ManagerConfig:
 
     Attributes:
         gateway_address: this replica's advertised gRPC address (where outputs come back).
-        max_pending_requests: client requests in flight before new ones get 429 (0 = unlimited).
+        max_pending_requests: sub-requests (prompts × n of each request) in flight before new
+            requests get 429 (0 = unlimited; None = sized from the decode workers' KV pools, see
+            ``admission``); one that alone has more gets 400.
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
     """
 
     gateway_address: str
-    max_pending_requests: int = 0
+    max_pending_requests: int | None = None
     request_timeout: float | None = None
     default_max_tokens: int = 4096
 
@@ -75,7 +79,8 @@ class RequestManager:
         self.registry = registry
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
-        self.token_texts = TokenTexts(lambda i: self.detokenize([i], skip_special_tokens=False))
+        self.pending_choices = 0  # sub-requests of the handles in flight
+        self.token_pieces = TokenPieces(lambda ids: clients.token_pieces(self.tokenizers.next().address, ids))
         self._model_info: ModelInfo | None = None
         self._background: set[asyncio.Task] = set()
         self.draining = False
@@ -100,7 +105,7 @@ class RequestManager:
 
     async def check_token_ids(self, input_ids: list[int]) -> None:
         """400 unless every id of a token-id prompt is in the vocabulary (before it is sent anywhere)."""
-        _check_ids(input_ids, (await self.model_info()).vocab_size)
+        admission.check_ids(input_ids, (await self.model_info()).vocab_size)
 
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self.clients.detokenize(self.tokenizers.next().address, ids, skip_special_tokens)
@@ -113,24 +118,19 @@ class RequestManager:
                 and ``--request-timeout`` applies.
 
         Raises:
-            GatewayError: 429 too many requests in flight, 400 rid in flight or prompt too long for
-                the context, 503 no healthy worker or the gateway is shutting down, 504 deadline
-                passed, or a backend call's error. Choices already sent are aborted before it is raised.
+            GatewayError: 429 too many requests in flight (``admission``), 400 rid in flight or
+                prompt too long for the context, 503 no healthy worker or the gateway is shutting
+                down, 504 deadline passed, or a backend call's error (429 when a scheduler's queue
+                is full). Choices already sent are aborted before it is raised.
         """
         cfg = self.config
         if self.draining:
             raise GatewayError(
                 503,
                 "the gateway is shutting down; retry (another replica, or this one once restarted)",
-                headers={"Retry-After": "1"},
+                headers=retry_after(),
             )
-        if cfg.max_pending_requests and len(self.handles) >= cfg.max_pending_requests:
-            raise GatewayError(
-                429,
-                f"too many requests in flight ({len(self.handles)}); retry later",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
-            )
+        admission.check_pending(obj, self.pending_choices, cfg.max_pending_requests, self.router.decode)
         if obj.rid in self.handles:
             raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
@@ -140,10 +140,11 @@ class RequestManager:
             registry=self.registry,
             metrics=self.metrics,
             abort_backend=self._abort_choice,
-            on_close=lambda h: self.handles.pop(h.rid, None),
+            on_close=lambda h, choices=obj.num_choices: self._closed(h, choices),
             deadline=None if budget is None else time.monotonic() + budget,
         )
         self.handles[obj.rid] = handle
+        self.pending_choices += obj.num_choices
         try:
             async with asyncio.timeout(budget):
                 await self._dispatch(obj, handle, budget)
@@ -157,29 +158,28 @@ class RequestManager:
             raise
         return handle
 
+    def _closed(self, handle: RequestHandle, choices: int) -> None:
+        if self.handles.pop(handle.rid, None) is not None:
+            self.pending_choices -= choices
+
     async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
-        for stop in obj.sampling_params.stop:
-            stop.encode()  # UnicodeEncodeError (a 400) now, not after routing, for text protobuf can't carry
-        tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         info = await self.model_info()
-        biased = max(obj.sampling_params.logit_bias, default=-1)
-        if info.vocab_size and biased >= info.vocab_size:
-            raise invalid_request(
-                f"logit_bias names token id {biased}, outside the vocabulary [0, {info.vocab_size})",
-                param="logit_bias",
-            )
-        multi = len(obj.prompts) * obj.n > 1
+        admission.check_sampling(obj, info.vocab_size)
+        tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
+        if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
+            raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
+        multi = obj.num_choices > 1
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
-            _check_ids(prompt.input_ids, info.vocab_size)
+            admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
             param = "messages" if isinstance(given, ChatPrompt) else "prompt"
-            max_new = self._max_new_tokens(
-                len(prompt.input_ids), sp.max_new_tokens, info.context_length, param
+            max_new = admission.max_new_tokens(
+                obj, len(prompt.input_ids), info.context_length, self.config.default_max_tokens, param
             )
             handle.prompt_tokens.append(len(prompt.input_ids))
             for i in range(obj.n):
                 index = j * obj.n + i
-                seed = None if sp.seed is None else sp.seed + i
+                seed = None if sp.seed is None else wrap_int64(sp.seed + i)
                 handle.add_choice(
                     ReqState(
                         rid=f"{obj.rid}-{index}" if multi else obj.rid,
@@ -201,8 +201,20 @@ class RequestManager:
             raise errors[0]
 
     async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
+        """Send one choice to its decode-scheduler; a choice aborted meanwhile is not sent, or is
+        aborted again once the scheduler has it (its first abort may have arrived before it)."""
+        if state.finished:
+            return
         state.output_address = self.detokenizers.next().address
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
+        try:
+            await self._generate(state, arrival, deadline)
+        finally:
+            reason = state.owner.close_reason or state.owner.abort_reason
+            if reason:
+                self._abort_choice(state, reason)
+
+    async def _generate(self, state: ReqState, arrival: float, deadline: float) -> None:
         await self.clients.generate(
             state.route.decode.address,
             state.rid,
@@ -215,31 +227,6 @@ class RequestManager:
             deadline_unix_s=deadline,
             arrival_unix_s=arrival,
         )
-
-    def _max_new_tokens(self, prompt_len: int, requested: int | None, context_length: int, param: str) -> int:
-        """``requested``, or the context left (capped by ``default_max_tokens``).
-
-        Raises ``context_length_exceeded`` (400, naming ``param``: "messages" or "prompt") when the
-        prompt, or the prompt plus ``requested``, does not fit in the context.
-        """
-        if context_length <= 0:  # the tokenizer does not know the context length
-            return requested or self.config.default_max_tokens
-        if prompt_len >= context_length:
-            raise context_length_exceeded(
-                f"This model's maximum context length is {context_length} tokens, but the prompt has "
-                f"{prompt_len} tokens. Please shorten the prompt.",
-                param,
-            )
-        if requested is None:
-            return min(context_length - prompt_len, self.config.default_max_tokens)
-        if prompt_len + requested > context_length:
-            raise context_length_exceeded(
-                f"This model's maximum context length is {context_length} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-                f"completion). Please reduce the length of the prompt or the completion.",
-                param,
-            )
-        return requested
 
     def abort(self, rid: str, reason: str = "aborted by client") -> bool:
         """End the request ``rid`` of this replica (every choice, finish_reason "abort"); False if unknown."""
@@ -261,10 +248,11 @@ class RequestManager:
             depends = lambda s: s.output_address == address
         else:
             return
+        reason = f"{role} worker {address} went down or restarted; retry"
         for handle in list(self.handles.values()):
             lost = [s for s in handle.states if not s.finished and depends(s)]
             if lost:
-                handle.abort(f"{role} worker {address} is down", lost, finish_reason="error")
+                handle.abort(reason, lost, finish_reason="error", retryable=True)
 
     def _abort_choice(self, state: ReqState, reason: str) -> None:
         """Tell the decode-scheduler to drop ``state`` (in the background: callers may be cancelled)."""
@@ -292,14 +280,3 @@ class RequestManager:
             handle.close("gateway shutting down")
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)
-
-
-def _check_ids(input_ids: list[int], vocab_size: int) -> None:
-    """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
-    if not input_ids:
-        raise invalid_request("the prompt is empty (no tokens)", param="prompt")
-    low, high = min(input_ids), max(input_ids)
-    bad = low if low < 0 else high
-    if bad < 0 or (vocab_size and bad >= vocab_size):
-        vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
-        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.services.gateway import convert
-from pdserve.services.gateway.errors import GatewayError, duplicate_rid
+from pdserve.services.gateway.errors import GatewayError, duplicate_rid, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.router import Route
@@ -88,7 +88,10 @@ class RequestHandle:
     queue: asyncio.Queue[ChoiceDelta | None] = field(default_factory=asyncio.Queue)
     closed: bool = False
     close_reason: str = ""
+    first_delta: ChoiceDelta | None = None
+    abort_reason: str = ""  # set when the whole request was aborted (``abort`` of every choice)
     _pending_finishes: int = 0
+    _answered: asyncio.Event = field(default_factory=asyncio.Event)  # first output, or closed
 
     def add_choice(self, state: ReqState) -> None:
         self.registry.add(state)
@@ -112,6 +115,9 @@ class RequestHandle:
         delta.prompt_tokens = len(state.input_ids)
         if delta.finish_reason is not None:
             self._finish(state)
+        if self.first_delta is None:
+            self.first_delta = delta
+            self._answered.set()
         self.queue.put_nowait(delta)
 
     def _finish(self, state: ReqState) -> None:
@@ -121,14 +127,43 @@ class RequestHandle:
             state.route.release()
 
     def abort(
-        self, reason: str, states: list[ReqState] | None = None, finish_reason: FinishReason = "abort"
+        self,
+        reason: str,
+        states: list[ReqState] | None = None,
+        finish_reason: FinishReason = "abort",
+        retryable: bool = False,
     ) -> None:
-        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend."""
+        """End running choices (all, or ``states``) with ``finish_reason``; abort them in the backend.
+
+        ``retryable``: an "error" the client may retry (a worker went down), answered 503.
+        Aborting all of them also marks the request aborted (``abort_reason``), so that choices not
+        sent yet never are.
+        """
+        if states is None:
+            self.abort_reason = reason
         for state in self.states if states is None else states:
             if not state.finished:
                 if state.sent:
                     self.abort_backend(state, reason)
-                self.push(state, ChoiceDelta(index=state.index, finish_reason=finish_reason, error=reason))
+                end = ChoiceDelta(state.index, finish_reason=finish_reason, error=reason, retryable=retryable)
+                self.push(state, end)
+
+    async def first_output(self) -> None:
+        """Wait for the request's first output (a stream's HTTP status is decided by it).
+
+        Raises:
+            GatewayError: 504 when the deadline passes first; the 503 of a retryable failure (the
+                server overloaded, a worker gone) when that is the first output, so the client gets a
+                real 503 with ``Retry-After`` rather than a stream that fails.
+        """
+        try:
+            async with asyncio.timeout(None if self.deadline is None else self.deadline - time.monotonic()):
+                await self._answered.wait()
+        except TimeoutError:
+            raise GatewayError(504, f"request {self.rid} passed its deadline") from None
+        first = self.first_delta
+        if first is not None and first.finish_reason == "error" and first.retryable:
+            raise generation_failed(first.error, retryable=True)
 
     async def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
         while self._pending_finishes > 0:
@@ -159,6 +194,7 @@ class RequestHandle:
                 self._finish(state)
         self.on_close(self)
         self.queue.put_nowait(None)  # wakes a consumer still iterating
+        self._answered.set()
 
     async def __aenter__(self) -> RequestHandle:
         return self

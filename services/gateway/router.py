@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.errors import GatewayError, retry_after
 from pdserve.services.gateway.prefix_tree import ApproxPrefixTree
 
 PolicyName = Literal["round_robin", "least_load", "cache_aware"]
@@ -40,6 +40,8 @@ class Worker:
     failed_probes: int = 0  # consecutive failed health checks
     reported_load: int = 0
     in_flight: int = 0
+    capacity: int | None = None  # requests it takes before refusing, as reported (0 = unbounded)
+    incarnation: str = ""  # of its process, as reported
 
     @property
     def load(self) -> int:
@@ -72,7 +74,7 @@ class WorkerPool:
         """
         workers = self.healthy()
         if not workers:
-            raise GatewayError(503, f"no healthy {self.role} worker", headers={"Retry-After": "1"})
+            raise GatewayError(503, f"no healthy {self.role} worker", headers=retry_after())
         return workers
 
 

@@ -33,6 +33,7 @@ from pdserve.services.gateway.serving_common import (
     collect,
     request_id,
     sse_response,
+    submit,
     usage_counts,
 )
 
@@ -47,9 +48,9 @@ class OpenAIServingChat:
         rid = request_id(request)
         sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0)
         obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
-        handle = await self.ctx.manager.submit(obj)
+        handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
-            return sse_response(request, handle, self._chunks(body, handle))
+            return await sse_response(request, handle, self._chunks(body, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
         choices = [
@@ -102,14 +103,15 @@ class OpenAIServingChat:
         return UsageInfo.of(*usage_counts(handle, results, body.n))
 
     async def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
-        """OpenAI chat logprobs: per token its text, bytes, logprob and ``top_logprobs`` alternatives."""
-        texts = await self.ctx.manager.token_texts.get(
+        """OpenAI chat logprobs: per token its text, its real bytes (those of its piece: a token that
+        holds part of a UTF-8 character keeps them), logprob and ``top_logprobs`` alternatives."""
+        pieces = await self.ctx.manager.token_pieces.get(
             [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
         )
 
         def entry(token_id: int, logprob: float) -> TopLogprobEntry:
-            text = texts[token_id]
-            return TopLogprobEntry(token=text, logprob=logprob, bytes=list(text.encode()))
+            piece = pieces[token_id]
+            return TopLogprobEntry(token=piece.text, logprob=logprob, bytes=list(piece.data))
 
         content = [
             ChatLogprobEntry(

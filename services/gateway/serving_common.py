@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.services.gateway.errors import GatewayError, generation_failed
-from pdserve.services.gateway.io_struct import ChoiceDelta, TokenLogprob
+from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.request_manager import RequestManager
 from pdserve.services.gateway.request_state import RequestHandle
 
@@ -46,6 +46,33 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
+async def submit(request: Request, manager: RequestManager, obj: GenerateReqInput) -> RequestHandle:
+    """``manager.submit(obj)``, cancelled if the HTTP client goes away first: sending a request's
+    sub-requests takes a while for a batch, and every one already sent is then aborted.
+
+    Raises:
+        GatewayError: what ``submit`` raises; 499 when the client disconnected.
+    """
+    submitting = asyncio.ensure_future(manager.submit(obj))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((submitting, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not submitting.done():
+            submitting.cancel()  # submit closes the handle: choices sent so far are aborted
+    try:
+        return await submitting
+    except asyncio.CancelledError:
+        raise GatewayError(499, f"request {obj.rid}: client disconnected") from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the ASGI ``receive`` channel yields ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def watch_disconnect(request: Request, handle: RequestHandle) -> asyncio.Task:
     """Close ``handle`` (aborting its running choices) as soon as the HTTP client goes away.
 
@@ -54,8 +81,7 @@ def watch_disconnect(request: Request, handle: RequestHandle) -> asyncio.Task:
     """
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        await _disconnected(request)
         handle.close("client disconnected")
 
     return asyncio.get_running_loop().create_task(watch())
@@ -77,7 +103,7 @@ class ChoiceResult:
     def add(self, delta: ChoiceDelta) -> None:
         """Append ``delta``; raises ``GatewayError`` 500 when the runtime failed the choice."""
         if delta.finish_reason == "error":
-            raise generation_failed(delta.error)
+            raise generation_failed(delta.error, delta.retryable)
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
@@ -108,15 +134,26 @@ def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> 
     return sum(handle.prompt_tokens), completion, cached
 
 
-def sse_response(request: Request, handle: RequestHandle, events: AsyncIterator[str]) -> StreamingResponse:
+async def sse_response(
+    request: Request, handle: RequestHandle, events: AsyncIterator[str]
+) -> StreamingResponse:
     """Server-sent events ``data: <json>`` from ``events``, then ``data: [DONE]``.
 
-    An error after the stream has started is sent as one ``data: {"error": ...}`` event (the status
-    is already 200). The handle is closed, and its running choices aborted, when the client goes away.
+    The response starts with the request's first output: a request that fails retryably before it
+    (overload, a worker gone) or passes its deadline answers 503 / 504 as a whole
+    (``RequestHandle.first_output``). An error after the stream has started is sent as one
+    ``data: {"error": ...}`` event (the status is already 200). The handle is closed, and its running
+    choices aborted, when the client goes away.
     """
+    watcher = watch_disconnect(request, handle)
+    try:
+        await handle.first_output()
+    except BaseException:
+        watcher.cancel()
+        handle.close("failed before its first output")
+        raise
 
     async def body() -> AsyncIterator[str]:
-        watcher = watch_disconnect(request, handle)
         try:
             async with handle:
                 async for event in events:

@@ -28,6 +28,7 @@ from pdserve.services.gateway.serving_common import (
     collect,
     request_id,
     sse_response,
+    submit,
     usage_counts,
 )
 
@@ -43,9 +44,9 @@ class OpenAIServingCompletion:
         prompts = body.prompts()
         sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0)
         echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
-        handle = await self.ctx.manager.submit(GenerateReqInput(rid, prompts, sampling, n=body.n))
+        handle = await submit(request, self.ctx.manager, GenerateReqInput(rid, prompts, sampling, n=body.n))
         if body.stream:
-            return sse_response(request, handle, self._chunks(body, handle, echoes))
+            return await sse_response(request, handle, self._chunks(body, handle, echoes))
         results = await collect(request, handle)
         choices = []
         for r in results:
@@ -109,15 +110,16 @@ class OpenAIServingCompletion:
             yield chunk([], UsageInfo.of(*usage_counts(handle, results, body.n)))
 
     async def _logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        """Legacy completions logprobs; ``text_offset`` counts token text lengths from ``offset``."""
-        texts = await self.ctx.manager.token_texts.get(
+        """Legacy completions logprobs (token texts distinct: a partial UTF-8 character shows as
+        ``\\xNN``); ``text_offset`` counts token text lengths from ``offset``."""
+        pieces = await self.ctx.manager.token_pieces.get(
             [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
         )
         out = CompletionLogprobs()
         for lp in logprobs:
-            out.tokens.append(texts[lp.token_id])
+            out.tokens.append(pieces[lp.token_id].text)
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({texts[t.token_id]: t.logprob for t in lp.top})
+            out.top_logprobs.append({pieces[t.token_id].text: t.logprob for t in lp.top})
             out.text_offset.append(offset)
-            offset += len(texts[lp.token_id])
+            offset += len(pieces[lp.token_id].text)
         return out

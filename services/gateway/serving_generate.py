@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import ChatPrompt, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.native_protocol import (
     DetokenizeRequest,
@@ -26,7 +27,13 @@ from pdserve.services.gateway.native_protocol import (
     TokenizeResponse,
 )
 from pdserve.services.gateway.request_state import RequestHandle
-from pdserve.services.gateway.serving_common import ChoiceResult, ServingContext, collect, sse_response
+from pdserve.services.gateway.serving_common import (
+    ChoiceResult,
+    ServingContext,
+    collect,
+    sse_response,
+    submit,
+)
 
 
 class NativeServing:
@@ -41,9 +48,10 @@ class NativeServing:
         rid = request.state.rid
         sp = body.sampling_params
         sampling = sp.to_sampling_params(body.return_logprob, body.top_logprobs_num)
-        handle = await self.ctx.manager.submit(GenerateReqInput(rid, body.prompts, sampling, n=sp.n))
+        obj = GenerateReqInput(rid, body.prompts, sampling, n=sp.n, params_path="sampling_params.")
+        handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
-            return sse_response(request, handle, self._chunks(handle, body.return_logprob))
+            return await sse_response(request, handle, self._chunks(handle, body.return_logprob))
         results = await collect(request, handle)
         outs = [self._response(handle, r, body.return_logprob).model_dump() for r in results]
         return JSONResponse(outs if body.is_batch or sp.n > 1 else outs[0])
@@ -87,7 +95,12 @@ class NativeServing:
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=info.context_length)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """Raises ``GatewayError`` 400 (param ``tokens``) for an id outside the vocabulary."""
         self.ctx.check_model(body.model, required=False)
+        vocab = (await self.ctx.manager.model_info()).vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None) if vocab else None
+        if bad is not None:
+            raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return DetokenizeResponse(
             prompt=await self.ctx.manager.detokenize(body.tokens, body.skip_special_tokens)
         )

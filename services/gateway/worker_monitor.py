@@ -3,8 +3,10 @@
 Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check. A worker that fails
 ``failure_threshold`` probes in a row (one slow answer on a saturated machine is not a death) is
 taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
-it is put back as soon as it answers SERVING again. Healthy schedulers are asked ``GetLoad`` for the
-least-load and cache-aware policies.
+it is put back as soon as it answers SERVING again. Serving schedulers are asked ``GetLoad``: their
+load (for the least-load and cache-aware policies), their capacity (for the gateway's default
+pending limit) and their incarnation: a scheduler that restarted (whether or not it was seen down)
+holds none of the requests routed to its previous process, which are ended like a dead worker's.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class WorkerMonitor:
 
     async def _probe(self, role: str, worker: Worker) -> bool:
         ok = await self.clients.is_serving(worker.address)
+        if ok and role in SCHEDULER_ROLES:
+            await self._read_load(role, worker)  # before it is routed to again: a restart ends its requests
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
         if ok and not worker.healthy:
             logger.warning("%s worker %s is back", role, worker.address)
@@ -75,12 +79,22 @@ class WorkerMonitor:
             worker.healthy = False
             self.router.forget(role, worker)
             self.on_down(role, worker.address)
-        if ok and role in SCHEDULER_ROLES and self.router.policy_name != "round_robin":
-            try:
-                worker.reported_load = await self.clients.load(role, worker.address)
-            except grpc.aio.AioRpcError as e:
-                logger.debug("GetLoad %s failed: %s", worker.address, e.code())
         return ok
+
+    async def _read_load(self, role: str, worker: Worker) -> None:
+        try:
+            report = await self.clients.load(role, worker.address)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("GetLoad %s failed: %s", worker.address, e.code())
+            return
+        restarted = bool(worker.incarnation) and report.incarnation != worker.incarnation
+        worker.reported_load = report.load
+        worker.capacity = report.capacity
+        worker.incarnation = report.incarnation
+        if restarted:
+            logger.warning("%s worker %s restarted: ending what its old process held", role, worker.address)
+            self.router.forget(role, worker)
+            self.on_down(role, worker.address)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

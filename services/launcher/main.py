@@ -2,8 +2,10 @@
 
 Starts the tokenizer and detokenizer, then the prefill and decode schedulers, then the gateway, each
 stage once the previous one answers its health checks; restarts a service that crashes (with
-backoff); on Ctrl-C, SIGTERM or SIGHUP drains the gateway first and stops every process it started (a second
-Ctrl-C kills them at once). Children die with the launcher even if it is SIGKILLed.
+backoff) or hangs (its liveness check unanswered for --liveness-timeout: killed, then restarted),
+a scheduler with the KV pool size of its first start; on Ctrl-C, SIGTERM or SIGHUP drains the
+gateway first and stops every process it started (a second Ctrl-C kills them at once). Children
+die with the launcher even if it is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, setup_logging
+from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.ports import PortReservation
-from pdserve.services.launcher.supervisor import Supervisor
+from pdserve.services.launcher.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
 from pdserve.services.launcher.topology import ServiceSpec, build_topology, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
@@ -106,6 +108,14 @@ def make_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on shutdown, seconds in-flight requests get to finish (new ones: 503); the rest is aborted",
     )
+    p.add_argument(
+        "--liveness-timeout",
+        type=non_negative_float,
+        default=DEFAULT_LIVENESS_TIMEOUT_S,
+        help="seconds a running service may leave its grpc.health.v1 check unanswered (stopped, "
+        "stuck event loop, or a scheduler step past --watchdog-timeout) before it is killed and "
+        "restarted; 0 = never",
+    )
     p.add_argument("--log-level", default="info", help="log level of the launcher and every service")
     tls.add_tls_args(p)
     p.add_argument(
@@ -162,6 +172,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         startup_timeout=args.startup_timeout,
         drain_timeout=args.drain_timeout,
         http_verify=_https_health_context(args.tls_ca) if args.identity else True,
+        liveness_timeout=args.liveness_timeout,
     )
 
     def on_signal() -> None:

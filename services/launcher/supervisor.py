@@ -1,4 +1,11 @@
-"""Start services in order, wait for their health checks, restart crashes, drain and stop them all on exit."""
+"""Start services in order, wait for their health checks, restart crashes and hangs, drain and stop
+them all on exit.
+
+A running service is also watched for liveness: its grpc.health.v1 status ("" on ``spec.liveness``)
+must answer SERVING. A process that is stopped, whose event loop is stuck, or whose scheduler step
+is stuck (it reports NOT_SERVING, ``services.common.liveness``) fails that for ``liveness_timeout``
+seconds: it is SIGKILLed, and restarted like a crash.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +17,14 @@ import signal
 import ssl
 import time
 
+import grpc
 import httpx
 
+from pdserve.rpc.health_watch import watch_address
 from pdserve.rpc.server import wait_for_health
 from pdserve.services.launcher.child import Child, describe_exit
 from pdserve.services.launcher.console import Console
+from pdserve.services.launcher.kv_pool_pin import pin_kv_pool, read_kv_pool_tokens
 from pdserve.services.launcher.topology import ServiceSpec
 
 logger = logging.getLogger("pdserve.launch")
@@ -24,6 +34,7 @@ MAX_BACKOFF_S = 30.0
 BACKOFF_RESET_S = 60.0
 CRASH_TAIL_LINES = 5
 ABORT_MARGIN_S = 10.0  # after its drain timeout, the gateway's time to abort what is left, flush and exit
+DEFAULT_LIVENESS_TIMEOUT_S = 30.0
 SPINNER = "|/-\\"
 
 
@@ -39,6 +50,8 @@ class Supervisor:
             killed.
         grace: seconds every other service gets between SIGTERM and SIGKILL.
         http_verify: how the gateway's HTTPS health check verifies its certificate (httpx ``verify``).
+        liveness_timeout: seconds a running service may leave its liveness check unanswered
+            (not SERVING) before it is SIGKILLed and restarted; 0 = never.
 
     Attributes:
         children: name -> the running ``Child``.
@@ -53,6 +66,7 @@ class Supervisor:
         drain_timeout: float = 30.0,
         grace: float = 10.0,
         http_verify: ssl.SSLContext | bool = True,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S,
     ) -> None:
         self.specs = specs
         self.console = console
@@ -61,6 +75,7 @@ class Supervisor:
         self.drain_timeout = drain_timeout
         self.grace = grace
         self.http_verify = http_verify
+        self.liveness_timeout = liveness_timeout
         self.children: dict[str, Child] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
@@ -117,6 +132,7 @@ class Supervisor:
         async def ready(spec: ServiceSpec, child: Child) -> None:
             nonlocal done
             await self._ready(spec, child)
+            await self._pin_kv_pool(spec)
             done += 1
             waiting.remove(spec.name)
             elapsed = time.monotonic() - t0
@@ -150,13 +166,47 @@ class Supervisor:
         self._keepers = [asyncio.ensure_future(self._keep_alive(spec)) for spec in self.specs]
         await stop.wait()
 
+    async def _pin_kv_pool(self, spec: ServiceSpec) -> None:
+        """Restart a scheduler sized from free memory with its first start's pool (``kv_pool_pin``)."""
+        if not spec.pin_kv_pool:
+            return
+        try:
+            tokens = await read_kv_pool_tokens(spec.role, spec.health)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("cannot read the KV pool size of %s (%s): a restart sizes it anew", spec.name, e)
+            return
+        spec.argv = pin_kv_pool(spec.argv, tokens)
+        spec.pin_kv_pool = False
+        logger.info("%s has a KV pool of %d tokens; a restart gets the same", spec.name, tokens)
+
+    async def _wait_exit(self, spec: ServiceSpec, child: Child) -> int:
+        """Wait for ``child`` to exit, SIGKILLing it first if it fails its liveness check."""
+        watcher = asyncio.ensure_future(self._watch_liveness(spec, child))
+        try:
+            return await child.wait()
+        finally:
+            watcher.cancel()
+
+    async def _watch_liveness(self, spec: ServiceSpec, child: Child) -> None:
+        """SIGKILL ``child`` once it has not answered SERVING for ``liveness_timeout`` seconds."""
+        if not (self.liveness_timeout and spec.liveness):
+            return
+        async with watch_address(spec.liveness, self.liveness_timeout) as watch:
+            silent = await watch.wait_silent()
+        logger.error(
+            "%s (pid %d) did not answer its liveness check for %.1f s (hung or stopped): killing it",
+            spec.name, child.pid, silent,
+        )  # fmt: skip
+        child.signal(signal.SIGKILL)
+
     async def _keep_alive(self, spec: ServiceSpec) -> None:
-        """Restart ``spec`` whenever its process exits: after 1, 2, 4 ... 30 s of backoff (doubling
-        over consecutive quick crashes), logging how it exited and its last output lines."""
+        """Restart ``spec`` whenever its process exits (or hangs, and is killed): after 1, 2, 4 ...
+        30 s of backoff (doubling over consecutive quick crashes), logging how it exited and its last
+        output lines."""
         failures = 0
         while True:
             child = self.children[spec.name]
-            code = await child.wait()
+            code = await self._wait_exit(spec, child)
             if self.stopping:
                 return
             child.signal(signal.SIGKILL)  # whatever it left behind in its process group
@@ -178,6 +228,7 @@ class Supervisor:
                 child.signal(signal.SIGKILL)
                 continue
             logger.info("%s is back (pid %d, %.1f s after restart)", spec.name, child.pid, child.uptime)
+            await self._pin_kv_pool(spec)
 
     async def stop_all(self) -> None:
         """Drain and stop everything, in reverse start order.

@@ -22,9 +22,12 @@ STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway"
 class ServiceSpec:
     """One process of the topology.
 
-    ``health`` is "host:port" of its grpc.health.v1 service, or an http:// URL for the gateway;
-    ``env`` is added to the launcher's environment (secrets go there, not in ``argv``, which any
-    user of the machine can read in ``ps``); ``binds`` are the (host, port) pairs it listens on.
+    ``health`` is "host:port" of its grpc.health.v1 service, or an http:// URL for the gateway
+    (ready when every role is); ``liveness`` the "host:port" whose grpc.health.v1 status says the
+    process itself is alive (default: ``health``); ``env`` is added to the launcher's environment
+    (secrets go there, not in ``argv``, which any user of the machine can read in ``ps``); ``binds``
+    are the (host, port) pairs it listens on; ``pin_kv_pool``: a scheduler whose KV pool is sized
+    from free memory, to be restarted with the size of its first start (``kv_pool_pin``).
     """
 
     name: str
@@ -33,6 +36,12 @@ class ServiceSpec:
     health: str
     env: dict[str, str] = field(default_factory=dict)
     binds: list[tuple[str, int]] = field(default_factory=list)
+    liveness: str = ""
+    pin_kv_pool: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.liveness and not self.health.startswith("http"):
+            self.liveness = self.health
 
     @property
     def command(self) -> list[str]:
@@ -58,7 +67,11 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--schedule-policy", args.schedule_policy,
         "--tp-size", str(args.tp_size),
+        "--max-queue-time", f"{args.max_queue_time:g}",
+        "--watchdog-timeout", f"{args.watchdog_timeout:g}",
     ]  # fmt: skip
+    if args.max_queued_requests is not None:
+        flags += ["--max-queued-requests", str(args.max_queued_requests)]
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.kv_cache_memory:
@@ -148,18 +161,23 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     gpus = scheduler_gpus(args)
     ranks = num_schedulers * args.tp_size  # processes that share the devices
     engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
+    pin = not (args.max_total_tokens or args.kv_cache_memory)
     for i, addr in enumerate(prefills):
         port = int(addr.rsplit(":", 1)[1])
         argv = [*common, "--port", str(port), *engine]
         gpu = _gpu_env(gpus, i, args.tp_size)
-        specs.append(ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port)]))
+        specs.append(
+            ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port)], pin_kv_pool=pin)
+        )
     for i, addr in enumerate(decodes):
         port = int(addr.rsplit(":", 1)[1])
         argv = [*common, "--port", str(port), *engine]
         if args.colocated:
             argv.append("--colocated")
         gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
-        specs.append(ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)]))
+        specs.append(
+            ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)], pin_kv_pool=pin)
+        )
     gateway = [
         "--model", model_dir,
         "--host", args.host,
@@ -183,5 +201,6 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
     binds = [(args.host, args.port), (args.host, args.grpc_port), (host, base + 3)]
-    specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds))
+    liveness = f"{host}:{base + 3}"  # its internal gRPC server: same event loop, the internal plane's TLS
+    specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds, liveness=liveness))
     return specs

@@ -10,6 +10,7 @@ from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_loggi
 from pdserve.distributed import TpGroup
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop, gather_agents
+from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
 from pdserve.services.prefill.servicer import PrefillServicer
@@ -42,8 +43,11 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)
+    watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("prefill-scheduler (TP %d) ready on %s", tp.size, address)
     await supervise(servicer.loop, stop, ranks, args.tp_watchdog, servicer.fail_all)
+    if watchdog is not None:
+        await watchdog
     await server.stop(grace=5.0)
     servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
     if ranks is not None:

@@ -18,6 +18,7 @@ import grpc
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransferAgent
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
@@ -130,9 +131,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         try:
             if req.rid in self.waiters:
                 raise ValueError(f"duplicate rid {req.rid!r}")
-            self.scheduler.check_request(req)
+            pending = sum(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
+            self.scheduler.check_request(req, pending)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.inputs.submit(NewRequest(req))
         self.loop.wake()

@@ -14,7 +14,7 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    """Tokenize / TokenizeBatch / Detokenize / GetInfo over one loaded ``Tokenizer``.
+    """Tokenize / TokenizeBatch / Detokenize / GetTokenPieces / GetInfo over one loaded ``Tokenizer``.
 
     Bad input (no input, bad JSON, a chat the template rejects, ids out of range) ends the call
     with INVALID_ARGUMENT and the reason as details; nothing is kept between calls.
@@ -51,6 +51,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def GetTokenPieces(
+        self, request: tokenizer_pb2.TokenPiecesRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenPiecesResponse:
+        try:
+            pieces = self.tokenizer.token_pieces(list(request.ids))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return tokenizer_pb2.TokenPiecesResponse(
+            pieces=[tokenizer_pb2.TokenPiece(text=p.text, bytes=p.data) for p in pieces]
+        )
 
     async def GetInfo(
         self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.aio.ServicerContext

@@ -43,8 +43,14 @@ def chart(request: pytest.FixtureRequest) -> Rendered:
     if request.param == "gpu-pd+options":
         overrides = {
             "model": {"name": "/models/m", "servedModelName": "m"},
-            "engine": {"maxTotalTokens": 4096, "kvCacheMemory": 1 << 30, "disableRadixCache": True},
+            "engine": {
+                "maxTotalTokens": 4096,
+                "kvCacheMemory": 1 << 30,
+                "disableRadixCache": True,
+                "maxQueuedRequests": 0,
+            },
             "prefill": {"maxRunningRequests": 8},
+            "gateway": {"maxPendingRequests": 100},
         }
         return render(load_values("gpu-pd", overrides))
     return render(load_values(request.param))

@@ -60,8 +60,35 @@ def test_validation_names_the_bad_field(field, value):
 
 def test_logit_bias_keys_are_checked_against_the_vocabulary():
     SamplingParams(logit_bias={VOCAB - 1: -100.0}).validate(VOCAB)
-    with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 8\)"):
+    with pytest.raises(ValueError, match=r"logit_bias names token id 8, outside the vocabulary \[0, 8\)"):
         SamplingParams(logit_bias={VOCAB: 1.0}).validate(VOCAB)
+
+
+def test_a_request_past_the_bounds_never_fails_the_batch():
+    """Defence in depth (requests are validated on admission): ``top_k`` above the vocabulary is
+    clamped and stop / bias ids outside it are ignored, so the batch-mates get their tokens."""
+    logits = [[0.0, 2.0, 1.9, -1.0, 0.0, 0.0, 0.0, 3.0]] * 3
+    greedy = SamplingParams(temperature=0.0)
+    huge_k = SamplingParams(temperature=1.0, top_k=10**9)
+    stray_ids = SamplingParams(
+        temperature=0.0, min_new_tokens=2, stop_token_ids=[VOCAB, 2**31], logit_bias={1: 50.0, VOCAB + 5: 9.0}
+    )
+    out = sample(logits, [greedy, huge_k, stray_ids], top_logprobs_nums=[3, 0, 0], return_logprob=True)
+    assert out.next_token_ids[0] == EOS and out.next_token_ids[2] == 1
+    assert 0 <= out.next_token_ids[1] < VOCAB
+    wide = sample(logits[:1], [SamplingParams(top_logprobs_num=20)], top_logprobs_nums=[20])
+    assert len(wide.top_logprobs[0]) == VOCAB  # 20 asked of a vocabulary of 8
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6])
+def test_a_temperature_below_the_epsilon_is_greedy(temperature):
+    """vLLM's rule (``_SAMPLING_EPS`` 1e-5): dividing by 1e-40 overflowed the logits to inf and
+    softmax gave NaN, so any token came out."""
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy
+    logits = [[0.0, 2.0, 1.9, -1.0, 0.0, 0.0, 0.0, 3.0], [0.5, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0]]
+    assert sample(logits * 50, [params] * 100).next_token_ids == [EOS, 4] * 50
+    assert not SamplingParams(temperature=1e-5).is_greedy
 
 
 def test_filters_restrict_the_candidates():

@@ -195,9 +195,25 @@ CASES = [
         "lone-surrogate-in-stop",
         400,
         json.dumps(chat(stop=["\ud83d"])).encode(),
-        contains=lambda: ["\\ud83d"],
+        param="stop.0",
+        contains=lambda: ["unicode string"],
     ),
     Case("lone-surrogate-tokenize", 400, json.dumps({"prompt": "a\udfff"}).encode(), path="/tokenize"),
+    # an error message that echoes the client's text escapes what UTF-8 cannot carry (it was a 500)
+    Case(
+        "lone-surrogate-in-model",
+        404,
+        json.dumps(chat(model="gpt-\ud800")).encode(),
+        param="model",
+        contains=lambda: ["gpt-\\ud800"],
+    ),
+    Case(
+        "lone-surrogate-in-rid",
+        400,
+        json.dumps({"text": "a", "rid": "r\ud800"}).encode(),
+        path="/generate",
+        param="rid",
+    ),
     Case("wrong-method", 405, None, method="GET"),
     Case("unknown-path", 404, {}, path="/v1/embeddings"),
 ]

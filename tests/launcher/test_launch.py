@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.stack import SERVED_MODEL, Stack, launch_stack
+from tests.stack import SERVED_MODEL, Stack, children, launch_stack, log_text, wait_for_log
 
 MODEL = SERVED_MODEL
 DRAIN_TIMEOUT = 20
@@ -37,39 +37,12 @@ def stack() -> Stack:
     stack.stop()
 
 
-def children(stack: Stack) -> dict[str, psutil.Process]:
-    """The launcher's running services by ``role:port`` ("decode:30020"); not dead or unborn ones."""
-    out = {}
-    for proc in psutil.Process(stack.proc.pid).children():
-        try:
-            cmd = proc.cmdline()  # empty for a zombie; the launcher's own between fork and exec
-        except psutil.Error:
-            continue
-        if "pdserve.cli" in cmd and cmd[cmd.index("pdserve.cli") + 1] != "launch":
-            out[f"{cmd[cmd.index('pdserve.cli') + 1]}:{cmd[cmd.index('--port') + 1]}"] = proc
-    return out
-
-
 def alive(proc: psutil.Process) -> bool:
     """Running and not a zombie."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def log_text(stack: Stack) -> str:
-    with open(stack.log_path) as f:
-        return f.read()
-
-
-def wait_for_log(stack: Stack, text: str, timeout: float = 30.0) -> str:
-    """The launcher's log once it contains ``text``; AssertionError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while text not in (log := log_text(stack)):
-        assert time.monotonic() < deadline, f"{text!r} not in the log:\n{log[-4000:]}"
-        time.sleep(0.2)
-    return log
 
 
 def expected_answer(question: str, max_tokens: int = 24) -> str:

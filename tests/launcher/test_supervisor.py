@@ -66,3 +66,33 @@ async def test_a_crashed_service_is_restarted_and_everything_stops_at_the_end(ca
     await supervising
     assert second.returncode == -signal.SIGTERM or second.returncode == 0
     assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_a_hung_service_is_killed_and_restarted(caplog) -> None:
+    """A stopped process (SIGSTOP: it holds its port but answers nothing) fails its liveness check."""
+    caplog.set_level(logging.INFO, logger="pdserve.launch")
+    liveness_timeout = 2.0
+    supervisor = Supervisor([tokenizer_spec()], Console(io.StringIO()), liveness_timeout=liveness_timeout)
+    stop = asyncio.Event()
+    try:
+        await supervisor.start_all()
+        supervising = asyncio.ensure_future(supervisor.supervise(stop))
+        hung = supervisor.children["tokenizer"]
+        await asyncio.sleep(2 * liveness_timeout)  # answering: left alone
+        assert supervisor.restarts == {} and hung.returncode is None
+        os.kill(hung.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(hung.wait(), 30) == -signal.SIGKILL
+        killed_after = time.monotonic() - t0
+        assert liveness_timeout - 0.5 <= killed_after <= 1.5 * liveness_timeout + 3, killed_after
+        deadline = time.monotonic() + 300
+        while "tokenizer is back" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text[-3000:]
+            await asyncio.sleep(0.2)
+        assert supervisor.children["tokenizer"].pid != hung.pid and supervisor.restarts == {"tokenizer": 1}
+        assert f"tokenizer (pid {hung.pid}) did not answer its liveness check for" in caplog.text
+        print(f"SIGSTOPped tokenizer killed {killed_after:.1f} s later, then restarted")
+    finally:
+        stop.set()
+        await supervisor.stop_all()
+    await supervising

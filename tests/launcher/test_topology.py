@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from pdserve.services.launcher.kv_pool_pin import pin_kv_pool
 from pdserve.services.launcher.main import make_parser
 from pdserve.services.launcher.ports import PortReservation
 from pdserve.services.launcher.topology import build_topology
@@ -206,3 +207,29 @@ def test_schedulers_sharing_a_device_split_the_kv_memory_fraction(monkeypatch) -
     assert fractions("--kv-memory-fraction", "0.8") == {"0.2"}
     assert fractions("--gpus", "0,1") == {"0.125"}
     assert fractions("--max-total-tokens", "4096") == {None}
+
+
+def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:
+    args = make_parser().parse_args(["--num-prefill", "1", "--internal-port-base", "40000", "--port", "8000"])
+    specs = {s.name: s for s in build_topology(args, "/m")}
+    assert {name: s.liveness for name, s in specs.items()} == {
+        "tokenizer": "127.0.0.1:40001",
+        "detokenizer": "127.0.0.1:40002",
+        "prefill-0": "127.0.0.1:40010",
+        "decode-0": "127.0.0.1:40020",
+        "gateway": "127.0.0.1:40003",  # its internal gRPC server: /health is about the other roles
+    }
+    assert [n for n, s in specs.items() if s.pin_kv_pool] == ["prefill-0", "decode-0"]
+    assert _flag(specs["decode-0"].argv, "--max-queue-time") == "60"
+    assert _flag(specs["decode-0"].argv, "--watchdog-timeout") == "120"
+    assert "--max-queued-requests" not in specs["decode-0"].argv  # the scheduler sizes it from its pool
+    sized = make_parser().parse_args(["--max-total-tokens", "4096", "--max-queued-requests", "0"])
+    specs = build_topology(sized, "/m")
+    assert not any(s.pin_kv_pool for s in specs)
+    assert _flag(specs[2].argv, "--max-queued-requests") == "0"
+
+
+def test_a_pinned_pool_replaces_every_sizing_flag() -> None:
+    argv = ["--port", "1", "--kv-memory-fraction", "0.125", "--dtype", "float32"]
+    assert pin_kv_pool(argv, 1296) == ["--port", "1", "--dtype", "float32", "--max-total-tokens", "1296"]
+    assert pin_kv_pool(pin_kv_pool(argv, 1296), 1296).count("--max-total-tokens") == 1

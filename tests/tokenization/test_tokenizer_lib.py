@@ -95,6 +95,26 @@ def test_bad_chat_input_raises(tokenizer: Tokenizer) -> None:
         tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ChatTemplateError, match="may not set tokenize"):
         tokenizer.apply_chat_template(CONVERSATION, template_kwargs={"tokenize": True})
+    with pytest.raises(ChatTemplateError, match="assistant message last"):  # CONVERSATION ends with the user
+        tokenizer.apply_chat_template(CONVERSATION, continue_final_message=True)
+
+
+def test_token_pieces_are_each_tokens_real_bytes(tokenizer: Tokenizer) -> None:
+    """The pieces of a text's ids join into the text's UTF-8 bytes (emoji and CJK split across
+    byte-level tokens included); a partial character shows as \\xNN; the 49,152 are all distinct."""
+    text = "Héllo 😀 你好世界, naïve café 🚀!"
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    pieces = tokenizer.token_pieces(ids)
+    assert b"".join(p.data for p in pieces) == text.encode()
+    assert any(b"\\x" in p.text.encode() for p in pieces)  # 😀 spans several tokens here
+    for token_id, p in zip(ids, pieces, strict=True):
+        if "\\x" not in p.text:  # a whole character: the tokenizer's own text for the token
+            assert p.text == tokenizer.hf.decode([token_id])
+    everything = tokenizer.token_pieces(range(tokenizer.info.vocab_size))
+    assert len({p.text for p in everything}) == len({p.data for p in everything}) == tokenizer.info.vocab_size
+    assert tokenizer.token_pieces([0])[0].text == tokenizer.hf.convert_ids_to_tokens(0)  # a special token
+    with pytest.raises(ValueError, match="out of range"):
+        tokenizer.token_pieces([tokenizer.info.vocab_size])
 
 
 def test_tools_names_and_kwargs_reach_the_template(custom_checkpoint: Path) -> None:

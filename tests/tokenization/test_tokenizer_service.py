@@ -72,6 +72,14 @@ async def test_detokenize_and_info(stub, tokenizer: Tokenizer) -> None:
     )
 
 
+async def test_token_pieces_keep_each_tokens_bytes(stub, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.hf.encode("naïve 😀 世界", add_special_tokens=False)
+    resp = await stub.GetTokenPieces(pb.TokenPiecesRequest(ids=[*ids, 2]))
+    assert b"".join(p.bytes for p in resp.pieces[:-1]) == "naïve 😀 世界".encode()
+    assert resp.pieces[-1].text == "<|im_end|>"
+    assert [p.text for p in resp.pieces] == [p.text for p in tokenizer.token_pieces([*ids, 2])]
+
+
 @pytest.mark.parametrize(
     ("call", "request_", "message"),
     [
@@ -87,6 +95,8 @@ async def test_detokenize_and_info(stub, tokenizer: Tokenizer) -> None:
         ("TokenizeBatch", pb.TokenizeBatchRequest(requests=[chat(), pb.TokenizeRequest()]), "requests[1]"),
         ("Detokenize", pb.DetokenizeRequest(input_ids=[5, 49152]), "out of range"),
         ("Detokenize", pb.DetokenizeRequest(input_ids=[-3]), "out of range"),
+        ("GetTokenPieces", pb.TokenPiecesRequest(ids=[49152]), "out of range"),
+        ("Tokenize", chat(continue_final_message=True), "assistant message last"),
     ],
 )
 async def test_bad_input_is_invalid_argument(stub, call: str, request_, message: str) -> None:

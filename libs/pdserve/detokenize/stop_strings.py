@@ -29,10 +29,17 @@ class StopStringMatcher:
     pieces nor on the order the stops were listed in.
     """
 
-    __slots__ = ("stops",)
+    __slots__ = ("_prefix_ends", "stops")
 
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        # per stop: last character -> lengths of the proper prefixes ending in it, longest first
+        self._prefix_ends: list[dict[str, list[int]]] = []
+        for stop in self.stops:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(stop) - 1, 0, -1):
+                ends.setdefault(stop[k - 1], []).append(k)
+            self._prefix_ends.append(ends)
 
     def find(self, text: str, new_from: int = 0) -> StopMatch | None:
         """The first stop string to complete in ``text[new_from:]``, or None.
@@ -51,12 +58,20 @@ class StopStringMatcher:
         """Length of the longest tail of ``text[start:]`` that is a proper prefix of some stop string.
 
         Those characters must be held back: the next tokens may complete a stop string with them.
+        Only prefixes that end in the text's last character are tried, so a step costs at most one
+        comparison per character of the stop strings (``pdserve.sampling.bounds`` caps their total),
+        and usually a few.
         """
-        held = 0
         room = len(text) - start
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, room), held, -1):
-                if text.endswith(stop[:k]):
+        if room <= 0:
+            return 0
+        held = 0
+        last = text[-1]
+        for stop, ends in zip(self.stops, self._prefix_ends, strict=True):
+            for k in ends.get(last, ()):
+                if k <= held:
+                    break
+                if k <= room and text.endswith(stop[:k]):
                     held = k
                     break
         return held

@@ -96,15 +96,23 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
         want_graphs = self.device.type == "cuda" and not disable_cuda_graph
-        self.kv_pool = KVPool(
-            num_pages + want_graphs,  # the last page: padded rows of graph replays
-            page_size,
-            cfg.num_layers,
-            cfg.num_local_kv_heads,
-            cfg.head_dim,
-            cfg.dtype,
-            self.device,
-        )
+        try:
+            self.kv_pool = KVPool(
+                num_pages + want_graphs,  # the last page: padded rows of graph replays
+                page_size,
+                cfg.num_layers,
+                cfg.num_local_kv_heads,
+                cfg.head_dim,
+                cfg.dtype,
+                self.device,
+            )
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            gib = num_pages * page_size * bytes_per_token / 2**30
+            raise RuntimeError(
+                f"cannot allocate a KV pool of {num_pages} pages of {page_size} tokens ({gib:.2f} GiB) on "
+                f"{self.device}: {e}. A restarted worker keeps the pool size of its first start: free "
+                "that memory, or give a smaller --max-total-tokens / --kv-cache-memory"
+            ) from e
         self.attn_backend = create_attention_backend(attention_backend, self)
         self.cuda_graph_runner = None
         if want_graphs and self.attn_backend.supports_cuda_graph:

@@ -41,7 +41,7 @@ class Sampler:
         """Sample one token per row of ``logits`` (``[B, V]``, the model's dtype); ``info=None`` means
         greedy. A batch that only takes each row's argmax reads the logits as they are (the largest
         bfloat16 value is the largest after a cast); anything else works on a float32 copy."""
-        top_k_max = max(top_logprobs_nums or [0])
+        top_k_max = min(max(top_logprobs_nums or [0]), logits.shape[-1])
         if return_logprob or top_k_max or not (info is None or info.argmax_only):
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
@@ -99,7 +99,7 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tens
     """
     probs = torch.softmax(logits / info.temperatures[rows], dim=-1)
     top_ks = info.top_ks[rows]
-    k = int(top_ks.max()) if info.need_top_k else info.vocab_size
+    k = min(int(top_ks.max()), info.vocab_size) if info.need_top_k else info.vocab_size
     if k < info.vocab_size:
         sorted_probs, order = probs.topk(k, dim=-1)
     else:

@@ -26,7 +26,7 @@ class SamplingBatchInfo:
 
     Attributes:
         temperatures: float32 ``[B, 1]`` (1 for greedy rows, which never divide by it).
-        top_ps / min_ps: float32 ``[B]``; top_ks: int64 ``[B]`` (``V`` where disabled).
+        top_ps / min_ps: float32 ``[B]``; top_ks: int64 ``[B]`` (``V`` where disabled, never above ``V``).
         is_greedy: bool ``[B]``; all_greedy: every row is greedy.
         need_top_p / need_top_k / need_min_p: some sampled row uses the filter.
         step_seeds: per row, the generator seed of this step (``step_seed``) or None (global RNG).
@@ -67,7 +67,12 @@ class SamplingBatchInfo:
         vocab_size: int,
         device: str | torch.device = "cpu",
     ) -> SamplingBatchInfo:
-        """Build from each request's params, its output so far and its prompt (same order)."""
+        """Build from each request's params, its output so far and its prompt (same order).
+
+        Requests are validated on admission (``SamplingParams.validate``); as defence in depth,
+        ``top_k`` is clamped to the vocabulary and token ids outside it are ignored here, so that one
+        request can never fail the whole batch's step.
+        """
         batch = len(params)
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
@@ -75,13 +80,20 @@ class SamplingBatchInfo:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        def in_vocab(ids: list[int]) -> list[int]:
+            return [t for t in ids if 0 <= t < vocab_size]
+
         penalised = any(p.has_penalties for p in params)
         banned = [
-            (i, ([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids))
+            (i, in_vocab(([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)))
             for i, p in enumerate(params)
             if len(output_ids[i]) < p.min_new_tokens
         ]
-        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        biased = [
+            (i, {t: p.logit_bias[t] for t in in_vocab(list(p.logit_bias))})
+            for i, p in enumerate(params)
+            if p.logit_bias
+        ]
         logit_bias = None
         if penalised or banned or biased:
             logit_bias = torch.zeros((batch, vocab_size), dtype=torch.float32, device=device)
@@ -104,7 +116,9 @@ class SamplingBatchInfo:
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
             )[:, None],
             top_ps=tensor([p.top_p for p in params], torch.float32),
-            top_ks=tensor([p.top_k if p.top_k_enabled else vocab_size for p in params], torch.int64),
+            top_ks=tensor(
+                [min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params], torch.int64
+            ),
             min_ps=tensor([p.min_p for p in params], torch.float32),
             is_greedy=tensor(greedy, torch.bool),
             all_greedy=all(greedy),

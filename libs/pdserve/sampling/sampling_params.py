@@ -5,8 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+from pdserve.sampling.bounds import (
+    FLOAT32_MAX,
+    GREEDY_TEMPERATURE,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    BoundError,
+    check_stop_strings,
+    check_vocab_fields,
+)
 
 
 @dataclass(slots=True)
@@ -14,10 +25,10 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     Attributes:
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; below 1e-5 (``GREEDY_TEMPERATURE``) means greedy (argmax).
         top_p: nucleus sampling (Holtzman et al. 2019): keep the most likely tokens whose mass
             reaches ``top_p``; 1 disables.
-        top_k: keep the ``top_k`` most likely tokens; -1 or 0 disables.
+        top_k: keep the ``top_k`` most likely tokens; -1 or 0 disables; at most the vocabulary size.
         min_p: keep tokens with probability >= ``min_p`` × the top probability; 0 disables.
         repetition_penalty: CTRL-style (Keskar et al. 2019) penalty over prompt and output tokens:
             positive logits are divided by it, negative ones multiplied; 1 disables.
@@ -63,7 +74,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax: temperature below ``GREEDY_TEMPERATURE`` (as vLLM) or ``top_k`` 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def top_k_enabled(self) -> bool:
@@ -74,67 +86,80 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Check every field; with ``vocab_size``, also that ``logit_bias`` names tokens below it.
+        """Check every field against ``pdserve.sampling.bounds``; with ``vocab_size``, also ``top_k``
+        and the token ids of ``stop_token_ids`` and ``logit_bias`` against the vocabulary.
 
         Raises:
-            ValueError: naming the first field out of range and its allowed range.
+            BoundError: a ``ValueError`` naming the first field out of range and its allowed range.
         """
-        checks = [
+        for ok, name, message in self._range_checks():
+            if not ok:
+                raise BoundError(name, message)
+        check_stop_strings(self.stop)
+        vocab = INT32_MAX if vocab_size is None else vocab_size
+        check_vocab_fields(self.top_k, self.stop_token_ids, self.logit_bias, vocab)
+
+    def _range_checks(self) -> list[tuple[bool, str, str]]:
+        """``(ok, field, message)`` of each field's own range (int32/int64/float32 as on the wire)."""
+
+        def real(x: object, lo: float, hi: float) -> bool:
+            return isinstance(x, int | float) and math.isfinite(x) and lo <= x <= hi
+
+        def integer(x: object, lo: int, hi: int) -> bool:
+            return isinstance(x, int) and lo <= x <= hi
+
+        return [
             (
-                math.isfinite(self.temperature) and self.temperature >= 0,
-                f"temperature must be >= 0, got {self.temperature}",
+                real(self.temperature, 0.0, FLOAT32_MAX),
+                "temperature",
+                f"must be >= 0, got {self.temperature}",
             ),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (real(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p", f"must be in (0, 1], got {self.top_p}"),
             (
-                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                integer(self.top_k, -1, INT32_MAX),
+                "top_k",
+                f"must be -1 or 0 (disabled) or >= 1, got {self.top_k}",
             ),
+            (real(self.min_p, 0.0, 1.0), "min_p", f"must be in [0, 1], got {self.min_p}"),
             (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (
-                -2.0 <= self.presence_penalty <= 2.0,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (
-                0 <= self.min_new_tokens <= self.max_new_tokens,
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                f"got {self.min_new_tokens}",
-            ),
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (
-                0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS,
-                f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
-            ),
-            (
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}",
-            ),
-            (
-                all(isinstance(s, str) and s for s in self.stop),
-                f"stop must be non-empty strings, got {self.stop}",
+                real(self.repetition_penalty, 0.0, FLOAT32_MAX) and self.repetition_penalty > 0,
+                "repetition_penalty",
+                f"must be > 0, got {self.repetition_penalty}",
             ),
             (
-                self.seed is None or isinstance(self.seed, int),
-                f"seed must be an int or None, got {self.seed!r}",
+                real(self.frequency_penalty, -2.0, 2.0),
+                "frequency_penalty",
+                f"must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
-                all(
-                    isinstance(t, int) and t >= 0 and (vocab_size is None or t < vocab_size)
-                    for t in self.logit_bias
-                ),
-                f"logit_bias keys must be token ids in [0, {vocab_size or 'vocab size'}), "
-                f"got {sorted(self.logit_bias)}",
+                real(self.presence_penalty, -2.0, 2.0),
+                "presence_penalty",
+                f"must be in [-2, 2], got {self.presence_penalty}",
             ),
             (
-                all(math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values()),
-                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                integer(self.max_new_tokens, 1, INT32_MAX),
+                "max_new_tokens",
+                f"must be in [1, {INT32_MAX}], got {self.max_new_tokens}",
+            ),
+            (
+                integer(self.min_new_tokens, 0, self.max_new_tokens),
+                "min_new_tokens",
+                f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
+            ),
+            (integer(self.n, 1, MAX_N), "n", f"must be in [1, {MAX_N}], got {self.n}"),
+            (
+                integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
+                "top_logprobs_num",
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
+            ),
+            (
+                self.seed is None or integer(self.seed, INT64_MIN, INT64_MAX),
+                "seed",
+                f"must be an int64 or None, got {self.seed!r}",
+            ),
+            (
+                all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),
+                "logit_bias",
+                f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)

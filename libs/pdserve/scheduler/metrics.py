@@ -43,6 +43,12 @@ class SchedulerMetrics:
             "Steps after which every TP rank's scheduler state digest was compared and found equal",
             registry=r,
         )
+        self.rejected = Counter(
+            "pdserve:requests_rejected",
+            "Requests refused for overload: queue_full (at arrival) or queue_time (waited too long)",
+            ["reason"],
+            registry=r,
+        )
         self.retracted = Counter(
             "pdserve:num_retracted_reqs", "Requests retracted for lack of KV", registry=r
         )

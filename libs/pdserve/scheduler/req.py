@@ -72,6 +72,7 @@ class Req:
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     error: str = ""
+    retryable: bool = False  # an ERROR caused by the server's state (overload, a hung worker): retry
     # transport facts the servicer needs, carried opaquely
     meta: dict[str, Any] = field(default_factory=dict)
     deadline: float = 0.0

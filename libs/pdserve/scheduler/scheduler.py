@@ -25,6 +25,14 @@ from dataclasses import dataclass, field
 
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.overload import (
+    DEFAULT_MAX_QUEUE_TIME_S,
+    QueueFull,
+    check_queue_room,
+    overdue,
+    queue_bound,
+    request_capacity,
+)
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.req import FinishReason, Req, ReqState
 from pdserve.scheduler.schedule_batch import ScheduleBatch
@@ -48,6 +56,8 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     new_token_reserve: int = 32  # tokens reserved per request at admission, beyond its prompt
+    max_queued_requests: int | None = None  # waiting-queue bound; None = auto, 0 = none (see overload.py)
+    max_queue_time: float = DEFAULT_MAX_QUEUE_TIME_S  # seconds a request may wait unadmitted; 0 = no limit
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -56,6 +66,10 @@ class SchedulerConfig:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size < 16:
             raise ValueError("chunked_prefill_size must be >= 16 tokens")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0 (0 = no bound)")
+        if self.max_queue_time < 0:
+            raise ValueError("max_queue_time must be >= 0 (0 = no limit)")
 
 
 @dataclass
@@ -111,18 +125,35 @@ class Scheduler:
         self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
         self.in_flight: set[str] = set()
         self.aborted_outputs: list[StepOutput] = []
+        min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
+        self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
+        self.max_queued_requests = queue_bound(config.max_queued_requests, self.request_capacity)
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request. Raises ValueError as ``check_request``."""
+        """Queue a new request, checked as the gateway checks it (internal ports are reachable too).
+
+        Raises:
+            ValueError, QueueFull: as ``check_request``.
+        """
         self.check_request(req)
         self.reqs[req.rid] = req
         self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
 
-    def check_request(self, req: Req) -> None:
-        """Raise ValueError if ``req`` repeats a queued rid, names a token outside the vocabulary (in
-        its prompt or ``logit_bias``) or cannot fit the context or the pool; changes nothing."""
+    def check_request(self, req: Req, pending: int = 0) -> None:
+        """Check ``req`` as ``add_request`` would queue it; changes nothing but the rejection metric.
+        ``pending``: requests accepted but not yet queued (a TP group's inputs of the next step),
+        counted against the queue bound.
+
+        Raises:
+            ValueError: a duplicate rid, an empty prompt or one with an id outside the vocabulary, a
+                prompt that cannot fit the context or the pool; or (``BoundError``, naming the
+                field) a sampling parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the
+                vocabulary and stop or bias token ids outside it included.
+            QueueFull: the waiting queue is at its bound.
+        """
+        self._check_queue_room(pending)
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
@@ -179,11 +210,13 @@ class Scheduler:
             self.running.append(req)
         return StepOutput(req, [first_token_id], finished=req.state.done)
 
-    def kv_failed(self, rid: str, error: str) -> StepOutput | None:
-        """The prefill for ``rid`` failed for good: free its pages and fail it."""
+    def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
+        """The prefill for ``rid`` failed for good: free its pages and fail it (``retryable``: for a
+        reason of the servers' state, such as every prefill worker down or hung)."""
         req = self.waiting_for_kv.pop(rid, None)
         if req is None:
             return None
+        req.retryable = retryable
         self._end(req, FinishReason.ERROR, error)
         return StepOutput(req, finished=True)
 
@@ -207,6 +240,7 @@ class Scheduler:
     def schedule(self) -> ScheduleBatch | None:
         """Pick this step's requests: chunks of extends within the token budget, then decodes."""
         self._expire_deadlines()
+        self._expire_queue_time()
         if self.role == "decode":
             self._admit_for_kv()
         decodes = self._prepare_decodes() if self.role != "prefill" else []
@@ -278,7 +312,7 @@ class Scheduler:
         return outputs
 
     def pop_aborted(self) -> list[StepOutput]:
-        """Requests aborted outside a step (explicit abort, deadline) since the last call."""
+        """Requests ended outside a step (explicit abort, deadline, queue time) since the last call."""
         outputs, self.aborted_outputs = self.aborted_outputs, []
         return outputs
 
@@ -416,6 +450,27 @@ class Scheduler:
         for req in list(self.reqs.values()):
             if req.deadline and now > req.deadline and req.rid not in self.in_flight:
                 self.abort_request(req.rid, "deadline exceeded")
+
+    def _check_queue_room(self, pending: int = 0) -> None:
+        try:
+            check_queue_room(len(self.waiting) + pending, self.max_queued_requests)
+        except QueueFull:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise
+
+    def _expire_queue_time(self) -> None:
+        """Fail (retryable) every request that waited past ``max_queue_time`` without being admitted.
+
+        Not in the prefill role: there the decode worker owns the request and its deadline.
+        """
+        if self.role == "prefill":
+            return
+        for req, error in overdue(self.waiting, self.clock(), self.config.max_queue_time):
+            logger.warning("%s: %s", req.rid, error)
+            req.retryable = True
+            self._end(req, FinishReason.ERROR, error)
+            self.aborted_outputs.append(StepOutput(req, finished=True))
+            self.metrics.rejected.labels(reason="queue_time").inc()
 
     def _end(self, req: Req, reason: FinishReason, error: str = "") -> None:
         """Leave every queue and release the KV ledger entry, exactly once."""

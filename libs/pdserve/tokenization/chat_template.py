@@ -54,13 +54,16 @@ def render_chat(
     ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``).
 
     Raises:
-        ChatTemplateError: no messages, both prompt flags set, a kwarg that would override one of
+        ChatTemplateError: no messages, both prompt flags set, ``continue_final_message`` without an
+            assistant message last, a kwarg that would override one of
             ``apply_chat_template``'s own parameters, or the template itself failing.
     """
     if not messages:
         raise ChatTemplateError("chat input needs at least one message")
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("add_generation_prompt and continue_final_message exclude each other")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise ChatTemplateError("continue_final_message needs an assistant message last")
     kwargs = dict(template_kwargs or {})
     reserved = sorted(kwargs.keys() & _reserved_parameters(hf))
     if reserved:

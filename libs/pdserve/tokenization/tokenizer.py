@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pdserve.model_source import resolve_model, served_model_name
 from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, render_chat
 from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
+from pdserve.tokenization.token_pieces import TokenPiece, TokenPieces
 
 
 class PromptTooLongError(ValueError):
@@ -35,6 +36,7 @@ class Tokenizer:
         # A fast tokenizer whose decode adds no Python post-processing can decode a whole batch in
         # one Rust call; otherwise go through transformers (same text, slower).
         self._rust = hf.backend_tokenizer if hf.is_fast and not hf.clean_up_tokenization_spaces else None
+        self._pieces = TokenPieces(hf)
         # A token stands for at most as many characters of text as its own string has (byte-level
         # BPE: one character per byte; SentencePiece: one per character), so a text longer than
         # this needs more tokens than the context holds; twice the bound leaves room for normalizers.
@@ -144,6 +146,15 @@ class Tokenizer:
             )
             for s in sequences
         ]
+
+    def token_pieces(self, ids: Sequence[int]) -> list[TokenPiece]:
+        """The bytes and text of each token of ``ids`` alone (see ``token_pieces.TokenPieces``).
+
+        Raises:
+            ValueError: an id outside ``[0, vocab_size)``.
+        """
+        self.check_ids(ids)
+        return [self._pieces.get(i) for i in ids]
 
     def check_ids(self, ids: Sequence[int]) -> None:
         """Raise ``ValueError`` unless every id is in ``[0, vocab_size)``."""

@@ -25,6 +25,10 @@
 {{- end }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
+{{- if not (kindIs "invalid" .Values.gateway.maxPendingRequests) }}
+- name: PDSERVE_MAX_PENDING_REQUESTS
+  value: {{ .Values.gateway.maxPendingRequests | int64 | toString | quote }}
+{{- end }}
 {{- with .Values.model.servedModelName }}
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ . | quote }}

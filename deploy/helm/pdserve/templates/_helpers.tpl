@@ -117,8 +117,8 @@ Service's name, which resolves to the IP of every ready pod.
 {{- if and $gpuRoles (ne .Values.image.variant "cuda") }}
 {{- fail (printf "%s request GPUs: set image.variant=cuda" (join ", " $gpuRoles)) }}
 {{- end }}
-{{- if and (eq .Values.engine.quantization "w8a8_int8") (or (gt (int .Values.decode.gpus) 0) (gt (int .Values.prefill.gpus) 0)) }}
-{{- fail "engine.quantization=w8a8_int8 runs on CPU only: set decode.gpus and prefill.gpus to 0" }}
+{{- if and (not (has .Values.engine.quantization (list "none" "auto"))) (or (gt (int .Values.decode.gpus) 0) (gt (int .Values.prefill.gpus) 0)) }}
+{{- fail (printf "engine.quantization=%s runs on CPU only: set decode.gpus and prefill.gpus to 0" .Values.engine.quantization) }}
 {{- end }}
 {{- if and (eq .Values.engine.attentionBackend "flashinfer") (eq (int .Values.decode.gpus) 0) }}
 {{- fail "engine.attentionBackend=flashinfer runs on CUDA only: set decode.gpus (and prefill.gpus)" }}

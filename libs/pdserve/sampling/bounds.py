@@ -1,0 +1,97 @@
+"""The bounds of every request field, in one table for every place a request enters.
+
+The gateway's HTTP models (pydantic ``Field`` bounds built from these numbers), its public gRPC API
+(validated by the same models) and ``Scheduler.add_request`` (internal ports are reachable too) all
+read them, so what one entry refuses, every entry refuses, and nothing out of range reaches a
+forward step, where one bad value would fail every request of the batch.
+
+- Integers stay within their wire types: token ids, ``top_k`` and token counts are int32, seeds
+  int64; float fields are finite and within float32 (what protobuf carries).
+- ``top_k`` is -1 or 0 (disabled) or in [1, vocab]; token ids (prompt, ``stop_token_ids``,
+  ``logit_bias`` keys, /detokenize) are in [0, vocab).
+- ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits; ``logit_bias`` values are in
+  [-100, 100] (OpenAI's range).
+- Counts no real client reaches, which bound one request's work per step: at most 64 stop strings
+  of at most 256 characters each and 1,024 in all (the detokenizer searches every stop string in
+  each step's new text and checks which tail of the text may start one: the bound keeps that to
+  well under a millisecond per request and step, see ``benchmarks/detokenizer.py``); at most 1,024
+  ``stop_token_ids`` (checked per generated token); at most 1,024 ``logit_bias`` entries (written
+  into the batch's bias row each step).
+- A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) is greedy: dividing
+  the logits by a near-zero temperature overflows them to inf, and softmax of that is NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The largest float32 as its shortest decimal (what protobuf's JSON form writes): every double up to
+# it rounds to a finite float32.
+FLOAT32_MAX = 3.4028235e38
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+GREEDY_TEMPERATURE = 1e-5
+
+
+class BoundError(ValueError):
+    """A request field out of its bounds.
+
+    Attributes:
+        field: the field's name as ``SamplingParams`` names it (``top_k``, ``stop``, ...); the message
+            starts with it.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+def check_stop_strings(stop: Sequence[str]) -> None:
+    """Raise ``BoundError`` (field ``stop``) unless ``stop`` holds at most ``MAX_STOP_STRINGS``
+    non-empty strings of at most ``MAX_STOP_STRING_CHARS`` characters, ``MAX_STOP_TOTAL_CHARS`` in all."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BoundError("stop", f"has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise BoundError("stop", f"strings must be non-empty text, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise BoundError("stop", f"string of {len(s)} characters is longer than {MAX_STOP_STRING_CHARS}")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise BoundError("stop", f"strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS}")
+
+
+def check_vocab_fields(
+    top_k: int | None, stop_token_ids: Sequence[int], logit_bias_ids: Iterable[int], vocab_size: int
+) -> None:
+    """Raise ``BoundError`` naming the field unless ``top_k`` is None, -1, 0 or in [1, vocab_size]
+    and every id of ``stop_token_ids`` and ``logit_bias_ids`` is in [0, vocab_size)."""
+    if top_k is not None and not (-1 <= top_k <= vocab_size):
+        raise BoundError(
+            "top_k", f"must be -1 or 0 (disabled) or in [1, {vocab_size}] (the vocabulary), got {top_k}"
+        )
+    bias_ids = list(logit_bias_ids)
+    for name, ids, most in (
+        ("stop_token_ids", stop_token_ids, MAX_STOP_TOKEN_IDS),
+        ("logit_bias", bias_ids, MAX_LOGIT_BIAS_ENTRIES),
+    ):
+        if len(ids) > most:
+            raise BoundError(name, f"has {len(ids)} entries; at most {most} are allowed")
+        bad = next((i for i in ids if not (isinstance(i, int) and 0 <= i < vocab_size)), None)
+        if bad is not None:
+            raise BoundError(name, f"names token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` wrapped into int64 (two's complement): the seed of sample i is ``seed + i``, which
+    must stay a valid int64 even for a seed next to the limit."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN

@@ -1,0 +1,47 @@
+"""A restarted scheduler gets the KV pool of its first start.
+
+Without ``--max-total-tokens`` or ``--kv-cache-memory`` a scheduler sizes its KV pool from the memory
+free when it starts, so one restarted on a busy host came back smaller (1,972 -> 782 pages). Once a
+scheduler is first ready the launcher reads its pool (``GetLoad``: ``kv_pages_total * page_size``
+tokens) and restarts it with ``--max-total-tokens`` of that size from then on. Where that memory is
+not there any more the restart fails with a clear message (``ModelRunner``) and is retried with
+backoff, rather than serving with a smaller pool.
+"""
+
+from __future__ import annotations
+
+from pdserve.rpc import tls
+from pdserve.rpc.server import GRPC_OPTIONS
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+_STUBS = {
+    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
+    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
+}
+_SIZING_FLAGS = ("--kv-memory-fraction", "--max-total-tokens", "--kv-cache-memory")
+
+
+async def read_kv_pool_tokens(role: str, address: str, timeout: float = 10.0) -> int:
+    """Tokens of the KV pool of the ``role`` ("prefill" or "decode") scheduler at ``address``.
+
+    Raises:
+        grpc.aio.AioRpcError: ``GetLoad`` failed.
+    """
+    async with tls.internal_channel(address, GRPC_OPTIONS) as channel:
+        info = await _STUBS[role](channel).GetLoad(scheduler_pb2.LoadRequest(), timeout=timeout)
+    return info.kv_pages_total * info.page_size
+
+
+def pin_kv_pool(argv: list[str], tokens: int) -> list[str]:
+    """``argv`` with its pool-sizing flags (each followed by its value) replaced by
+    ``--max-total-tokens tokens``."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _SIZING_FLAGS:
+            skip = True
+        else:
+            out.append(arg)
+    return [*out, "--max-total-tokens", str(tokens)]

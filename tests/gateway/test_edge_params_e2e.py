@@ -1,0 +1,111 @@
+"""Issue 19's edge parameters end to end (``stack``, real model): logprobs carry each token's real
+bytes with distinct alternatives, ``continue_final_message`` needs an assistant message last, and a
+near-zero temperature is greedy.
+
+Expected tokens, logprobs and pieces come from HF transformers and the HF tokenizer in the test.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from tests.reference import chat_ids, hf_greedy, hf_model, hf_tokenizer
+from tests.stack import SERVED_MODEL, Stack
+
+QUESTION = [{"role": "user", "content": "Reply with one emoji."}]
+TOP = 5
+
+
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+
+
+def piece_bytes(token_id: int) -> bytes:
+    """The byte-level BPE piece of ``token_id`` as bytes (GPT-2's byte-to-character table inverted)."""
+    decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(decoder[c] for c in hf_tokenizer().convert_ids_to_tokens(token_id))
+
+
+def hf_top(ids: list[int], k: int) -> list[tuple[int, float]]:
+    """HF's ``k`` most likely next tokens after ``ids`` with their logprobs (fp32)."""
+    with torch.no_grad():
+        logits = hf_model()(torch.tensor([ids])).logits[0, -1].float()
+    values, indices = torch.log_softmax(logits, -1).topk(k)
+    return list(zip(indices.tolist(), values.tolist(), strict=True))
+
+
+def emoji_start() -> int:
+    """A token that holds the first bytes of an emoji, and no whole character after its space."""
+    (token,) = [t for t in hf_tokenizer().encode(" 😀") if piece_bytes(t).startswith(b" \xf0")]
+    return token
+
+
+def test_top_logprobs_of_partial_characters_are_distinct_with_their_bytes(stack) -> None:
+    """The first token is forced (logit_bias) to an emoji's first bytes; the alternatives for the
+    next one are single continuation bytes, which all decoded to U+FFFD before."""
+    first = emoji_start()
+    resp = client(stack).chat.completions.create(
+        model=SERVED_MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=TOP,
+        logit_bias={str(first): 100},
+    )
+    entries = resp.choices[0].logprobs.content
+    assert bytes(entries[0].bytes) == piece_bytes(first)
+    assert entries[0].token == piece_bytes(first).decode(errors="backslashreplace")
+    expected = hf_top([*chat_ids(QUESTION), first], TOP)
+    tops = entries[1].top_logprobs
+    assert len(tops) == TOP and len({t.token for t in tops}) == TOP
+    assert [bytes(t.bytes) for t in tops] == [piece_bytes(i) for i, _ in expected]
+    assert [t.token for t in tops] == [piece_bytes(i).decode(errors="backslashreplace") for i, _ in expected]
+    assert [t.logprob for t in tops] == pytest.approx([lp for _, lp in expected], abs=1e-3)
+    assert any(b"\\x" in t.token.encode() for t in tops)
+
+    # legacy completions: top_logprobs is a dict keyed by token text, so duplicates used to collapse
+    prompt = [*chat_ids(QUESTION), first]
+    comp = client(stack).completions.create(
+        model=SERVED_MODEL, prompt=prompt, temperature=0, max_tokens=1, logprobs=TOP
+    )
+    top = comp.choices[0].logprobs.top_logprobs[0]
+    assert list(top) == [piece_bytes(i).decode(errors="backslashreplace") for i, _ in expected]
+    assert comp.choices[0].logprobs.tokens[0] == list(top)[0]
+
+
+def test_continue_final_message_needs_an_assistant_message_last(stack) -> None:
+    c = client(stack)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=SERVED_MODEL,
+            messages=QUESTION,
+            max_tokens=4,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True},
+        )
+    assert e.value.body["param"] == "continue_final_message"
+    messages = [*QUESTION, {"role": "assistant", "content": "Sure, here it is:"}]
+    resp = c.chat.completions.create(
+        model=SERVED_MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    tok = hf_tokenizer()
+    ids = tok.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert resp.choices[0].message.content == tok.decode(hf_greedy(ids, 8), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7])
+def test_a_near_zero_temperature_is_greedy(stack, temperature) -> None:
+    ids = chat_ids([{"role": "user", "content": "Write a haiku about autumn leaves."}])
+    body = {"input_ids": ids, "sampling_params": {"temperature": temperature, "max_new_tokens": 16}}
+    resp = httpx.post(f"{stack.base_url}/generate", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output_ids"] == hf_greedy(ids, 16)
