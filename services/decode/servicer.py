@@ -237,6 +237,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         outputs = self.scheduler.fail_all(error)
         for event in self.loop.inputs.pending():
             if isinstance(event, NewRequest):
+                event.req.retryable = True
                 event.req.finish(FinishReason.ERROR, error)
                 outputs.append(StepOutput(event.req, finished=True))
         self._emit(outputs)

@@ -303,10 +303,11 @@ class Scheduler:
         return outputs
 
     def fail_all(self, error: str) -> list[StepOutput]:
-        """End every request with ERROR ``error`` (the scheduler is going down)."""
+        """End every request with ERROR ``error``, retryable (the scheduler is going down, to restart)."""
         self.in_flight = set()
         outputs = []
         for req in list(self.reqs.values()):
+            req.retryable = True
             self._end(req, FinishReason.ERROR, error)
             outputs.append(StepOutput(req, finished=True))
         return outputs
