@@ -135,10 +135,12 @@ class SchedulerLoop:
                 inputs = await self.collect_inputs(stop)
                 if inputs.stop:
                     break
-                outputs = await self.apply_inputs(inputs)
+                applied = await self.apply_inputs(inputs)
+                if applied:  # sent before the step's: one output batch holds a rid once
+                    self.on_outputs(applied)
                 batch = sched.schedule()
                 self.after_schedule()
-                outputs += sched.pop_aborted()
+                outputs = sched.pop_aborted()
                 if batch is not None:
                     try:
                         result = await loop.run_in_executor(self.executor, sched.run_batch, batch)
