@@ -10,7 +10,7 @@ GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -76,6 +76,9 @@ bench-llama: install
 
 bench-kv: install
 	$(PYTHON) -m benchmarks.kv_transfer $(ARGS)
+
+bench-kv-e2e: install
+	$(PYTHON) -m benchmarks.kv_transfer_e2e $(ARGS)
 
 bench-gateway: install
 	$(PYTHON) -m benchmarks.gateway_overhead $(ARGS)

@@ -1,13 +1,20 @@
-"""KV transfer benchmark (``make bench-kv``): the PD ``write_pages`` path beside raw NIXL and memcpy.
+"""KV transfer benchmark (``make bench-kv``): staged and direct page transfers beside raw NIXL and memcpy.
 
-A prefill-role process (this one) WRITEs the KV pages of one prompt into a decode-role child process
-(multiprocessing spawn, UCX over loopback) with ``KVTransferAgent.write_pages``. Pools are sized like
-SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page 16 tokens). In the same run, for the same bytes:
-a raw NIXL WRITE of one contiguous buffer (busy-polled), and a local ``torch`` copy (memcpy).
-Page placement is ``contiguous`` (pages 0..n-1 on both sides: 60 descriptors) or ``scattered``
-(random distinct pages on both sides: one descriptor per page, layer and k/v).
+A prefill-role process (this one) transfers the KV pages of one prompt into a decode-role child process
+(multiprocessing spawn, UCX over loopback on CPU) with ``KVTransferAgent``, two ways, over the same
+pools: ``direct`` (the previous design, kept for page runs: one NIXL descriptor per layer, k/v and run
+of pages consecutive on both sides) and ``staged`` (pages gathered into send slots, one descriptor per
+slot into the decode side's receive lane, scattered there). Each is timed until the decode side has
+every page. In the same run, for the same bytes: a raw NIXL WRITE of one contiguous buffer (the wire's
+speed; the decode side busy-polls for its notification) and a local copy (memcpy).
+
+Pools are sized like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page 16 tokens). Placements:
+``contiguous`` (pages 0..n-1 on both sides), ``scattered`` (random distinct pages on both sides),
+``after-churn`` (each side's pages from the real ``PagedTokenToKVPoolAllocator`` after a random history
+of allocations and frees, as a long-running server's allocator hands them out).
 
 Prints a table of GB/s (1e9 bytes/s, median of ``--reps``) and, as the last line, one JSON object.
+``--device cuda`` runs the same VRAM to VRAM on one GPU (both processes on it).
 """
 
 from __future__ import annotations
@@ -26,21 +33,24 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from pdserve.kv_transfer import KVLayout, KVTransferAgent, coalesce
+from pdserve.kv_transfer import KVLayout, KVTransferAgent, StagingConfig
+from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 
 logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, among the table
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 NUM_PAGES = 512  # pool pages per (layer, k/v) plane: room for a 4,000-token prompt, scattered
+METHODS = ("direct", "staged")
+DIRECT_ONLY = StagingConfig(lanes=0, direct_min_bytes=0)
 
 
 def _layout(dtype: str) -> KVLayout:
     return KVLayout("SmolLM2-135M-Instruct", dtype, PAGE_SIZE, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM)
 
 
-def _pool(dtype: str) -> torch.Tensor:
+def _pool(dtype: str, device: str) -> torch.Tensor:
     shape = (NUM_LAYERS, 2, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    return torch.randn(shape).to(getattr(torch, dtype))
+    return torch.randn(shape, device=device).to(getattr(torch, dtype))
 
 
 def _raw_agent(name: str, pool: torch.Tensor) -> nixl_agent:
@@ -53,24 +63,46 @@ def _raw_agent(name: str, pool: torch.Tensor) -> nixl_agent:
     return agent
 
 
-def _decode_main(conn: Connection) -> None:
-    """Decode role: expose a pool per dtype; await PD notifications or progress raw ones on command."""
+def after_churn(rng: np.random.Generator, n: int, steps: int = 4000, occupancy: float = 0.85) -> list[int]:
+    """``n`` pages from a real allocator of ``NUM_PAGES`` pages after ``steps`` random allocations
+    (1-63 pages, as requests of 16-1,000 tokens) and frees (of a random live request, always once
+    ``occupancy`` of the pool is taken, else with probability 0.3), the live ones then freed at
+    random until ``n`` pages are free: a busy server's pool."""
+    allocator = PagedTokenToKVPoolAllocator(NUM_PAGES, PAGE_SIZE)
+    live: list[list[int]] = []
+    for _ in range(steps):
+        full = allocator.available_size() < NUM_PAGES * (1 - occupancy)
+        if live and (full or rng.random() < 0.3):
+            allocator.free(live.pop(int(rng.integers(len(live)))))
+        elif pages := allocator.alloc(int(rng.integers(1, 64))):
+            live.append(pages)
+    while allocator.available_size() < n:
+        allocator.free(live.pop(int(rng.integers(len(live)))))
+    return allocator.alloc(n)
+
+
+def _decode_main(conn: Connection, device: str) -> None:
+    """Decode role: one pool per dtype; expect transfers on command, or progress raw ones."""
     torch.set_num_threads(1)
     while (cmd := conn.recv())[0] == "setup":
         dtype = cmd[1]
-        pool = _pool(dtype)
+        pool = _pool(dtype, device)
         agent = KVTransferAgent(f"bench-decode-{dtype}", pool, _layout(dtype))
         raw = _raw_agent(f"bench-decode-raw-{dtype}", pool)
-        conn.send((agent.local_info(), raw.get_agent_metadata()))
+        lane = agent.lane_for("bench-prefill")
+        conn.send((agent.local_info(lane), agent.local_info(), raw.get_agent_metadata()))
+        staged_info, direct_info = conn.recv()
+        agent.add_peer(staged_info, lane=lane)
+        agent.add_peer(direct_info)
         while (cmd := conn.recv())[0] != "done":
-            if cmd[0] == "wait":
-                for msg in cmd[1]:
-                    asyncio.run(agent.wait_for_notification(msg, timeout_s=60))
-            else:  # ("raw", n): make progress until n notifications arrived
-                got = 0
-                while got < cmd[1]:
-                    got += sum(len(msgs) for msgs in raw.get_new_notifs().values())
-                    time.sleep(0.001)
+            if cmd[0] == "expect":  # (peer, tid, dst pages): register, say so, then await every page
+                receive = agent.expect(*cmd[1:])
+                conn.send("ready")
+                asyncio.run(receive.wait(60))
+            else:  # ("raw",): progress until the raw WRITE's notification arrived
+                conn.send("ready")
+                while not any(raw.get_new_notifs().values()):
+                    time.sleep(0.0002)
             conn.send("ok")
         agent.close()
 
@@ -79,33 +111,42 @@ def _gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-async def _pd_once(agent: KVTransferAgent, peer: str, conn: Connection, src, dst, msg: bytes) -> float:
-    conn.send(("wait", [msg]))
-    start = time.perf_counter()
-    await agent.write_pages(peer, src, dst, msg, timeout_s=60)
-    seconds = time.perf_counter() - start
+async def _pd_once(
+    agent: KVTransferAgent, peer: str, conn: Connection, src, dst, tid: bytes
+) -> tuple[float, int]:
+    """Seconds until the decode side has every page, and the NIXL descriptors the transfer posted."""
+    conn.send(("expect", agent.name, tid, dst))
     conn.recv()
-    return seconds
+    start = time.perf_counter()
+    transfer = agent.start_transfer(peer, tid, dst, stall_s=60)
+    transfer.send(src, 0)
+    transfer.finish()
+    await transfer.wait(60)
+    conn.recv()
+    return time.perf_counter() - start, transfer.descriptors
 
 
-def _raw_once(raw: nixl_agent, peer: str, local: int, remote: int, nbytes: int, conn: Connection) -> float:
-    conn.send(("raw", 1))
+def _raw_once(
+    raw: nixl_agent, peer: str, local: int, remote: int, nbytes: int, conn: Connection, mem: str
+) -> float:
+    conn.send(("raw",))
+    conn.recv()
     start = time.perf_counter()
     handle = raw.initialize_xfer(
         "WRITE",
-        raw.get_xfer_descs([(local, nbytes, 0)], "DRAM"),
-        raw.get_xfer_descs([(remote, nbytes, 0)], "DRAM"),
+        raw.get_xfer_descs([(local, nbytes, 0)], mem),
+        raw.get_xfer_descs([(remote, nbytes, 0)], mem),
         peer,
         b"raw",
     )
     state = raw.transfer(handle)
     while state == "PROC":
         state = raw.check_xfer_state(handle)
+    conn.recv()
     seconds = time.perf_counter() - start
     handle.release()
     if state != "DONE":
         raise RuntimeError(f"raw NIXL transfer ended in state {state}")
-    conn.recv()
     return seconds
 
 
@@ -113,21 +154,29 @@ def _memcpy_once(pool: torch.Tensor, scratch: torch.Tensor, nbytes: int) -> floa
     src = pool.view(-1).view(torch.uint8)[:nbytes]
     start = time.perf_counter()
     scratch[:nbytes].copy_(src)
+    if pool.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-async def _bench_dtype(dtype: str, tokens_list: list[int], reps: int, conn: Connection, rng) -> list[dict]:
+async def _bench_dtype(args, dtype: str, conn: Connection, rng: np.random.Generator) -> list[dict]:
     """Every repetition runs each method once, interleaved, so all see the same machine load."""
-    pool = _pool(dtype)
-    agent = KVTransferAgent(f"bench-prefill-{dtype}", pool, _layout(dtype))
+    pool = _pool(dtype, args.device)
+    agents = {
+        "staged": KVTransferAgent(f"bench-prefill-staged-{dtype}", pool, _layout(dtype)),
+        "direct": KVTransferAgent(f"bench-prefill-direct-{dtype}", pool, _layout(dtype), DIRECT_ONLY),
+    }
     raw = _raw_agent(f"bench-prefill-raw-{dtype}", pool)
     conn.send(("setup", dtype))
-    info, raw_metadata = conn.recv()
-    agent.add_peer(info)
+    staged_peer, direct_peer, raw_metadata = conn.recv()
+    agents["staged"].add_peer(staged_peer)
+    agents["direct"].add_peer(direct_peer)
+    conn.send((agents["staged"].local_info(), agents["direct"].local_info()))
     raw_peer = raw.add_remote_agent(raw_metadata).decode()
-    scratch = torch.zeros(pool.numel() * pool.element_size(), dtype=torch.uint8)
+    mem = "VRAM" if pool.is_cuda else "DRAM"
+    scratch = torch.empty(pool.numel() * pool.element_size(), dtype=torch.uint8, device=pool.device)
     results = []
-    for tokens in tokens_list:
+    for tokens in args.tokens:
         n = math.ceil(tokens / PAGE_SIZE)
         nbytes = n * _layout(dtype).page_bytes * NUM_LAYERS * 2
         placements = {
@@ -136,85 +185,98 @@ async def _bench_dtype(dtype: str, tokens_list: list[int], reps: int, conn: Conn
                 rng.choice(NUM_PAGES, n, replace=False).tolist(),
                 rng.choice(NUM_PAGES, n, replace=False).tolist(),
             ),
+            "after-churn": (after_churn(rng, n), after_churn(rng, n)),
         }
-        raw_s, memcpy_s, pd_s = [], [], {placement: [] for placement in placements}
-        for rep in range(reps + 1):  # repetition 0 warms up (connection, page faults) and is dropped
-            raw_s.append(_raw_once(raw, raw_peer, pool.data_ptr(), info.base_addr, nbytes, conn))
+        raw_s, memcpy_s = [], []
+        pd_s = {(p, m): [] for p in placements for m in METHODS}
+        descriptors = {}
+        for rep in range(args.reps + 1):  # repetition 0 warms up (connection, page faults) and is dropped
+            raw_s.append(_raw_once(raw, raw_peer, pool.data_ptr(), direct_peer.base_addr, nbytes, conn, mem))
             memcpy_s.append(_memcpy_once(pool, scratch, nbytes))
             for placement, (src, dst) in placements.items():
-                msg = f"{dtype}-{tokens}-{placement}-{rep}".encode()
-                pd_s[placement].append(await _pd_once(agent, info.agent_name, conn, src, dst, msg))
+                for method, agent in agents.items():
+                    tid = f"{tokens}-{placement}-{method}-{rep}".encode()
+                    peer = staged_peer.agent_name
+                    seconds, descriptors[placement, method] = await _pd_once(agent, peer, conn, src, dst, tid)
+                    pd_s[placement, method].append(seconds)
         raw_gbps = _gbps(nbytes, raw_s[1:])
-        for placement, (src, dst) in placements.items():
-            pd = _gbps(nbytes, pd_s[placement][1:])
-            results.append(
-                {
-                    "dtype": dtype,
-                    "tokens": tokens,
-                    "pages": n,
-                    "bytes": nbytes,
-                    "placement": placement,
-                    "descriptors": len(coalesce(src, dst)) * NUM_LAYERS * 2,
-                    "write_pages_gbps": round(pd, 3),
-                    "write_pages_ms": round(statistics.median(pd_s[placement][1:]) * 1e3, 3),
-                    "raw_nixl_gbps": round(raw_gbps, 3),
-                    "memcpy_gbps": round(_gbps(nbytes, memcpy_s[1:]), 3),
-                    "write_pages_vs_raw": round(pd / raw_gbps, 3),
-                }
-            )
+        for placement in placements:
+            row = {"dtype": dtype, "tokens": tokens, "pages": n, "bytes": nbytes, "placement": placement}
+            for method in METHODS:
+                gbps = _gbps(nbytes, pd_s[placement, method][1:])
+                row[f"{method}_descriptors"] = descriptors[placement, method]
+                row[f"{method}_gbps"] = round(gbps, 3)
+                row[f"{method}_ms"] = round(statistics.median(pd_s[placement, method][1:]) * 1e3, 3)
+                row[f"{method}_vs_raw"] = round(gbps / raw_gbps, 3)
+            row["raw_nixl_gbps"] = round(raw_gbps, 3)
+            row["memcpy_gbps"] = round(_gbps(nbytes, memcpy_s[1:]), 3)
+            results.append(row)
     conn.send(("done",))
-    agent.close()
+    for agent in agents.values():
+        agent.close()
     return results
 
 
 def _print_table(results: list[dict]) -> None:
     header = (
-        f"{'dtype':<9}{'tokens':>7}{'MB':>8} {'placement':<11}{'descs':>7}"
-        f"{'write_pages':>13}{'ms':>8}{'raw NIXL':>10}{'memcpy':>9}{'pd/raw':>8}"
+        f"{'dtype':<9}{'tokens':>7}{'MB':>7} {'placement':<12}"
+        f"{'direct descs':>13}{'GB/s':>6}{'/raw':>6}{'staged descs':>13}{'GB/s':>6}{'/raw':>6}"
+        f"{'raw':>6}{'memcpy':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>8.1f} "
-            f"{r['placement']:<11}{r['descriptors']:>7}"
-            f"{r['write_pages_gbps']:>13.2f}{r['write_pages_ms']:>8.2f}{r['raw_nixl_gbps']:>10.2f}"
-            f"{r['memcpy_gbps']:>9.2f}{r['write_pages_vs_raw']:>8.2f}"
+            f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>7.1f} {r['placement']:<12}"
+            + "".join(
+                f"{r[f'{m}_descriptors']:>13}{r[f'{m}_gbps']:>6.2f}{r[f'{m}_vs_raw']:>6.2f}" for m in METHODS
+            )
+            + f"{r['raw_nixl_gbps']:>6.2f}{r['memcpy_gbps']:>7.2f}"
         )
-    print("(GB/s = 1e9 bytes/s, median of the repetitions; descs = NIXL descriptors per write)")
+    print(
+        "(GB/s = 1e9 bytes/s until the decode side has every page, median of the repetitions;"
+        " descs = NIXL descriptors per transfer; raw = one-buffer NIXL WRITE)"
+    )
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return f"{names[0] if names else 'unknown CPU'} x{len(names)}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 1000, 4000], help="prompt lengths")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
+    parser.add_argument("--reps", type=int, default=11, help="repetitions per measurement (median reported)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pools in DRAM or VRAM")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if max(args.tokens) > NUM_PAGES * PAGE_SIZE:
-        parser.error(f"--tokens at most {NUM_PAGES * PAGE_SIZE}")
+    if max(args.tokens) > NUM_PAGES * PAGE_SIZE // 2:
+        parser.error(f"--tokens at most {NUM_PAGES * PAGE_SIZE // 2}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a visible GPU")
     torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    decode = ctx.Process(target=_decode_main, args=(child_conn,), daemon=True)
+    decode = ctx.Process(target=_decode_main, args=(child_conn, args.device), daemon=True)
     decode.start()
     child_conn.close()
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
     try:
-        results = [
-            r
-            for dtype in args.dtypes
-            for r in asyncio.run(_bench_dtype(dtype, args.tokens, args.reps, conn, rng))
-        ]
+        results = [r for dtype in args.dtypes for r in asyncio.run(_bench_dtype(args, dtype, conn, rng))]
     finally:
         conn.send(("exit",))
         decode.join(30)
     _print_table(results)
     summary = {
         "benchmark": "kv_transfer",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name(),
         "model_geometry": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "page_size": PAGE_SIZE,
+        "staging": vars(StagingConfig()),
         "reps": args.reps,
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,

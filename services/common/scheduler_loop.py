@@ -65,7 +65,7 @@ class SchedulerLoop:
     ) -> None:
         self.scheduler = scheduler
         self.on_outputs = on_outputs if tp.is_driver else lambda outputs: None
-        self.handlers: dict[type, Handler] = {NewRequest: self._add, Abort: self._abort, **(handlers or {})}
+        self.handlers: dict[type, Handler] = {NewRequest: self.add, Abort: self._abort, **(handlers or {})}
         self.after_schedule = after_schedule or (lambda: None)
         self.tp = tp
         self.inputs = InputSync(tp)
@@ -77,7 +77,7 @@ class SchedulerLoop:
             self._now = 0.0
             scheduler.clock = lambda: self._now  # rank 0's reading of this step, on every rank
 
-    def _add(self, event: NewRequest) -> list[StepOutput]:
+    def add(self, event: NewRequest) -> list[StepOutput]:
         """Queue the request; one the scheduler refuses (its handler checked it, so only a state that
         changed meanwhile can: a queue grown by retractions is retryable) ends at once with an error
         output instead of failing the loop."""

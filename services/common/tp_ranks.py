@@ -39,7 +39,7 @@ import torch
 import uvloop
 
 from pdserve.cli_args import setup_logging
-from pdserve.distributed import TpGroup, init_tp_group
+from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group
 from pdserve.rpc import tls
 from pdserve.services.common.bootstrap import rank_device
 from pdserve.services.common.scheduler_loop import SchedulerLoop
@@ -58,9 +58,11 @@ def rank_threads(tp_size: int) -> int:
 
 async def join_group(args: argparse.Namespace, rank: int, address: str) -> TpGroup:
     """This rank's ``TpGroup`` (rendezvous on a thread: rank 0 waits there for its children)."""
-    if args.tp_size > 1 and rank_device(args.device, TpGroup(rank, args.tp_size)) == "cpu":
-        torch.set_num_threads(rank_threads(args.tp_size))
+    if args.tp_size == 1:
+        return SINGLE_RANK
     device = torch.device(rank_device(args.device, TpGroup(rank, args.tp_size)))
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads(args.tp_size))
     with ThreadPoolExecutor(1, thread_name_prefix="tp-join") as pool:
         return await asyncio.get_running_loop().run_in_executor(
             pool, init_tp_group, rank, args.tp_size, address, device, COLLECTIVE_TIMEOUT_S

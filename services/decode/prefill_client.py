@@ -11,22 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.kv_transfer import KVAgentInfo, KVTransferAgent
 from pdserve.rpc import tls
 from pdserve.rpc.health_watch import HealthWatch
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
 from pdserve.services.common.convert import (
-    kv_agent_info_from_pb,
     kv_agent_info_to_pb,
+    kv_rank_agents_from_pb,
     sampling_params_to_pb,
 )
+from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PREFILL_DEAD_AFTER_S = 5.0
 
@@ -39,51 +42,69 @@ class PrefillPeer:
     """One prefill worker as seen from a decode worker: channel, stub, the agent handshake and a
     ``HealthWatch`` (polling from the first call on) that gives up calls to it when it hangs.
 
+    The decode agent grants the worker a receive lane (staging slots it may write gathered pages
+    into), kept for its address across reconnects: a worker restarted on the same address is a new
+    process, the old one gone.
+
     Args:
         address: the prefill worker's "host:port".
-        agent: this decode worker's NIXL agent.
-        rank_agents: the NIXL agents of every rank of this decode worker (rank 0's is ``agent``'s):
-            prefill rank ``i`` writes its KV shard into the pool of decode rank ``i``.
+        ranks: this decode worker's KV receiving side (its NIXL agent; under TP every rank's, prefill
+            rank ``i`` writing its KV shard into the pool of decode rank ``i``).
         dead_after: seconds without a SERVING health answer after which calls to it fail.
     """
 
     def __init__(
         self,
         address: str,
-        agent: KVTransferAgent,
-        rank_agents: list[KVAgentInfo],
+        ranks: KVRanks,
         dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
     ) -> None:
         self.address = address
-        self.agent = agent
-        self.rank_agents = rank_agents
+        self.ranks = ranks
+        self.agent = ranks.agent
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
         self.health = HealthWatch(self.channel, dead_after)
         self.peer_incarnation = ""
-        self.peer_agent_name = ""
 
     async def handshake(self, timeout: float) -> None:
-        """Send our agent info, learn the peer's; done once per peer and redone after a restart.
+        """Send our agent info (and its lane), learn the peer's; done once per peer and redone after a
+        restart.
 
-        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch).
+        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch, refused by
+        the prefill worker) or KVLayoutMismatch (refused here).
         """
-        local = kv_agent_info_to_pb(self.agent.local_info())
-        local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in self.rank_agents[1:])
+        infos = await self.ranks.grant_lanes(self.address)
+        local = kv_agent_info_to_pb(infos[0])
+        local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in infos[1:])
         info = await self.stub.ExchangeKVAgentInfo(local, timeout=timeout)
-        self.agent.add_peer(kv_agent_info_from_pb(info))
+        await self.ranks.add_peers(self.address, kv_rank_agents_from_pb(info))
         self.peer_incarnation = info.incarnation
-        self.peer_agent_name = info.agent_name
 
-    async def prefill(self, req: Req, timeout: float) -> scheduler_pb2.PrefillResponse:
-        """Ask the peer to prefill ``req`` and write the pages we lack; returns its first token.
+    async def connect(self, timeout: float) -> None:
+        """The handshake, unless done since the peer last (re)started; under the health watch.
 
         Raises:
             grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
             PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
         """
+        if not self.peer_incarnation:
+            await self._watched(self.handshake(timeout))
+
+    async def prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
+        """Ask the peer to prefill ``req`` and write the pages we lack as transfer ``tid``; returns its
+        first token (the pages may still be landing: await the transfer's ``KVReceive`` too).
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (FAILED_PRECONDITION on a KV layout mismatch).
+            PrefillHung: the peer stopped answering its health checks first (the call is cancelled).
+        """
+        return await self._watched(self._prefill(req, tid, timeout))
+
+    async def _watched(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro``'s result, unless the peer's health checks go unanswered first (``PrefillHung``)."""
         self.health.start()
-        call = asyncio.ensure_future(self._prefill(req, timeout))
+        call = asyncio.ensure_future(coro)
         silent = asyncio.ensure_future(self.health.wait_silent())
         try:
             await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,13 +122,10 @@ class PrefillPeer:
 
     def _forget_peer(self) -> None:
         """Drop the hung peer's NIXL connection; the handshake is redone when it answers again."""
-        if self.peer_agent_name:
-            self.agent.remove_peer(self.peer_agent_name)
+        self.ranks.forget_peers(self.address)
         self.peer_incarnation = ""
 
-    async def _prefill(self, req: Req, timeout: float) -> scheduler_pb2.PrefillResponse:
-        if not self.peer_incarnation:
-            await self.handshake(timeout)
+    async def _prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
         local = self.agent.local_info()
         request = scheduler_pb2.PrefillRequest(
             rid=req.rid,
@@ -118,6 +136,7 @@ class PrefillPeer:
             dst_page_indices=req.pages[req.num_prefix_pages :],
             dst_start_page=req.num_prefix_pages,
             deadline_unix_s=req.deadline,
+            kv_transfer_id=tid.decode(),
         )
         try:
             return await self.stub.Prefill(request, timeout=timeout)

@@ -3,9 +3,10 @@
 Handlers submit events (``step_inputs``) that the scheduler loop applies at the top of an
 iteration; under tensor parallelism the same servicer runs on every rank without a gRPC server
 (``tp.rank > 0``): it applies the events rank 0 hands it, never calls a prefill worker and emits
-nothing. In PD, prefill rank ``i`` writes its KV shard into this group's rank ``i``; rank 0 learns
-of the write from the prefill worker's answer and its own notification, and each other rank waits
-for its own notification before the request decodes.
+nothing. In PD, prefill rank ``i`` writes its KV head shard into this group's rank ``i``; rank 0
+drives every rank's receiving side (``kv_ranks``) and queues the request to decode (``KVReady``,
+applied on every rank at one step) only once the prefill worker answered and every rank's shard
+landed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.kv_transfer import KVAgentInfo, KVTransferAgent, KVTransferError
+from pdserve.kv_transfer import KVTransferAgent, KVTransferError
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
@@ -27,14 +28,13 @@ from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.common.step_inputs import Abort, NewRequest
+from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 PREFILL_TIMEOUT_S = 120.0
-# a rank's KV shard lands before the prefill worker answers rank 0; its notification follows at once
-RANK_NOTIFICATION_TIMEOUT_S = 10.0
 # errors that another prefill worker would return too
 _NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
 # failures of the prefill pool's state (down, full, slow): the client may retry the request later
@@ -80,7 +80,6 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
             it holds our prefills before they are given up on it (and retried on another one).
         tp: this rank's TP group.
-        rank_agents: every rank's NIXL agent (rank order), sent to prefill workers in the handshake.
     """
 
     def __init__(
@@ -92,7 +91,6 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
         prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
         tp: TpGroup = SINGLE_RANK,
-        rank_agents: list[KVAgentInfo] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.prefill_dead_after = prefill_dead_after
@@ -100,7 +98,6 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.address = address
         self.agent = agent
         self.tp = tp
-        self.rank_agents = rank_agents or ([agent.local_info()] if agent is not None else [])
         handlers = {Abort: self._abort, KVReady: self._kv_ready, KVFailed: self._kv_failed}
         self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp)
         self.outputs = ClientStreamPool(
@@ -110,6 +107,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
+        self.kv = KVRanks(agent, scheduler, self.loop) if agent is not None else None
+        if self.kv is not None:
+            scheduler.on_kv_abandoned = self.kv.abandon
         self.started: set[str] = set()  # rids whose first output went out
 
     # ---- gRPC ---------------------------------------------------------------------------
@@ -171,17 +171,11 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
         return [out] if out is not None else []
 
-    async def _kv_ready(self, event: KVReady) -> list[StepOutput]:
-        """Rank 0 already saw its notification; another rank waits for its own shard's.
-
-        Raises:
-            KVTransferError: a rank's notification did not come (the group cannot go on in step).
-        """
+    def _kv_ready(self, event: KVReady) -> list[StepOutput]:
+        """Every rank's KV shard landed (rank 0 saw each rank's receive complete)."""
         req = self.scheduler.waiting_for_kv.get(event.rid)
         if req is None:
             return []  # aborted meanwhile
-        if not self.tp.is_driver:
-            await self.agent.wait_for_notification(event.rid.encode(), RANK_NOTIFICATION_TIMEOUT_S)
         self.scheduler.metrics.kv_transfer_bytes.inc(event.transferred_bytes)
         req.cached_tokens = max(req.cached_tokens, event.cached_tokens)
         out = self.scheduler.kv_ready(event.rid, event.first_token_id, event.logprob)
@@ -253,9 +247,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     def _peer(self, address: str) -> PrefillPeer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PrefillPeer(
-                address, self.agent, self.rank_agents, self.prefill_dead_after
-            )
+            peer = self.peers[address] = PrefillPeer(address, self.kv, self.prefill_dead_after)
         return peer
 
     async def _prefill(self, req: Req) -> None:
@@ -301,16 +293,25 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.loop.wake()
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
-        """One Prefill call; returns once the response and the NIXL notification both arrived."""
+        """One Prefill call; returns once its response came and every page of its KV has landed (on
+        every TP rank: each rank receives its head shard from the prefill worker's rank of its index).
+
+        The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
+        before the call goes out, and cancelled on any failure: after that nothing writes its pages.
+        """
         timeout = PREFILL_TIMEOUT_S
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        notified = asyncio.create_task(self.agent.wait_for_notification(req.rid.encode(), timeout_s=timeout))
+        peer = self._peer(address)
+        await peer.connect(timeout)
+        tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
+        start = time.monotonic()
+        landing = await self.kv.expect(req, address, tid, timeout)
         try:
-            resp = await self._peer(address).prefill(req, timeout)
-            await notified
+            resp = await peer.prefill(req, tid, timeout)
+            await landing.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
-            notified.cancel()
+            landing.cancel()  # on every rank; no-op once every page landed
         return resp
 
     async def close(self) -> None:

@@ -110,9 +110,10 @@ def max_new_tokens(
     sp: SamplingParams = obj.sampling_params
     limit = _max_new_tokens(prompt_len, sp.max_new_tokens, context_length, default_max, param)
     if (sp.min_new_tokens or 0) > limit:
+        name = "min_new_tokens" if obj.params_path else "min_tokens"  # as the client's API spells it
         raise invalid_request(
-            f"min_tokens ({sp.min_new_tokens}) exceeds the {limit} tokens this prompt can get",
-            param=obj.params_path + ("min_new_tokens" if obj.params_path else "min_tokens"),
+            f"{name} ({sp.min_new_tokens}) exceeds the {limit} tokens this prompt can get",
+            param=obj.params_path + name,
         )
     return limit
 

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pending-requests",
         type=non_negative_int,
         default=None,
-        help="requests in flight before new ones get 429; 0 = no limit; default: sized from the decode "
-        "workers' KV pools (the sum of the requests each can run at once and queue)",
+        help="sub-requests (prompts x n) in flight before new requests get 429; 0 = no limit; default: "
+        "sized from the decode workers' KV pools (the sum of the requests each can run at once and queue)",
     )
     p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")

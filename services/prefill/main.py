@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve prefill", description=__doc__)
     add_scheduler_args(parser, port=30010)
+    parser.add_argument(
+        "--kv-stream-chunks",
+        default="on",
+        choices=["on", "off"],
+        help="send a chunked prompt's finished pages while later chunks compute (off: all at the end)",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -30,7 +36,9 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
     """This rank's scheduler (its shard of the model and KV pool), NIXL agent and servicer."""
     scheduler = await build_scheduler_off_loop(args, "prefill", tp)
     agent = build_kv_agent(scheduler, "prefill", address, args.host)
-    return PrefillServicer(scheduler, address, agent, tp, await gather_agents(agent, tp))
+    stream_chunks = args.kv_stream_chunks == "on"
+    rank_agents = await gather_agents(agent, tp)
+    return PrefillServicer(scheduler, address, agent, stream_chunks, tp=tp, rank_agents=rank_agents)
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -1,10 +1,18 @@
 """PrefillScheduler servicer: prefill prompts for decode workers and write their KV over NIXL.
 
+A request's KV transfer opens when its Prefill call arrives. After every scheduling step the pages its
+finished chunks filled are sent (``stream_chunks``), so they move while later chunks compute; the rest
+go once the last chunk has sampled the first token, and the call answers when every byte is written.
+A transfer is cancelled (no page of it read any more) before the scheduler's pages of an ended
+request can be handed to another one: on abort, and at the first step after a scheduler-side end.
+
 Handlers submit events (``step_inputs``) that the scheduler loop applies at the top of an
 iteration. Under tensor parallelism the same servicer runs on every rank (without a gRPC server on
-ranks > 0): every rank prefills the same requests, and rank ``i`` writes its KV shard into rank
-``i`` of the decode worker. Each rank reports when its own write ended; once every rank's write
-landed (or one failed) every rank frees or caches the pages at the same step, and rank 0 answers.
+ranks > 0): every rank prefills the same requests and rank ``i`` opens, streams and finishes the
+transfer of its KV head shard into rank ``i`` of the decode worker (same transfer id, its own NIXL
+agent and the staging lane decode rank ``i`` granted it). Each rank reports when its own write ended;
+once every rank's write landed (or one failed) every rank caches or frees the pages at the same
+step, and rank 0 answers.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransferAgent
+from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -57,12 +65,17 @@ class KVWritten:
 class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     """Prefill-scheduler service.
 
-    ``Prefill`` queues the request and waits; when the scheduler has its first token, the KV pages
-    decode lacks are written into decode's pages, then the call answers. A cancelled call (decode
-    aborted, or gone) aborts the request and frees its pages here.
+    ``Prefill`` queues the request and waits; the KV pages decode lacks are written into decode's
+    pages as they are computed, and the call answers with the first token once all are written. A
+    cancelled call (decode aborted, or gone) aborts the request and frees its pages here.
 
     Args:
-        scheduler, address, agent: the scheduler core, this service's address, this rank's NIXL agent.
+        scheduler: the prefill-role scheduler.
+        address: this service's advertised "host:port".
+        agent: this rank's NIXL agent.
+        stream_chunks: send a chunked prompt's finished pages after each chunk (else all at the end).
+        transfer_timeout_s: how long a transfer may wait for the decode side (a free slot, a WRITE's
+            completion), and at most for the end of its write after the prompt's last chunk.
         tp: this rank's TP group.
         rank_agents: every rank's agent (rank order), answered in the handshake.
     """
@@ -72,20 +85,32 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         scheduler: Scheduler,
         address: str,
         agent: KVTransferAgent,
+        stream_chunks: bool = True,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         tp: TpGroup = SINGLE_RANK,
         rank_agents: list[KVAgentInfo] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.address = address
         self.agent = agent
+        self.stream_chunks = stream_chunks
+        self.transfer_timeout_s = transfer_timeout_s
         self.tp = tp
         self.rank_agents = rank_agents or [agent.local_info()]
-        handlers = {Abort: self._abort, AddKVPeers: self._add_rank_peer, KVWritten: self._written}
+        handlers = {
+            NewRequest: self._add,
+            Abort: self._abort,
+            AddKVPeers: self._add_rank_peer,
+            KVWritten: self._written,
+        }
         self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, handlers, tp)
         self.waiters: dict[str, asyncio.Future] = {}
-        self.transfers: dict[str, asyncio.Task] = {}  # this rank's KV writes in flight
+        self.opening: dict[str, KVTransfer] = {}  # rank 0: opened by the handler, request not queued yet
+        self.transfers: dict[str, KVTransfer] = {}  # this rank's open transfers, by rid
+        self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of this rank's write
         self.written: dict[str, dict[int, KVWritten]] = {}  # prefilled rids: each rank's ended write
         self.rank_peer: dict[str, str] = {}  # decode rank 0's agent -> the agent this rank writes to
+        self._report = self._written if tp.size == 1 else self.loop.inputs.report
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -122,21 +147,38 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             origin_input_ids=list(request.input_ids),
             sampling_params=params,
             deadline=request.deadline_unix_s,
-            meta={
-                "dst_agent": request.dst_agent_name,
-                "dst_pages": list(request.dst_page_indices),
-                "dst_start_page": request.dst_start_page,
-            },
+            meta={"dst_start_page": request.dst_start_page, "sent_pages": 0},
         )
+        dst_pages = list(request.dst_page_indices)
+        prompt_pages = -(-len(request.input_ids) // self.scheduler.page_size)
+        if request.dst_start_page < 0 or request.dst_start_page + len(dst_pages) > prompt_pages:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"destination pages [{request.dst_start_page}, +{len(dst_pages)}) exceed the prompt's"
+                f" {prompt_pages} pages",
+            )
+        tid = (request.kv_transfer_id or request.rid).encode()
+        req.meta.update(dst_agent=request.dst_agent_name, dst_pages=dst_pages, tid=tid)
+        try:
+            transfer = self.agent.start_transfer(
+                request.dst_agent_name, tid, dst_pages, self.transfer_timeout_s
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVTransferError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         try:
             if req.rid in self.waiters:
                 raise ValueError(f"duplicate rid {req.rid!r}")
             pending = sum(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
             self.scheduler.check_request(req, pending)
         except ValueError as e:
+            transfer.cancel()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
+            transfer.cancel()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.opening[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         self.loop.inputs.submit(NewRequest(req))
         self.loop.wake()
@@ -166,7 +208,36 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         )
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
+    def _add(self, event: NewRequest) -> list[StepOutput]:
+        """Queue the request with this rank's transfer open (rank 0 opened its own in the handler).
+        A rank that cannot open one still queues the request, so every rank schedules the same; its
+        write then fails at once, which fails the prefill on every rank at the same step."""
+        req = event.req
+        opening = self.opening.pop(req.rid, None)
+        transfer = opening if self.tp.is_driver else self._open_rank_transfer(req)
+        outputs = self.loop.add(event)
+        if outputs:  # refused: nothing reads its pages
+            if transfer is not None:
+                transfer.cancel()
+        elif transfer is not None:
+            self.transfers[req.rid] = transfer
+        return outputs
+
+    def _open_rank_transfer(self, req: Req) -> KVTransfer | None:
+        dst_agent = req.meta["dst_agent"]
+        peer = self.rank_peer.get(dst_agent, dst_agent)
+        try:
+            return self.agent.start_transfer(
+                peer, req.meta["tid"], req.meta["dst_pages"], self.transfer_timeout_s
+            )
+        except (ValueError, KVTransferError) as e:
+            logger.error("TP rank %d cannot open the KV transfer of %s: %s", self.tp.rank, req.rid, e)
+            return None
+
     def _abort(self, event: Abort) -> None:
+        transfer = self.transfers.pop(event.rid, None)
+        if transfer is not None:
+            transfer.cancel()  # before the scheduler frees the pages it reads
         if event.rid in self.written:
             self._finish_transfer(event.rid, event.reason)
         else:
@@ -174,18 +245,16 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     def _add_rank_peer(self, event: AddKVPeers) -> None:
         """This rank's decode peer (rank 0 loaded its own in the handshake). A peer that cannot be
-        loaded here fails this rank's writes to it, which fails those prefills cleanly."""
-        agents = event.agents
+        loaded here fails this rank's transfers to it, which fails those prefills cleanly."""
         if self.tp.is_driver:
             return
+        mine = event.agents[self.tp.rank]
         try:
-            self.agent.add_peer(agents[self.tp.rank])
+            self.agent.add_peer(mine)
         except Exception as e:
-            logger.error(
-                "TP rank %d cannot add KV peer %s: %s", self.tp.rank, agents[self.tp.rank].agent_name, e
-            )
+            logger.error("TP rank %d cannot add KV peer %s: %s", self.tp.rank, mine.agent_name, e)
             return
-        self.rank_peer[agents[0].agent_name] = agents[self.tp.rank].agent_name
+        self.rank_peer[event.agents[0].agent_name] = mine.agent_name
 
     def _written(self, event: KVWritten) -> None:
         ended = self.written.get(event.rid)
@@ -193,7 +262,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             return  # aborted or failed already
         ended[event.rank] = event
         if event.error:
-            self._finish_transfer(event.rid, f"KV transfer failed on TP rank {event.rank}: {event.error}")
+            where = f" on TP rank {event.rank}" if self.tp.size > 1 else ""
+            self._finish_transfer(event.rid, f"KV transfer failed{where}: {event.error}")
         elif len(ended) == self.tp.size:
             self._finish_transfer(event.rid, "")
 
@@ -201,9 +271,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         """Every rank's write for ``rid`` landed (``error`` empty) or one failed: cache or free its
         pages on every rank at this same step; rank 0 answers the Prefill call."""
         ended = self.written.pop(rid)
-        task = self.transfers.pop(rid, None)
+        task = self.finishing.pop(rid, None)
         if task is not None:
             task.cancel()
+        transfer = self.transfers.pop(rid, None)
+        if transfer is not None:
+            transfer.cancel()  # no-op once complete
         req = self.scheduler.reqs.get(rid)
         self.scheduler.prefill_sent(rid, ok=not error, error=error)
         waiter = self.waiters.get(rid)
@@ -214,6 +287,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             return
         nbytes = sum(e.nbytes for e in ended.values())
         self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
+        self.scheduler.metrics.kv_transfer_seconds.observe(time.monotonic() - req.meta["prefilled_at"])
         response = scheduler_pb2.PrefillResponse(
             rid=rid,
             first_token_id=req.output_ids[-1],
@@ -227,8 +301,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     # ---- outputs and transfers ------------------------------------------------------------
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        """Only failures and aborts come out of a prefill scheduler's steps."""
+        """Only failures and aborts come out of a prefill scheduler's steps (rank 0; the other ranks
+        stop those transfers at their next step, in ``_start_transfers``)."""
         for out in outputs:
+            transfer = self.transfers.pop(out.req.rid, None)
+            if transfer is not None:
+                transfer.cancel()
             waiter = self.waiters.get(out.req.rid)
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(out.req.error or "aborted"))
@@ -240,29 +318,49 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                 waiter.set_exception(RuntimeError(error))
 
     def _start_transfers(self) -> None:
+        """After each schedule (before the forward): stop transfers of requests that ended, send the
+        pages of finished chunks, and finish the transfers of requests whose prefill is complete."""
+        for rid in [rid for rid in self.transfers if rid not in self.scheduler.reqs]:
+            self.transfers.pop(rid).cancel()
+        if self.stream_chunks:
+            for req in self.scheduler.prefilling:
+                self._send_ready_pages(req, req.num_computed // self.scheduler.page_size)
         for req in self.scheduler.pop_prefilled():
             self.written[req.rid] = {}
-            self.transfers[req.rid] = asyncio.create_task(self._transfer(req))
+            req.meta["prefilled_at"] = time.monotonic()
+            transfer = self.transfers.get(req.rid)
+            if transfer is None:
+                self._report(KVWritten(req.rid, self.tp.rank, "no KV transfer open for it", 0))
+                continue
+            self._send_ready_pages(req, len(req.pages))
+            transfer.finish()
+            self.finishing[req.rid] = asyncio.create_task(self._finish(req, transfer))
 
-    async def _transfer(self, req: Req) -> None:
-        """This rank's write of ``req``'s KV shard; its end is reported to every rank."""
-        start = req.meta["dst_start_page"]
-        dst_pages = req.meta["dst_pages"]
-        src_pages = req.pages[start : start + len(dst_pages)]
-        peer = self.rank_peer.get(req.meta["dst_agent"], req.meta["dst_agent"])
-        timeout = TRANSFER_TIMEOUT_S
+    def _send_ready_pages(self, req: Req, ready_pages: int) -> None:
+        """Send the decode pages whose prompt pages ``< ready_pages`` are computed and not sent yet."""
+        transfer = self.transfers.get(req.rid)
+        if transfer is None:
+            return
+        start, sent = req.meta["dst_start_page"], req.meta["sent_pages"]
+        end = min(ready_pages - start, len(transfer.dst_pages))
+        if end > sent:
+            transfer.send(req.pages[start + sent : start + end], sent)
+            req.meta["sent_pages"] = end
+
+    async def _finish(self, req: Req, transfer: KVTransfer) -> None:
+        """Await the end of this rank's write of ``req``'s KV; report it (every rank learns it, and
+        with one rank it is applied at once: the call answers without waiting for a step)."""
+        timeout = self.transfer_timeout_s
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
         try:
-            nbytes = await self.agent.write_pages(
-                peer, src_pages, dst_pages, notif=req.rid.encode(), timeout_s=timeout
-            )
+            nbytes = await transfer.wait(timeout)
             event = KVWritten(req.rid, self.tp.rank, "", nbytes)
         except asyncio.CancelledError:
             return
-        except Exception as e:
+        except KVTransferError as e:
             logger.warning("KV write for %s failed: %s", req.rid, e)
             event = KVWritten(req.rid, self.tp.rank, str(e) or type(e).__name__, 0)
-        self.transfers.pop(req.rid, None)
-        self.loop.inputs.report(event)
+        self.finishing.pop(req.rid, None)
+        self._report(event)
         self.loop.wake()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.mem_cache.memory_pool import (
@@ -13,6 +15,35 @@ from pdserve.mem_cache.memory_pool import (
     num_pages_for_budget,
     slots_for_pages,
 )
+
+
+def test_allocator_hands_out_the_smallest_run_that_fits_else_the_longest_runs():
+    alloc = PagedTokenToKVPoolAllocator(num_pages=20, page_size=16)
+    held = alloc.alloc(20)
+    alloc.free([1, 2, 5, 6, 7, 8, 12, 13, 14])  # free runs: [1, 2], [5, 8], [12, 14]
+    assert alloc.alloc(3) == [12, 13, 14]  # best fit, not the first run of 3+ pages
+    assert alloc.alloc(1) == [1]  # the smallest hole first
+    assert alloc.alloc(5) == [2, 5, 6, 7, 8]  # no run holds 5: the longest first, then the next
+    assert alloc.available_size() == 0 and len(held) == 20
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 12)), max_size=60))
+def test_allocator_never_hands_out_a_page_twice(ops):
+    alloc = PagedTokenToKVPoolAllocator(num_pages=32, page_size=16)
+    owned: list[list[int]] = []
+    for is_alloc, n in ops:
+        if is_alloc or not owned:
+            pages = alloc.alloc(n)
+            if pages is None:
+                assert n > alloc.available_size()
+                continue
+            assert len(pages) == n == len(set(pages)) and pages == sorted(pages)
+            assert not set(pages) & {p for o in owned for p in o}
+            owned.append(pages)
+        else:
+            alloc.free(owned.pop(n % len(owned)))
+        assert alloc.available_size() == 32 - sum(map(len, owned))
 
 
 def test_allocator_hands_out_lowest_pages_first_and_coalesces_after_free():

@@ -11,7 +11,14 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pdserve.kv_transfer import KVAgentInfo, KVLayout, KVTransferAgent, KVTransferError
+from pdserve.kv_transfer import (
+    KVAgentInfo,
+    KVLayout,
+    KVReceive,
+    KVTransferAgent,
+    KVTransferError,
+    StagingConfig,
+)
 
 LAYOUT = KVLayout(
     model="test-model", dtype="float32", page_size=16, num_layers=4, num_kv_heads=3, head_dim=64
@@ -30,21 +37,31 @@ def seeded_pool(layout: KVLayout, num_pages: int, seed: int) -> torch.Tensor:
     return torch.randn(pool_shape(layout, num_pages), generator=gen).to(getattr(torch, layout.dtype))
 
 
-def _serve(conn: Connection, name: str, seed: int) -> None:
+def _serve(conn: Connection, name: str, seed: int, staging: StagingConfig | None) -> None:
     torch.set_num_threads(1)
     kv_data = seeded_pool(LAYOUT, NUM_PAGES, seed)
-    agent = KVTransferAgent(name, kv_data, LAYOUT)
-    conn.send(agent.local_info())
+    agent = KVTransferAgent(name, kv_data, LAYOUT, staging)
+    lane = agent.lane_for("prefill")
+    conn.send(agent.local_info(lane))
+    receives: dict[bytes, KVReceive] = {}
     while True:
         cmd, *args = conn.recv()
-        if cmd == "wait":  # (msg, timeout_s) -> "ok" or the error text
+        if cmd == "add_peer":  # (info, with_lane): a sender, granted our lane or not
+            agent.add_peer(args[0], lane=lane if args[1] else None)
+            conn.send("ok")
+        elif cmd == "expect":  # (peer, tid, dst_pages)
+            receives[args[1]] = agent.expect(*args)
+            conn.send("ok")
+        elif cmd == "wait":  # (tid, timeout_s) -> bytes received, or the error text
             try:
-                asyncio.run(agent.wait_for_notification(*args))
-                conn.send("ok")
+                conn.send(asyncio.run(receives.pop(args[0]).wait(args[1])))
             except KVTransferError as e:
                 conn.send(f"{type(e).__name__}: {e}")
-        elif cmd == "poll":
-            conn.send(agent.poll_notifications())
+        elif cmd == "done":
+            conn.send(receives[args[0]].done)
+        elif cmd == "cancel":
+            receives.pop(args[0]).cancel()
+            conn.send("ok")
         elif cmd == "dump":
             conn.send(kv_data.clone())
         elif cmd == "exit":
@@ -83,11 +100,12 @@ class Peer:
             self.process.join()
 
 
-def start_peer(name: str, seed: int) -> Peer:
-    """Spawn a child holding a ``KVTransferAgent`` over ``seeded_pool(LAYOUT, NUM_PAGES, seed)``."""
+def start_peer(name: str, seed: int, staging: StagingConfig | None = None) -> Peer:
+    """Spawn a child holding a ``KVTransferAgent`` over ``seeded_pool(LAYOUT, NUM_PAGES, seed)``; its
+    ``info`` grants a receive lane, bound to the sender added by ``("add_peer", info, True)``."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(child, name, seed), daemon=True)
+    process = ctx.Process(target=_serve, args=(child, name, seed, staging), daemon=True)
     process.start()
     child.close()  # so a child that dies during start-up reads as EOF here
     if not parent.poll(60):

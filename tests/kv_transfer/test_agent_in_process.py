@@ -1,4 +1,4 @@
-"""Two real NIXL agents in this process (UCX loopback): writes, notifications, peers and argument checks."""
+"""Two real NIXL agents in this process (UCX loopback): transfers, receives, peers and argument checks."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pdserve.kv_transfer import (
     KVTransferAgent,
     KVTransferError,
     KVTransferTimeout,
+    messages,
 )
 from tests.kv_transfer.peer import pool_shape, seeded_pool
 
@@ -38,63 +39,90 @@ def _side(role: str, num_pages: int, seed: int) -> Side:
 @pytest.fixture(scope="module")
 def pair():
     prefill, decode = _side("prefill", 24, seed=1), _side("decode", 40, seed=2)
-    prefill.agent.add_peer(decode.agent.local_info())
+    lane = decode.agent.lane_for("the-prefill-address")
+    prefill.agent.add_peer(decode.agent.local_info(lane))
+    decode.agent.add_peer(prefill.agent.local_info(), lane=lane)
     yield prefill, decode
     prefill.agent.close()
     decode.agent.close()
 
 
-async def test_random_pages_land_exactly_and_notify(pair: tuple[Side, Side]):
+async def test_random_pages_land_exactly(pair: tuple[Side, Side]):
     prefill, decode = pair
     gen = torch.Generator().manual_seed(0)
     src = torch.randperm(24, generator=gen)[:10].tolist()
     dst = torch.randperm(40, generator=gen)[:10].tolist()
     expected = decode.kv.clone()
     expected[:, :, dst] = prefill.kv[:, :, src]
-    waiter = asyncio.create_task(decode.agent.wait_for_notification(b"rid-1", timeout_s=10))
-    nbytes = await prefill.agent.write_pages(decode.agent.name, src, dst, notif=b"rid-1", timeout_s=10)
-    await waiter
-    assert nbytes == prefill.kv[:, :, src].numel() * prefill.kv.element_size()
+    receive = decode.agent.expect(prefill.agent.name, b"rid-1", dst)
+    nbytes = await prefill.agent.write_pages(decode.agent.name, src, dst, b"rid-1", timeout_s=10)
+    assert await receive.wait(10) == nbytes == prefill.kv[:, :, src].numel() * prefill.kv.element_size()
     assert torch.equal(decode.kv, expected)
 
 
-async def test_notification_that_came_first_is_kept_for_its_waiter(pair: tuple[Side, Side]):
-    prefill, decode = pair
-    await prefill.agent.write_pages(decode.agent.name, [0], [0], notif=b"early", timeout_s=10)
-    await prefill.agent.write_pages(decode.agent.name, [1], [1], notif=b"unclaimed", timeout_s=10)
-    await asyncio.sleep(0.2)
-    await decode.agent.wait_for_notification(b"early", timeout_s=1)
-    assert decode.agent.poll_notifications() == [b"unclaimed"]
-    assert decode.agent.poll_notifications() == []
-
-
-async def test_empty_page_list_only_notifies(pair: tuple[Side, Side]):
+async def test_empty_transfers_complete_at_once(pair: tuple[Side, Side]):
     prefill, decode = pair
     before = decode.kv.clone()
-    nbytes = await prefill.agent.write_pages(decode.agent.name, [], [], notif=b"all-cached", timeout_s=5)
-    await decode.agent.wait_for_notification(b"all-cached", timeout_s=5)
-    assert nbytes == 0 and torch.equal(decode.kv, before)
+    receive = decode.agent.expect(prefill.agent.name, b"all-cached", [])
+    assert receive.done and await receive.wait(1) == 0
+    assert await prefill.agent.write_pages(decode.agent.name, [], [], b"all-cached", timeout_s=5) == 0
+    assert torch.equal(decode.kv, before)
 
 
-async def test_waiting_for_a_missing_notification_times_out(pair: tuple[Side, Side]):
-    _, decode = pair
+async def test_a_receive_with_pages_missing_times_out_and_is_cancelled(pair: tuple[Side, Side]):
+    prefill, decode = pair
+    receive = decode.agent.expect(prefill.agent.name, b"half", [30, 31])
+    transfer = prefill.agent.start_transfer(decode.agent.name, b"half", [30, 31], stall_s=5)
+    transfer.send([3], 1)  # the first page never comes
     start = time.monotonic()
-    with pytest.raises(KVTransferTimeout, match="did not arrive"):
-        await decode.agent.wait_for_notification(b"never-sent", timeout_s=0.3)
+    with pytest.raises(KVTransferTimeout, match="1 of 2 pages missing"):
+        await receive.wait(0.3)
     assert 0.3 <= time.monotonic() - start < 2
+    transfer.finish()
+    await transfer.wait(5)
+    assert decode.agent.expect(prefill.agent.name, b"half", [30, 31]) is not receive  # the id is free again
+
+
+async def test_landed_messages_count_each_page_once_and_only_from_the_sender(pair: tuple[Side, Side]):
+    """A repeated LANDED, one out of range, or one from another agent never completes a receive."""
+    prefill, decode = pair
+    receive = decode.agent.expect(prefill.agent.name, b"forged", [5, 6])
+    nixl = prefill.agent._agent
+    for msg in (messages.landed(b"forged", 0, 1, messages.DIRECT),) * 2 + (
+        messages.landed(b"forged", 1, 5, messages.DIRECT),
+        messages.landed(b"forged", -1, 2, messages.DIRECT),
+    ):
+        nixl.send_notif(decode.agent.name, msg)
+    stranger = _side("stranger", 2, seed=5)
+    try:
+        stranger.agent.add_peer(decode.agent.local_info())
+        stranger.agent._agent.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1, messages.DIRECT))
+        await asyncio.sleep(0.3)
+        assert not receive.done
+        nixl.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1, messages.DIRECT))
+        assert await receive.wait(5) == 2 * prefill.kv[:, :, 0].numel() * prefill.kv.element_size()
+    finally:
+        stranger.agent.close()
 
 
 async def test_bad_page_lists_and_unknown_peers_are_refused(pair: tuple[Side, Side]):
     prefill, decode = pair
     peer = decode.agent.name
     with pytest.raises(ValueError, match="destination page is outside"):
-        await prefill.agent.write_pages(peer, [0], [40], notif=b"x", timeout_s=1)
+        await prefill.agent.write_pages(peer, [0], [40], b"x", timeout_s=1)
     with pytest.raises(ValueError, match="source page is outside"):
-        await prefill.agent.write_pages(peer, [24], [0], notif=b"x", timeout_s=1)
+        await prefill.agent.write_pages(peer, [24], [0], b"x", timeout_s=1)
     with pytest.raises(ValueError, match="2 source pages but 1 destination"):
-        await prefill.agent.write_pages(peer, [0, 1], [0], notif=b"x", timeout_s=1)
+        await prefill.agent.write_pages(peer, [0, 1], [0], b"x", timeout_s=1)
+    with pytest.raises(ValueError, match="more than once"):
+        await prefill.agent.write_pages(peer, [0, 1], [3, 3], b"x", timeout_s=1)
+    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
+        prefill.agent.start_transfer(peer, b"x", [7, 8], stall_s=1).send([0, 1], 1)
     with pytest.raises(KVTransferError, match="unknown KV peer 'nobody'"):
-        await prefill.agent.write_pages("nobody", [0], [0], notif=b"x", timeout_s=1)
+        await prefill.agent.write_pages("nobody", [0], [0], b"x", timeout_s=1)
+    decode.agent.expect(prefill.agent.name, b"twice", [1])
+    with pytest.raises(KVTransferError, match="already expected"):
+        decode.agent.expect(prefill.agent.name, b"twice", [1])
 
 
 def test_peer_bookkeeping(pair: tuple[Side, Side]):
@@ -138,9 +166,10 @@ def test_pool_must_match_its_layout():
         KVTransferAgent("strided", kv, LAYOUT)
 
 
-async def test_close_fails_pending_waiters():
+async def test_close_fails_pending_receives():
     side = _side("closing", 2, seed=3)
-    waiter = asyncio.create_task(side.agent.wait_for_notification(b"pending", timeout_s=10))
+    receive = side.agent.expect("someone", b"pending", [0, 1])
+    waiter = asyncio.create_task(receive.wait(10))
     await asyncio.sleep(0.05)
     side.agent.close()
     with pytest.raises(KVTransferError, match="closed"):

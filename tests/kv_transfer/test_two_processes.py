@@ -1,4 +1,5 @@
-"""Real NIXL between two processes (UCX over loopback): exact bytes, notifications, hung/dead peers."""
+"""Real NIXL between two processes (UCX over loopback): exact bytes through staging and direct writes,
+chunked sends, failures injected mid-transfer, hung/dead/restarted peers."""
 
 from __future__ import annotations
 
@@ -12,27 +13,48 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.kv_transfer import KVTransferAgent, KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer import KVTransferAgent, KVTransferError, KVTransferTimeout, StagingConfig
+from pdserve.kv_transfer.page_copy import PageCopier
+from pdserve.kv_transfer.sender import KVSender
 from tests.kv_transfer.peer import LAYOUT, NUM_PAGES, seeded_pool, start_peer
 
 SRC_PAGES = 48  # prefill's pool is smaller than decode's, so base/num_pages mix-ups show
 DECODE_SEED = 2
+SPAN = LAYOUT.page_bytes * LAYOUT.num_layers * 2  # one page of every layer
+# 3 pages per slot and 3 slots per lane: a transfer of more than 9 pages must reuse ACKed slots
+DECODE_STAGING = StagingConfig(slot_bytes=3 * SPAN, lanes=1, lane_slots=3)
+MODES = {
+    "staged": StagingConfig(slot_bytes=3 * SPAN, send_slots=2, direct_min_bytes=1 << 40),
+    "direct": StagingConfig(direct_min_bytes=0),
+}
 
 
 @pytest.fixture(scope="module")
-def prefill():
-    kv = seeded_pool(LAYOUT, SRC_PAGES, seed=1)
-    agent = KVTransferAgent(f"prefill-{uuid.uuid4().hex[:8]}", kv, LAYOUT)
-    yield agent, kv
-    agent.close()
-
-
-@pytest.fixture(scope="module")
-def decode(prefill):
-    peer = start_peer(f"decode-{uuid.uuid4().hex[:8]}", seed=DECODE_SEED)
-    prefill[0].add_peer(peer.info)
+def decode():
+    peer = start_peer(f"decode-{uuid.uuid4().hex[:8]}", seed=DECODE_SEED, staging=DECODE_STAGING)
     yield peer, seeded_pool(LAYOUT, NUM_PAGES, seed=DECODE_SEED)  # the peer's pool as it should be
     peer.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(decode):
+    """One pool, one agent per mode; the staged one holds the decode side's lane."""
+    peer, _ = decode
+    kv = seeded_pool(LAYOUT, SRC_PAGES, seed=1)
+    agents = {
+        mode: KVTransferAgent(f"{mode}-{uuid.uuid4().hex[:8]}", kv, LAYOUT, cfg)
+        for mode, cfg in MODES.items()
+    }
+    for mode, agent in agents.items():
+        agent.add_peer(peer.info)
+        assert peer.ask("add_peer", agent.local_info(), mode == "staged") == "ok"
+    yield agents, kv
+    for agent in agents.values():
+        agent.close()
+
+
+def _tid() -> bytes:
+    return f"rid-{uuid.uuid4().hex}".encode()
 
 
 def _page_pairs(max_pages: int):
@@ -46,82 +68,148 @@ def _page_pairs(max_pages: int):
 
 
 @settings(max_examples=12, deadline=None)
-@given(pages=_page_pairs(max_pages=40))
-def test_random_page_lists_land_exactly(prefill, decode, pages):
-    agent, kv = prefill
+@given(pages=_page_pairs(max_pages=40), mode=st.sampled_from(sorted(MODES)))
+def test_random_page_lists_land_exactly(prefill, decode, pages, mode):
+    agents, kv = prefill
     peer, expected = decode
+    agent = agents[mode]
     src, dst = list(pages[0]), list(pages[1])
     kv.normal_()  # fresh bytes every example, so a stale page cannot pass
-    notif = f"rid-{uuid.uuid4().hex}".encode()
-    write = agent.begin_write(peer.info.agent_name, src, dst, notif, timeout_s=10)  # the sync driver
-    while not write.poll():
-        time.sleep(0.0005)
-    assert write.nbytes == kv[:, :, src].numel() * kv.element_size()
-    assert peer.ask("wait", notif, 10) == "ok"
+    tid = _tid()
+    assert peer.ask("expect", agent.name, tid, dst) == "ok"
+    nbytes = asyncio.run(agent.write_pages(peer.info.agent_name, src, dst, tid, timeout_s=10))
+    assert nbytes == kv[:, :, src].numel() * kv.element_size()
+    assert peer.ask("wait", tid, 10) == nbytes
     expected[:, :, dst] = kv[:, :, src]
     assert torch.equal(peer.pool(), expected)
 
 
-async def test_write_pages_contiguous_request_and_poll(prefill, decode):
-    agent, kv = prefill
+@pytest.mark.parametrize("mode", sorted(MODES))
+async def test_chunks_sent_as_they_are_ready_complete_only_with_the_last(prefill, decode, mode):
+    agents, kv = prefill
+    peer, expected = decode
+    agent = agents[mode]
+    kv.normal_()
+    src, dst = list(range(30, 46)), [63 - 3 * i for i in range(16)]
+    tid = _tid()
+    assert peer.ask("expect", agent.name, tid, dst) == "ok"
+    transfer = agent.start_transfer(peer.info.agent_name, tid, dst, stall_s=10)
+    transfer.send(src[8:], 8)  # any order: pages are matched by their index in dst
+    transfer.send(src[:5], 0)
+    await asyncio.sleep(0.3)
+    assert peer.ask("done", tid) is False
+    transfer.send(src[5:8], 5)
+    transfer.finish()
+    with pytest.raises(ValueError, match="after finish"):
+        transfer.send(src[:1], 0)
+    assert await transfer.wait(10) == 16 * SPAN
+    assert peer.ask("wait", tid, 10) == 16 * SPAN
+    expected[:, :, dst] = kv[:, :, src]
+    assert torch.equal(peer.pool(), expected)
+
+
+@pytest.mark.parametrize("seam", ["post", "gather"])
+async def test_failure_mid_transfer_corrupts_nothing_and_frees_every_slot(prefill, decode, monkeypatch, seam):
+    """The third slot of a staged transfer fails (at the WRITE, or at the gather): the sender fails,
+    the receiver is told at once and never completes, no page outside the destination changes, and
+    every lane slot comes back (the next transfer needs all of them twice over)."""
+    agents, kv = prefill
+    peer, expected = decode
+    agent = agents["staged"]
+    target, name = (KVSender, "_start_write") if seam == "post" else (PageCopier, "gather")
+    real, calls = getattr(target, name), []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(f"injected {seam} failure")
+        return real(self, *args)
+
+    kv.normal_()
+    src, dst = list(range(12)), list(range(40, 52))
+    tid = _tid()
+    assert peer.ask("expect", agent.name, tid, dst) == "ok"
+    monkeypatch.setattr(target, name, failing)
+    with pytest.raises(KVTransferError, match=f"injected {seam} failure"):
+        await agent.write_pages(peer.info.agent_name, src, dst, tid, timeout_s=10)
+    monkeypatch.undo()
+    assert "aborted" in peer.ask("wait", tid, 10)
+    landed = peer.pool()
+    outside = [p for p in range(NUM_PAGES) if p not in dst]
+    assert torch.equal(landed[:, :, outside], expected[:, :, outside])
+    expected[:, :, dst] = landed[:, :, dst]  # undefined bytes there: the decode side frees these pages
+
+    kv.normal_()
+    tid = _tid()
+    assert peer.ask("expect", agent.name, tid, dst + [0, 1, 2, 3, 4, 5]) == "ok"
+    src = list(range(18))
+    await agent.write_pages(peer.info.agent_name, src, dst + [0, 1, 2, 3, 4, 5], tid, timeout_s=10)
+    assert peer.ask("wait", tid, 10) == 18 * SPAN
+    expected[:, :, dst + [0, 1, 2, 3, 4, 5]] = kv[:, :, src]
+    assert torch.equal(peer.pool(), expected)
+
+
+async def test_a_cancelled_receive_is_never_written(prefill, decode):
+    agents, kv = prefill
     peer, expected = decode
     kv.normal_()
-    nbytes = await agent.write_pages(peer.info.agent_name, range(8, 24), range(30, 46), b"contiguous", 10)
-    assert nbytes == kv[:, :, 8:24].numel() * kv.element_size()
-    deadline = time.monotonic() + 5
-    got: list[bytes] = []
-    while not got and time.monotonic() < deadline:
-        got = peer.ask("poll")
-    assert got == [b"contiguous"]
-    expected[:, :, 30:46] = kv[:, :, 8:24]
+    tid = _tid()
+    assert peer.ask("expect", agents["staged"].name, tid, list(range(10))) == "ok"
+    assert peer.ask("cancel", tid) == "ok"  # e.g. the request was aborted on the decode side
+    await agents["staged"].write_pages(peer.info.agent_name, range(10), range(10), tid, timeout_s=10)
     assert torch.equal(peer.pool(), expected)
 
 
 async def test_peer_that_hangs_dies_and_restarts(prefill):
-    """Hung: the write times out on time, cancelling aborts it. Dead: writes fail in well under a
-    second and it cannot be re-added. Restarted under the same name: the new incarnation replaces it."""
-    agent, kv = prefill
+    """Hung: a write times out on time (staged: no ACK comes back), cancelling aborts it. Dead: writes
+    fail in well under a second and it cannot be re-added. Restarted under the same name: the new
+    incarnation replaces it."""
+    agents, kv = prefill
+    agent = agents["staged"]
     name = f"mortal-{uuid.uuid4().hex[:8]}"
-    first = start_peer(name, seed=3)
+    first = start_peer(name, seed=3, staging=DECODE_STAGING)
     second = None
     try:
-        agent.add_peer(first.info)
+        for a in agents.values():
+            a.add_peer(first.info)
+        assert first.ask("add_peer", agent.local_info(), True) == "ok"
         first.signal(signal.SIGSTOP)  # alive but making no progress
         start = time.monotonic()
-        with pytest.raises(KVTransferTimeout, match="timed out"):
-            await agent.write_pages(name, range(SRC_PAGES), range(SRC_PAGES), b"late", timeout_s=0.5)
+        with pytest.raises(KVTransferTimeout, match="timed out|stalled|no free"):
+            await agent.write_pages(name, range(SRC_PAGES), range(SRC_PAGES), _tid(), timeout_s=0.5)
         assert 0.5 <= time.monotonic() - start < 2.5
-        task = asyncio.create_task(agent.write_pages(name, [0], [0], b"cancelled", 30))
+        task = asyncio.create_task(agent.write_pages(name, [0], [0], _tid(), 30))
         await asyncio.sleep(0.1)
         task.cancel()  # e.g. the request was aborted: the transfer is aborted with it
         with pytest.raises(asyncio.CancelledError):
             await task
-        write = agent.begin_write(name, [1], [1], b"released", 30)
-        write.release()
-        with pytest.raises(KVTransferError, match="aborted"):
-            write.poll()
 
         first.signal(signal.SIGKILL)
         first.process.join()
         start = time.monotonic()
         with pytest.raises(KVTransferError, match="disconnected|failed"):
-            await agent.write_pages(name, [1], [1], b"after-crash", timeout_s=30)
+            await agents["direct"].write_pages(name, [1], [1], _tid(), timeout_s=30)
         with pytest.raises(KVTransferError, match="cannot add KV peer"):
             agent.add_peer(first.info)  # nothing listens at its address any more
         assert time.monotonic() - start < 5
-        assert not agent.has_peer(name)
+        assert not agents["direct"].has_peer(name)
+        agent.remove_peer(name)
 
-        second = start_peer(name, seed=4)
+        second = start_peer(name, seed=4, staging=DECODE_STAGING)
         agent.add_peer(second.info)
+        assert second.ask("add_peer", agent.local_info(), True) == "ok"
         assert agent.has_peer(name, second.info.incarnation)
         kv.normal_()
-        await agent.write_pages(name, [5, 6], [9, 10], b"after-restart", 10)
-        assert second.ask("wait", b"after-restart", 10) == "ok"
+        tid = _tid()
+        assert second.ask("expect", agent.name, tid, [9, 10, 20, 30]) == "ok"
+        await agent.write_pages(name, [5, 6, 7, 8], [9, 10, 20, 30], tid, 10)
+        assert second.ask("wait", tid, 10) == 4 * SPAN
         expected = seeded_pool(LAYOUT, NUM_PAGES, seed=4)
-        expected[:, :, [9, 10]] = kv[:, :, [5, 6]]
+        expected[:, :, [9, 10, 20, 30]] = kv[:, :, [5, 6, 7, 8]]
         assert torch.equal(second.pool(), expected)
     finally:
-        agent.remove_peer(name)
+        for a in agents.values():
+            a.remove_peer(name)
         for peer in (first, second):
             if peer is not None:
                 peer.stop()

@@ -340,3 +340,26 @@ def test_decode_role_asks_for_a_shared_uncached_prefix_once(big_runner):
     for rid in prompts:
         sched.abort_request(rid)
     drive(sched)
+
+
+def test_decode_role_hands_a_request_whose_kv_is_arriving_back_before_freeing_its_pages(big_runner):
+    """Abort, deadline or failure of a request still waiting for its KV: the servicer's
+    ``on_kv_abandoned`` hook runs once, while the request still owns its pages (so the transfer
+    writing them is stopped before they can go to anyone else); a request with its KV in does not."""
+    sched = fresh(big_runner, role="decode")
+    seen: list[tuple[str, int]] = []
+    sched.on_kv_abandoned = lambda r: seen.append((r.rid, sched.ledger.used_pages()))
+    for rid in ("aborted", "expired", "failed", "landed"):
+        sched.add_request(req(rid, ids(f"Prompt of the request that is {rid}, long enough for a page."), 4))
+    sched.schedule()
+    assert len(sched.pop_kv_requests()) == 4
+    owned = sched.ledger.used_pages()
+    sched.abort_request("aborted")
+    sched.reqs["expired"].deadline = 1.0  # long past
+    sched.schedule()
+    sched.kv_failed("failed", "prefill failed: test")
+    sched.kv_ready("landed", first_token_id=42)
+    sched.abort_request("landed")
+    assert [rid for rid, _ in seen] == ["aborted", "expired", "failed"]
+    assert seen[0][1] == owned and all(used > 0 for _, used in seen)
+    drive(sched)

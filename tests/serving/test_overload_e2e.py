@@ -118,10 +118,30 @@ async def burst(stack: Stack) -> list[tuple[str, int, str | None, str, float]]:
             base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0, http_client=http
         )
         stub = api_pb2_grpc.PdServeStub(channel)
-        calls = [http_client_call(client, stream=i % 2 == 1) for i in range(HTTP_CLIENTS)]
-        calls += [grpc_client_call(stub) for _ in range(GRPC_CLIENTS)]
-        calls = calls[::2] + calls[1::2]  # interleave the two APIs
+        # The gRPC calls share one open channel and would all reach the gateway before the HTTP
+        # clients' new connections: they go once the burst is refusing (the first HTTP 429).
+        refusing = asyncio.Event()
+        calls = [
+            _noting_refusal(http_client_call(client, stream=i % 2 == 1), refusing)
+            for i in range(HTTP_CLIENTS)
+        ]
+        calls += [_once(refusing, grpc_client_call(stub)) for _ in range(GRPC_CLIENTS)]
         return await asyncio.gather(*calls)
+
+
+async def _noting_refusal(call, refusing: asyncio.Event) -> tuple:
+    result = await call
+    if result[1] == 429:
+        refusing.set()
+    return result
+
+
+async def _once(refusing: asyncio.Event, call) -> tuple:
+    try:
+        await asyncio.wait_for(refusing.wait(), 60)
+    except TimeoutError:
+        pass  # no HTTP refusal at all: the assertions say so
+    return await call
 
 
 def test_300_concurrent_clients_get_answers_or_quick_refusals(overloaded: Stack) -> None:

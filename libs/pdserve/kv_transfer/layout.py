@@ -74,6 +74,10 @@ class KVAgentInfo:
         device_id: CUDA device index of the pool, or -1 for host memory (NIXL ``DRAM``).
         num_pages: pages per (layer, k/v) plane of the pool.
         incarnation: random id of this agent instance; a restarted scheduler has a new one.
+        staging_addr, staging_slots, staging_slot_bytes: the receive lane this agent grants the
+            peer it sends this info to (``staging_slots`` slots of ``staging_slot_bytes`` bytes from
+            ``staging_addr``, registered with this agent); 0 slots when it grants none, and then the
+            peer writes straight into the pool pages.
     """
 
     agent_name: str
@@ -84,6 +88,9 @@ class KVAgentInfo:
     device_id: int
     num_pages: int
     incarnation: str
+    staging_addr: int = 0
+    staging_slots: int = 0
+    staging_slot_bytes: int = 0
 
     @property
     def mem_type(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30)
 
 
 class SchedulerMetrics:
@@ -26,6 +27,12 @@ class SchedulerMetrics:
         )
         self.kv_transfer_bytes = Counter(
             "pdserve:kv_transfer_bytes", "KV bytes moved between prefill and decode over NIXL", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pdserve:kv_transfer_seconds",
+            "Prefill role: from a request's first token to the end of its KV write (what TTFT waits for)",
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated", registry=r)

@@ -125,6 +125,9 @@ class Scheduler:
         self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
         self.in_flight: set[str] = set()
         self.aborted_outputs: list[StepOutput] = []
+        # decode role: called with a request whose prompt KV is still arriving, just before its pages
+        # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
+        self.on_kv_abandoned: Callable[[Req], None] | None = None
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
         self.max_queued_requests = queue_bound(config.max_queued_requests, self.request_capacity)
@@ -213,7 +216,7 @@ class Scheduler:
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         """The prefill for ``rid`` failed for good: free its pages and fail it (``retryable``: for a
         reason of the servers' state, such as every prefill worker down or hung)."""
-        req = self.waiting_for_kv.pop(rid, None)
+        req = self.waiting_for_kv.get(rid)  # _end pops it, after stopping its transfer
         if req is None:
             return None
         req.retryable = retryable
@@ -478,7 +481,8 @@ class Scheduler:
         for queue in (self.waiting, self.prefilling, self.running, self.prefilled):
             if req in queue:
                 queue.remove(req)
-        self.waiting_for_kv.pop(req.rid, None)
+        if self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None:
+            self.on_kv_abandoned(req)
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)

@@ -1,0 +1,137 @@
+"""An outbound KV transfer: the handle a prefill scheduler holds for one request's pages.
+
+Pages are added with ``send`` as they are computed and handed to the agent's ``KVSender`` threads;
+the transfer completes once every group of pages it was given is written (see ``sender``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pdserve.kv_transfer.completion import Completion
+from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.layout import KVAgentInfo
+from pdserve.kv_transfer.staging import SlotRing
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.sender import KVSender
+
+
+class PeerLink:
+    """What the sender knows of one receiver: its info, and its lane's free slots (None: no lane)."""
+
+    def __init__(self, info: KVAgentInfo):
+        self.info = info
+        self.lane = SlotRing(info.staging_slots) if info.staging_slots > 0 else None
+
+
+class KVTransfer:
+    """One outbound transfer into a peer's ``dst_pages`` (made by ``KVTransferAgent.start_transfer``).
+
+    ``send`` any number of times, then ``finish``; ``wait`` returns once every byte has been written.
+
+    Attributes:
+        peer_name, tid: the receiver and the transfer id its notifications name.
+        link: what the sender knows of the receiver (its info, its lane's free slots).
+        dst_pages: the receiver's destination pages.
+        nbytes: bytes written so far.
+        descriptors: NIXL descriptors posted so far (one per staged slot).
+    """
+
+    def __init__(
+        self, sender: KVSender, link: PeerLink, tid: bytes, dst_pages: Sequence[int], stall_s: float
+    ):
+        self.peer_name = link.info.agent_name
+        self.tid = tid
+        self.dst_pages = np.asarray(dst_pages, dtype=np.int64)
+        self.nbytes = 0
+        self.descriptors = 0
+        self.stall_s = stall_s
+        self.lock = threading.Lock()  # held while pool pages of this transfer are read
+        self.link = link
+        self._sender = sender
+        self._pending = 0
+        self._finished = False
+        self._closed = False  # failed, cancelled or complete: no page is read any more
+        self._completion = Completion()
+
+    def send(self, src_pages: Sequence[int], first: int) -> None:
+        """Queue our pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
+
+        Raises:
+            ValueError: a page out of range, ``first`` out of range, or ``send`` after ``finish``.
+        """
+        src = [int(p) for p in src_pages]
+        if not src:
+            return
+        if self._finished:
+            raise ValueError("send() after finish()")
+        if first < 0 or first + len(src) > len(self.dst_pages):
+            raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
+        if min(src) < 0 or max(src) >= self._sender.copier.num_pages:
+            raise ValueError(f"a source page is outside [0, {self._sender.copier.num_pages})")
+        groups = self._sender.plan(self, src, first)
+        with self.lock:
+            if self._closed:
+                return
+            self._pending += len(groups)
+        for group in groups:
+            self._sender.enqueue(group)
+
+    def finish(self) -> None:
+        """No more ``send`` calls; the transfer completes once what was sent is written."""
+        with self.lock:
+            self._finished = True
+            complete = self._pending == 0 and not self._closed
+            if complete:
+                self._closed = True
+        if complete:
+            self._completion.set_result(self.nbytes)
+
+    async def wait(self, timeout_s: float) -> int:
+        """Bytes written, once every page sent is written (after ``finish``).
+
+        Raises:
+            KVTransferError: a WRITE failed, the peer is gone, or the transfer was cancelled.
+            KVTransferTimeout: not done within ``timeout_s`` (the transfer is then cancelled).
+        """
+        try:
+            return await self._completion.wait(timeout_s)
+        except TimeoutError:
+            self.cancel()
+            raise KVTransferTimeout(f"KV transfer {self.tid!r} to {self.peer_name!r} timed out") from None
+
+    def cancel(self) -> None:
+        """Stop: once this returns no page of this transfer is read. Idempotent; the receiver is told."""
+        self.fail(KVTransferError(f"KV transfer {self.tid!r} to {self.peer_name!r} cancelled"))
+
+    @property
+    def done(self) -> bool:
+        return self._completion.done
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed
+
+    def group_done(self, nbytes: int, descriptors: int) -> None:
+        """A group of pages was written (called by the sender's post thread)."""
+        with self.lock:
+            self.nbytes += nbytes
+            self.descriptors += descriptors
+            self._pending -= 1
+            complete = self._pending == 0 and self._finished and not self._closed
+            if complete:
+                self._closed = True
+        if complete:
+            self._completion.set_result(self.nbytes)
+
+    def fail(self, error: BaseException) -> None:
+        """End with ``error`` unless already ended; the receiver is told (ABORT)."""
+        with self.lock:
+            was_open, self._closed = not self._closed, True
+        if was_open and self._completion.set_exception(error):
+            self._sender.notify_abort(self.peer_name, self.tid)

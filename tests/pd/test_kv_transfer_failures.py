@@ -1,0 +1,183 @@
+"""PD KV transfers through staging, in process: streamed chunks equal HF, and failures corrupt nothing.
+
+The real ``PrefillServicer`` and ``DecodeServicer`` (the real model on CPU, prefill in chunks of 64
+tokens so a prompt's pages stream while later chunks compute) behind real gRPC servers, their NIXL
+agents writing over UCX loopback, every transfer forced through staging slots of 2 pages. Failures
+are injected at a seam of the real transfer path (a WRITE of the third slot raises; the decode side
+stops scattering and ACKing): the request ends with a clear error, both schedulers end idle with
+their pools conserved, and the next request still equals HF token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.kv_transfer import StagingConfig
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import KVSender
+from pdserve.model_source import resolve_model
+from pdserve.rpc.server import GrpcServer
+from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from pdserve.services.common.bootstrap import build_kv_agent
+from pdserve.services.common.convert import sampling_params_to_pb
+from pdserve.services.decode.servicer import DecodeServicer
+from pdserve.services.prefill.servicer import PrefillServicer
+from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.pd.test_dead_detokenizer import start_detokenizer, wait_until
+from tests.reference import chat_ids, hf_greedy
+
+
+def prompt(topic: str) -> list[int]:
+    """A prompt of several chunks; each test fails requests on its own topic, so that the decode
+    side's radix cache (which keeps an earlier test's prompt) never shrinks the transfer under test."""
+    return chat_ids([{"role": "user", "content": f"List five facts about {topic}. " * 40}])
+
+
+PROMPT = prompt("the moon")
+MAX_NEW = 8
+TRANSFER_TIMEOUT_S = 2.0
+
+
+def _scheduler(role: str) -> Scheduler:
+    runner = ModelRunner(resolve_model(), dtype="float32", page_size=16, max_total_tokens=4096)
+    return Scheduler(runner, SchedulerConfig(role=role, chunked_prefill_size=64))
+
+
+@pytest.fixture(scope="module")
+def schedulers() -> tuple[Scheduler, Scheduler]:
+    torch.set_num_threads(2)
+    return _scheduler("prefill"), _scheduler("decode")
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="module")
+async def pd(schedulers):
+    """Prefill and decode servicers behind gRPC, their loops running, and a detokenizer endpoint."""
+    prefill_sched, decode_sched = schedulers
+    span = decode_sched.runner.kv_pool.kv_data[:, :, 0].numel() * 4
+    staging = StagingConfig(
+        slot_bytes=2 * span, send_slots=2, lanes=1, lane_slots=3, direct_min_bytes=1 << 40
+    )
+    servers, stop, tasks = [], asyncio.Event(), []
+    prefill_server = GrpcServer("127.0.0.1:0", [])
+    prefill = PrefillServicer(
+        prefill_sched,
+        prefill_server.address,
+        build_kv_agent(prefill_sched, "prefill", prefill_server.address, "127.0.0.1", staging),
+        transfer_timeout_s=TRANSFER_TIMEOUT_S,
+    )
+    prefill_server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, prefill)
+    decode_server = GrpcServer("127.0.0.1:0", [])
+    decode_agent = build_kv_agent(decode_sched, "decode", decode_server.address, "127.0.0.1", staging)
+    decode = DecodeServicer(decode_sched, decode_server.address, decode_agent, prefill_retries=0)
+    decode_server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, decode)
+    for server, servicer in ((prefill_server, prefill), (decode_server, decode)):
+        await server.start()
+        servers.append(server)
+        tasks.append(asyncio.create_task(servicer.loop.run(stop)))
+    detok_server, detok = await start_detokenizer()
+    channel = grpc.aio.insecure_channel(decode_server.address)
+    try:
+        yield (
+            scheduler_pb2_grpc.DecodeSchedulerStub(channel),
+            prefill_server.address,
+            detok_server.address,
+            detok,
+        )
+    finally:
+        await channel.close()
+        for server in (*servers, detok_server):
+            await server.stop(0)
+        stop.set()
+        await asyncio.gather(*tasks)
+        await decode.close()
+        decode_agent.close()
+        prefill.agent.close()
+
+
+async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
+    """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
+    stub, prefill_address, detok_address, detok = pd
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    await stub.Generate(
+        scheduler_pb2.TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=sampling_params_to_pb(params),
+            prefill_address=prefill_address,
+            output_address=detok_address,
+            gateway_address="127.0.0.1:1",
+        )
+    )
+    await wait_until(lambda: detok.finish(rid), timeout=120)
+    outputs = detok.outputs[rid]
+    return [t for out in outputs for t in out.token_ids], outputs[-1].finish_reason, outputs[-1].error
+
+
+async def _idle_and_conserved(schedulers) -> None:
+    for scheduler in schedulers:
+        await wait_until(lambda s=scheduler: not s.reqs, timeout=30)
+        assert scheduler.ledger.used_pages() == 0
+        scheduler.check_invariants()
+
+
+async def test_streamed_staged_transfer_equals_hf(schedulers, pd):
+    assert len(PROMPT) > 4 * 64  # several chunks, several slots per chunk
+    tokens, finish, error = await _run(pd, "streamed")
+    assert (finish, error) in ((common_pb2.FINISH_REASON_LENGTH, ""), (common_pb2.FINISH_REASON_STOP, ""))
+    assert tokens == hf_greedy(PROMPT, MAX_NEW)
+    assert schedulers[0].metrics.kv_transfer_seconds.collect()[0].samples
+    await _idle_and_conserved(schedulers)
+
+
+async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothing(
+    schedulers, pd, monkeypatch
+):
+    real, calls = KVSender._start_write, []
+
+    def third_write_fails(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected: the wire broke")
+        return real(self, *args)
+
+    monkeypatch.setattr(KVSender, "_start_write", third_write_fails)
+    sun = prompt("the sun")
+    tokens, finish, error = await _run(pd, "broken", sun)
+    monkeypatch.undo()
+    assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error and "wire broke" in error
+    assert len(calls) >= 3
+    await _idle_and_conserved(schedulers)
+    tokens, finish, _ = await _run(pd, "after-broken", sun)  # reuses the failed request's freed pages
+    assert tokens == hf_greedy(sun, MAX_NEW)
+    await _idle_and_conserved(schedulers)
+
+
+async def test_a_decode_side_that_stalls_times_out_on_both_sides(schedulers, pd, monkeypatch):
+    """The decode side stops scattering and ACKing (its notification thread hangs): the prefill side
+    runs out of lane slots and its transfer times out; both sides free the request's pages once.
+    When the decode side moves again, the late slots are ACKed but not scattered, and the lane serves
+    the next request."""
+    stalled, real = threading.Event(), KVReceiver.on_landed
+
+    def hung(self, sender, landed):
+        stalled.wait(30)
+        real(self, sender, landed)
+
+    monkeypatch.setattr(KVReceiver, "on_landed", hung)
+    mars = prompt("Mars")
+    tokens, finish, error = await _run(pd, "stalled", mars)
+    assert finish == common_pb2.FINISH_REASON_ERROR and "prefill failed" in error, error
+    await _idle_and_conserved(schedulers)
+    stalled.set()
+    monkeypatch.undo()
+    tokens, finish, _ = await _run(pd, "after-stall", mars)
+    assert tokens == hf_greedy(mars, MAX_NEW)
+    await _idle_and_conserved(schedulers)
