@@ -10,7 +10,7 @@ GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -82,6 +82,9 @@ bench-kv-e2e: install
 
 bench-gateway: install
 	$(PYTHON) -m benchmarks.gateway_overhead $(ARGS)
+
+bench-stack: install
+	$(PYTHON) -m benchmarks.stack_overhead $(ARGS)
 
 bench-attn: install
 	$(PYTHON) -m benchmarks.attention_kernel $(ARGS)

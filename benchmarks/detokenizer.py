@@ -93,6 +93,7 @@ class Gateway(output_pb2_grpc.GatewayOutputServicer):
             for out in batch.outputs:
                 self.chars += len(out.text_delta)
                 self.finished += out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            self.chars += sum(len(text) for text in batch.text_deltas)
             if self.finished >= self.expected:
                 self.done.set()
         return output_pb2.StreamAck()
@@ -107,9 +108,21 @@ def free_port() -> int:
 def step_messages(
     streams: list[list[int]], gateway: str, stops: tuple[str, ...]
 ) -> list[output_pb2.BatchTokenIDOutput]:
+    """One BatchTokenIDOutput per step, as a decode worker sends them: the first and last outputs of
+    each stream as rows of their own, every step between as columns."""
     steps = len(streams[0])
     batches = []
     for step in range(steps):
+        if 0 < step < steps - 1:
+            batches.append(
+                output_pb2.BatchTokenIDOutput(
+                    rids=[f"r{k}" for k in range(len(streams))],
+                    num_token_ids=[1] * len(streams),
+                    token_ids=[ids[step] for ids in streams],
+                    completion_tokens=[step + 1] * len(streams),
+                )
+            )
+            continue
         batch = output_pb2.BatchTokenIDOutput()
         for k, ids in enumerate(streams):
             out = batch.outputs.add(rid=f"r{k}", token_ids=[ids[step]], completion_tokens=step + 1)

@@ -31,7 +31,9 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import httpx
@@ -53,7 +55,12 @@ from benchmarks.serving_lib.overhead import (
     overhead_table,
     summarize_overhead,
 )
-from benchmarks.serving_lib.procs import cpu_seconds, loaded_kernels, pdserve_processes
+from benchmarks.serving_lib.procs import (
+    cpu_seconds,
+    loaded_kernels,
+    pdserve_processes,
+    rerun_with_scheduler_env,
+)
 from benchmarks.serving_lib.stats import RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
 from benchmarks.serving_lib.workload import PromptSource
@@ -88,10 +95,20 @@ class OverheadBench:
     """Runs the comparison against one launched stack and one in-process server (same flags).
 
     After :meth:`run`, ``kernels`` holds the C kernels each side's scheduler loaded (they must match).
+    ``around_side(side, level, round)``, when given, returns a context manager that each counted run
+    of a side runs inside (e.g. a profiler; round -1 is the warm-up, which it does not wrap).
     """
 
-    def __init__(self, stack: Stack, server: InProcessServer, tokenizer: Tokenizer, cfg: OverheadConfig):
+    def __init__(
+        self,
+        stack: Stack,
+        server: InProcessServer,
+        tokenizer: Tokenizer,
+        cfg: OverheadConfig,
+        around_side: Callable[[str, int, int], AbstractContextManager] | None = None,
+    ):
         self.stack, self.server, self.tokenizer, self.cfg = stack, server, tokenizer, cfg
+        self.around_side = around_side
         self.processes = pdserve_processes(stack.proc.pid) | {"bench": psutil.Process()}
         self.params = SamplingParams(temperature=0.0, max_new_tokens=cfg.output_tokens, ignore_eos=True)
         self.kernels: dict[str, list[str]] = {}
@@ -137,7 +154,8 @@ class OverheadBench:
     async def _side(self, side: str, send: Send[Item], items: list[Item], level: int, rnd: int) -> SideRun:
         desc = f"round {rnd} {side} c={level}" if rnd >= 0 else f"{side} warmup"
         before = await self._latency_totals(side)
-        with cpu_seconds(self.processes) as cpu:
+        around = self.around_side(side, level, rnd) if self.around_side and rnd >= 0 else nullcontext()
+        with around, cpu_seconds(self.processes) as cpu:
             if side == HTTP:
                 records = await run_level(send, items, "concurrency", level, desc=desc)
             else:
@@ -186,6 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the comparison from command-line ``argv``; print the table and the JSON line, return that JSON."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("benchmarks").setLevel(logging.INFO)
+    argv = sys.argv[1:] if argv is None else argv
+    rerun_with_scheduler_env("benchmarks.gateway_overhead", argv)
     args = parse_args(argv)
     cfg = OverheadConfig(
         prompt_tokens=args.prompt_tokens,

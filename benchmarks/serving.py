@@ -7,7 +7,8 @@ prints a table, writes a PNG plot, and ends stdout with one JSON line holding ev
 
 Targets: ``--base-url URL`` (a running server), ``--launch "FLAGS"`` (start ``pdserve launch FLAGS``
 on free ports), or ``--compare "A=FLAGS" "B=FLAGS"`` (each pdserve configuration in turn, in one
-run, with ratios to the first). With none of them, pdserve is launched ``--colocated``.
+run, with ratios to the first; ``"A@CHECKOUT=FLAGS"`` runs another checkout of pdserve, with its own
+``.venv``, for before / after comparisons). With none of them, pdserve is launched ``--colocated``.
 
 Example: ``make bench ARGS='--workload shared-prefix --compare "cache=--colocated"
 "nocache=--colocated --disable-radix-cache" --concurrency 16'``.

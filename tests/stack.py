@@ -178,10 +178,12 @@ def launch_stack(
     tls_ca: str | None = None,
     port: int | None = None,
     internal_port_base: int | None = None,
+    python: str = sys.executable,
 ) -> Stack:
     """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) and wait for a
     healthy /health (over HTTPS verified with ``tls_ca`` when given). HTTP on ``port`` and gRPC on
-    ``port + 1``, internal ports from ``internal_port_base``; free ones where not given.
+    ``port + 1``, internal ports from ``internal_port_base``; free ones where not given. ``python``
+    is the interpreter (whose pdserve runs).
 
     Raises RuntimeError with the tail of the log if the stack does not come up.
     """
@@ -192,7 +194,7 @@ def launch_stack(
     log_path = os.path.join(log_dir, f"{log_name}.log")
     log = open(log_path, "w")  # noqa: SIM115 -- lives as long as the stack
     cmd = [
-        sys.executable, "-m", "pdserve.cli", "launch",
+        python, "-m", "pdserve.cli", "launch",
         "--port", str(port), "--grpc-port", str(port + 1),
         "--internal-port-base", str(base), *flags,
     ]  # fmt: skip

@@ -7,6 +7,8 @@ versions of the source, or one whose build failed (PyTorch fallback), run differ
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,3 +64,17 @@ def loaded_kernels(proc: psutil.Process) -> list[str]:
     """File names of the pdserve C kernels (``<name>-<source hash>.so``) mapped into ``proc``, sorted."""
     kernels = cache_dir() / "kernels"
     return sorted({Path(m.path).name for m in proc.memory_maps() if Path(m.path).parent == kernels})
+
+
+def rerun_with_scheduler_env(module: str, argv: list[str]) -> None:
+    """Re-run ``python -m module argv`` in this process with the environment ``pdserve launch`` gives
+    its schedulers (``topology.scheduler_env``), unless it has it already, so that a scheduler driven
+    in this process runs its OpenMP threads as the stack's do (libgomp reads its settings once, when
+    it loads). A pdserve without ``scheduler_env`` (an older checkout) changes nothing."""
+    try:
+        from pdserve.services.launcher.topology import scheduler_env
+    except ImportError:
+        return
+    missing = {k: v for k, v in scheduler_env().items() if os.environ.get(k) != v}
+    if missing:
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], os.environ | missing)

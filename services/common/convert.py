@@ -98,6 +98,41 @@ def token_output_to_pb(
     return out
 
 
+class TokenIDBatchBuilder:
+    """Collects one step's rows for one detokenizer and builds their ``BatchTokenIDOutput`` once.
+
+    A row with nothing but new ids goes into the columns; a request's first or last output, or one
+    with logprobs, becomes a ``TokenIDOutput`` (``token_output_to_pb``).
+    """
+
+    __slots__ = ("completion", "counts", "extras", "ids", "rids")
+
+    def __init__(self) -> None:
+        self.extras: list[output_pb2.TokenIDOutput] = []
+        self.rids: list[str] = []
+        self.counts: list[int] = []
+        self.ids: list[int] = []
+        self.completion: list[int] = []
+
+    def add(self, req: Req, new_token_ids: list[int], finished: bool, first: bool) -> None:
+        if first or finished or (new_token_ids and req.sampling_params.return_logprob):
+            self.extras.append(token_output_to_pb(req, new_token_ids, finished, first))
+            return
+        self.rids.append(req.rid)
+        self.counts.append(len(new_token_ids))
+        self.ids.extend(new_token_ids)
+        self.completion.append(len(req.output_ids))
+
+    def build(self) -> output_pb2.BatchTokenIDOutput:
+        return output_pb2.BatchTokenIDOutput(
+            outputs=self.extras,
+            rids=self.rids,
+            num_token_ids=self.counts,
+            token_ids=self.ids,
+            completion_tokens=self.completion,
+        )
+
+
 def kv_layout_to_pb(layout: KVLayout) -> scheduler_pb2.KVLayout:
     return scheduler_pb2.KVLayout(**vars(layout))
 

@@ -1,12 +1,31 @@
-"""Drive a ``Scheduler`` from an asyncio loop: inputs → schedule → forward on a worker thread → process.
+"""Drive a ``Scheduler`` from an asyncio loop, overlapping each step's CPU work with the next forward.
 
-The event loop thread owns all scheduler state; only the forward runs on the single worker thread,
-so gRPC handlers (add, abort) never race with scheduling decisions: they submit events that enter
-the scheduler at one point per iteration (``collect_inputs``, ``pdserve.services.common.step_inputs``).
-Under tensor parallelism that point is where rank 0's inputs reach every rank, so all ranks apply
-the same events in the same order and run the same steps; only rank 0 emits outputs. A failed
-forward or collective there fails the whole rank group (the loop raises): a rank that skipped a
-step could never meet the others in their collectives again.
+The event loop thread owns all scheduler state; only forwards run, one after another, on the single
+forward thread. With overlap (the default; SGLang's ``event_loop_overlap``), while the forward of
+step N runs the loop thread processes step N-1's results, sends them, takes new requests and aborts,
+and schedules step N+1, whose decode inputs are step N's sampled ids, filled in on the forward
+thread (``ScheduleBatch.resolve``). Without overlap (``--disable-overlap-schedule``) every step is
+schedule → forward → process.
+
+One iteration:
+
+    1. inputs   apply this step's inputs, in the order they arrived (the seam below)
+    2. schedule step N+1 (if it needs step N's token ids first: process step N, then schedule)
+    3. launch   queue step N+1 on the forward thread (it starts when step N's forward ends)
+    4. process  await step N's result, apply it (without overlap: step N+1's, right away)
+    5. emit     hand the step's outputs (tokens, finishes, aborts, failures) to ``on_outputs``
+
+The step-input seam: gRPC handlers never touch the scheduler. They submit *events* (:meth:`add`,
+:meth:`abort`, :meth:`call`, or a role's own events through ``inputs``), and step 1 applies every
+event at one point per iteration, in arrival order, before scheduling
+(``pdserve.services.common.step_inputs``). Under tensor parallelism that point is where rank 0's
+events reach every rank (one all-gather over the gloo control group, with rank 0's clock reading
+and each rank's reports and state digest), so every rank applies the same list there and runs the
+same steps; only rank 0 emits outputs. Collectives stay in the same order on every rank: the
+exchange is the only control-group collective, once per iteration at step 1, and the forwards
+(whose all-reduces use the device group) run one after another on the forward thread, the same
+batches in the same order. A failed collective, or states that diverged, fail the whole rank group
+(the loop raises): a rank that skipped a step could never meet the others in their collectives again.
 """
 
 from __future__ import annotations
@@ -14,26 +33,36 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.scheduler.overload import QueueFull
-from pdserve.scheduler.req import FinishReason
+from pdserve.scheduler.req import Req
+from pdserve.scheduler.schedule_batch import ScheduleBatch
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.liveness import Heartbeat
 from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[Any], "list[StepOutput] | None | Awaitable[list[StepOutput] | None]"]
+Handler = Callable[[Any], Any]
 IDLE_POLL_S = 0.05  # how often an idle loop wakes to check deadlines (and, under TP, meet its ranks)
 
 
 class TpGroupFailure(RuntimeError):
     """The ranks of a tensor-parallel scheduler can no longer run in step (a rank died, hung, failed
     a forward, or their states diverged); the whole group must restart."""
+
+
+@dataclass(slots=True)
+class Call:
+    """``fn(scheduler, *args)`` at the seam; ``fn`` is a module-level function or a ``Scheduler``
+    method (it travels to every rank by name)."""
+
+    fn: Callable[..., Any]
+    args: tuple
 
 
 class SchedulerLoop:
@@ -46,13 +75,18 @@ class SchedulerLoop:
         after_schedule: called after each ``schedule()`` (the decode role starts prefill calls there,
             the prefill role starts KV writes).
         handlers: how the role applies each kind of event (on every rank, in the inputs' order): a
-            function of the event returning the outputs it produced (a list, None, or an awaitable
-            of either); ``NewRequest`` and ``Abort`` go to the scheduler unless overridden.
+            function of the event returning a value (a ``StepOutput`` or a list of them goes out
+            with the step's outputs; the value, or what it raised, answers the event's ``done``
+            future on rank 0), possibly awaitable; ``NewRequest`` and ``Abort`` go to the scheduler
+            unless overridden.
         tp: this rank's TP group.
+        overlap: overlap each step's CPU work with the next forward (see the module docstring).
 
     Attributes:
         inputs: where handlers submit events (``InputSync``).
         heartbeat: beaten once per iteration (the worker's liveness, see ``liveness.StepWatchdog``).
+            Every iteration awaits the forward it launched one iteration earlier (at once without
+            overlap), so a forward that never returns stops the beats within one iteration.
     """
 
     def __init__(
@@ -62,12 +96,19 @@ class SchedulerLoop:
         after_schedule: Callable[[], None] | None = None,
         handlers: dict[type, Handler] | None = None,
         tp: TpGroup = SINGLE_RANK,
+        overlap: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.on_outputs = on_outputs if tp.is_driver else lambda outputs: None
-        self.handlers: dict[type, Handler] = {NewRequest: self.add, Abort: self._abort, **(handlers or {})}
+        self.handlers: dict[type, Handler] = {
+            NewRequest: self.add_request,
+            Abort: self._abort,
+            Call: self._call,
+            **(handlers or {}),
+        }
         self.after_schedule = after_schedule or (lambda: None)
         self.tp = tp
+        self.overlap = overlap
         self.inputs = InputSync(tp)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
@@ -77,34 +118,66 @@ class SchedulerLoop:
             self._now = 0.0
             scheduler.clock = lambda: self._now  # rank 0's reading of this step, on every rank
 
-    def add(self, event: NewRequest) -> list[StepOutput]:
-        """Queue the request; one the scheduler refuses (its handler checked it, so only a state that
-        changed meanwhile can: a queue grown by retractions is retryable) ends at once with an error
-        output instead of failing the loop."""
-        try:
-            self.scheduler.add_request(event.req)
-        except (ValueError, QueueFull) as e:
-            event.req.retryable = isinstance(e, QueueFull)
-            event.req.finish(FinishReason.ERROR, str(e))
-            return [StepOutput(event.req, finished=True)]
-        return []
+    # ---- step inputs (rank 0's handlers, on the loop's thread) ------------------------------
+    def add(self, req: Req) -> asyncio.Future:
+        """Queue ``req`` at the next step; the future gets its queue position, or the ValueError /
+        QueueFull with which ``Scheduler.add_request`` refused it."""
+        return self.submit(NewRequest(req))
 
-    def _abort(self, event: Abort) -> None:
-        self.scheduler.abort_request(event.rid, event.reason)
+    def abort(self, rid: str, reason: str) -> None:
+        """Abort ``rid`` at the next step (whatever state it is in; unknown rids are ignored)."""
+        self.submit(Abort(rid, reason))
 
-    async def apply_inputs(self, inputs: StepInputs) -> list[StepOutput]:
-        """Apply the iteration's events in order; the outputs they produced."""
-        outputs: list[StepOutput] = []
-        for event in inputs.events:
-            produced = self.handlers[type(event)](event)
-            if inspect.isawaitable(produced):
-                produced = await produced
-            outputs += produced or []
-        return outputs
+    def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """Apply ``fn(scheduler, *args)`` at the next step's input point (see :class:`Call`)."""
+        return self.submit(Call(fn, args))
+
+    def submit(self, event: Any) -> asyncio.Future:
+        """Submit ``event`` for the next step and wake the loop; the future gets what its handler
+        returned (or raised)."""
+        done = asyncio.get_running_loop().create_future()
+        self.inputs.submit(event, done)
+        self._wakeup.set()
+        return done
 
     def wake(self) -> None:
-        """Call after submitting an event so an idle loop takes it at once."""
+        """Wake an idle loop (after submitting an event, or changing what ``after_schedule`` finds)."""
         self._wakeup.set()
+
+    # ---- default handlers (every rank) ------------------------------------------------------
+    def add_request(self, event: NewRequest) -> int:
+        """``Scheduler.add_request``; the queue position (raises as it does)."""
+        self.scheduler.add_request(event.req)
+        return len(self.scheduler.waiting)
+
+    def _abort(self, event: Abort) -> bool:
+        return self.scheduler.abort_request(event.rid, event.reason)
+
+    def _call(self, event: Call) -> Any:
+        return event.fn(self.scheduler, *event.args)
+
+    async def apply_inputs(self, inputs: StepInputs) -> list[StepOutput]:
+        """Step 1: apply the iteration's events in order; the outputs they produced."""
+        outputs: list[StepOutput] = []
+        for event, done in zip(inputs.events, inputs.done, strict=True):
+            try:
+                value = self.handlers[type(event)](event)
+                if inspect.isawaitable(value):
+                    value = await value
+            except Exception as e:
+                if done is not None:
+                    if not done.done():
+                        done.set_exception(e)
+                elif self.tp.is_driver:
+                    logger.exception("step input %s failed", type(event).__name__)
+                continue
+            if isinstance(value, StepOutput):
+                outputs.append(value)
+            elif isinstance(value, list):
+                outputs.extend(value)
+            if done is not None and not done.done():
+                done.set_result(value)
+        return outputs
 
     async def collect_inputs(self, stop: asyncio.Event) -> StepInputs:
         """The iteration's inputs: rank 0's events (and every rank's reports), the same on every rank.
@@ -124,10 +197,11 @@ class SchedulerLoop:
                 self.scheduler.metrics.tp_state_checks.inc()
         return inputs
 
+    # ---- the loop -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Raises ``TpGroupFailure`` (TP only) when the group cannot go on."""
-        loop = asyncio.get_running_loop()
         sched = self.scheduler
+        in_flight: tuple[ScheduleBatch, asyncio.Future] | None = None
         try:
             while True:
                 self.heartbeat.beat()
@@ -138,30 +212,48 @@ class SchedulerLoop:
                 applied = await self.apply_inputs(inputs)
                 if applied:  # sent before the step's: one output batch holds a rid once
                     self.on_outputs(applied)
+                outputs: list[StepOutput] = []
                 batch = sched.schedule()
+                if batch is None and sched.needs_results and in_flight is not None:
+                    outputs += await self._process(*in_flight)
+                    in_flight = None
+                    batch = sched.schedule()
                 self.after_schedule()
-                outputs = sched.pop_aborted()
-                if batch is not None:
-                    try:
-                        result = await loop.run_in_executor(self.executor, sched.run_batch, batch)
-                    except Exception as e:
-                        if self.tp.size > 1:
-                            raise TpGroupFailure(f"forward failed on TP rank {self.tp.rank}: {e}") from e
-                        logger.exception("forward failed")  # fails its requests, not the service
-                        outputs += sched.fail_batch(batch, f"forward failed: {e}")
-                    else:
-                        outputs += sched.process_result(batch, result)
+                launched = None if batch is None else (batch, self._launch(batch))
+                if in_flight is not None:  # step N's results while step N+1 runs
+                    outputs += await self._process(*in_flight)
+                in_flight = launched
+                if in_flight is not None and not self.overlap:
+                    outputs += await self._process(*in_flight)
+                    in_flight = None
+                outputs += sched.pop_aborted()
                 if self.tp.size > 1:
                     self._digest = sched.state_digest()
                 if outputs:
                     self.on_outputs(outputs)
-                if batch is None and self.tp.is_driver:
+                idle = batch is None and in_flight is None and not self.inputs.pending()
+                if idle and self.tp.is_driver:  # the other ranks wait in the next exchange
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
                     except TimeoutError:
                         pass
-                else:
+                elif not self.overlap or in_flight is None:
                     await asyncio.sleep(0)  # let gRPC handlers run between steps
         finally:
+            if in_flight is not None:  # let the last forward end before the executor goes
+                await asyncio.wait([in_flight[1]])
             self.inputs.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _launch(self, batch: ScheduleBatch) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.scheduler.run_batch, batch)
+
+    async def _process(self, batch: ScheduleBatch, future: asyncio.Future) -> list[StepOutput]:
+        try:
+            result = await future
+        except Exception as e:  # run_batch isolates forward errors; anything else fails the step
+            if self.tp.size > 1:
+                raise TpGroupFailure(f"step failed on TP rank {self.tp.rank}: {e}") from e
+            logger.exception("step failed")
+            return self.scheduler.fail_batch(batch, f"step failed: {type(e).__name__}: {e}")
+        return self.scheduler.process_result(batch, result)

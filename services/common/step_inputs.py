@@ -47,6 +47,7 @@ class StepInputs:
         now: rank 0's ``time.time()``: the scheduler clock of this step on every rank.
         stop: rank 0 is stopping; every rank leaves its loop.
         events: rank 0's submitted events in arrival order, then each rank's reports in rank order.
+        done: aligned with ``events``: on rank 0 the future of each event it submitted, else None.
         digests: each rank's ``Scheduler.state_digest()`` after its previous step (None before the
             first step, and with one rank).
     """
@@ -55,6 +56,7 @@ class StepInputs:
     stop: bool
     events: list[Any] = field(default_factory=list)
     digests: list[str | None] = field(default_factory=list)
+    done: list[asyncio.Future | None] = field(default_factory=list)
 
 
 class InputSync:
@@ -68,12 +70,15 @@ class InputSync:
     def __init__(self, tp: TpGroup) -> None:
         self.tp = tp
         self._submitted: list[Any] = []
+        self._done: list[asyncio.Future | None] = []
         self._reported: list[Any] = []
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="tp-sync") if tp.size > 1 else None
 
-    def submit(self, event: Any) -> None:
-        """An input from outside (rank 0): a request, an abort, a prefill worker's answer."""
+    def submit(self, event: Any, done: asyncio.Future | None = None) -> None:
+        """An input from outside (rank 0): a request, an abort, a prefill worker's answer; ``done``
+        (rank 0's, never sent) learns how applying it went."""
         self._submitted.append(event)
+        self._done.append(done)
 
     def report(self, event: Any) -> None:
         """An input about this rank's own work, which every rank must learn (e.g. its KV write ended)."""
@@ -90,14 +95,19 @@ class InputSync:
             RuntimeError: a peer rank died or did not answer within the group's timeout.
         """
         mine = (time.time(), stop, self._submitted, self._reported, digest)
-        self._submitted, self._reported = [], []
+        done = self._done
+        self._submitted, self._reported, self._done = [], [], []
         if self._thread is None:
-            return StepInputs(mine[0], stop, mine[2] + mine[3], [digest])
+            events = mine[2] + mine[3]
+            return StepInputs(mine[0], stop, events, [digest], done + [None] * len(mine[3]))
         loop = asyncio.get_running_loop()
         gathered = await loop.run_in_executor(self._thread, self.tp.all_gather_object, mine)
         now, stop, submitted = gathered[0][:3]
         events = list(submitted) + [event for rank in gathered for event in rank[3]]
-        return StepInputs(now, stop, events, [rank[4] for rank in gathered])
+        if not self.tp.is_driver:
+            done = [None] * len(submitted)
+        done += [None] * (len(events) - len(submitted))
+        return StepInputs(now, stop, events, [rank[4] for rank in gathered], done)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -6,7 +6,13 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, positive_float, setup_logging
+from pdserve.cli_args import (
+    apply_env_defaults,
+    parse_service_args,
+    positive_float,
+    positive_int,
+    setup_logging,
+)
 from pdserve.distributed import TpGroup
 from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
@@ -53,6 +59,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a prefill worker may leave its health checks unanswered before the prefills it "
         "holds are retried on another one",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed output of a request (its first and last go out at once)",
+    )
     apply_env_defaults(parser)
     return parser
 
@@ -71,6 +83,8 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
         args.detokenizer_dead_after,
         args.prefill_dead_after,
         tp,
+        overlap=not args.disable_overlap_schedule,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -25,7 +25,7 @@ from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
-from pdserve.services.common.convert import sampling_params_from_pb, token_output_to_pb
+from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.kv_ranks import KVRanks
@@ -80,6 +80,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
             it holds our prefills before they are given up on it (and retried on another one).
         tp: this rank's TP group.
+        overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
+        stream_interval: tokens per output of a request (its first and last go out at once).
     """
 
     def __init__(
@@ -91,15 +93,18 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
         prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
         tp: TpGroup = SINGLE_RANK,
+        overlap: bool = True,
+        stream_interval: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.prefill_dead_after = prefill_dead_after
+        self.stream_interval = stream_interval
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
         self.tp = tp
         handlers = {Abort: self._abort, KVReady: self._kv_ready, KVFailed: self._kv_failed}
-        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp)
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp, overlap)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
             dead_after=detokenizer_dead_after,
@@ -136,36 +141,29 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                 "scheduler_address": self.address,
             },
         )
-        pending = self.loop.inputs.pending()
         try:
-            if any(isinstance(e, NewRequest) and e.req.rid == req.rid for e in pending):
-                raise ValueError(f"duplicate rid {req.rid!r}")
-            self.scheduler.check_request(req, pending=sum(isinstance(e, NewRequest) for e in pending))
+            position = await self.loop.add(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        self.loop.inputs.submit(NewRequest(req))
-        self.loop.wake()
-        queued = len(self.scheduler.waiting) + sum(isinstance(e, NewRequest) for e in pending)
-        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=queued)
+        return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
         rid = request.rid
         found = rid in self.scheduler.reqs or any(
             isinstance(e, NewRequest) and e.req.rid == rid for e in self.loop.inputs.pending()
         )
-        self.loop.inputs.submit(Abort(rid, request.reason or "aborted"))
-        self.loop.wake()
+        self.loop.abort(rid, request.reason or "aborted")
         return scheduler_pb2.AbortResponse(found=found)
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
-    def _abort(self, event: Abort) -> None:
+    def _abort(self, event: Abort) -> bool:
         """Stop a prefill in flight (rank 0) and abort the request in the scheduler."""
         task = self.prefill_tasks.pop(event.rid, None)
         if task is not None:
             task.cancel()
-        self.scheduler.abort_request(event.rid, event.reason)
+        return self.scheduler.abort_request(event.rid, event.reason)
 
     def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
         out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
@@ -191,24 +189,36 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
     # ---- outputs ------------------------------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
-        """Group one step's outputs into one BatchTokenIDOutput per detokenizer."""
-        batches: dict[str, output_pb2.BatchTokenIDOutput] = {}
+        """One BatchTokenIDOutput per detokenizer for one step's outputs.
+
+        With ``stream_interval`` N > 1 a request's tokens go out N at a time (and always with its
+        first token and its finish): fewer messages, decodes and SSE events per token.
+        """
+        batches: dict[str, TokenIDBatchBuilder] = {}
+        interval = self.stream_interval
         for out in outputs:
             req = out.req
             target = req.meta.get("output_address", "")
             if not target:
                 continue
             first = req.rid not in self.started
+            sent = req.meta.get("sent", 0)
+            if not (first or out.finished) and len(req.output_ids) - sent < interval:
+                continue
             self.started.add(req.rid)
             if out.finished:
                 self.started.discard(req.rid)
                 task = self.prefill_tasks.pop(req.rid, None)
                 if task is not None:
                     task.cancel()
-            batch = batches.setdefault(target, output_pb2.BatchTokenIDOutput())
-            batch.outputs.append(token_output_to_pb(req, out.new_token_ids, out.finished, first))
-        for target, batch in batches.items():
-            self.outputs.send(target, batch)
+            new_ids = req.output_ids[sent:] if interval > 1 else out.new_token_ids
+            req.meta["sent"] = len(req.output_ids)
+            builder = batches.get(target)
+            if builder is None:
+                builder = batches[target] = TokenIDBatchBuilder()
+            builder.add(req, new_ids, out.finished, first)
+        for target, builder in batches.items():
+            self.outputs.send(target, builder.build())
 
     def _detokenizer_gone(self, address: str, dropped: list[output_pb2.BatchTokenIDOutput]) -> None:
         """Abort every request whose outputs go to the detokenizer at ``address``: no one reads them."""
@@ -222,8 +232,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         for rid in rids:
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
-            self.loop.inputs.submit(Abort(rid, f"detokenizer {address} is gone"))
-        self.loop.wake()
+            self.loop.abort(rid, f"detokenizer {address} is gone")
 
     async def fail_all(self, error: str) -> None:
         """The rank group is going down: every request (queued or not yet applied) ends with ``error``,
@@ -289,8 +298,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             return
         finally:
             self.prefill_tasks.pop(rid, None)
-        self.loop.inputs.submit(event)
-        self.loop.wake()
+        self.loop.submit(event)
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
         """One Prefill call; returns once its response came and every page of its KV has landed (on

@@ -37,6 +37,56 @@ def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
     return TokenStep(out.rid, out.token_ids, finish, options)
 
 
+def column_rows(batch: output_pb2.BatchTokenIDOutput) -> list[tuple[str, list[int], int]]:
+    """The column rows of ``batch``: ``(rid, new ids, completion tokens)`` in order (see
+    ``BatchTokenIDOutput``).
+
+    Raises:
+        ValueError: the columns disagree in length.
+    """
+    rids, counts, completion = batch.rids, batch.num_token_ids, batch.completion_tokens
+    ids = list(batch.token_ids)
+    if not len(rids) == len(counts) == len(completion) or sum(counts) != len(ids):
+        raise ValueError("BatchTokenIDOutput columns disagree in length")
+    rows, start = [], 0
+    for rid, n, done in zip(rids, counts, completion, strict=True):
+        rows.append((rid, ids[start : start + n], done))
+        start += n
+    return rows
+
+
+class StrBatchBuilder:
+    """Collects one step's rows for one gateway and builds their ``BatchStrOutput`` once: a row with
+    only text and ids goes into the columns, anything else is a ``StrOutput``."""
+
+    __slots__ = ("completion", "counts", "extras", "ids", "rids", "texts")
+
+    def __init__(self) -> None:
+        self.extras: list[output_pb2.StrOutput] = []
+        self.rids: list[str] = []
+        self.texts: list[str] = []
+        self.counts: list[int] = []
+        self.ids: list[int] = []
+        self.completion: list[int] = []
+
+    def add_column(self, rid: str, text: str, token_ids: list[int], completion_tokens: int) -> None:
+        self.rids.append(rid)
+        self.texts.append(text)
+        self.counts.append(len(token_ids))
+        self.ids.extend(token_ids)
+        self.completion.append(completion_tokens)
+
+    def build(self) -> output_pb2.BatchStrOutput:
+        return output_pb2.BatchStrOutput(
+            outputs=self.extras,
+            rids=self.rids,
+            text_deltas=self.texts,
+            num_token_ids=self.counts,
+            token_ids=self.ids,
+            completion_tokens=self.completion,
+        )
+
+
 def to_route(out: output_pb2.TokenIDOutput, stream: int = 0) -> Route:
     return Route(out.gateway_address, out.scheduler_address, out.index, stream)
 

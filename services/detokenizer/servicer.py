@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.detokenize import IncrementalDetokenizer
+from pdserve.detokenize import IncrementalDetokenizer, TokenStep
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.services.detokenizer.convert import (
     Route,
+    StrBatchBuilder,
+    column_rows,
     is_first_output,
     lost_output,
     to_route,
@@ -93,31 +95,47 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
 
     def handle_batch(self, batch: output_pb2.BatchTokenIDOutput, stream: int = 0) -> None:
         """Detokenize one step of one scheduler (arrived on call ``stream``) and queue the text to
-        each gateway concerned.
+        each gateway concerned, one ``BatchStrOutput`` per gateway (column rows stay column rows
+        unless a stop string ends them).
 
         Raises:
-            ValueError: the batch breaks the contract (a rid twice, ids out of the vocabulary);
-                no state changed, and the stream call ends with INVALID_ARGUMENT.
+            ValueError: the batch breaks the contract (a rid twice, ids out of the vocabulary,
+                columns of different lengths); no state changed, and the stream call ends with
+                INVALID_ARGUMENT.
         """
         with self.metrics.batch_seconds.time():
-            deltas = self.detokenizer.step([to_token_step(out) for out in batch.outputs])
-            per_gateway: dict[str, list[output_pb2.StrOutput]] = {}
-            for out, delta in zip(batch.outputs, deltas, strict=True):
+            columns = column_rows(batch)
+            steps = [to_token_step(out) for out in batch.outputs]
+            steps += [TokenStep(rid, ids) for rid, ids, _ in columns]
+            deltas = self.detokenizer.step(steps)
+            per_gateway: dict[str, StrBatchBuilder] = {}
+            num_extras = len(batch.outputs)
+            tokens = 0
+            for i, (step, delta) in enumerate(zip(steps, deltas, strict=True)):
                 if delta is None:
                     continue
-                if is_first_output(out):
+                tokens += len(step.token_ids)
+                out = batch.outputs[i] if i < num_extras else None
+                if out is not None and is_first_output(out):
                     self._routes[out.rid] = to_route(out, stream)
-                route = self._routes[out.rid]
-                per_gateway.setdefault(route.gateway_address, []).append(
-                    to_str_output(out, delta, route.index)
-                )
-                self.metrics.tokens.inc(len(out.token_ids))
+                route = self._routes[delta.rid]
+                builder = per_gateway.get(route.gateway_address)
+                if builder is None:
+                    builder = per_gateway[route.gateway_address] = StrBatchBuilder()
+                if out is None:
+                    rid, ids, completion = columns[i - num_extras]
+                    if not delta.finished:
+                        builder.add_column(rid, delta.text, ids, completion)
+                        continue
+                    out = output_pb2.TokenIDOutput(rid=rid, token_ids=ids, completion_tokens=completion)
+                builder.extras.append(to_str_output(out, delta, route.index))
                 if delta.finished:
                     del self._routes[out.rid]
                 if delta.matched_stop is not None:
                     self._stop_generation(out, route)
-            for address, outputs in per_gateway.items():
-                self._gateways.send(address, output_pb2.BatchStrOutput(outputs=outputs))
+            self.metrics.tokens.inc(tokens)
+            for address, builder in per_gateway.items():
+                self._gateways.send(address, builder.build())
             self.metrics.active_streams.set(self.detokenizer.num_active)
 
     def _stop_generation(self, out: output_pb2.TokenIDOutput, route: Route) -> None:

@@ -5,7 +5,8 @@ grpc.aio server for the ``PdServe`` API (plus health and reflection), nothing el
 (``--internal-host``): a grpc.aio server for the ``GatewayOutput`` streams from the detokenizers, which
 a public client never reaches (it would otherwise name another client's rid and write into its stream).
 With ``--tls-*`` the internal server demands client certificates from the internal CA, and the public
-listeners serve TLS (see ``public_tls``).
+listeners serve TLS (see ``public_tls``). ``--workers N`` runs N such gateways on the same public
+ports (``workers``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import socket
+import sys
 
 import uvicorn
 
-from pdserve.cli_args import add_model_arg, apply_env_defaults, non_negative_int, setup_logging
+from pdserve.cli_args import add_model_arg, apply_env_defaults, non_negative_int, positive_int, setup_logging
 from pdserve.model_source import served_model_name
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
@@ -86,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="gateway processes sharing --port and --grpc-port (SO_REUSEPORT), each owning its own "
+        "requests; worker i takes its outputs on its own internal server, --internal-grpc-port + i",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker
     p.add_argument("--log-level", default="info")
     tls.add_tls_args(p)
     add_public_tls_args(p)
@@ -101,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for role in ("tokenizer", "detokenizer", "decode"):
         if not addresses(getattr(args, f"{role}_addresses")):
             parser.error(f"--{role}-addresses is required")
+    if args.workers > 1 and not args.internal_grpc_port:
+        parser.error("--workers needs a fixed --internal-grpc-port (worker i listens on it + i)")
     args.identity = tls.identity_from_args(parser, args)
     args.public_tls = public_tls_from_args(parser, args)
     return args
@@ -148,6 +161,7 @@ class Gateway:
             interceptors,
             credentials=public_tls.grpc_credentials() if public_tls else None,
             health_address=None if args.health_port is None else f"{args.host}:{args.health_port}",
+            reuse_port=args.reuse_port,
         )
         self.grpc_port = self.grpc.port
         self.grpc_address = f"{args.host}:{self.grpc_port}"
@@ -209,17 +223,21 @@ class Gateway:
         Raises:
             RuntimeError: uvicorn failed to start (e.g. the port is taken).
         """
-        for server in (self.internal, self.grpc):
-            await server.start()
-            await server.set_serving(True)
+        await self.internal.start()
+        await self.grpc.start()
+        await self.grpc.set_serving(True)
         self.monitor.start()
-        self._http_task = asyncio.get_running_loop().create_task(self.http.serve())
+        sockets = [reuse_port_socket(self.args.host, self.args.port)] if self.args.reuse_port else None
+        self._http_task = asyncio.get_running_loop().create_task(self.http.serve(sockets))
         while not self.http.started:
             if self._http_task.done():
                 await self.stop()
                 raise RuntimeError(f"HTTP server failed to start on {self.args.host}:{self.args.port}")
             await asyncio.sleep(0.05)
         self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
+        # the internal server's health is this replica's own (its public ports may be shared by
+        # --workers): SERVING once its HTTP side listens too
+        await self.internal.set_serving(True)
         args = self.args
         logger.info(
             "gateway up: HTTP%s %s:%d, public gRPC %s, internal gRPC %s%s, model %r, router %s",
@@ -233,7 +251,8 @@ class Gateway:
         ``--drain-timeout`` to finish, both servers keep listening: new generation requests get a
         503 (gRPC UNAVAILABLE), ``/health`` says "draining" and gRPC health NOT_SERVING, so a load
         balancer moves on; what is still running after that is aborted."""
-        await self.grpc.set_serving(False)  # grpc.health.v1 says NOT_SERVING during the drain
+        for server in (self.grpc, self.internal):  # grpc.health.v1 says NOT_SERVING during the drain
+            await server.set_serving(False)
         await self.manager.drain(self.args.drain_timeout)
         self.http.should_exit = True
         if self._http_task is not None:
@@ -253,10 +272,28 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event) -> None:
     await gateway.stop()
 
 
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that other processes may bind too (SO_REUSEPORT): the
+    kernel spreads new connections over the gateway workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     setup_logging(args.log_level, "gateway")
-    run_service(lambda stop: serve(args, stop))
+    if args.workers > 1:
+        from pdserve.services.gateway.workers import serve_workers
+
+        run_service(lambda stop: serve_workers(args, argv, stop))
+    else:
+        run_service(lambda stop: serve(args, stop))
 
 
 if __name__ == "__main__":

@@ -217,4 +217,18 @@ class GatewayOutputServicer(output_pb2_grpc.GatewayOutputServicer):
                 state = self.registry.get(out.rid)
                 if state is not None:
                     state.owner.push(state, convert.choice_delta_from_pb(out, state.index))
+            if batch.rids:
+                self._push_columns(batch)
         return output_pb2.StreamAck()
+
+    def _push_columns(self, batch: output_pb2.BatchStrOutput) -> None:
+        """The column rows of ``batch`` (text and ids only) to their handles."""
+        ids = list(batch.token_ids)
+        start = 0
+        rows = zip(batch.rids, batch.text_deltas, batch.num_token_ids, batch.completion_tokens, strict=True)
+        for rid, text, n, completion in rows:
+            state = self.registry.get(rid)
+            if state is not None:
+                delta = ChoiceDelta(state.index, text, ids[start : start + n], completion_tokens=completion)
+                state.owner.push(state, delta)
+            start += n

@@ -17,12 +17,9 @@ from pdserve.services.gateway.protocol import ChatCompletionRequest
 from pdserve.services.gateway.protocol_responses import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatLogprobs,
-    DeltaMessage,
     TopLogprobEntry,
     UsageInfo,
 )
@@ -36,6 +33,7 @@ from pdserve.services.gateway.serving_common import (
     submit,
     usage_counts,
 )
+from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice
 
 
 class OpenAIServingChat:
@@ -71,32 +69,27 @@ class OpenAIServingChat:
         )
         return JSONResponse(response.model_dump())
 
-    async def _chunks(self, body: ChatCompletionRequest, handle: RequestHandle) -> AsyncIterator[str]:
-        model, chunk_id = self.ctx.served_model_name, f"chatcmpl-{handle.rid}"
+    async def _chunks(self, body: ChatCompletionRequest, handle: RequestHandle) -> AsyncIterator[bytes]:
+        encoder = ChunkEncoder("chat.completion.chunk", f"chatcmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
-
-        def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
-            return ChatCompletionChunk(
-                id=chunk_id, model=model, choices=choices, usage=usage
-            ).model_dump_json()
-
         for r in results:
-            yield chunk([ChatChunkChoice(index=r.index, delta=DeltaMessage(role="assistant", content=""))])
+            yield encoder.encode([chat_choice(r.index, "", role="assistant")])
         async for delta in handle:
             result = results[delta.index]
             result.add(delta)
             if not (delta.text or delta.finish_reason or delta.logprobs):
                 continue
-            choice = ChatChunkChoice(
-                index=delta.index,
-                delta=DeltaMessage(content=delta.text) if delta.text else DeltaMessage(),
+            choice = chat_choice(
+                delta.index,
+                delta.text or None,
                 logprobs=await self._logprobs(delta.logprobs) if body.logprobs else None,
                 finish_reason=delta.finish_reason,
                 matched_stop=delta.matched_stop,
             )
-            yield chunk([choice], self._usage(handle, results, body) if body.continuous_usage else None)
+            usage = self._usage(handle, results, body) if body.continuous_usage else None
+            yield encoder.encode([choice], usage)
         if body.include_usage:
-            yield chunk([], self._usage(handle, results, body))
+            yield encoder.encode([], self._usage(handle, results, body))
 
     @staticmethod
     def _usage(handle: RequestHandle, results: list[ChoiceResult], body: ChatCompletionRequest) -> UsageInfo:

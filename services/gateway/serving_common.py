@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -135,9 +135,9 @@ def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> 
 
 
 async def sse_response(
-    request: Request, handle: RequestHandle, events: AsyncIterator[str]
+    request: Request, handle: RequestHandle, events: AsyncIterator[bytes | str]
 ) -> StreamingResponse:
-    """Server-sent events ``data: <json>`` from ``events``, then ``data: [DONE]``.
+    """Server-sent events ``data: <json>`` from ``events`` (JSON bytes or text), then ``data: [DONE]``.
 
     The response starts with the request's first output: a request that fails retryably before it
     (overload, a worker gone) or passes its deadline answers 503 / 504 as a whole
@@ -153,15 +153,15 @@ async def sse_response(
         handle.close("failed before its first output")
         raise
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             async with handle:
                 async for event in events:
-                    yield f"data: {event}\n\n"
+                    yield b"data: " + (event if isinstance(event, bytes) else event.encode()) + b"\n\n"
         except GatewayError as e:
-            yield f"data: {json.dumps(e.body())}\n\n"
+            yield b"data: " + orjson.dumps(e.body()) + b"\n\n"
         finally:
             watcher.cancel()
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -16,7 +16,6 @@ from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.protocol import CompletionRequest
 from pdserve.services.gateway.protocol_responses import (
     CompletionChoice,
-    CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
@@ -31,6 +30,7 @@ from pdserve.services.gateway.serving_common import (
     submit,
     usage_counts,
 )
+from pdserve.services.gateway.stream_chunks import ChunkEncoder, completion_choice
 
 
 class OpenAIServingCompletion:
@@ -78,17 +78,13 @@ class OpenAIServingCompletion:
 
     async def _chunks(
         self, body: CompletionRequest, handle: RequestHandle, echoes: list[str] | None
-    ) -> AsyncIterator[str]:
-        model, chunk_id = self.ctx.served_model_name, f"cmpl-{handle.rid}"
+    ) -> AsyncIterator[bytes]:
+        encoder = ChunkEncoder("text_completion", f"cmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
         offsets = [0] * len(results)  # text_offset of each choice's next token
-
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return CompletionChunk(id=chunk_id, model=model, choices=choices, usage=usage).model_dump_json()
-
         if echoes:
             for r in results:
-                yield chunk([CompletionChoice(index=r.index, text=echoes[r.index // body.n])])
+                yield encoder.encode([completion_choice(r.index, echoes[r.index // body.n])])
         async for delta in handle:
             results[delta.index].add(delta)
             if not (delta.text or delta.finish_reason or delta.logprobs):
@@ -97,17 +93,13 @@ class OpenAIServingCompletion:
             if body.logprobs is not None:
                 logprobs = await self._logprobs(delta.logprobs, offsets[delta.index])
                 offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
-            choice = CompletionChoice(
-                index=delta.index,
-                text=delta.text,
-                logprobs=logprobs,
-                finish_reason=delta.finish_reason,
-                matched_stop=delta.matched_stop,
+            choice = completion_choice(
+                delta.index, delta.text, logprobs, delta.finish_reason, delta.matched_stop
             )
             usage = UsageInfo.of(*usage_counts(handle, results, body.n)) if body.continuous_usage else None
-            yield chunk([choice], usage)
+            yield encoder.encode([choice], usage)
         if body.include_usage:
-            yield chunk([], UsageInfo.of(*usage_counts(handle, results, body.n)))
+            yield encoder.encode([], UsageInfo.of(*usage_counts(handle, results, body.n)))
 
     async def _logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
         """Legacy completions logprobs (token texts distinct: a partial UTF-8 character shows as

@@ -17,7 +17,7 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, setup_logging
+from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int, setup_logging
 from pdserve.model_source import resolve_model
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
@@ -91,6 +91,18 @@ def make_parser() -> argparse.ArgumentParser:
         default="cache_aware",
         choices=["round_robin", "least_load", "cache_aware"],
         help="how the gateway picks workers",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed output (SSE event) of a request; its first and last go out at once",
+    )
+    p.add_argument(
+        "--gateway-workers",
+        type=positive_int,
+        default=1,
+        help="gateway processes sharing the HTTP and public gRPC ports, each owning its own requests",
     )
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
     p.add_argument(

@@ -1,10 +1,12 @@
 """Which processes a one-machine deployment runs, with their flags and ports.
 
 Ports: the gateway's public servers bind ``--host``: ``--port`` (HTTP) and ``--grpc-port`` (public
-gRPC API). Everything else binds ``--internal-host``: ``--internal-port-base`` + 1 (tokenizer), + 2
-(detokenizer), + 3 (the gateway's internal gRPC server, where detokenizers stream outputs to), + 10 + i
-(prefill-i) and + 20 + i (decode-i; with more than 10 prefill workers the decode ports start right
-after the last prefill port). With ``--tls-*`` every service gets the same certificate flags.
+gRPC API; with ``--gateway-workers N`` every worker binds both, SO_REUSEPORT). Everything else binds
+``--internal-host``: ``--internal-port-base`` + 1 (tokenizer), + 2 (detokenizer), + 3 + i (gateway
+worker i's internal gRPC server, where detokenizers stream outputs to), + 10 + i (prefill-i) and
++ 20 + i (decode-i). With more than 7 gateway workers the prefill ports start right after the last
+gateway port, and with more than 10 prefill workers the decode ports right after the last prefill
+port. With ``--tls-*`` every service gets the same certificate flags.
 """
 
 from __future__ import annotations
@@ -82,19 +84,24 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-radix-cache")
     if args.disable_cuda_graph:
         flags.append("--disable-cuda-graph")
+    if args.disable_overlap_schedule:
+        flags.append("--disable-overlap-schedule")
     return flags
 
 
-def _shared_cores_env(num_schedulers: int) -> dict[str, str]:
-    """Environment of scheduler processes that share this machine's cores.
+def scheduler_env() -> dict[str, str]:
+    """Environment of the scheduler processes, which share this machine's cores with each other and
+    with the gateway, tokenizer and detokenizer.
 
     OpenMP threads spin at the end of every parallel region waiting for the next one (libgomp's
-    default); two scheduler processes running forwards at once then burn each other's cores
-    spinning (PD 1+1 on 2 cores: 61 vs 153 output tok/s at concurrency 16 with ``PASSIVE``).
-    One scheduler keeps the default, which is faster alone; an ``OMP_WAIT_POLICY`` of the
+    default), so between forwards, and whenever another process holds a core, a scheduler's team
+    burns cores the other services need: PD 1+1 on 2 cores made 61 vs 153 output tok/s at
+    concurrency 16 with ``PASSIVE``; one colocated scheduler (SmolLM2 fp32, batch 16, on this 2-core
+    host under load) spent 88-91 vs 18 ms of CPU per output token, 3-5x its wall time
+    (``make bench-stack`` measures the services' CPU per token). An ``OMP_WAIT_POLICY`` of the
     launcher's own environment wins.
     """
-    if num_schedulers <= 1 or "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
@@ -153,11 +160,12 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         ),
     ]
     num_prefill = 0 if args.colocated else args.num_prefill
-    prefills = [f"{host}:{base + 10 + i}" for i in range(num_prefill)]
-    first_decode = base + 10 + max(10, num_prefill)
+    first_prefill = base + max(10, 3 + args.gateway_workers)
+    prefills = [f"{host}:{first_prefill + i}" for i in range(num_prefill)]
+    first_decode = first_prefill + max(10, num_prefill)
     decodes = [f"{host}:{first_decode + i}" for i in range(args.num_decode)]
     num_schedulers = len(prefills) + len(decodes)
-    env = _shared_cores_env(num_schedulers)
+    env = scheduler_env()
     gpus = scheduler_gpus(args)
     ranks = num_schedulers * args.tp_size  # processes that share the devices
     engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
@@ -174,6 +182,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         argv = [*common, "--port", str(port), *engine]
         if args.colocated:
             argv.append("--colocated")
+        if args.stream_interval != 1:
+            argv += ["--stream-interval", str(args.stream_interval)]
         gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
         specs.append(
             ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)], pin_kv_pool=pin)
@@ -198,9 +208,14 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         gateway += ["--served-model-name", args.served_model_name]
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    if args.gateway_workers > 1:
+        gateway += ["--workers", str(args.gateway_workers)]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
-    binds = [(args.host, args.port), (args.host, args.grpc_port), (host, base + 3)]
-    liveness = f"{host}:{base + 3}"  # its internal gRPC server: same event loop, the internal plane's TLS
+    binds = [(args.host, args.port), (args.host, args.grpc_port)]
+    binds += [(host, base + 3 + i) for i in range(args.gateway_workers)]
+    # its internal gRPC server: same event loop, the internal plane's TLS; with --gateway-workers the
+    # gateway's own supervisor watches each worker's (``gateway.workers``)
+    liveness = f"{host}:{base + 3}" if args.gateway_workers == 1 else ""
     specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds, liveness=liveness))
     return specs

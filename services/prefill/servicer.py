@@ -1,7 +1,8 @@
 """PrefillScheduler servicer: prefill prompts for decode workers and write their KV over NIXL.
 
 A request's KV transfer opens when its Prefill call arrives. After every scheduling step the pages its
-finished chunks filled are sent (``stream_chunks``), so they move while later chunks compute; the rest
+processed chunks filled are sent (``stream_chunks``; with the overlapped loop a chunk whose batch is
+still outstanding is not, ``Scheduler.computed_tokens``), so they move while later chunks compute; the rest
 go once the last chunk has sampled the first token, and the call answers when every byte is written.
 A transfer is cancelled (no page of it read any more) before the scheduler's pages of an ended
 request can be handed to another one: on abort, and at the first step after a scheduler-side end.
@@ -78,6 +79,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             completion), and at most for the end of its write after the prompt's last chunk.
         tp: this rank's TP group.
         rank_agents: every rank's agent (rank order), answered in the handshake.
+        overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         tp: TpGroup = SINGLE_RANK,
         rank_agents: list[KVAgentInfo] | None = None,
+        overlap: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.address = address
@@ -103,14 +106,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             AddKVPeers: self._add_rank_peer,
             KVWritten: self._written,
         }
-        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, handlers, tp)
+        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, handlers, tp, overlap)
         self.waiters: dict[str, asyncio.Future] = {}
         self.opening: dict[str, KVTransfer] = {}  # rank 0: opened by the handler, request not queued yet
         self.transfers: dict[str, KVTransfer] = {}  # this rank's open transfers, by rid
         self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of this rank's write
         self.written: dict[str, dict[int, KVWritten]] = {}  # prefilled rids: each rank's ended write
         self.rank_peer: dict[str, str] = {}  # decode rank 0's agent -> the agent this rank writes to
-        self._report = self._written if tp.size == 1 else self.loop.inputs.report
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -167,26 +169,24 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        try:
-            if req.rid in self.waiters:
-                raise ValueError(f"duplicate rid {req.rid!r}")
-            pending = sum(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
-            self.scheduler.check_request(req, pending)
-        except ValueError as e:
+        if req.rid in self.waiters:
             transfer.cancel()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            transfer.cancel()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate rid {req.rid!r}")
         self.opening[req.rid] = transfer
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
-        self.loop.inputs.submit(NewRequest(req))
-        self.loop.wake()
-        try:
+        try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
+            try:
+                await self.loop.add(req)
+            except (ValueError, QueueFull) as e:
+                code = (
+                    grpc.StatusCode.INVALID_ARGUMENT
+                    if isinstance(e, ValueError)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED
+                )
+                await context.abort(code, str(e))
             return await waiter
         except asyncio.CancelledError:
-            self.loop.inputs.submit(Abort(req.rid, "prefill call cancelled"))
-            self.loop.wake()
+            self._abort_now(req.rid, "prefill call cancelled")
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
@@ -195,9 +195,17 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
         found = request.rid in self.waiters
-        self.loop.inputs.submit(Abort(request.rid, request.reason or "aborted"))
-        self.loop.wake()
+        self._abort_now(request.rid, request.reason or "aborted")
         return scheduler_pb2.AbortResponse(found=found)
+
+    def _abort_now(self, rid: str, reason: str) -> None:
+        """Cancel rank 0's transfer of ``rid`` at once (no page of it is read any more) and end the
+        request at the next step on every rank (``_abort``)."""
+        for transfers in (self.opening, self.transfers):
+            transfer = transfers.pop(rid, None)
+            if transfer is not None:
+                transfer.cancel()
+        self.loop.abort(rid, reason)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -208,20 +216,22 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         )
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
-    def _add(self, event: NewRequest) -> list[StepOutput]:
+    def _add(self, event: NewRequest) -> int:
         """Queue the request with this rank's transfer open (rank 0 opened its own in the handler).
         A rank that cannot open one still queues the request, so every rank schedules the same; its
         write then fails at once, which fails the prefill on every rank at the same step."""
         req = event.req
         opening = self.opening.pop(req.rid, None)
         transfer = opening if self.tp.is_driver else self._open_rank_transfer(req)
-        outputs = self.loop.add(event)
-        if outputs:  # refused: nothing reads its pages
+        try:
+            position = self.loop.add_request(event)
+        except Exception:  # refused (on every rank alike): nothing reads its pages
             if transfer is not None:
                 transfer.cancel()
-        elif transfer is not None:
+            raise
+        if transfer is not None:
             self.transfers[req.rid] = transfer
-        return outputs
+        return position
 
     def _open_rank_transfer(self, req: Req) -> KVTransfer | None:
         dst_agent = req.meta["dst_agent"]
@@ -279,17 +289,21 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             transfer.cancel()  # no-op once complete
         req = self.scheduler.reqs.get(rid)
         self.scheduler.prefill_sent(rid, ok=not error, error=error)
-        waiter = self.waiters.get(rid)
-        if req is None or waiter is None or waiter.done():
+        if req is not None:
+            self._answer(req, error, sum(e.nbytes for e in ended.values()))
+
+    def _answer(self, req: Req, error: str, nbytes: int) -> None:
+        """Answer ``req``'s Prefill call (rank 0; once): its first token, or ``error``."""
+        waiter = self.waiters.get(req.rid)
+        if waiter is None or waiter.done():
             return
         if error:
             waiter.set_exception(RuntimeError(error))
             return
-        nbytes = sum(e.nbytes for e in ended.values())
         self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
         self.scheduler.metrics.kv_transfer_seconds.observe(time.monotonic() - req.meta["prefilled_at"])
         response = scheduler_pb2.PrefillResponse(
-            rid=rid,
+            rid=req.rid,
             first_token_id=req.output_ids[-1],
             cached_tokens=req.cached_tokens,
             transferred_bytes=nbytes,
@@ -324,13 +338,14 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.transfers.pop(rid).cancel()
         if self.stream_chunks:
             for req in self.scheduler.prefilling:
-                self._send_ready_pages(req, req.num_computed // self.scheduler.page_size)
+                ready = self.scheduler.computed_tokens(req) // self.scheduler.page_size
+                self._send_ready_pages(req, ready)
         for req in self.scheduler.pop_prefilled():
             self.written[req.rid] = {}
             req.meta["prefilled_at"] = time.monotonic()
             transfer = self.transfers.get(req.rid)
             if transfer is None:
-                self._report(KVWritten(req.rid, self.tp.rank, "no KV transfer open for it", 0))
+                self.loop.inputs.report(KVWritten(req.rid, self.tp.rank, "no KV transfer open for it", 0))
                 continue
             self._send_ready_pages(req, len(req.pages))
             transfer.finish()
@@ -348,8 +363,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             req.meta["sent_pages"] = end
 
     async def _finish(self, req: Req, transfer: KVTransfer) -> None:
-        """Await the end of this rank's write of ``req``'s KV; report it (every rank learns it, and
-        with one rank it is applied at once: the call answers without waiting for a step)."""
+        """Await the end of this rank's write of ``req``'s KV; report it (every rank learns it at the
+        next step, where the pages are cached or freed). With one rank the call answers at once."""
         timeout = self.transfer_timeout_s
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
@@ -362,5 +377,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             logger.warning("KV write for %s failed: %s", req.rid, e)
             event = KVWritten(req.rid, self.tp.rank, str(e) or type(e).__name__, 0)
         self.finishing.pop(req.rid, None)
-        self._report(event)
+        if self.tp.size == 1:
+            self._answer(req, event.error and f"KV transfer failed: {event.error}", event.nbytes)
+        self.loop.inputs.report(event)
         self.loop.wake()

@@ -44,6 +44,9 @@ def test_targets():
     assert parse_compare("no cache = --colocated --disable-radix-cache") == LaunchSpec(
         "no cache", "--colocated --disable-radix-cache"
     )
+    before = parse_compare("before@/tmp/old-checkout=--colocated")
+    assert before == LaunchSpec("before", "--colocated", "/tmp/old-checkout")
+    assert before.python == "/tmp/old-checkout/.venv/bin/python"
     with pytest.raises(ValueError):
         parse_compare("--colocated")
 

@@ -127,7 +127,8 @@ def test_gateway_reaches_stateless_roles_through_their_headless_services(rendere
         assert service["spec"]["clusterIP"] == "None"
         assert "publishNotReadyAddresses" not in service["spec"]  # only ready pods resolve
         port = service["spec"]["ports"][0]["port"]
-        expected = f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
+        # a dns:/// target: gRPC resolves every ready pod and round-robins calls over them
+        expected = f"dns:///{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{port}"
         assert env[f"PDSERVE_{component.upper()}_ADDRESSES"] == expected
     # Detokenizers stream text back to the gateway pod that owns the request, on its gRPC port.
     assert env["PDSERVE_ADVERTISE_HOST"] == "$(POD_IP)"
@@ -348,3 +349,15 @@ def test_the_gateway_service_exposes_only_the_public_ports(rendered: Rendered) -
     internal = container_ports(rendered.container("gateway"))["internal"]
     assert (env["PDSERVE_INTERNAL_HOST"], env["PDSERVE_INTERNAL_GRPC_PORT"]) == ("0.0.0.0", str(internal))
     assert "PDSERVE_TLS_CERT" not in env  # TLS is off unless asked for
+
+
+def test_gateway_workers_share_the_pod_ports() -> None:
+    """``gateway.workers: 3`` runs three gateway processes per pod (the gateway's ``--workers``), and
+    the NetworkPolicy lets the detokenizers reach each one's internal port (internalPort + i)."""
+    chart = render(load_values("default", {"gateway": {"workers": 3}, "networkPolicy": {"enabled": True}}))
+    assert chart.env("gateway")["PDSERVE_WORKERS"] == "3"
+    internal = int(chart.env("gateway")["PDSERVE_INTERNAL_GRPC_PORT"])
+    (policy,) = [p for name, p in chart.kind("NetworkPolicy").items() if name.endswith("-gateway")]
+    ingress = [port for rule in policy["spec"]["ingress"] for port in rule["ports"]]
+    assert {"port": internal, "endPort": internal + 2, "protocol": "TCP"} in ingress
+    assert "PDSERVE_WORKERS" not in render(load_values("default")).env("gateway")

@@ -181,3 +181,51 @@ async def test_batch_breaking_the_contract_ends_the_stream_with_invalid_argument
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more than once" in err.value.details()
     assert servicer.detokenizer.num_active == 0
+
+
+async def test_column_rows_stay_columns_until_a_stop_string_ends_one(
+    detokenizer, tokenizer: Tokenizer
+) -> None:
+    """Steady rows travel as columns both ways; a column row that completes a stop string comes out
+    as a StrOutput with the STOP finish, and every step is one BatchStrOutput."""
+    server, _ = detokenizer
+    gateway, scheduler = GatewayCollector(), AbortCollector()
+    peers = [
+        await start_peer(gateway, output_pb2_grpc.add_GatewayOutputServicer_to_server),
+        await start_peer(scheduler, scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server),
+    ]
+    address, sched_address = (p.address for p in peers)
+    sender = ClientStreamSender(server.address, lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    for step, token in enumerate(ids):
+        if step == 0:
+            batch = output_pb2.BatchTokenIDOutput(
+                outputs=[
+                    first_output("col", [token], address, sched_address),
+                    first_output("col-stop", [token], address, sched_address, stop=[STOP]),
+                ]
+            )
+        else:
+            batch = output_pb2.BatchTokenIDOutput(
+                rids=["col", "col-stop"], num_token_ids=[1, 1], token_ids=[token, token]
+            )
+            batch.completion_tokens.extend([step + 1, step + 1])
+        sender.send(batch)
+    await wait_until(lambda: len(gateway.batches) == len(ids) and scheduler.aborts)
+    await sender.close()
+
+    text = {"col": "", "col-stop": ""}
+    for batch in gateway.batches:
+        for out in batch.outputs:
+            text[out.rid] += out.text_delta
+        for rid, delta in zip(batch.rids, batch.text_deltas, strict=True):
+            text[rid] += delta
+    assert text["col"] == tokenizer.hf.decode(ids)
+    assert text["col-stop"] == TEXT[: TEXT.index(STOP)]
+    stopped = [o for b in gateway.batches for o in b.outputs if o.rid == "col-stop"]
+    assert (stopped[-1].finish_reason, stopped[-1].matched_stop) == (common_pb2.FINISH_REASON_STOP, STOP)
+    assert scheduler.aborts == [("col-stop", "stop")]
+    assert all(len(b.rids) == len(b.text_deltas) == len(b.completion_tokens) for b in gateway.batches)
+    assert sum(len(b.rids) for b in gateway.batches) >= len(ids) - 1  # "col" after its first output
+    for peer in peers:
+        await peer.stop(0)

@@ -6,11 +6,15 @@ import socket
 
 import pytest
 
+from pdserve.services.gateway.main import parse_args as gateway_args
+from pdserve.services.gateway.workers import worker_specs
 from pdserve.services.launcher.kv_pool_pin import pin_kv_pool
 from pdserve.services.launcher.main import make_parser
 from pdserve.services.launcher.ports import PortReservation
 from pdserve.services.launcher.topology import build_topology
 from tests.stack import free_port_block
+
+BACKENDS = ["--tokenizer-addresses", "t:1", "--detokenizer-addresses", "k:1"]
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -133,8 +137,8 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
 
 
 def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:
-    """Several scheduler processes on one machine get OMP_WAIT_POLICY=PASSIVE (spinning OpenMP
-    threads of one would steal the cores of the other); one alone, or a user's own setting, no."""
+    """Scheduler processes get OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads would steal the cores
+    of the other services); a user's own setting wins."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     pd = build_topology(make_parser().parse_args(["--num-prefill", "1", "--num-decode", "1"]), "/m")
     assert {s.name: s.env for s in pd} == {
@@ -145,7 +149,7 @@ def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:
         "gateway": {},
     }
     alone = build_topology(make_parser().parse_args(["--colocated"]), "/m")
-    assert all(s.env == {} for s in alone)
+    assert {s.name: s.env for s in alone}["decode-0"] == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert all(s.env == {} for s in build_topology(make_parser().parse_args([]), "/m"))
 
@@ -207,6 +211,42 @@ def test_schedulers_sharing_a_device_split_the_kv_memory_fraction(monkeypatch) -
     assert fractions("--kv-memory-fraction", "0.8") == {"0.2"}
     assert fractions("--gpus", "0,1") == {"0.125"}
     assert fractions("--max-total-tokens", "4096") == {None}
+
+
+def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
+    args = make_parser().parse_args(
+        ["--colocated", "--gateway-workers", "3", "--stream-interval", "4", "--disable-overlap-schedule"]
+    )
+    specs = {s.name: s for s in build_topology(args, "/m")}
+    gateway, decode = specs["gateway"], specs["decode-0"]
+    assert _flag(gateway.argv, "--workers") == "3"
+    host, base = args.internal_host, args.internal_port_base
+    assert gateway.binds[2:] == [(host, base + 3 + i) for i in range(3)]
+    assert _flag(decode.argv, "--stream-interval") == "4" and "--disable-overlap-schedule" in decode.argv
+    plain = {s.name: s for s in build_topology(make_parser().parse_args([]), "/m")}
+    assert "--workers" not in plain["gateway"].argv and "--stream-interval" not in plain["decode-0"].argv
+    assert gateway.liveness == ""  # the gateway's own supervisor watches each worker
+
+
+def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() -> None:
+    argv = ["--internal-host", "10.0.0.7", "--internal-grpc-port", "9000", "--decode-addresses", "d:1"]
+    args = gateway_args([*argv, "--workers", "2", *BACKENDS])
+    specs = worker_specs(args, argv)
+    assert [s.name for s in specs] == ["gateway-0", "gateway-1"]
+    assert [_flag(s.argv[len(argv) :], "--internal-grpc-port") for s in specs] == ["9000", "9001"]
+    assert all("--reuse-port" in s.argv and _flag(s.argv, "--workers") == "1" for s in specs)
+    assert [s.health for s in specs] == ["10.0.0.7:9000", "10.0.0.7:9001"]
+    with pytest.raises(SystemExit):  # each worker needs a known port to be probed and reached at
+        gateway_args(["--workers", "2", "--decode-addresses", "d:1", *BACKENDS])
+
+
+def test_many_gateway_workers_push_the_scheduler_ports_up() -> None:
+    args = make_parser().parse_args(["--gateway-workers", "9", "--num-prefill", "1"])
+    base = args.internal_port_base
+    ports = sorted(
+        port for spec in build_topology(args, "/m") for _, port in spec.binds if base < port < args.grpc_port
+    )
+    assert ports == [base + i for i in range(1, 12)] + [base + 12, base + 22]
 
 
 def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:

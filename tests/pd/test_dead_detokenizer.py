@@ -24,6 +24,7 @@ from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.services.common.convert import sampling_params_to_pb
 from pdserve.services.decode.servicer import DecodeServicer
+from pdserve.services.detokenizer.convert import column_rows
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.reference import chat_ids
 
@@ -34,7 +35,8 @@ PROMPT = chat_ids([{"role": "user", "content": "Tell me a long story about the s
 
 
 class Detokenizer(output_pb2_grpc.DetokenizerServicer):
-    """A detokenizer endpoint that keeps every TokenIDOutput it receives, by rid."""
+    """A detokenizer endpoint that keeps every TokenIDOutput it receives, by rid (a column row kept
+    as a TokenIDOutput of its rid, ids and completion tokens)."""
 
     def __init__(self) -> None:
         self.outputs: dict[str, list[output_pb2.TokenIDOutput]] = defaultdict(list)
@@ -43,6 +45,10 @@ class Detokenizer(output_pb2_grpc.DetokenizerServicer):
         async for batch in request_iterator:
             for out in batch.outputs:
                 self.outputs[out.rid].append(out)
+            for rid, ids, completion in column_rows(batch):
+                self.outputs[rid].append(
+                    output_pb2.TokenIDOutput(rid=rid, token_ids=ids, completion_tokens=completion)
+                )
         return output_pb2.StreamAck()
 
     def tokens(self, rid: str) -> int:

@@ -90,6 +90,8 @@ async def pd(schedulers):
             prefill_server.address,
             detok_server.address,
             detok,
+            prefill,
+            decode_agent,
         )
     finally:
         await channel.close()
@@ -104,7 +106,7 @@ async def pd(schedulers):
 
 async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
     """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
-    stub, prefill_address, detok_address, detok = pd
+    stub, prefill_address, detok_address, detok, *_ = pd
     params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
     await stub.Generate(
         scheduler_pb2.TokenizedGenerateReqInput(
@@ -180,4 +182,29 @@ async def test_a_decode_side_that_stalls_times_out_on_both_sides(schedulers, pd,
     monkeypatch.undo()
     tokens, finish, _ = await _run(pd, "after-stall", mars)
     assert tokens == hf_greedy(mars, MAX_NEW)
+    await _idle_and_conserved(schedulers)
+
+
+async def test_a_prefill_call_cancelled_while_its_add_is_queued_aborts_it(schedulers, pd):
+    """Cancelled before the loop's next step applies its add (a decode side aborting early), the
+    Prefill call still aborts the request: its transfer is cancelled at once and the request ends at
+    that same step input point, instead of being prefilled and holding its pages until the transfer
+    times out. (The handler is called directly, so it is cancelled exactly at that await.)"""
+    *_, prefill, decode_agent = pd
+    prefill.agent.add_peer(decode_agent.local_info())  # what the decode side's handshake does
+    local = decode_agent.local_info()
+    request = scheduler_pb2.PrefillRequest(
+        rid="cancelled-early",
+        input_ids=prompt("Venus"),
+        sampling_params=sampling_params_to_pb(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)),
+        dst_agent_name=local.agent_name,
+        dst_incarnation=local.incarnation,
+    )
+    call = asyncio.create_task(prefill.Prefill(request, None))
+    while "cancelled-early" not in prefill.opening:  # the call is awaiting its add, its transfer open
+        await asyncio.sleep(0)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert "cancelled-early" not in prefill.opening and "cancelled-early" not in prefill.transfers
     await _idle_and_conserved(schedulers)

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.req import FinishReason, Req, ReqState
-from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-
-PAGE = 16
-
-
-def make_runner(max_total_tokens: int) -> ModelRunner:
-    torch.set_num_threads(2)
-    return ModelRunner(resolve_model(), dtype="float32", page_size=PAGE, max_total_tokens=max_total_tokens)
+from pdserve.scheduler.scheduler import Scheduler
+from tests.reference import chat_ids, hf_greedy
+from tests.scheduler.driver import PAGE, fresh, ids, make_runner, req
+from tests.scheduler.driver import drive as drive_steps
 
 
 @pytest.fixture(scope="module")
@@ -31,42 +24,16 @@ def small_runner() -> ModelRunner:
     return make_runner(12 * PAGE)
 
 
-def ids(text: str) -> list[int]:
-    return hf_tokenizer()(text)["input_ids"]
-
-
-def req(rid: str, prompt: list[int], max_new: int = 16, **params) -> Req:
-    return Req(rid, list(prompt), SamplingParams(temperature=0.0, max_new_tokens=max_new, **params))
+@pytest.fixture(params=[True, False], ids=["overlap", "no-overlap"])
+def overlap(request) -> bool:
+    return request.param
 
 
 def drive(sched: Scheduler, max_steps: int = 2000, on_step=None) -> dict[str, Req]:
-    """Run steps until idle; returns every finished request by rid."""
-    done: dict[str, Req] = {}
-    for step in range(max_steps):
-        if on_step is not None:
-            on_step(step, sched)
-        batch = sched.schedule()
-        outputs = sched.pop_aborted()
-        if batch is not None:
-            outputs += sched.process_result(batch, sched.run_batch(batch))
-        for out in outputs:
-            if out.finished:
-                done[out.req.rid] = out.req
-        sched.check_invariants()
-        if batch is None and not sched.has_work() and not outputs:
-            break
-    assert not sched.has_work(), "scheduler did not drain"
-    assert sched.ledger.used_pages() == 0
-    return done
+    return drive_steps(sched, overlap=False, max_steps=max_steps, on_step=on_step)
 
 
-def fresh(runner: ModelRunner, **config) -> Scheduler:
-    sched = Scheduler(runner, SchedulerConfig(**config))
-    sched.ledger.tree.reset()
-    return sched
-
-
-def test_chunked_prefill_and_continuous_batching_match_hf(big_runner):
+def test_chunked_prefill_and_continuous_batching_match_hf(big_runner, overlap):
     prompts = {
         "short": ids("Hi"),
         "medium": ids("Write one sentence about the sea."),
@@ -79,7 +46,7 @@ def test_chunked_prefill_and_continuous_batching_match_hf(big_runner):
     # the budget of 32 tokens is split: no step extends more than the chunk size
     assert sum(first.extend_lens[: first.num_extend]) <= 32
     done = {o.req.rid: o.req for o in sched.process_result(first, sched.run_batch(first)) if o.finished}
-    done |= drive(sched)
+    done |= drive_steps(sched, overlap)
     for rid, prompt in prompts.items():
         assert done[rid].output_ids == hf_greedy(prompt, 12), rid
         assert done[rid].state is ReqState.FINISHED
@@ -106,14 +73,14 @@ def test_radix_hit_extends_only_the_suffix_and_gives_the_same_tokens(big_runner)
     assert nocache.ledger.cached_pages() == 0
 
 
-def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runner):
+def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runner, overlap):
     questions = ("Tell me a story about a dragon.", "Describe a city at night.", "Write a poem about rain.")
     prompts = [chat_ids([{"role": "user", "content": q}]) for q in questions]
     sched = fresh(small_runner, role="mixed", new_token_reserve=0)
     for i, p in enumerate(prompts):
         sched.add_request(req(f"r{i}", p, max_new=48))
     before = sched.metrics.retracted._value.get()
-    done = drive(sched)
+    done = drive_steps(sched, overlap)
     assert sched.metrics.retracted._value.get() > before, "the pool was meant to be too small"
     for i, p in enumerate(prompts):
         assert done[f"r{i}"].output_ids == hf_greedy(p, 48), i
@@ -130,13 +97,13 @@ def test_a_request_that_fits_the_pool_only_just_is_admitted():
     assert done["r"].output_ids == hf_greedy(prompt, 4)
 
 
-def test_a_lone_request_longer_than_the_pool_ends_with_length():
+def test_a_lone_request_longer_than_the_pool_ends_with_length(overlap):
     """Asking for more tokens than the whole pool holds: the request stops at the pool's size with
     finish reason length (as at the context length), instead of retracting itself forever."""
     prompt = ids("Count from one to one thousand:")
     sched = fresh(make_runner(12 * PAGE), role="mixed")
     sched.add_request(req("r", prompt, max_new=400, ignore_eos=True))
-    done = drive(sched, max_steps=400)
+    done = drive_steps(sched, overlap, max_steps=400)
     r = done["r"]
     assert r.finish_reason is FinishReason.LENGTH
     assert len(prompt) + len(r.output_ids) == 12 * PAGE
@@ -153,7 +120,7 @@ def test_admission_respects_max_running_requests(big_runner):
     assert len(drive(sched)) == 4
 
 
-def test_abort_in_every_state_frees_every_page_once(big_runner):
+def test_abort_in_every_state_frees_every_page_once(big_runner, overlap):
     sched = fresh(big_runner, role="mixed", max_running_requests=2, chunked_prefill_size=16)
     long_prompt = ids(" ".join(["word"] * 60))
     for rid in ("running", "prefilling", "waiting"):
@@ -167,20 +134,20 @@ def test_abort_in_every_state_frees_every_page_once(big_runner):
             for rid in ("running", "prefilling", "waiting"):
                 assert s.abort_request(rid, "test")
 
-    done = drive(sched, on_step=on_step)
+    done = drive_steps(sched, overlap, on_step=on_step)
     assert {r.finish_reason for r in done.values()} == {FinishReason.ABORT}
     assert sched.abort_request("running") is False  # already gone
     assert sched.ledger.free_pages() + sched.ledger.cached_pages() == sched.usable_pages
 
 
-def test_finished_requests_are_counted_by_finish_reason(big_runner):
+def test_finished_requests_are_counted_by_finish_reason(big_runner, overlap):
     sched = fresh(big_runner, role="mixed")
     sched.add_request(req("long", ids("Count to ten."), max_new=3, ignore_eos=True))
     first_token = hf_greedy(ids("Hello"), 1)[0]
     sched.add_request(req("stopped", ids("Hello"), max_new=8, stop_token_ids=[first_token]))
     sched.add_request(req("aborted", ids("Hi"), max_new=8))
     sched.abort_request("aborted")
-    done = drive(sched)
+    done = drive_steps(sched, overlap)
     assert {rid: r.finish_reason.value for rid, r in done.items()} == {
         "long": "length",
         "stopped": "stop",

@@ -3,7 +3,8 @@
 In process, over real gRPC: the real ``DecodeServicer`` (colocated ``mixed`` role, the real model on
 CPU) behind a grpc.aio server with its ``StepWatchdog``. The forward of its first step is held on
 an event (the injected fault: a forward that does not return) while a ``HealthWatch`` polls the
-server as the launcher and the decode workers do.
+server as the launcher and the decode workers do; with the overlapped loop (the forward runs on its
+own thread while the loop schedules the next step) and without it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ async def status(channel: grpc.aio.Channel) -> int:
     return resp.status
 
 
-async def test_a_stuck_forward_reports_not_serving_until_it_returns(scheduler: Scheduler) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+async def test_a_stuck_forward_reports_not_serving_until_it_returns(
+    scheduler: Scheduler, overlap: bool
+) -> None:
     gate = threading.Event()
     real_run_batch = scheduler.run_batch
 
@@ -56,7 +60,7 @@ async def test_a_stuck_forward_reports_not_serving_until_it_returns(scheduler: S
 
     scheduler.run_batch = stuck_run_batch
     server = GrpcServer("127.0.0.1:0", [])
-    servicer = DecodeServicer(scheduler, server.address, agent=None)
+    servicer = DecodeServicer(scheduler, server.address, agent=None, overlap=overlap)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     await server.set_serving(True)

@@ -120,11 +120,18 @@ class ForwardBatch:
                 f"slots, extend lens {ext.tolist()} (each >= 1, summing to the tokens), prefix "
                 f"{prefix.tolist()} + extend must equal seq {seq.tolist()}"
             )
-        starts = torch.cumsum(ext, 0) - ext
-        positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(starts - prefix, ext)
-        if loc is None:
-            loc = runner.req_to_token_pool.req_to_token[pool_rows.repeat_interleave(ext), positions]
-        all_decode = bool((ext == 1).all())
+        all_decode = num_tokens == len(ext)  # every extend len is >= 1 (checked above)
+        if all_decode:  # one token per request: no ragged layout to compute
+            starts = torch.arange(len(ext), device=device)
+            positions = prefix
+            if loc is None:
+                loc = runner.req_to_token_pool.req_to_token[pool_rows, positions]
+        else:
+            starts = torch.cumsum(ext, 0) - ext
+            offsets = torch.repeat_interleave(starts - prefix, ext)
+            positions = torch.arange(num_tokens, device=device) - offsets
+            if loc is None:
+                loc = runner.req_to_token_pool.req_to_token[pool_rows.repeat_interleave(ext), positions]
         if forward_mode is None:
             forward_mode = ForwardMode.DECODE if all_decode else ForwardMode.EXTEND
         elif forward_mode is ForwardMode.DECODE and not all_decode:

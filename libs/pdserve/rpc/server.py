@@ -32,6 +32,9 @@ GRPC_OPTIONS = [
     # servers accept those pings (the default minimum interval is 5 minutes)
     ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    # clients: spread calls over every address a target resolves to (a dns:/// name of a headless
+    # Service resolves to each ready pod), one call to the next address in turn (servers ignore it)
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 
@@ -46,6 +49,8 @@ class GrpcServer:
         health_address: with TLS, "host:port" of a second, plaintext listener that serves only
             ``grpc.health.v1`` (same statuses), for probes that cannot speak TLS (Kubernetes' gRPC
             probes); None = none.
+        reuse_port: bind with SO_REUSEPORT, so that several processes serve one port (the kernel
+            spreads connections over them); off by default, so that a taken port fails.
 
     Raises:
         OSError: a port cannot be bound (e.g. it is taken).
@@ -61,8 +66,10 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         health_address: str | None = None,
+        reuse_port: bool = False,
     ) -> None:
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=list(interceptors))
+        options = [*GRPC_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
         self.port = _bind(self.server, address, credentials)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.service_names = list(service_names)
@@ -70,7 +77,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._health_server: grpc.aio.Server | None = None
         if health_address and credentials is not None:
-            self._health_server = grpc.aio.server(options=_SERVER_OPTIONS)
+            self._health_server = grpc.aio.server(options=options)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             _bind(self._health_server, health_address, None)
         reflection.enable_server_reflection(
@@ -99,11 +106,6 @@ class GrpcServer:
         await self.server.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(grace)
-
-
-# gRPC binds with SO_REUSEPORT by default: a second server on a taken port would share it (and its
-# health checks would answer for the first) instead of failing
-_SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:

@@ -16,6 +16,8 @@ class GenerationBatchResult:
 
     Attributes:
         next_token_ids: the sampled token of each request.
+        next_token_tensor: the same as an int64 ``[B]`` tensor on the device (a batch scheduled ahead
+            reads its decode inputs from it on the device).
         next_token_logprobs: log-probability of each sampled token under the raw model distribution
             (log_softmax of the logits before temperature, penalties and filters, as OpenAI reports
             it); None when no request asked for logprobs.
@@ -24,6 +26,7 @@ class GenerationBatchResult:
     """
 
     next_token_ids: list[int]
+    next_token_tensor: torch.Tensor | None = None
     next_token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -46,7 +49,7 @@ class Sampler:
             logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
         next_ids = self._sample(logits, info)
-        result = GenerationBatchResult(next_token_ids=next_ids.tolist())
+        result = GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_tensor=next_ids)
         if raw_logprobs is not None:
             result.next_token_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
         if raw_logprobs is not None and top_k_max:

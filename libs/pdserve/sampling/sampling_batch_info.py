@@ -66,14 +66,21 @@ class SamplingBatchInfo:
         eos_token_ids: list[int],
         vocab_size: int,
         device: str | torch.device = "cpu",
+        output_lens: list[int] | None = None,
     ) -> SamplingBatchInfo:
         """Build from each request's params, its output so far and its prompt (same order).
+
+        ``output_lens`` (default: the lengths of ``output_ids``) counts each request's outputs before
+        this step's token, also those sampled by a step whose result is not known yet; they set
+        seeds and ``min_new_tokens`` bans. Penalties read ``output_ids`` itself, which must then be
+        complete (the scheduler waits for pending tokens of a penalised request).
 
         Requests are validated on admission (``SamplingParams.validate``); as defence in depth,
         ``top_k`` is clamped to the vocabulary and token ids outside it are ignored here, so that one
         request can never fail the whole batch's step.
         """
         batch = len(params)
+        lens = output_lens if output_lens is not None else [len(out) for out in output_ids]
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
 
@@ -87,7 +94,7 @@ class SamplingBatchInfo:
         banned = [
             (i, in_vocab(([] if p.ignore_eos else list(eos_token_ids)) + list(p.stop_token_ids)))
             for i, p in enumerate(params)
-            if len(output_ids[i]) < p.min_new_tokens
+            if lens[i] < p.min_new_tokens
         ]
         biased = [
             (i, {t: p.logit_bias[t] for t in in_vocab(list(p.logit_bias))})
@@ -126,13 +133,39 @@ class SamplingBatchInfo:
             need_top_k=any(p.top_k_enabled for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
             step_seeds=[
-                None if p.seed is None else step_seed(p.seed, len(out))
-                for p, out in zip(params, output_ids, strict=True)
+                None if p.seed is None else step_seed(p.seed, n) for p, n in zip(params, lens, strict=True)
             ],
             logit_bias=logit_bias,
             repetition_penalties=repetition_penalties,
             repetition_mask=repetition_mask,
             vocab_size=vocab_size,
+        )
+
+    def select(self, rows: list[int]) -> SamplingBatchInfo:
+        """The sampling tensors of ``rows`` (in that order) alone, as ``build`` would make them for
+        those requests: a forward over part of a batch samples each of them as the whole batch would."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.temperatures.device)
+        is_greedy = self.is_greedy[idx]
+        sampled = ~is_greedy
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        return SamplingBatchInfo(
+            temperatures=self.temperatures[idx],
+            top_ps=self.top_ps[idx],
+            top_ks=self.top_ks[idx],
+            min_ps=self.min_ps[idx],
+            is_greedy=is_greedy,
+            all_greedy=bool(is_greedy.all()),
+            need_top_p=bool((self.top_ps[idx][sampled] < 1.0).any()),
+            need_top_k=bool((self.top_ks[idx][sampled] != self.vocab_size).any()),
+            need_min_p=bool((self.min_ps[idx][sampled] > 0.0).any()),
+            step_seeds=[self.step_seeds[i] for i in rows],
+            logit_bias=pick(self.logit_bias),
+            repetition_penalties=pick(self.repetition_penalties),
+            repetition_mask=pick(self.repetition_mask),
+            vocab_size=self.vocab_size,
         )
 
 

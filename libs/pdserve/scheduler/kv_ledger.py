@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 
-from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool, slots_for_pages
+import torch
+
+from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.scheduler.req import Req
 
@@ -35,7 +37,8 @@ class KVLedger:
         self.allocator = allocator
         self.page_size = page_size
         self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
-        self.in_use: dict[str, int] = {}  # rid -> pages owned (not counting radix prefix pages)
+        self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
+        self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
 
     # ---- sizes --------------------------------------------------------------------
     @property
@@ -110,8 +113,8 @@ class KVLedger:
             return False
         req.req_pool_idx = self.req_to_token_pool.alloc()
         req.pages.extend(pages)
-        self.in_use[req.rid] = len(req.pages) - req.num_prefix_pages
-        self._write_req_to_token(req, 0, len(req.pages) * self.page_size)
+        self.in_use[req] = len(req.pages) - req.num_prefix_pages
+        self._write_req_to_token(req, 0, len(req.pages))
         return True
 
     def grow(self, req: Req, num_tokens: int) -> bool:
@@ -122,15 +125,21 @@ class KVLedger:
         pages = self._alloc(need)
         if pages is None:
             return False
-        start = len(req.pages) * self.page_size
+        first = len(req.pages)
         req.pages.extend(pages)
-        self.in_use[req.rid] += need
-        self._write_req_to_token(req, start, len(req.pages) * self.page_size)
+        self.in_use[req] += need
+        self._write_req_to_token(req, first, len(req.pages))
         return True
 
-    def _write_req_to_token(self, req: Req, start: int, end: int) -> None:
-        slots = slots_for_pages(req.pages, start, end, self.page_size)
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] = slots
+    def _write_req_to_token(self, req: Req, first: int, last: int) -> None:
+        """Write the token slots of ``req.pages[first:last]`` into its ``req_to_token`` row (positions
+        ``[first * page_size, last * page_size)``): whole pages, so one broadcast add."""
+        pool = self.req_to_token_pool.req_to_token
+        if self._offsets is None:
+            self._offsets = torch.arange(self.page_size, dtype=pool.dtype, device=pool.device)
+        pages = torch.tensor(req.pages[first:last], dtype=pool.dtype, device=pool.device)
+        slots = (pages[:, None] * self.page_size + self._offsets).view(-1)
+        pool[req.req_pool_idx, first * self.page_size : last * self.page_size] = slots
 
     def cache_unfinished(self, req: Req) -> None:
         """Put the full pages of a still-running ``req``'s computed tokens into the radix cache.
@@ -140,7 +149,7 @@ class KVLedger:
         pages the tree already held under other indices replace its duplicates (which are freed)
         in ``req.pages`` and in ``req_to_token``, and they stop counting as in use.
         """
-        full = min(req.num_computed // self.page_size, len(req.pages))
+        full = min(_known_computed(req) // self.page_size, len(req.pages))
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
@@ -151,8 +160,8 @@ class KVLedger:
         req.last_node = match.last_node
         req.pages[:full] = match.page_indices
         req.num_prefix_pages = full
-        self.in_use[req.rid] = len(req.pages) - full
-        self._write_req_to_token(req, 0, full * self.page_size)
+        self.in_use[req] = len(req.pages) - full
+        self._write_req_to_token(req, 0, full)
 
     # ---- release ------------------------------------------------------------------
     def release(self, req: Req, cache: bool) -> None:
@@ -162,11 +171,11 @@ class KVLedger:
         have KV go into the radix cache; the partial last page and unused pages are freed.
         Otherwise (abort, failure, retraction) every owned page is freed.
         """
-        if req.rid not in self.in_use and req.last_node is None:
+        if req not in self.in_use and req.last_node is None:
             return
         owned = req.pages[req.num_prefix_pages :]
         if cache:
-            full = min(req.num_computed // self.page_size, len(req.pages))
+            full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
             duplicates = self.tree.insert(key, req.pages[:full])
             self.allocator.free(duplicates)
@@ -181,4 +190,11 @@ class KVLedger:
         req.pages = []
         req.num_prefix_pages = 0
         req.num_computed = 0
-        self.in_use.pop(req.rid, None)
+        self.in_use.pop(req, None)
+
+
+def _known_computed(req: Req) -> int:
+    """Tokens whose KV is in the pool (or being written by a forward that runs before any later one)
+    and whose ids are known: a step scheduled ahead of its predecessor's result has computed positions
+    whose token ids are still pending, and those cannot key the radix cache."""
+    return min(req.num_computed, len(req.origin_input_ids) + len(req.output_ids))

@@ -52,7 +52,14 @@ class Req:
     KV bookkeeping: ``pages`` are the KV page indices backing positions
     ``[0, len(pages) * page_size)`` of ``fill_ids``; the first ``num_prefix_pages`` of them came from
     the radix cache (locked through ``last_node``), the rest are owned by this request.
-    ``num_computed`` tokens of ``fill_ids`` have KV in the pool.
+    ``num_computed`` tokens of the request have KV in the pool once the batches it is in have run: it
+    advances when a batch is scheduled, not when its result comes back.
+
+    Overlap bookkeeping: ``num_pending`` tokens have been sampled by scheduled batches whose results
+    are not processed yet (so the request's sequence is ``fill_ids`` plus that many unknown tokens);
+    ``in_batches`` counts those batches, and ``last_row`` is the request's row in the latest one. A
+    request that ends while ``in_batches > 0`` keeps its KV (pages, request slot, cache locks) until
+    the last of those batches is processed: a forward may still read and write it.
     """
 
     rid: str
@@ -83,11 +90,32 @@ class Req:
     last_token_time: float = 0.0
     # set when an abort arrives while the request is inside a running forward
     to_abort: str = ""
+    # overlap bookkeeping (see the class docstring)
+    num_pending: int = 0
+    in_batches: int = 0
+    last_row: int = -1
+    release_cache: bool | None = None  # a release deferred until in_batches drops to 0: cache its KV?
 
     @property
     def fill_ids(self) -> list[int]:
         """Prompt plus generated tokens: what a (re-)extend must have KV for."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence, the ``num_pending`` not yet known ones included."""
+        return len(self.origin_input_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, the ``num_pending`` not yet known ones included."""
+        return len(self.output_ids) + self.num_pending
+
+    def will_finish_by_length(self, context_len: int) -> bool:
+        """Whether the pending tokens already bring it to ``max_new_tokens`` or ``context_len``: then it
+        ends when they arrive, whatever they are, and needs no further step."""
+        n = self.num_generated
+        return n >= self.sampling_params.max_new_tokens or len(self.origin_input_ids) + n >= context_len
 
     def set_state(self, new: ReqState) -> None:
         """Move to ``new``; raises RuntimeError on a transition the lifecycle does not allow."""

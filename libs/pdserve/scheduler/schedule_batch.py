@@ -2,31 +2,58 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.scheduler.req import Req
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduleBatch:
     """Requests of one step and how many tokens each computes.
 
-    ``extend_lens[i]`` tokens of ``reqs[i].fill_ids`` starting at ``reqs[i].num_computed`` are run;
-    a decoding request has ``extend_len == 1`` (its last generated token). Extending requests come
-    first, decoding ones after them.
+    ``extend_lens[i]`` tokens of request ``i`` starting at position ``prefix_lens[i]`` are run; a
+    decoding request has ``extend_len == 1`` (its last token). Extending requests come first, decoding
+    ones after them. ``samples[i]`` says whether row ``i``'s sampled token counts (a decode, or the
+    last chunk of a prompt) or is discarded (a non-final chunk).
+
+    A batch may be scheduled before the result of the batch just before it (``prev``) is known (the
+    overlap loop): then a decoding request's input token is the token ``prev`` samples for it, and
+    ``pending`` lists ``(flat token index here, row of prev)`` pairs filled in by :meth:`resolve` on
+    the forward thread, right before the forward, without a trip through Python lists.
+
+    Attributes set while the batch lives: ``forward_batch`` (by :meth:`prepare`, on the scheduler's
+    thread), ``result`` and ``row_errors`` (row -> error of a row whose forward failed; by the forward
+    thread, see ``pdserve.scheduler.batch_runner``).
     """
 
     reqs: list[Req]
     extend_lens: list[int]
     num_extend: int  # the first num_extend reqs extend, the rest decode
     prefix_lens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    prev: ScheduleBatch | None = None
+    pending: list[tuple[int, int]] = field(default_factory=list)
+    forward_batch: ForwardBatch | None = None
+    ready: torch.cuda.Event | None = None  # on CUDA: recorded once ``forward_batch`` is built
+    result: GenerationBatchResult | None = None
+    row_errors: dict[int, str] = field(default_factory=dict)
+    _pending_index: torch.Tensor | None = None  # int64 [2, len(pending)] on the device
 
     def __post_init__(self) -> None:
-        self.prefix_lens = [r.num_computed for r in self.reqs]
+        if not self.prefix_lens:
+            self.prefix_lens = [r.num_computed for r in self.reqs]
+        if not self.samples:
+            self.samples = [
+                p + n >= r.seq_len
+                for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)
+            ]
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -38,17 +65,46 @@ class ScheduleBatch:
 
     def is_last_chunk(self, i: int) -> bool:
         """True when step ``i`` completes the request's fill, so its sampled token counts."""
-        return self.prefix_lens[i] + self.extend_lens[i] == len(self.reqs[i].fill_ids)
+        return self.samples[i]
 
-    def to_forward_batch(self, runner) -> ForwardBatch:
-        """Build the device contract: ids, pool slots, lengths and sampling info (int64 tensors); the KV
-        slots are read from ``req_to_token``, which the ledger wrote when it gave the pages."""
+    def prepare(self, runner, prev: ScheduleBatch | None = None) -> None:
+        """Build ``forward_batch``: ids, pool slots, lengths and sampling info (int64 tensors); the KV
+        slots are read from ``req_to_token``, which the ledger wrote when it gave the pages.
+
+        Call it before the requests' counters advance for this batch: a request with
+        ``num_pending > 0`` decodes the token ``prev`` samples for it at its row ``last_row``.
+
+        Raises whatever building the sampling tensors raises for a request's parameters (the
+        scheduler then finds the request responsible, ``Scheduler._prepare``).
+
+        On CUDA the tensors are built on a side stream of the scheduler's thread, so that building
+        them never waits for the forward running on the device; ``ready`` marks when they are.
+        """
+        stream = _side_stream(runner.device)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self._build(runner, prev)
+            if stream is not None:
+                self.ready = torch.cuda.Event()
+                self.ready.record(stream)
+
+    def _build(self, runner, prev: ScheduleBatch | None) -> None:
+        self.prev = prev
         input_ids: list[int] = []
+        self.pending = []
         for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
-            input_ids.extend(req.fill_ids[start : start + n])
-        req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
-        extend = torch.tensor(self.extend_lens, dtype=torch.int64)
+            if req.num_pending:  # a decode whose input is still being sampled by ``prev``
+                self.pending.append((len(input_ids), req.last_row))
+                input_ids.append(0)
+            elif start + n <= len(req.origin_input_ids):
+                input_ids.extend(req.origin_input_ids[start : start + n])
+            elif n == 1:
+                input_ids.append(req.output_ids[start - len(req.origin_input_ids)])
+            else:
+                input_ids.extend(req.fill_ids[start : start + n])
+        if self.pending and prev is None:
+            raise RuntimeError("a request with a pending token needs the batch that samples it")
+        pending = torch.tensor(self.pending, dtype=torch.int64, device=runner.device)
+        self._pending_index = pending.reshape(-1, 2).T
         params = [r.sampling_params for r in self.reqs]
         sampling_info = SamplingBatchInfo.build(
             params,
@@ -57,11 +113,14 @@ class ScheduleBatch:
             eos_token_ids=runner.model_config.eos_token_ids,
             vocab_size=runner.model_config.vocab_size,
             device=runner.device,
+            output_lens=[r.num_generated for r in self.reqs],
         )
-        return ForwardBatch.init_new(
+        prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
+        extend = torch.tensor(self.extend_lens, dtype=torch.int64)
+        self.forward_batch = ForwardBatch.init_new(
             forward_mode=self.forward_mode,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            req_pool_indices=req_pool_indices,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
             seq_lens=prefix + extend,
             extend_prefix_lens=prefix,
             extend_seq_lens=extend,
@@ -70,3 +129,23 @@ class ScheduleBatch:
             top_logprobs_nums=[p.top_logprobs_num or 0 for p in params],
             runner=runner,
         )
+
+    def resolve(self) -> None:
+        """Fill the pending input ids from ``prev``'s sampled tokens (on the forward thread, once
+        ``prev`` has run). Rows of ``prev`` that failed give token 0: their requests have failed, and
+        what this batch computes for them is discarded."""
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+        if not self.pending:
+            return
+        if self.prev is None or self.prev.result is None:
+            raise RuntimeError("the previous batch produced no tokens to decode from")
+        dst, src = self._pending_index
+        self.forward_batch.input_ids[dst] = self.prev.result.next_token_tensor[src]
+        self.prev = None  # free it: its tensors are not needed any more
+
+
+@cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream batches are built on (CUDA only; one per device)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None

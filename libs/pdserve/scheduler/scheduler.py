@@ -1,8 +1,7 @@
 """The scheduler core: admission, chunked prefill, continuous batching, retraction and abort.
 
 Transport-free and single-threaded: every method is called from one thread (the service's event
-loop); only ``run_batch`` (the forward) may run on a worker thread, and while it runs the requests
-of that batch are marked in flight, so an abort arriving meanwhile is applied after the step.
+loop); only ``run_batch`` (the forward) runs on a worker thread.
 
 Deterministic in its inputs: given the same requests, aborts and KV events in the same order, and
 the same ``clock`` readings, two schedulers make the same decisions (batches, pages, radix-cache
@@ -13,6 +12,21 @@ The step is schedule → run → process (cf. SGLang's ``event_loop_normal``):
     batch = scheduler.schedule()
     result = scheduler.run_batch(batch)          # may run in an executor
     outputs = scheduler.process_result(batch, result)
+
+and it may overlap (SGLang's ``event_loop_overlap``): the next ``schedule()`` may come before the
+previous batch's ``process_result``, while its forward runs. Everything that does not depend on the
+sampled token ids is decided when a batch is scheduled (KV positions, chunk progress, a prompt's
+last chunk turning into a decoding request), so the next batch can be built at once: a request
+whose token is still being sampled decodes it as a *pending* input that the forward thread fills in
+from the previous batch's result (``ScheduleBatch.resolve``). What depends on the token ids waits
+for ``process_result``: appending tokens, finishing (EOS, stop tokens), radix inserts, outputs.
+A request that a pending token will bring to its length limit is not scheduled again; one that
+stops at EOS runs one wasted row. The KV of a request that ends while a scheduled batch still
+holds it is released when the last such batch is processed (``Req.in_batches``), so no forward
+reads a page or request slot that was given to another request. Where a step would need token ids
+that are still pending (penalties over the output, or a retraction of a request in flight),
+``schedule()`` returns None with ``needs_results`` set: the caller processes the batch in flight
+first and schedules again.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.overload import (
@@ -123,7 +138,8 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Req] = {}  # decode role: pages reserved, prefill asked
         self.kv_requests: list[Req] = []  # decode role: admitted, the servicer must ask a prefill worker
         self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
-        self.in_flight: set[str] = set()
+        self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
+        self.needs_results = False  # the last schedule() needs the outstanding batch processed first
         self.aborted_outputs: list[StepOutput] = []
         # decode role: called with a request whose prompt KV is still arriving, just before its pages
         # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
@@ -137,26 +153,13 @@ class Scheduler:
         """Queue a new request, checked as the gateway checks it (internal ports are reachable too).
 
         Raises:
-            ValueError, QueueFull: as ``check_request``.
-        """
-        self.check_request(req)
-        self.reqs[req.rid] = req
-        self.waiting.append(req)
-        self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
-
-    def check_request(self, req: Req, pending: int = 0) -> None:
-        """Check ``req`` as ``add_request`` would queue it; changes nothing but the rejection metric.
-        ``pending``: requests accepted but not yet queued (a TP group's inputs of the next step),
-        counted against the queue bound.
-
-        Raises:
             ValueError: a duplicate rid, an empty prompt or one with an id outside the vocabulary, a
                 prompt that cannot fit the context or the pool; or (``BoundError``, naming the
                 field) a sampling parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the
                 vocabulary and stop or bias token ids outside it included.
             QueueFull: the waiting queue is at its bound.
         """
-        self._check_queue_room(pending)
+        self._check_queue_room()
         if req.rid in self.reqs:
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
@@ -174,18 +177,21 @@ class Scheduler:
                 f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"
                 f" ({self.usable_pages} pages of {self.page_size} tokens)"
             )
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         """Abort ``rid`` in whatever state it is; pages are released exactly once.
 
-        Returns False when the rid is unknown (already finished). A request inside the running
-        forward is aborted when that step ends.
+        Returns False when the rid is unknown (already finished). A request inside a scheduled batch
+        is aborted when that batch is processed (and scheduled no more meanwhile).
         """
         req = self.reqs.get(rid)
         if req is None:
             return False
-        if rid in self.in_flight:
-            req.to_abort = reason
+        if req.in_batches:
+            req.to_abort = req.to_abort or reason
             return True
         self._end(req, FinishReason.ABORT, reason)
         self.aborted_outputs.append(StepOutput(req, finished=True))
@@ -229,6 +235,15 @@ class Scheduler:
         reqs, self.prefilled = self.prefilled, []
         return reqs
 
+    def computed_tokens(self, req: Req) -> int:
+        """Tokens of ``req`` whose KV is in the pool now: ``num_computed`` less the tokens of the
+        scheduled batches not processed yet (their forwards may still be writing them)."""
+        n = req.num_computed
+        if req.in_batches:
+            for batch in self.outstanding:
+                n -= sum(batch.extend_lens[i] for i, r in enumerate(batch.reqs) if r is req)
+        return n
+
     def prefill_sent(self, rid: str, ok: bool, error: str = "") -> None:
         """The KV write of a prefilled request ended: cache its pages (or free them) and forget it."""
         req = self.reqs.get(rid)
@@ -238,57 +253,78 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.outstanding)
 
     def schedule(self) -> ScheduleBatch | None:
-        """Pick this step's requests: chunks of extends within the token budget, then decodes."""
+        """Pick this step's requests (chunks of extends within the token budget, then decodes), build
+        its forward batch and advance the requests' counters for it.
+
+        Returns None when there is nothing to run, or when the step needs the token ids of the
+        outstanding batch first (``needs_results``).
+        """
+        self.needs_results = False
         self._expire_deadlines()
         self._expire_queue_time()
         if self.role == "decode":
             self._admit_for_kv()
-        decodes = self._prepare_decodes() if self.role != "prefill" else []
-        extends, extend_lens = self._schedule_extends() if self.role != "decode" else ([], [])
-        reqs = extends + decodes
-        self._update_gauges()
-        if not reqs:
+        if self.outstanding and any(r.num_pending and r.sampling_params.has_penalties for r in self.running):
+            self.needs_results = True  # penalties count the output tokens: they must be known
             return None
-        batch = ScheduleBatch(reqs, extend_lens + [1] * len(decodes), num_extend=len(extends))
-        self.in_flight = {r.rid for r in reqs}
+        decodes = self._prepare_decodes() if self.role != "prefill" else []
+        if decodes is None:
+            self.needs_results = True
+            return None
+        extends, extend_lens = self._schedule_extends() if self.role != "decode" else ([], [])
+        self._update_gauges()
+        if not extends and not decodes:
+            return None
+        batch = self._prepare(
+            ScheduleBatch(extends + decodes, extend_lens + [1] * len(decodes), len(extends))
+        )
+        if batch is not None:
+            self._launch(batch)
         return batch
 
     def run_batch(self, batch: ScheduleBatch):
-        """Run the forward of ``batch`` (thread-safe with respect to the request queues)."""
-        return self.runner.forward_batch_generation(batch.to_forward_batch(self.runner))
+        """Run the forward of ``batch`` (thread-safe with respect to the request queues); returns its
+        result. A forward that raises fails only the requests responsible (``batch_runner``)."""
+        return run_batch(self.runner, batch).result
 
-    def process_result(self, batch: ScheduleBatch, result) -> list[StepOutput]:
-        """Apply one step's sampled tokens; finish, hand over or keep each request."""
-        self.in_flight = set()
+    def process_result(self, batch: ScheduleBatch, result=None) -> list[StepOutput]:
+        """Apply the sampled tokens of ``batch`` (the oldest outstanding one); finish, hand over or
+        keep each request."""
+        if result is not None:
+            batch.result = result
+        self.outstanding.remove(batch)
+        result = batch.result
         now = self.clock()
         outputs: list[StepOutput] = []
         for i, req in enumerate(batch.reqs):
-            req.num_computed += batch.extend_lens[i]
-            if req.to_abort:
-                self._end(req, FinishReason.ABORT, req.to_abort)
+            req.in_batches -= 1
+            sampled = batch.samples[i]
+            req.num_pending -= sampled
+            if req.state.done:  # ended while this batch ran: only its KV was waiting for it
+                self._release_deferred(req)
+                continue
+            if req.to_abort or i in batch.row_errors:
+                reason = FinishReason.ABORT if req.to_abort else FinishReason.ERROR
+                self._end(req, reason, req.to_abort or batch.row_errors[i])
                 outputs.append(StepOutput(req, finished=True))
                 continue
-            if i < batch.num_extend:
+            if not sampled:  # a non-final chunk of a long prompt: its sample is discarded
                 self.ledger.cache_unfinished(req)
-            if not batch.is_last_chunk(i):
-                continue  # a non-final chunk of a long prompt: its sample is discarded
+                continue
             logprob = None
             if result.next_token_logprobs is not None:
                 top = result.top_logprobs[i] if result.top_logprobs is not None else []
                 logprob = (result.next_token_logprobs[i], top)
             token = result.next_token_ids[i]
+            self._append_token(req, token, logprob, now)
             if i < batch.num_extend:
-                self.prefilling.remove(req)
+                self.ledger.cache_unfinished(req)
                 if self.role == "prefill":
-                    self._append_token(req, token, logprob, now)
                     self.prefilled.append(req)
                     continue
-                req.set_state(ReqState.RUNNING)
-                self.running.append(req)
-            self._append_token(req, token, logprob, now)
             req.check_finished(self.eos_token_ids, self.max_req_tokens)
             if req.state.done:
                 self._end(req, req.finish_reason)
@@ -297,17 +333,12 @@ class Scheduler:
         return outputs
 
     def fail_batch(self, batch: ScheduleBatch, error: str) -> list[StepOutput]:
-        """A forward raised: fail every request of ``batch`` (their KV is not trusted)."""
-        self.in_flight = set()
-        outputs = []
-        for req in batch.reqs:
-            self._end(req, FinishReason.ERROR, error)
-            outputs.append(StepOutput(req, finished=True))
-        return outputs
+        """The whole step failed outside the forward: fail every request of ``batch``."""
+        batch.row_errors = dict.fromkeys(range(len(batch.reqs)), error)
+        return self.process_result(batch)
 
     def fail_all(self, error: str) -> list[StepOutput]:
         """End every request with ERROR ``error``, retryable (the scheduler is going down, to restart)."""
-        self.in_flight = set()
         outputs = []
         for req in list(self.reqs.values()):
             req.retryable = True
@@ -319,6 +350,56 @@ class Scheduler:
         """Requests ended outside a step (explicit abort, deadline, queue time) since the last call."""
         outputs, self.aborted_outputs = self.aborted_outputs, []
         return outputs
+
+    def _prepare(self, batch: ScheduleBatch) -> ScheduleBatch | None:
+        """Build ``batch``'s forward batch; a request whose parameters make that raise fails alone
+        (found by building each request's sampling tensors on their own) and the rest is rebuilt."""
+        prev = self.outstanding[-1] if self.outstanding else None
+        try:
+            batch.prepare(self.runner, prev)
+            return batch
+        except Exception as e:  # narrowed to the requests responsible below
+            logger.warning("building a batch of %d requests failed (%s): isolating", len(batch.reqs), e)
+        keep = []
+        for i, req in enumerate(batch.reqs):
+            try:
+                ScheduleBatch([req], [batch.extend_lens[i]], int(i < batch.num_extend)).prepare(
+                    self.runner, prev
+                )
+                keep.append(i)
+            except Exception as e:  # this request's inputs are the cause
+                self._end(req, FinishReason.ERROR, f"invalid sampling inputs: {type(e).__name__}: {e}")
+                self.aborted_outputs.append(StepOutput(req, finished=True))
+        if not keep:
+            return None
+        num_extend = sum(i < batch.num_extend for i in keep)
+        rest = ScheduleBatch([batch.reqs[i] for i in keep], [batch.extend_lens[i] for i in keep], num_extend)
+        try:
+            rest.prepare(self.runner, prev)
+        except Exception as e:  # no single request is the cause: fail the step's requests
+            logger.exception("building a batch failed")
+            for req in rest.reqs:
+                self._end(req, FinishReason.ERROR, f"building the batch failed: {type(e).__name__}: {e}")
+                self.aborted_outputs.append(StepOutput(req, finished=True))
+            return None
+        return rest
+
+    def _launch(self, batch: ScheduleBatch) -> None:
+        """Advance every request's counters for ``batch`` as if it had run (see the module docstring);
+        a prompt whose last chunk runs becomes a decoding request (mixed role) now."""
+        for i, req in enumerate(batch.reqs):
+            req.num_computed += batch.extend_lens[i]
+            req.in_batches += 1
+            req.last_row = i
+            if not batch.samples[i]:
+                continue
+            req.num_pending += 1
+            if i < batch.num_extend:
+                self.prefilling.remove(req)
+                if self.role != "prefill":
+                    req.set_state(ReqState.RUNNING)
+                    self.running.append(req)
+        self.outstanding.append(batch)
 
     # ---- internals ----------------------------------------------------------------------
     def _cached_prefix_len(self, req: Req) -> int:
@@ -344,8 +425,8 @@ class Scheduler:
     def _pages_to_grow(self, req: Req) -> int:
         """Pages ``req`` still lacks for its fill plus a reserve of up to ``new_token_reserve`` next
         tokens (counted in tokens, so a partly filled last page takes them first)."""
-        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
-        tokens = len(req.fill_ids) + max(0, min(remaining, self.config.new_token_reserve))
+        remaining = req.sampling_params.max_new_tokens - req.num_generated
+        tokens = req.seq_len + max(0, min(remaining, self.config.new_token_reserve))
         return max(0, self.ledger.pages_for(min(tokens, self.max_req_tokens)) - len(req.pages))
 
     def _admissible(self, req: Req) -> bool:
@@ -356,7 +437,7 @@ class Scheduler:
     def _admit(self, req: Req) -> bool:
         """Match the radix cache, lock the match and allocate pages for the whole fill."""
         prefix = self.ledger.match(req)
-        if not self._admissible(req) or not self.ledger.admit(req, len(req.fill_ids)):
+        if not self._admissible(req) or not self.ledger.admit(req, req.seq_len):
             self.ledger.unmatch(req)
             return False
         if not req.output_ids:  # a retracted request re-admitted is not a new prompt
@@ -387,7 +468,9 @@ class Scheduler:
         for req in self.prefilling:  # continue chunked requests first
             if budget <= 0:
                 break
-            n = min(budget, len(req.fill_ids) - req.num_computed)
+            if req.to_abort:  # ends when its batch in flight is processed
+                continue
+            n = min(budget, req.seq_len - req.num_computed)
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -401,7 +484,7 @@ class Scheduler:
                 break
             req.set_state(ReqState.PREFILLING)
             self.prefilling.append(req)
-            n = min(budget, len(req.fill_ids) - req.num_computed)
+            n = min(budget, req.seq_len - req.num_computed)
             reqs.append(req)
             lens.append(n)
             budget -= n
@@ -417,7 +500,10 @@ class Scheduler:
         side by side (SGLang's in-batch prefix caching). Never with the cache disabled, where
         waiting saves nothing.
         """
-        in_flight = self.waiting_for_kv.values() if self.role == "decode" else self.prefilling
+        if self.role == "decode":
+            in_flight = list(self.waiting_for_kv.values())
+        else:  # extending now, or in a batch still running whose chunks enter the cache when processed
+            in_flight = self.prefilling + [r for b in self.outstanding for r in b.reqs[: b.num_extend]]
         if self.config.disable_radix_cache or not in_flight:
             return False
         shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in in_flight)
@@ -425,13 +511,22 @@ class Scheduler:
             return False
         return shared - self._cached_prefix_len(req) >= IN_BATCH_PREFIX_TOKENS
 
-    def _prepare_decodes(self) -> list[Req]:
-        """Give every running request a KV slot for its next token, retracting the newest if short."""
+    def _prepare_decodes(self) -> list[Req] | None:
+        """Give every running request a KV slot for its next token, retracting the newest if short.
+
+        Skips requests being aborted and those whose pending tokens end them by length. Returns None
+        when a retraction is due while a batch is in flight (its requests' KV must stay where that
+        forward reads it): the caller processes that batch and schedules again.
+        """
         batch: list[Req] = []
         for req in sorted(self.running, key=lambda r: r.admit_time):
-            if req not in self.running:
+            if req.state is not ReqState.RUNNING:
                 continue  # retracted while making room for an older request
-            while not self.ledger.grow(req, len(req.fill_ids)):
+            if req.to_abort or (req.num_pending and req.will_finish_by_length(self.max_req_tokens)):
+                continue
+            while not self.ledger.grow(req, req.seq_len):
+                if self.outstanding:
+                    return None
                 victim = max(self.running, key=lambda r: r.admit_time)
                 self._retract(victim)
                 if victim is req:
@@ -452,12 +547,12 @@ class Scheduler:
     def _expire_deadlines(self) -> None:
         now = self.clock()
         for req in list(self.reqs.values()):
-            if req.deadline and now > req.deadline and req.rid not in self.in_flight:
+            if req.deadline and now > req.deadline and not req.to_abort:
                 self.abort_request(req.rid, "deadline exceeded")
 
-    def _check_queue_room(self, pending: int = 0) -> None:
+    def _check_queue_room(self) -> None:
         try:
-            check_queue_room(len(self.waiting) + pending, self.max_queued_requests)
+            check_queue_room(len(self.waiting), self.max_queued_requests)
         except QueueFull:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise
@@ -486,12 +581,22 @@ class Scheduler:
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
-        self.ledger.release(req, cache=valid_kv and req.num_computed > 0)
+        cache = valid_kv and req.num_computed > 0
+        if req.in_batches:  # a scheduled forward still reads and writes its KV
+            req.release_cache = cache
+        else:
+            self.ledger.release(req, cache=cache)
         self.reqs.pop(req.rid, None)
         if req.first_token_time:
             self.metrics.e2e.observe(self.clock() - req.arrival_time)
         if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
             self.metrics.finished.labels(finish_reason=req.finish_reason.value).inc()
+
+    def _release_deferred(self, req: Req) -> None:
+        """Release the KV of an ended request once no scheduled batch holds it any more."""
+        if req.in_batches == 0 and req.release_cache is not None:
+            self.ledger.release(req, cache=req.release_cache)
+            req.release_cache = None
 
     def _update_gauges(self) -> None:
         m = self.metrics

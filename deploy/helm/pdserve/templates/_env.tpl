@@ -25,6 +25,12 @@
 {{- end }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
+{{- if gt (int .Values.gateway.workers) 1 }}
+# Gateway processes sharing the public HTTP and gRPC ports (SO_REUSEPORT); worker i takes its
+# outputs on its own internal port, internalPort + i.
+- name: PDSERVE_WORKERS
+  value: {{ .Values.gateway.workers | int | toString | quote }}
+{{- end }}
 {{- if not (kindIs "invalid" .Values.gateway.maxPendingRequests) }}
 - name: PDSERVE_MAX_PENDING_REQUESTS
   value: {{ .Values.gateway.maxPendingRequests | int64 | toString | quote }}
@@ -33,10 +39,11 @@
 - name: PDSERVE_SERVED_MODEL_NAME
   value: {{ . | quote }}
 {{- end }}
+# dns:/// names of headless Services: gRPC resolves every ready pod and round-robins calls over them.
 - name: PDSERVE_TOKENIZER_ADDRESSES
-  value: {{ include "pdserve.serviceAddress" (list . "tokenizer") }}
+  value: dns:///{{ include "pdserve.serviceAddress" (list . "tokenizer") }}
 - name: PDSERVE_DETOKENIZER_ADDRESSES
-  value: {{ include "pdserve.serviceAddress" (list . "detokenizer") }}
+  value: dns:///{{ include "pdserve.serviceAddress" (list . "detokenizer") }}
 - name: PDSERVE_DECODE_ADDRESSES
   value: {{ include "pdserve.podAddresses" (list . "decode") | quote }}
 - name: PDSERVE_PREFILL_ADDRESSES

@@ -1,0 +1,133 @@
+"""What the forward thread does with a ``ScheduleBatch``: fill in its pending inputs, run it, and when
+the forward raises, find the requests responsible so that only they fail.
+
+Isolation is by bisection: a batch whose forward raises is split in two halves that run on their own,
+recursively, down to single requests; a request that fails alone is the one responsible (or one of
+them), and every other request gets the token its own sub-batch sampled. A sub-batch samples each
+request exactly as the whole batch would (each row's logits depend only on its own tokens and KV,
+and ``SamplingBatchInfo.select`` keeps each row's parameters and seed), and re-running a forward
+rewrites the same KV slots with the same values, so batch-mates keep their exact outputs. A
+failure costs at most ``2 * B - 1`` extra forwards for a batch of ``B``; one that every request
+causes alone (a broken device) fails them all.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.sampling.sampler import GenerationBatchResult
+from pdserve.scheduler.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+def run_batch(runner, batch: ScheduleBatch) -> ScheduleBatch:
+    """Run ``batch`` on ``runner`` (the ``ModelRunner``); set ``batch.result`` (one token per row, 0
+    for failed rows) and ``batch.row_errors``. Never raises: an error that is no one request's fails
+    every row. Returns ``batch``."""
+    try:
+        batch.resolve()
+    except Exception as e:  # no request's fault: the step before left nothing to decode
+        logger.exception("inputs of a batch of %d requests could not be resolved", len(batch.reqs))
+        _fail_all(batch, e)
+        return batch
+    try:
+        batch.result = runner.forward_batch_generation(batch.forward_batch)
+        return batch
+    except Exception as e:  # any error of the forward is isolated, then reported per row
+        if len(batch.reqs) == 1:
+            _fail_all(batch, e)
+            return batch
+        logger.warning(
+            "forward of %d requests failed (%s): isolating the ones responsible", len(batch.reqs), e
+        )
+    rows = list(range(len(batch.reqs)))
+    results: dict[int, tuple[GenerationBatchResult, int]] = {}
+    _bisect(runner, batch.forward_batch, rows, results, batch.row_errors)
+    batch.result = _merge(batch, results)
+    if batch.row_errors:
+        logger.warning(
+            "forward failure isolated to %d of %d requests: %s",
+            len(batch.row_errors),
+            len(batch.reqs),
+            ", ".join(batch.reqs[i].rid for i in batch.row_errors),
+        )
+    return batch
+
+
+def _bisect(
+    runner,
+    fb: ForwardBatch,
+    rows: list[int],
+    results: dict[int, tuple[GenerationBatchResult, int]],
+    errors: dict[int, str],
+) -> None:
+    """Run ``rows`` of ``fb`` alone; on failure split them, down to single rows whose error is kept."""
+    for half in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
+        if not half:
+            continue
+        try:
+            result = runner.forward_batch_generation(_select(fb, half, runner))
+        except Exception as e:  # narrowed down below
+            if len(half) == 1:
+                errors[half[0]] = f"forward failed: {type(e).__name__}: {e}"
+            else:
+                _bisect(runner, fb, half, results, errors)
+            continue
+        for j, row in enumerate(half):
+            results[row] = (result, j)
+
+
+def _select(fb: ForwardBatch, rows: list[int], runner) -> ForwardBatch:
+    """The forward batch of ``rows`` of ``fb`` alone (ids, positions and KV slots as they were)."""
+    idx = torch.tensor(rows, dtype=torch.int64, device=fb.input_ids.device)
+    starts, lens = fb.extend_start_loc[idx], fb.extend_seq_lens[idx]
+    tokens = torch.cat(
+        [
+            torch.arange(s, s + n, device=idx.device)
+            for s, n in zip(starts.tolist(), lens.tolist(), strict=True)
+        ]
+    )
+    return ForwardBatch.init_new(
+        input_ids=fb.input_ids[tokens],
+        req_pool_indices=fb.req_pool_indices[idx],
+        seq_lens=fb.seq_lens[idx],
+        extend_prefix_lens=fb.extend_prefix_lens[idx],
+        extend_seq_lens=lens,
+        out_cache_loc=fb.out_cache_loc[tokens],
+        sampling_info=None if fb.sampling_info is None else fb.sampling_info.select(rows),
+        return_logprob=fb.return_logprob,
+        top_logprobs_nums=None if fb.top_logprobs_nums is None else [fb.top_logprobs_nums[i] for i in rows],
+        runner=runner,
+    )
+
+
+def _merge(
+    batch: ScheduleBatch, results: dict[int, tuple[GenerationBatchResult, int]]
+) -> GenerationBatchResult:
+    """One result for the whole batch from the sub-batches' (failed rows: token 0, no logprobs)."""
+    n = len(batch.reqs)
+    ids = [0] * n
+    logprobs: list[float] | None = None
+    tops: list[list[tuple[int, float]]] | None = None
+    for row, (result, j) in results.items():
+        ids[row] = result.next_token_ids[j]
+        if result.next_token_logprobs is not None:
+            logprobs = logprobs or [0.0] * n
+            logprobs[row] = result.next_token_logprobs[j]
+        if result.top_logprobs is not None:
+            tops = tops or [[] for _ in range(n)]
+            tops[row] = result.top_logprobs[j]
+    device = batch.forward_batch.input_ids.device
+    return GenerationBatchResult(ids, torch.tensor(ids, dtype=torch.int64, device=device), logprobs, tops)
+
+
+def _fail_all(batch: ScheduleBatch, error: Exception) -> None:
+    message = f"forward failed: {type(error).__name__}: {error}"
+    batch.row_errors = dict.fromkeys(range(len(batch.reqs)), message)
+    n = len(batch.reqs)
+    device = batch.forward_batch.input_ids.device if batch.forward_batch is not None else "cpu"
+    batch.result = GenerationBatchResult([0] * n, torch.zeros(n, dtype=torch.int64, device=device))
