@@ -84,7 +84,8 @@ class TpModelWorker:
         if result is not None:
             return result
         rows = shared.cpu().tolist()
-        out = GenerationBatchResult(next_token_ids=[int(r[0]) for r in rows])
+        ids = shared[:, 0].to(torch.int64)  # on the device: what a batch scheduled ahead decodes from
+        out = GenerationBatchResult(next_token_ids=[int(r[0]) for r in rows], next_token_tensor=ids)
         if with_logprobs:
             out.next_token_logprobs = [r[1] for r in rows]
         if k:
