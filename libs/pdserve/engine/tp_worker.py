@@ -28,6 +28,8 @@ class TpModelWorker:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.tp = runner.tp
+        # a forward that raises on a TP group fails the group, not just its requests (batch_runner)
+        self.isolates_failures = self.tp.size == 1
 
     @property
     def model_config(self):
