@@ -90,6 +90,19 @@ class OverheadConfig:
     def requests_at(self, level: int) -> int:
         return self.num_requests or max(8, 2 * level)
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OverheadConfig:
+        """From the workload options both overhead benchmarks share (``--concurrency`` comma-separated)."""
+        return cls(
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            levels=tuple(int(v) for v in args.concurrency.split(",") if v.strip()),
+            num_requests=args.num_requests,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            seed=getattr(args, "seed", 0),
+        )
+
 
 class OverheadBench:
     """Runs the comparison against one launched stack and one in-process server (same flags).
@@ -207,15 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     rerun_with_scheduler_env("benchmarks.gateway_overhead", argv)
     args = parse_args(argv)
-    cfg = OverheadConfig(
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-        levels=tuple(int(v) for v in args.concurrency.split(",") if v.strip()),
-        num_requests=args.num_requests,
-        rounds=args.rounds,
-        warmup=args.warmup,
-        seed=args.seed,
-    )
+    cfg = OverheadConfig.from_args(args)
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process of the stack

@@ -115,14 +115,7 @@ def run_here(args: argparse.Namespace, checkout: str) -> list[dict]:
     """Every configuration of ``args`` with the pdserve this interpreter imports."""
     model = args.model or str(tiny_checkpoint())
     common = f"--model {shlex.quote(model)} {args.flags}".strip()
-    cfg = OverheadConfig(
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-        levels=tuple(int(v) for v in args.concurrency.split(",") if v.strip()),
-        num_requests=args.num_requests,
-        rounds=args.rounds,
-        warmup=args.warmup,
-    )
+    cfg = OverheadConfig.from_args(args)
     with ThreadPoolExecutor(1) as pool:  # a thread that ends before the run (InProcessServer's advice)
         server = pool.submit(InProcessServer.from_launch_flags, shlex.split(f"--colocated {common}")).result()
     tokenizer = Tokenizer.load(str(server.model_dir))
