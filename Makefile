@@ -10,7 +10,7 @@ GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -88,6 +88,9 @@ bench-stack: install
 
 bench-attn: install
 	$(PYTHON) -m benchmarks.attention_kernel $(ARGS)
+
+bench-constrained: install
+	$(PYTHON) -m benchmarks.constrained $(ARGS)
 
 bench-detok: install
 	$(PYTHON) -m benchmarks.detokenizer $(ARGS)

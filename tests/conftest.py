@@ -6,8 +6,13 @@ import pytest
 
 from tests.stack import Stack, launch_stack
 
-# fp32 so greedy outputs equal the HF reference; a modest KV pool per scheduler (16k tokens, 0.7 GiB in fp32)
-COMMON = ("--dtype", "float32", "--max-total-tokens", "16384")
+# fp32 so greedy outputs equal the HF reference; a modest KV pool per scheduler (16k tokens, 0.7 GiB in
+# fp32); chat outputs parsed for Hermes tool calls and Qwen3-style <think> reasoning (neither changes an
+# output that has none)
+COMMON = (
+    "--dtype", "float32", "--max-total-tokens", "16384",
+    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""The Hugging Face transformers reference: fp32 greedy ``generate()`` on the same GGUF."""
+"""The Hugging Face transformers reference: fp32 greedy ``generate()`` on the same weights the server
+serves: the default GGUF as ``pdserve.model_source`` converts it (dequantized by transformers and
+kept in float16; ``tests/test_model_source.py`` checks that conversion against transformers' own
+float32 dequantization of the GGUF)."""
 
 from __future__ import annotations
 
@@ -9,14 +12,12 @@ import torch
 
 @functools.cache
 def hf_model():
-    """SmolLM2-135M-Instruct loaded by transformers straight from the package's GGUF (fp32, eval)."""
+    """SmolLM2-135M-Instruct loaded by transformers from the converted checkpoint, in float32 (eval)."""
     from transformers import AutoModelForCausalLM
 
-    from pdserve.model_source import default_gguf_path
+    from pdserve.model_source import resolve_model
 
-    gguf = default_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(resolve_model(), dtype=torch.float32).eval()
 
 
 @functools.cache
@@ -60,14 +61,15 @@ def hf_greedy(
     max_new_tokens: int,
     logit_bias: dict[int, float] | None = None,
     min_new_tokens: int = 0,
+    processors: list | None = None,
 ) -> list[int]:
     """Greedy continuation of ``input_ids`` by HF ``generate()``; stops at EOS like the server.
     ``logit_bias`` (token id -> value) is added to the logits before each argmax; EOS is masked
-    until ``min_new_tokens`` tokens were generated."""
+    until ``min_new_tokens`` tokens were generated; ``processors`` are further logits processors."""
     from transformers import LogitsProcessorList
 
     model = hf_model()
-    processors = LogitsProcessorList([_AddLogitBias(logit_bias)] if logit_bias else [])
+    processors = LogitsProcessorList(([_AddLogitBias(logit_bias)] if logit_bias else []) + (processors or []))
     with torch.no_grad():
         out = model.generate(
             torch.tensor([input_ids]),
@@ -86,3 +88,27 @@ def chat_ids(messages: list[dict]) -> list[int]:
     tok = hf_tokenizer()
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@functools.cache
+def xgrammar_compiler():
+    """An xgrammar compiler of its own over the reference tokenizer (EOS 2 ends a grammar)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer(), vocab_size=49152, stop_token_ids=[2])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def hf_constrained_greedy(input_ids: list[int], max_new_tokens: int, kind: str, grammar: str) -> list[int]:
+    """Greedy continuation by HF ``generate()`` under xgrammar's own HF logits processor
+    (``kind``: json_schema, compact as the server writes it; regex; ebnf; structural_tag)."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    compiler = xgrammar_compiler()
+    compile_fn = {
+        "json_schema": lambda g: compiler.compile_json_schema(g, any_whitespace=False),
+        "regex": compiler.compile_regex,
+        "ebnf": compiler.compile_grammar,
+        "structural_tag": compiler.compile_structural_tag,
+    }[kind]
+    return hf_greedy(input_ids, max_new_tokens, processors=[LogitsProcessor(compile_fn(grammar))])

@@ -139,7 +139,8 @@ class Stack:
 def _services_started(log_path: str) -> bool:
     """Whether the launcher has started its first service (so it holds every fixed port)."""
     with open(log_path) as f:
-        return " started " in f.read()
+        log = f.read()
+    return " started " in log or '"message": "started ' in log  # --log-format text or json
 
 
 def children(stack: Stack) -> dict[str, psutil.Process]:
@@ -182,13 +183,14 @@ def launch_stack(
 ) -> Stack:
     """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) and wait for a
     healthy /health (over HTTPS verified with ``tls_ca`` when given). HTTP on ``port`` and gRPC on
-    ``port + 1``, internal ports from ``internal_port_base``; free ones where not given. ``python``
-    is the interpreter (whose pdserve runs).
+    ``port + 1``, internal ports from ``internal_port_base`` (each service's metrics port 100 above
+    its internal port, the gateway's at base + 103); free ones where not given. ``python`` is the
+    interpreter (whose pdserve runs).
 
     Raises RuntimeError with the tail of the log if the stack does not come up.
     """
     port = port or free_port_block(2)
-    base = internal_port_base or free_port_block(40)
+    base = internal_port_base or free_port_block(140)  # the metrics ports are base + 100 + offset
     log_dir = os.environ.get("PDSERVE_TEST_LOG_DIR", "/tmp/pdserve-test-logs")
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"{log_name}.log")

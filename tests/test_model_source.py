@@ -1,10 +1,11 @@
-"""``--model`` resolution: a GGUF's safetensors cache is named by the file's contents."""
+"""``--model`` resolution: a GGUF's safetensors cache is named by the file's contents and holds its
+weights in the GGUF's natural dtype."""
 
 from __future__ import annotations
 
 import shutil
 
-from pdserve.model_source import _content_key
+from pdserve.model_source import _content_key, default_gguf_path, gguf_dtype, resolve_model
 
 
 def test_cache_key_follows_contents_not_location(tmp_path):
@@ -22,3 +23,22 @@ def test_cache_key_follows_contents_not_location(tmp_path):
     assert _content_key(original) != _content_key(copy)
     copy.write_bytes(original.read_bytes()[:-1])  # truncated
     assert _content_key(original) != _content_key(copy)
+
+
+def test_default_gguf_converts_to_float16_equal_to_transformers_float32_dequantization():
+    """The converted cache holds, tensor for tensor, transformers' own float32 dequantization of the
+    GGUF rounded to float16 (the GGUF's natural dtype: fp16 block scales), within 2^-11 relative."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    gguf = default_gguf_path()
+    assert gguf_dtype(gguf) == torch.float16
+    converted = load_file(resolve_model() / "model.safetensors")
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    weights = reference.state_dict()
+    assert set(converted) <= set(weights) and len(converted) >= len(weights) - 1  # lm_head may be tied
+    for name, tensor in converted.items():
+        assert tensor.dtype == torch.float16, name
+        assert torch.equal(tensor, weights[name].to(torch.float16)), name
+        assert torch.allclose(tensor.float(), weights[name], rtol=2**-11, atol=2**-24), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -22,6 +23,11 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: pdserve COMMAND [flags]   (pdserve COMMAND --help for its flags)\n\ncommands:")
         print("\n".join(lines))
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if argv[0] == "launch":
+        # Set before gRPC initializes: the launcher's forks exec at once, so it needs none of gRPC's
+        # fork() handlers, which wrote "skipping fork() handlers" lines of their own (not JSON under
+        # --log-format json) when a restart forked while a health check was in flight.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     module = importlib.import_module(COMMANDS[argv[0]][0])
     module.main(argv[1:])
 

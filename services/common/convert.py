@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
+from pdserve.observability import tracing
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2
@@ -21,6 +23,7 @@ _OPTIONAL_FIELDS = (
     "min_new_tokens",
     "seed",
     "skip_special_tokens",
+    *GRAMMAR_KINDS,
 )
 _PLAIN_FIELDS = (
     "ignore_eos",
@@ -95,6 +98,7 @@ def token_output_to_pb(
         out.stop.extend(params.stop or [])
         out.include_stop_str_in_output = bool(params.include_stop_str_in_output)
         out.min_new_tokens = params.min_new_tokens or 0
+        out.traceparent = tracing.traceparent(req)
     return out
 
 

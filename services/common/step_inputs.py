@@ -15,6 +15,7 @@ broadcasts them with ``broadcast_pyobj``). With one rank ``exchange`` is a local
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,15 @@ class NewRequest:
     """A request for ``Scheduler.add_request`` (checked by rank 0's handler already)."""
 
     req: Req
+
+    def __reduce__(self):
+        """Pickled for the other ranks without rank 0's tracing span (``meta["span"]``, an object of
+        rank 0's process that the other ranks neither can nor need to hold)."""
+        if "span" not in self.req.meta:
+            return NewRequest, (self.req,)
+        req = copy.copy(self.req)
+        req.meta = {key: value for key, value in req.meta.items() if key != "span"}
+        return NewRequest, (req,)
 
 
 @dataclass(slots=True)
@@ -46,7 +56,8 @@ class StepInputs:
     Attributes:
         now: rank 0's ``time.time()``: the scheduler clock of this step on every rank.
         stop: rank 0 is stopping; every rank leaves its loop.
-        events: rank 0's submitted events in arrival order, then each rank's reports in rank order.
+        events: rank 0's submitted events in arrival order (on rank 0 the objects its handlers
+            submitted, elsewhere their copies), then each rank's reports in rank order.
         done: aligned with ``events``: on rank 0 the future of each event it submitted, else None.
         digests: each rank's ``Scheduler.state_digest()`` after its previous step (None before the
             first step, and with one rank).
@@ -103,6 +114,8 @@ class InputSync:
         loop = asyncio.get_running_loop()
         gathered = await loop.run_in_executor(self._thread, self.tp.all_gather_object, mine)
         now, stop, submitted = gathered[0][:3]
+        if self.tp.is_driver:  # rank 0 applies its own objects (its handlers hold them), as with one rank
+            submitted = mine[2]
         events = list(submitted) + [event for rank in gathered for event in rank[3]]
         if not self.tp.is_driver:
             done = [None] * len(submitted)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import uvloop
 
-from pdserve.cli_args import setup_logging
+from pdserve.cli_args import setup_service
 from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group
 from pdserve.rpc import tls
 from pdserve.services.common.bootstrap import rank_device
@@ -180,7 +180,7 @@ def rank_main(
     tls.configure(identity)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher signals the process group: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
-    setup_logging(args.log_level, f"{service}-tp{rank}")
+    setup_service(args, f"{service}-tp{rank}")  # --log-format, --otlp-traces-endpoint as rank 0
     uvloop.run(_serve_rank(args, service, rank, group_address, address, beats))
 
 

@@ -11,14 +11,16 @@ from pdserve.cli_args import (
     parse_service_args,
     positive_float,
     positive_int,
-    setup_logging,
+    setup_service,
 )
 from pdserve.distributed import TpGroup
 from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
+from pdserve.services.common.drain import drain
 from pdserve.services.common.liveness import start_watchdog
+from pdserve.services.common.observers import SchedulerObservers
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
@@ -96,14 +98,23 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     servicer = await build_servicer(args, address, tp)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
+    loop_stop = asyncio.Event()  # the loop outlives SIGTERM until the drain is over
+    supervisor = asyncio.create_task(
+        supervise(servicer.loop, loop_stop, ranks, args.tp_watchdog, servicer.fail_all)
+    )
     await server.set_serving(True)
+    observers = SchedulerObservers(args, servicer.scheduler)
     watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("decode-scheduler (%s, TP %d) ready on %s", servicer.scheduler.role, tp.size, address)
-    await supervise(servicer.loop, stop, ranks, args.tp_watchdog, servicer.fail_all)
+    await stop.wait()
     if watchdog is not None:
         await watchdog
+    await drain(server, servicer, args.drain_timeout)
+    loop_stop.set()
     await server.stop(grace=5.0)
+    await supervisor
     await servicer.close()
+    await observers.close()
     if servicer.agent is not None:
         servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
     if ranks is not None:
@@ -112,7 +123,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(make_parser(), argv)
-    setup_logging(args.log_level, "decode")
+    setup_service(args, "decode")
     run_service(lambda stop: serve(args, stop))
 
 

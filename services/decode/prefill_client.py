@@ -136,6 +136,7 @@ class PrefillPeer:
             dst_page_indices=req.pages[req.num_prefix_pages :],
             dst_start_page=req.num_prefix_pages,
             deadline_unix_s=req.deadline,
+            num_output_ids=len(req.output_ids),
             kv_transfer_id=tid.decode(),
         )
         try:

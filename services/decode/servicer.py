@@ -21,11 +21,13 @@ import grpc
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.kv_transfer import KVTransferAgent, KVTransferError
+from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
+from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.kv_ranks import KVRanks
@@ -82,6 +84,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         tp: this rank's TP group.
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
         stream_interval: tokens per output of a request (its first and last go out at once).
+
+    Attributes:
+        draining: set by ``drain`` (SIGTERM): Generate is refused (UNAVAILABLE), the rest goes on.
     """
 
     def __init__(
@@ -116,15 +121,25 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         if self.kv is not None:
             scheduler.on_kv_abandoned = self.kv.abandon
         self.started: set[str] = set()  # rids whose first output went out
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, scheduler.role)
 
     # ---- gRPC ---------------------------------------------------------------------------
     async def Generate(
         self, request: scheduler_pb2.TokenizedGenerateReqInput, context
     ) -> scheduler_pb2.GenerateAck:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"decode worker {self.address} is shutting down: retry on another",
+            )
         try:
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refusal = tp_refusal(params, self.tp)
+        if refusal:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         if self.scheduler.role == "decode" and not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode worker needs a prefill_address")
         req = Req(
@@ -141,21 +156,34 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                 "scheduler_address": self.address,
             },
         )
+        tracing.start_request_span(req, self.scheduler.role)  # from arrival; ended when the request ends
         try:
             position = await self.loop.add(req)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        error = await grammar_error(self.scheduler, req.rid)
+        self.loop.wake()  # a compiled grammar moves its request on at the next step
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        rid = request.rid
+        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
+
+    def busy(self) -> bool:
+        """Requests still held (queued for the next step, waiting for KV or running)."""
+        return bool(self.scheduler.reqs) or any(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Abort ``rid`` at the next step on every rank (``_abort`` also stops its prefill in flight);
+        False if it is neither held nor queued for the next step."""
         found = rid in self.scheduler.reqs or any(
             isinstance(e, NewRequest) and e.req.rid == rid for e in self.loop.inputs.pending()
         )
-        self.loop.abort(rid, request.reason or "aborted")
-        return scheduler_pb2.AbortResponse(found=found)
+        self.loop.abort(rid, reason)
+        return found
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
     def _abort(self, event: Abort) -> bool:
@@ -232,7 +260,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         for rid in rids:
             self.scheduler.reqs[rid].meta["output_address"] = ""  # its abort output has nowhere to go
             self.started.discard(rid)
-            self.loop.abort(rid, f"detokenizer {address} is gone")
+            self.abort(rid, f"detokenizer {address} is gone")
 
     async def fail_all(self, error: str) -> None:
         """The rank group is going down: every request (queued or not yet applied) ends with ``error``,
@@ -276,12 +304,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             resp = None
             for address in attempts:
                 try:
-                    resp = await self._prefill_once(req, address)
+                    with tracing.request_context(req):
+                        resp = await self._prefill_once(req, address)
                     break
                 except (grpc.aio.AioRpcError, KVTransferError, PrefillHung) as e:
                     msg = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                     errors.append(f"{address}: {msg}")
-                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg)
+                    logger.warning("prefill of %s on %s failed: %s", rid, address, msg, extra={"rid": rid})
                     if isinstance(e, grpc.aio.AioRpcError):
                         retryable = retryable and e.code() in _SERVER_STATE
                         if e.code() in _NOT_RETRYABLE:
@@ -301,20 +330,35 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.loop.submit(event)
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
+        """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
+        handshake (a drain and restart, a crash) refuses it, not knowing our agent
+        (FAILED_PRECONDITION): the agent info is exchanged again and, the worker being a new
+        incarnation, the call made once more on it."""
+        peer = self._peer(address)
+        known = peer.peer_incarnation
+        try:
+            return await self._prefill_call(req, peer)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION or not known:
+                raise
+            await peer.connect(_prefill_timeout(req))  # the failure reset the handshake
+            if peer.peer_incarnation == known:
+                raise  # the same process refused it
+            logger.info("prefill worker %s restarted: handshake redone", address, extra={"rid": req.rid})
+            return await self._prefill_call(req, peer)
+
+    async def _prefill_call(self, req: Req, peer: PrefillPeer) -> scheduler_pb2.PrefillResponse:
         """One Prefill call; returns once its response came and every page of its KV has landed (on
         every TP rank: each rank receives its head shard from the prefill worker's rank of its index).
 
         The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
         before the call goes out, and cancelled on any failure: after that nothing writes its pages.
         """
-        timeout = PREFILL_TIMEOUT_S
-        if req.deadline:
-            timeout = max(0.1, min(timeout, req.deadline - time.time()))
-        peer = self._peer(address)
+        timeout = _prefill_timeout(req)
         await peer.connect(timeout)
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
         start = time.monotonic()
-        landing = await self.kv.expect(req, address, tid, timeout)
+        landing = await self.kv.expect(req, peer.address, tid, timeout)
         try:
             resp = await peer.prefill(req, tid, timeout)
             await landing.wait(max(0.1, timeout - (time.monotonic() - start)))
@@ -330,12 +374,19 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             await peer.close()
 
 
+def _prefill_timeout(req: Req) -> float:
+    """Seconds a Prefill call of ``req`` may take: ``PREFILL_TIMEOUT_S``, less by its deadline."""
+    if req.deadline:
+        return max(0.1, min(PREFILL_TIMEOUT_S, req.deadline - time.time()))
+    return PREFILL_TIMEOUT_S
+
+
 def load_info(scheduler: Scheduler) -> common_pb2.LoadInfo:
     """The scheduler's load, limits and this process's incarnation (``GetLoad``)."""
     ledger = scheduler.ledger
     return common_pb2.LoadInfo(
         num_running_reqs=len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting_for_kv),
-        num_queue_reqs=len(scheduler.waiting),
+        num_queue_reqs=len(scheduler.waiting) + len(scheduler.grammar_queue),
         kv_pages_used=ledger.used_pages(),
         kv_pages_free=ledger.free_pages(),
         kv_pages_cached=ledger.cached_pages(),

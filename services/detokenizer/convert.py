@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from pdserve.detokenize import DecodeOptions, TextDelta, TokenStep
 from pdserve.v1 import common_pb2, output_pb2
@@ -10,12 +11,14 @@ from pdserve.v1 import common_pb2, output_pb2
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Where a rid's outputs go, from its first TokenIDOutput."""
+    """Where a rid's outputs go, from its first TokenIDOutput (and its trace context, when traced)."""
 
     gateway_address: str
     scheduler_address: str
     index: int
     stream: int = 0  # the StreamTokenIDs call it arrived on
+    traceparent: str = ""
+    started: float = field(default_factory=time.time)
 
 
 def is_first_output(out: output_pb2.TokenIDOutput) -> bool:
@@ -88,7 +91,7 @@ class StrBatchBuilder:
 
 
 def to_route(out: output_pb2.TokenIDOutput, stream: int = 0) -> Route:
-    return Route(out.gateway_address, out.scheduler_address, out.index, stream)
+    return Route(out.gateway_address, out.scheduler_address, out.index, stream, out.traceparent)
 
 
 def lost_output(rid: str, route: Route) -> output_pb2.StrOutput:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.observability.metrics_http import exposition, labelled
 
 
 class DetokenizerMetrics:
     """Counters and gauges the detokenizer exports through ``GetMetrics``.
 
     ``active_streams`` counts requests whose output stream is open here (one decode state per rid);
-    ``scheduler_streams`` counts open StreamTokenIDs calls (one per decode-scheduler).
+    ``scheduler_streams`` counts open StreamTokenIDs calls (one per decode-scheduler). Every sample
+    is exposed with a ``model_name`` label.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
         self.active_streams = Gauge(
@@ -33,5 +37,5 @@ class DetokenizerMetrics:
         )
 
     def render(self) -> str:
-        """Prometheus text exposition of this registry."""
-        return generate_latest(self.registry).decode()
+        """Prometheus text exposition of this registry, ``model_name`` labelled."""
+        return exposition(labelled(self.registry, model_name=self.model_name))

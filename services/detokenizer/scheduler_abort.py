@@ -39,7 +39,9 @@ class SchedulerAborter:
         try:
             await scheduler_pb2_grpc.DecodeSchedulerStub(channel).Abort(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
-            logger.warning("Abort(%s) on %s failed: %s %s", rid, address, e.code(), e.details())
+            logger.warning(
+                "Abort(%s) on %s failed: %s %s", rid, address, e.code(), e.details(), extra={"rid": rid}
+            )
 
     async def close(self) -> None:
         """Wait for calls in flight (up to their timeout), then close the channels."""

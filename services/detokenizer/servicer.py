@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pdserve.detokenize import IncrementalDetokenizer, TokenStep
+from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.services.detokenizer.convert import (
     Route,
@@ -36,6 +38,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         detokenizer: the batched incremental detokenizer (holds ``DecodeStatus`` per rid).
         worker: this process's address, reported in ``GetMetrics``.
         gateway_dead_after: seconds a gateway may stay unreachable before it counts as gone.
+        model_name: the served model name (the ``model_name`` label of its metrics).
 
     A rid's state opens on its first TokenIDOutput (which carries gateway and scheduler addresses
     and decode options) and is dropped when it finishes: by the scheduler (EOS, length, abort and
@@ -57,10 +60,11 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         detokenizer: IncrementalDetokenizer,
         worker: str,
         gateway_dead_after: float = DEFAULT_DEAD_AFTER_S,
+        model_name: str = "",
     ) -> None:
         self.detokenizer = detokenizer
         self.worker = worker
-        self.metrics = DetokenizerMetrics()
+        self.metrics = DetokenizerMetrics(model_name)
         self._routes: dict[str, Route] = {}
         self._gateways = ClientStreamPool(
             lambda ch: output_pb2_grpc.GatewayOutputStub(ch).StreamStrOutputs,
@@ -131,6 +135,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
                 builder.extras.append(to_str_output(out, delta, route.index))
                 if delta.finished:
                     del self._routes[out.rid]
+                    tracing.record_span("detokenize", route.traceparent, route.started, time.time(), out.rid)
                 if delta.matched_stop is not None:
                     self._stop_generation(out, route)
             self.metrics.tokens.inc(tokens)
@@ -145,7 +150,11 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         if route.scheduler_address:
             self._aborter.abort(route.scheduler_address, out.rid, "stop")
         else:
-            logger.warning("rid %s hit a stop string but carries no scheduler_address to abort", out.rid)
+            logger.warning(
+                "rid %s hit a stop string but carries no scheduler_address to abort",
+                out.rid,
+                extra={"rid": out.rid},
+            )
 
     def _stream_ended(self, stream: int) -> None:
         """Fail (retryable) every rid still open on scheduler stream ``stream``; drop its state."""

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.observability import tracing
 from pdserve.services.gateway.auth import ApiKeyMiddleware
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
@@ -73,19 +74,19 @@ def build_app(
     state: GatewayState, api_key: str | None = None, max_request_bytes: int | None = None
 ) -> FastAPI:
     """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics."""
-    app = FastAPI(title="pdserve gateway", strict_content_type=False)
+    app = FastAPI(title="pdserve gateway", strict_content_type=False, telemetry=tracing.HTTP_TELEMETRY)
     chat = OpenAIServingChat(state.ctx)
     completions = OpenAIServingCompletion(state.ctx)
     native = NativeServing(state.ctx)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[await _model_card(state.ctx)])
+        return ModelList(data=[await _model_card(state.ctx, name) for name in state.ctx.model_names])
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         state.ctx.check_model(model)
-        return await _model_card(state.ctx)
+        return await _model_card(state.ctx, model)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -131,13 +132,14 @@ def build_app(
     return app
 
 
-async def _model_card(ctx: ServingContext) -> ModelCard:
-    """The served model, as /v1/models lists it (``max_model_len`` None while the tokenizer is down)."""
+async def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    """The served model under ``name`` (one of its served names), as /v1/models lists it
+    (``max_model_len`` None while the tokenizer is down)."""
     try:
         context_length = (await ctx.manager.model_info()).context_length
     except GatewayError:
         context_length = None
-    return ModelCard(id=ctx.served_model_name, max_model_len=context_length)
+    return ModelCard(id=name, max_model_len=context_length)
 
 
 def _error_response(error: GatewayError) -> JSONResponse:

@@ -49,6 +49,11 @@ _STUBS = {
     "detokenizer": output_pb2_grpc.DetokenizerStub,
     "health": health_pb2_grpc.HealthStub,
 }
+# the gRPC service a scheduler reports NOT_SERVING while it drains (the server as a whole stays SERVING)
+SCHEDULER_SERVICES = {
+    "decode": scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name,
+    "prefill": scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name,
+}
 
 
 class BackendClients:
@@ -164,11 +169,12 @@ class BackendClients:
         )
         return resp.role or role, resp.worker or address, resp.text
 
-    async def is_serving(self, address: str) -> bool:
-        """True when ``address`` answers grpc.health.v1 Check with SERVING."""
+    async def is_serving(self, address: str, service: str = "") -> bool:
+        """True when ``address`` answers grpc.health.v1 Check for ``service`` ("" = the server as a
+        whole) with SERVING."""
         try:
             resp = await self._stub("health", address).Check(
-                health_pb2.HealthCheckRequest(), timeout=self.probe_timeout
+                health_pb2.HealthCheckRequest(service=service), timeout=self.probe_timeout
             )
         except grpc.aio.AioRpcError:
             return False

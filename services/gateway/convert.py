@@ -63,6 +63,7 @@ def model_info_from_pb(pb: tokenizer_pb2.TokenizerInfoResponse) -> ModelInfo:
         vocab_size=pb.vocab_size,
         eos_token_ids=tuple(pb.eos_token_ids),
         context_length=pb.context_length,
+        think_tokens=pb.think_tokens,
     )
 
 

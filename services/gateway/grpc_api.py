@@ -76,7 +76,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         elif which == "input_ids":
             prompt = list(request.input_ids.ids)
         elif which == "chat":
-            prompt = _validate(ChatInput, _chat_fields(request.chat)).chat_prompt()
+            prompt = validate_as_body(ChatInput, _chat_fields(request.chat)).chat_prompt()
         else:
             raise invalid_request("one of text, input_ids or chat is required", param="input")
         if not prompt:
@@ -87,7 +87,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             "return_logprob": sampling.pop("return_logprob", False),
             "top_logprobs_num": sampling.pop("top_logprobs_num", 0),
         }
-        options = _validate(
+        options = validate_as_body(
             GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **logprob_options}
         )
         params = options.sampling_params
@@ -129,32 +129,47 @@ async def abort_with(context: grpc.aio.ServicerContext, error: GatewayError) -> 
 
 
 def _chat_fields(chat: tokenizer_pb2.ChatMessages) -> dict[str, Any]:
-    """``chat`` as the JSON fields of /v1/chat/completions (a message's empty ``name`` left out; tools
-    with ``tool_choice='none'``, the only choice this API has).
+    """``chat`` as the JSON fields of /v1/chat/completions (tools with ``tool_choice='none'``, the
+    only choice this API has: it returns text, never parsed tool calls).
 
     Raises:
-        GatewayError: 400 when ``tools_json`` or ``chat_template_kwargs_json`` is not JSON.
+        GatewayError: 400 when ``tools_json``, ``chat_template_kwargs_json`` or a message's
+            ``tool_calls_json`` is not JSON.
     """
     fields: dict[str, Any] = {
-        "messages": [
-            {"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {})
-            for m in chat.messages
-        ],
+        "messages": [_message_fields(i, m) for i, m in enumerate(chat.messages)],
         "add_generation_prompt": chat.add_generation_prompt,
         "continue_final_message": chat.continue_final_message,
     }
     for name, text in (("tools", chat.tools_json), ("chat_template_kwargs", chat.chat_template_kwargs_json)):
         if text:
-            try:
-                fields[name] = json.loads(text)
-            except ValueError as e:
-                raise invalid_request(f"'{name}_json' is not valid JSON: {e}", param=f"{name}_json") from None
+            fields[name] = _json_field(f"{name}_json", text)
     if chat.tools_json:
         fields["tool_choice"] = "none"  # this API never parses tool calls: tools are shown to the template
     return fields
 
 
-def _validate(model: type[_Model], fields: dict[str, Any]) -> _Model:
+def _message_fields(index: int, m: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
+    """One ``ChatMessage`` as /v1/chat/completions' JSON (its empty fields left out)."""
+    fields: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        fields["name"] = m.name
+    if m.tool_calls_json:
+        fields["tool_calls"] = _json_field(f"messages[{index}].tool_calls_json", m.tool_calls_json)
+    if m.tool_call_id:
+        fields["tool_call_id"] = m.tool_call_id
+    return fields
+
+
+def _json_field(name: str, text: str) -> Any:
+    """Raises ``GatewayError`` 400 when ``text`` is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise invalid_request(f"'{name}' is not valid JSON: {e}", param=name) from None
+
+
+def validate_as_body(model: type[_Model], fields: dict[str, Any]) -> _Model:
     """``fields`` validated by ``model``; a failure raises the 400 HTTP answers for that JSON body."""
     try:
         return model.model_validate(fields)

@@ -41,13 +41,17 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 @dataclass(slots=True)
 class ChatPrompt:
     """Chat messages to render with the model's chat template (done by the tokenizer service)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, str]]  # pdserve.v1.ChatMessage fields
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools_json: str = ""
@@ -142,12 +146,14 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """What the tokenizer service reports about the model (``Tokenizer.GetInfo``)."""
+    """What the tokenizer service reports about the model (``Tokenizer.GetInfo``); ``think_tokens``:
+    the vocabulary has ``<think>`` and ``</think>`` tokens (a reasoning model)."""
 
     model_name: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     context_length: int
+    think_tokens: bool = False
 
 
 @dataclass(slots=True)

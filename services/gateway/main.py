@@ -19,21 +19,34 @@ import socket
 import sys
 
 import uvicorn
+from prometheus_client import REGISTRY
 
-from pdserve.cli_args import add_model_arg, apply_env_defaults, non_negative_int, positive_int, setup_logging
-from pdserve.model_source import served_model_name
+from pdserve.cli_args import (
+    add_model_arg,
+    add_observability_args,
+    apply_env_defaults,
+    non_negative_int,
+    positive_int,
+    setup_service,
+)
+from pdserve.model_source import served_model_names
+from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor
 from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
+from pdserve.services.gateway.discovery import DEFAULT_INTERVAL_S, Discovery
 from pdserve.services.gateway.grpc_api import PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
+from pdserve.services.gateway.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.request_manager import ManagerConfig, RequestManager
 from pdserve.services.gateway.request_state import GatewayOutputServicer, RequestRegistry
-from pdserve.services.gateway.router import POLICIES, Router, WorkerPool
+from pdserve.services.gateway.router import POLICIES, Router
 from pdserve.services.gateway.serving_common import ServingContext
+from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
 from pdserve.services.gateway.worker_monitor import WorkerMonitor
 from pdserve.v1 import api_pb2, api_pb2_grpc, output_pb2, output_pb2_grpc
 
@@ -65,11 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with public TLS: a plaintext port serving only grpc.health.v1, for probes without TLS",
     )
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
     for role in ROLES:
         p.add_argument(
-            f"--{role}-addresses", default="", help=f"comma-separated host:port of the {role} workers"
+            f"--{role}-addresses",
+            default="",
+            help=f"comma-separated host:port of the {role} workers; dns:<name>:<port> (decode, prefill) "
+            "stands for every address <name> resolves to, resolved again every --discovery-interval",
         )
+    p.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between DNS resolutions of dns:<name>:<port> scheduler addresses",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (HTTP and gRPC)")
     p.add_argument("--router-policy", default="cache_aware", choices=POLICIES)
     p.add_argument(
@@ -89,15 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
+    add_chat_parser_args(p)
     p.add_argument(
         "--workers",
         type=positive_int,
         default=1,
         help="gateway processes sharing --port and --grpc-port (SO_REUSEPORT), each owning its own "
-        "requests; worker i takes its outputs on its own internal server, --internal-grpc-port + i",
+        "requests; worker i takes its outputs on its own internal server, --internal-grpc-port + i "
+        "(and serves its metrics on --metrics-port + i)",
     )
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    p.add_argument(
+        "--log-requests", action="store_true", help="log one line per request as it ends (rid, tokens, time)"
+    )
+    add_observability_args(p)
     tls.add_tls_args(p)
     add_public_tls_args(p)
     apply_env_defaults(p)
@@ -116,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--workers needs a fixed --internal-grpc-port (worker i listens on it + i)")
     args.identity = tls.identity_from_args(parser, args)
     args.public_tls = public_tls_from_args(parser, args)
+    try:
+        args.model_names = served_model_names(args.model, args.served_model_name)
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -149,9 +180,10 @@ class Gateway:
         self.args = args
         tls.configure(args.identity)
         public_tls: PublicTls | None = args.public_tls
-        pools = {role: WorkerPool(role, addresses(getattr(args, f"{role}_addresses"))) for role in ROLES}
+        self.discovery = Discovery({role: getattr(args, f"{role}_addresses") for role in ROLES})
+        pools = {role: self.discovery.pool(role) for role in ROLES}
         self.clients = BackendClients()
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(args.model_names[0])
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
         interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
@@ -176,6 +208,7 @@ class Gateway:
             max_pending_requests=args.max_pending_requests,
             request_timeout=args.request_timeout,
             default_max_tokens=args.default_max_tokens,
+            log_requests=args.log_requests,
         )
         self.manager = RequestManager(
             config,
@@ -189,7 +222,13 @@ class Gateway:
         self.monitor = WorkerMonitor(
             self.clients, pools, self.router, self.manager.fail_worker, args.health_check_interval
         )
-        self.ctx = ctx = ServingContext(self.manager, args.served_model_name or served_model_name(args.model))
+        self.discovery.on_removed = self.monitor.remove
+        self.ctx = ctx = ServingContext(
+            self.manager,
+            args.model_names,
+            TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
+            ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
+        )
         self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx))
         self.internal.add(
             output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
@@ -209,13 +248,15 @@ class Gateway:
             port=args.port,
             loop="uvloop",
             log_level=args.log_level.lower(),
-            access_log=args.log_level.lower() == "debug",
+            log_config=None,  # uvicorn's lines (and its access log) go through our handler and format
+            access_log=args.access_log or args.log_level.lower() == "debug",
             timeout_graceful_shutdown=_HTTP_CLOSE_TIMEOUT_S,
             **(public_tls.uvicorn_options() if public_tls else {}),
         )
         self.http = _EmbeddedUvicorn(uv_config)
         self.http_port = args.port
         self._http_task: asyncio.Task | None = None
+        self._metrics_server = None
 
     async def start(self) -> None:
         """Start the gRPC servers (SERVING), the worker monitor, then uvicorn; returns once all listen.
@@ -223,10 +264,13 @@ class Gateway:
         Raises:
             RuntimeError: uvicorn failed to start (e.g. the port is taken).
         """
+        await self.discovery.start(self.args.discovery_interval)
         await self.internal.start()
         await self.grpc.start()
         await self.grpc.set_serving(True)
         self.monitor.start()
+        exposed = labelled(self.metrics.registry, REGISTRY, model_name=self.ctx.served_model_name)
+        self._metrics_server = serve_metrics(self.args, self.args.host, exposed)
         sockets = [reuse_port_socket(self.args.host, self.args.port)] if self.args.reuse_port else None
         self._http_task = asyncio.get_running_loop().create_task(self.http.serve(sockets))
         while not self.http.started:
@@ -259,6 +303,9 @@ class Gateway:
             with contextlib.suppress(SystemExit, Exception):
                 await self._http_task
         await self.monitor.stop()
+        await self.discovery.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         await self.grpc.stop(grace=2.0)
         await self.internal.stop(grace=2.0)
         await self.clients.close()
@@ -287,7 +334,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    setup_logging(args.log_level, "gateway")
+    setup_service(args, "gateway")
     if args.workers > 1:
         from pdserve.services.gateway.workers import serve_workers
 

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.observability.metrics_http import labelled
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.router import WorkerPool
 
@@ -31,9 +32,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class GatewayMetrics:
-    """Counters and histograms of one gateway replica, in a private registry."""
+    """Counters and histograms of one gateway replica, in a private registry (its own
+    ``--metrics-port`` shows them with a ``model_name`` label; the merged view adds it too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "pdserve:gateway_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r
@@ -106,7 +109,7 @@ def render_merged(own: GatewayMetrics, own_worker: str, backends: Iterable[tuple
                 if not s.name.endswith("_created")
             )
 
-    add("gateway", own_worker, own.registry.collect())
+    add("gateway", own_worker, labelled(own.registry, model_name=own.model_name).collect())
     for role, worker, text in backends:
         try:
             add(role, worker, text_string_to_metric_families(text))

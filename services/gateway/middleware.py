@@ -10,6 +10,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.observability import tracing
+from pdserve.observability.logs import bind_rid
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
 
@@ -23,7 +25,8 @@ async def _send_error(error: GatewayError, scope: Scope, receive: Receive, send:
 class RequestIdMiddleware:
     """The rid of each request: ``X-Request-Id`` (at most 256 characters) or a fresh one; echoed back.
 
-    Stored as ``request.state.rid``; a handler may replace it (native ``rid``) before it responds.
+    Stored as ``request.state.rid`` and bound for log lines (``observability.logs``); a handler may
+    replace it (native ``rid``) before it responds.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -40,6 +43,8 @@ class RequestIdMiddleware:
             return
         state = scope.setdefault("state", {})
         state["rid"] = given or new_rid()
+        bind_rid(state["rid"])  # this request's task: its lines, uvicorn's access line included
+        tracing.tag_current_span(state["rid"])
 
         async def send_with_rid(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import SamplingParams
 from pdserve.services.gateway.protocol import ChatMessage
@@ -23,6 +24,7 @@ from pdserve.services.gateway.protocol_fields import (
     check_stop,
     param_error,
 )
+from pdserve.services.gateway.structured_outputs import GrammarText
 
 MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: a million ids, more than any context holds
 
@@ -30,7 +32,8 @@ MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: a million ids, more than any contex
 class NativeSamplingParams(BaseModel):
     """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``.
 
-    Float fields must be finite (NaN and inf are rejected).
+    Float fields must be finite (NaN and inf are rejected). At most one of ``json_schema`` (JSON
+    text), ``regex``, ``ebnf`` and ``structural_tag`` holds the output to a grammar (SGLang's names).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -54,6 +57,11 @@ class NativeSamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     logit_bias: LogitBias = Field(default_factory=dict)
+    # constrained decoding (SGLang's names): at most one, as text (a schema as JSON text)
+    json_schema: str | None = GrammarText
+    regex: str | None = GrammarText
+    ebnf: str | None = GrammarText
+    structural_tag: str | None = GrammarText
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +74,13 @@ class NativeSamplingParams(BaseModel):
             raise param_error(
                 "sampling_params.min_new_tokens",
                 f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})",
+            )
+        grammars = [kind for kind in GRAMMAR_KINDS if getattr(self, kind)]
+        if len(grammars) > 1:
+            raise param_error(f"sampling_params.{grammars[1]}", f"give at most one of {', '.join(grammars)}")
+        if grammars and self.ignore_eos:
+            raise param_error(
+                "sampling_params.ignore_eos", f"'ignore_eos' cannot be combined with {grammars[0]}"
             )
         return self
 

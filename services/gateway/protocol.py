@@ -2,12 +2,14 @@
 
 Fields follow the OpenAI API plus the sampling extras vLLM and SGLang accept (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
-include_stop_str_in_output, ...). Unknown fields are rejected (``extra="forbid"``), and known fields
-the runtime cannot honour (response_format json, tools that need parsing, audio output, ...) fail
-validation naming the field: a request is never served with a field silently ignored. OpenAI fields
-that do not change what is generated (``store``, ``metadata``, ``service_tier``,
-``reasoning_effort``, ``prediction``) are accepted and ignored. Float fields must be finite (no NaN
-/ inf).
+include_stop_str_in_output, ...) and the constrained-decoding forms (``response_format``, vLLM's
+``structured_outputs``; ``structured_outputs.py``). As vLLM does, unknown top-level fields (and
+unknown fields of messages) are accepted and ignored, and the serving modules log them
+(``unknown_fields``); known fields the runtime cannot honour (audio output, web search, legacy
+``functions``) fail validation naming the field. OpenAI fields that do not change what is generated
+(``store``, ``metadata``, ``service_tier``, ``reasoning_effort``, ``prediction``,
+``prompt_cache_key``, ``safety_identifier``, ``verbosity``) are accepted and ignored. Float fields
+must be finite (no NaN / inf).
 
 Cross-field errors are raised as ``PydanticCustomError(..., {"param": name})`` so the error handler
 can report ``param``.
@@ -18,10 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from pdserve.sampling.bounds import INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
+from pdserve.sampling.bounds import INT32_MAX, MAX_N, MAX_TOOLS, MAX_TOOLS_CHARS, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
 from pdserve.services.gateway.protocol_fields import (
     LogitBias,
@@ -33,11 +34,15 @@ from pdserve.services.gateway.protocol_fields import (
     TopK,
     check_stop,
     param_error,
+    unsupported,
 )
-
-
-def unsupported(param: str, detail: str = "") -> PydanticCustomError:
-    return param_error(param, f"'{param}' is not supported{': ' + detail if detail else ''}")
+from pdserve.services.gateway.protocol_tools import AssistantToolCall, ToolChoice, ToolDef
+from pdserve.services.gateway.structured_outputs import (
+    Constraint,
+    ResponseFormat,
+    StructuredOutputs,
+    request_constraint,
+)
 
 
 class StreamOptions(BaseModel):
@@ -47,9 +52,9 @@ class StreamOptions(BaseModel):
 
 
 class _OpenAIRequest(BaseModel):
-    """Fields shared by completions and chat completions (sampling, stopping, streaming)."""
+    """Fields shared by completions and chat completions (sampling, stopping, streaming, constraints)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)
@@ -74,6 +79,13 @@ class _OpenAIRequest(BaseModel):
     spaces_between_special_tokens: bool = True
     stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool = False
+    # constrained decoding (OpenAI's and vLLM's forms)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # OpenAI fields that do not change the output: accepted and ignored.
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    safety_identifier: str | None = Field(None, max_length=1024)
+    _constraint: Constraint | None = PrivateAttr(None)
 
     @field_validator("stop")
     @classmethod
@@ -87,7 +99,19 @@ class _OpenAIRequest(BaseModel):
         limit = self.max_new_tokens
         if limit is not None and self.min_tokens > limit:
             raise param_error("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
+        self._constraint = request_constraint(self.response_format, self.structured_outputs)
+        if self._constraint is not None and self.ignore_eos:
+            raise param_error("ignore_eos", "'ignore_eos' cannot be combined with a constrained output")
         return self
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar ``response_format`` or ``structured_outputs`` asks for, if any."""
+        return self._constraint
+
+    def unknown_fields(self) -> list[str]:
+        """Fields of the request this server does not know (accepted and ignored), dotted."""
+        return sorted(self.model_extra or {})
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -101,9 +125,13 @@ class _OpenAIRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
-        """The runtime's sampling parameters of this request (``max_new_tokens`` None = default)."""
+    def sampling_params(
+        self, return_logprob: bool, top_logprobs_num: int, constraint: Constraint | None = None
+    ) -> SamplingParams:
+        """The runtime's sampling parameters of this request (``max_new_tokens`` None = default),
+        its output held to ``constraint`` when one is given."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        grammar = {constraint.kind: constraint.text} if constraint is not None else {}
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -124,6 +152,7 @@ class _OpenAIRequest(BaseModel):
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             logit_bias=dict(self.logit_bias or {}),
+            **grammar,
         )
 
 
@@ -131,6 +160,8 @@ class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings (a batch), token ids, or a
     list of token-id lists. Choice ``j * n + i`` is sample i of prompt j. Token ids are checked
     against the vocabulary by the ``RequestManager`` (negative ones included)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -173,15 +204,21 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content is text or a list of ``{"type": "text", "text": ...}`` parts."""
+    """One chat message; content is text or a list of ``{"type": "text", "text": ...}`` parts.
 
-    model_config = ConfigDict(extra="forbid")
+    An assistant message may carry the ``tool_calls`` it made (then its content may be null), a
+    ``tool`` message the result of the call ``tool_call_id``. Unknown fields (a client echoing a
+    response's ``refusal`` or ``annotations``) are ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
+    reasoning_content: str | None = None  # an earlier answer's reasoning, sent back: not rendered
 
     @field_validator("content", mode="after")
     @classmethod
@@ -197,51 +234,59 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _check_message(self):
-        if self.role == "tool" or self.tool_calls or self.tool_call_id:
-            raise unsupported("tool_calls", "tool messages and tool calls need tool parsing")
-        if self.content is None and self.role != "assistant":
+        if self.tool_calls and self.role != "assistant":
+            raise param_error("tool_calls", "only an assistant message carries 'tool_calls'")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise param_error("tool_call_id", "only a tool message carries 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant"):
             raise param_error("content", f"a {self.role} message needs 'content'")
         return self
 
     def as_dict(self) -> dict[str, str]:
-        """``{"role", "content"[, "name"]}`` for the chat template; 'developer' renders as 'system'."""
+        """The ``pdserve.v1.ChatMessage`` fields for the chat template; 'developer' renders as 'system'."""
         out = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls_json"] = json.dumps([c.model_dump() for c in self.tool_calls])
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
 
 
 class ChatInput(BaseModel):
     """What a chat request hands to the chat template: messages, tools and template options.
 
     /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
-    they take the same messages and tools: at least one message (see ``ChatMessage``); ``tools``
-    only with ``tool_choice='none'`` (shown to the template, never parsed; the gRPC API sends its
-    tools that way); ``continue_final_message`` only with ``add_generation_prompt`` false and an
-    assistant message last (as vLLM; the last user turn "continued" would give an empty answer).
+    they take the same messages and tools: at least one message (see ``ChatMessage``); at most
+    ``MAX_TOOLS`` tools, ``MAX_TOOLS_CHARS`` characters of JSON in all (the gRPC API sends its tools
+    with ``tool_choice='none'``: shown to the template, never parsed); ``continue_final_message``
+    only with ``add_generation_prompt`` false and an assistant message last (as vLLM; the last user
+    turn "continued" would give an empty answer).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
     # vLLM chat extras.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_within_bounds(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in v])) if v else 0
+        if size > MAX_TOOLS_CHARS:
+            raise param_error("tools", f"the tools have {size} characters as JSON; at most {MAX_TOOLS_CHARS}")
+        return v
+
     @model_validator(mode="after")
     def _check_template_input(self):
-        if self.tools and self.tool_choice != "none":
-            raise unsupported(
-                "tools", "tool calling needs parsing; send tool_choice='none' to only show tools"
-            )
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise param_error("tool_choice", "'tool_choice' names a tool call but 'tools' is empty")
         if self.add_generation_prompt and self.continue_final_message:
             raise param_error(
                 "continue_final_message", "'continue_final_message' needs 'add_generation_prompt' false"
@@ -260,7 +305,9 @@ class ChatInput(BaseModel):
             messages=[m.as_dict() for m in self.messages],
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
-            tools_json=json.dumps(self.tools) if self.tools else "",
+            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in self.tools])
+            if self.tools
+            else "",
             chat_template_kwargs_json=json.dumps(self.chat_template_kwargs)
             if self.chat_template_kwargs
             else "",
@@ -270,42 +317,45 @@ class ChatInput(BaseModel):
 class ChatCompletionRequest(ChatInput, _OpenAIRequest):
     """POST /v1/chat/completions: ``ChatInput`` plus sampling, logprob and output options."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: TokenCount | None = None
-    response_format: ResponseFormat | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     # OpenAI fields that do not change the output: accepted and ignored.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None  # no reasoning models are served
+    reasoning_effort: str | None = None  # a hint; reasoning is the model's (see --reasoning-parser)
     prediction: dict[str, Any] | None = None  # a speed hint (predicted output) only
+    verbosity: Literal["low", "medium", "high"] | None = None
     # OpenAI fields that would change the output: only their no-op values are accepted.
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format type '{v.type}' is not supported (only 'text')")
-        return v
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.functions or self.function_call not in (None, "none"):
             raise unsupported(
                 "functions" if self.functions else "function_call",
-                "legacy function calling needs tool-call parsing, which this server does not do",
+                "legacy function calling is not served; send 'tools' and 'tool_choice' instead",
             )
         if self.top_logprobs and not self.logprobs:
             raise param_error("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         self._check_output_kind()
         return self
+
+    def unknown_fields(self) -> list[str]:
+        messages = [
+            f"messages.{i}.{name}"
+            for i, m in enumerate(self.messages)
+            for name in sorted(m.model_extra or {})
+        ]
+        return super().unknown_fields() + messages
 
     def _check_output_kind(self) -> None:
         """Text output only: no audio, no web search (raises a named-field error otherwise)."""

@@ -46,6 +46,11 @@ def param_error(param: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_param", message, {"param": param})
 
 
+def unsupported(param: str, detail: str = "") -> PydanticCustomError:
+    """A named-field error for a known field whose value this server cannot honour."""
+    return param_error(param, f"'{param}' is not supported{': ' + detail if detail else ''}")
+
+
 def check_stop(stop: str | list[str] | None, param: str) -> str | list[str] | None:
     """``stop`` unchanged, or a named-field error past the stop strings' total size (the count and
     each string's length are bounded by the field's type)."""

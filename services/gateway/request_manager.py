@@ -50,12 +50,14 @@ class ManagerConfig:
             ``admission``); one that alone has more gets 400.
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
+        log_requests: log one line per client request as it ends (rid, tokens, time, how it ended).
     """
 
     gateway_address: str
     max_pending_requests: int | None = None
     request_timeout: float | None = None
     default_max_tokens: int = 4096
+    log_requests: bool = False
 
 
 class RequestManager:
@@ -159,8 +161,16 @@ class RequestManager:
         return handle
 
     def _closed(self, handle: RequestHandle, choices: int) -> None:
-        if self.handles.pop(handle.rid, None) is not None:
-            self.pending_choices -= choices
+        if self.handles.pop(handle.rid, None) is None:
+            return
+        self.pending_choices -= choices
+        if self.config.log_requests:
+            logger.info(
+                "request %s ended (%s): %d prompt tokens, %d choices, %.3f s",
+                handle.rid, "completed" if handle.completed else handle.close_reason,
+                sum(handle.prompt_tokens), len(handle.states),
+                time.monotonic() - handle.arrival, extra={"rid": handle.rid},
+            )  # fmt: skip
 
     async def _dispatch(self, obj: GenerateReqInput, handle: RequestHandle, budget: float | None) -> None:
         info = await self.model_info()
@@ -262,7 +272,7 @@ class RequestManager:
         try:
             await self.clients.abort(address, rid, reason)
         except GatewayError as e:
-            logger.warning("abort of %s at %s failed: %s", rid, address, e.message)
+            logger.warning("abort of %s at %s failed: %s", rid, address, e.message, extra={"rid": rid})
 
     def _spawn(self, coro: Coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coro)

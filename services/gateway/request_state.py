@@ -93,6 +93,11 @@ class RequestHandle:
     _pending_finishes: int = 0
     _answered: asyncio.Event = field(default_factory=asyncio.Event)  # first output, or closed
 
+    @property
+    def completed(self) -> bool:
+        """It had choices, and every choice's finish was read by the consumer."""
+        return bool(self.states) and self._pending_finishes == 0
+
     def add_choice(self, state: ReqState) -> None:
         self.registry.add(state)
         self.states.append(state)

@@ -37,6 +37,7 @@ class Worker:
 
     address: str
     healthy: bool = True
+    draining: bool = False  # alive, but its service reports NOT_SERVING: no new requests
     failed_probes: int = 0  # consecutive failed health checks
     reported_load: int = 0
     in_flight: int = 0
@@ -49,18 +50,32 @@ class Worker:
 
 
 class WorkerPool:
-    """The workers of one role, with round-robin over the healthy ones."""
+    """The workers of one role, with round-robin over the healthy ones.
 
-    def __init__(self, role: str, addresses: Sequence[str]) -> None:
+    ``dynamic``: the set changes at run time (``discovery``), so the role counts as configured even
+    while it has no worker.
+    """
+
+    def __init__(self, role: str, addresses: Sequence[str], dynamic: bool = False) -> None:
         self.role = role
         self.workers = [Worker(a) for a in addresses]
+        self.dynamic = dynamic
         self._turn = itertools.count()
 
     def __bool__(self) -> bool:
-        return bool(self.workers)
+        return bool(self.workers) or self.dynamic
+
+    def update(self, addresses: Sequence[str]) -> tuple[list[str], list[Worker]]:
+        """Make the pool exactly ``addresses`` (known workers keep their state); returns the
+        addresses added and the workers removed."""
+        current = {w.address: w for w in self.workers}
+        wanted = list(dict.fromkeys(addresses))
+        self.workers = [current.get(a) or Worker(a) for a in wanted]
+        return [a for a in wanted if a not in current], [w for a, w in current.items() if a not in wanted]
 
     def healthy(self) -> list[Worker]:
-        return [w for w in self.workers if w.healthy]
+        """The workers that take new requests: healthy and not draining."""
+        return [w for w in self.workers if w.healthy and not w.draining]
 
     def next(self) -> Worker:
         """The next healthy worker in turn (raises like ``available``)."""

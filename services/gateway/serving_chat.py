@@ -1,8 +1,11 @@
 """POST /v1/chat/completions: OpenAI chat requests in, chat completions or SSE chunks out.
 
-The messages are rendered by the tokenizer service with the model's chat template. Streams send,
-per choice, a first chunk with the assistant role, content deltas, and a last chunk with
-``finish_reason``; with ``stream_options.include_usage`` a final chunk carries the usage.
+The messages are rendered by the tokenizer service with the model's chat template. ``plan_chat``
+gives the request its grammar (``response_format``, ``structured_outputs``, a forced tool call)
+and how its text is read back: ``reasoning_content``, ``content`` and ``tool_calls``
+(``ChoiceParser``). Streams send, per choice, a first chunk with the assistant role, then deltas
+of those three, and a last chunk with ``finish_reason`` ("tool_calls" when the choice called
+tools); with ``stream_options.include_usage`` a final chunk carries the usage.
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.services.gateway.chat_output import ChatPlan, ChoiceParser, plan_chat
 from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.protocol import ChatCompletionRequest
 from pdserve.services.gateway.protocol_responses import (
     AssistantMessage,
+    CalledFunction,
     ChatChoice,
     ChatCompletionResponse,
     ChatLogprobEntry,
     ChatLogprobs,
+    DeltaFunction,
+    DeltaToolCall,
+    ToolCallOut,
     TopLogprobEntry,
     UsageInfo,
 )
@@ -28,12 +36,14 @@ from pdserve.services.gateway.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
+    log_unknown_fields,
     request_id,
     sse_response,
     submit,
     usage_counts,
 )
 from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice
+from pdserve.services.gateway.tool_parsers import ToolCallDelta
 
 
 class OpenAIServingChat:
@@ -44,23 +54,22 @@ class OpenAIServingChat:
         """Serve one chat request. Raises ``GatewayError`` for every failure before streaming starts."""
         self.ctx.check_model(body.model)
         rid = request_id(request)
-        sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0)
+        log_unknown_fields(rid, body.unknown_fields())
+        reasoning = self.ctx.reasoning_parser
+        think_tokens = reasoning is not None and (await self.ctx.manager.model_info()).think_tokens
+        plan = plan_chat(body, self.ctx.tool_parser, reasoning, think_tokens)
+        sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0, plan.constraint)
+        if plan.tools is not None and not plan.tools.skip_special_tokens:
+            sampling.skip_special_tokens = False  # the call marker is a special token
         obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
         handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
-            return await sse_response(request, handle, self._chunks(body, handle))
+            return await sse_response(request, handle, self._chunks(body, plan, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
-        choices = [
-            ChatChoice(
-                index=r.index,
-                message=AssistantMessage(content=r.text),
-                logprobs=await self._logprobs(r.logprobs) if body.logprobs else None,
-                finish_reason=r.finish_reason,
-                matched_stop=r.matched_stop,
-            )
-            for r in results
-        ]
+        for r in results:
+            r.text = await self._without_stop_token(plan, r.text, r.matched_stop)
+        choices = [await self._choice(body, plan, r) for r in results]
         response = ChatCompletionResponse(
             id=f"chatcmpl-{rid}",
             model=self.ctx.served_model_name,
@@ -69,27 +78,59 @@ class OpenAIServingChat:
         )
         return JSONResponse(response.model_dump())
 
-    async def _chunks(self, body: ChatCompletionRequest, handle: RequestHandle) -> AsyncIterator[bytes]:
+    async def _choice(self, body: ChatCompletionRequest, plan: ChatPlan, r: ChoiceResult) -> ChatChoice:
+        out = ChoiceParser(plan).parse(r.text)
+        calls = [
+            ToolCallOut(id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments))
+            for c in out.tool_calls
+        ]
+        return ChatChoice(
+            index=r.index,
+            message=AssistantMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=calls),
+            logprobs=await self._logprobs(r.logprobs) if body.logprobs else None,
+            finish_reason=_finish_reason(r.finish_reason, bool(calls)),
+            matched_stop=r.matched_stop,
+        )
+
+    async def _chunks(
+        self, body: ChatCompletionRequest, plan: ChatPlan, handle: RequestHandle
+    ) -> AsyncIterator[bytes]:
         encoder = ChunkEncoder("chat.completion.chunk", f"chatcmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
+        parsers = [ChoiceParser(plan) for _ in results]
         for r in results:
             yield encoder.encode([chat_choice(r.index, "", role="assistant")])
         async for delta in handle:
-            result = results[delta.index]
+            result, parser = results[delta.index], parsers[delta.index]
             result.add(delta)
-            if not (delta.text or delta.finish_reason or delta.logprobs):
+            text = await self._without_stop_token(plan, delta.text, delta.matched_stop)
+            reasoning, content, calls = parser.feed(text)
+            if delta.finish_reason is not None:
+                more = parser.finish()
+                reasoning, content, calls = reasoning + more[0], content + more[1], calls + more[2]
+            if not (reasoning or content or calls or delta.finish_reason or delta.logprobs):
                 continue
             choice = chat_choice(
                 delta.index,
-                delta.text or None,
+                content or None,
                 logprobs=await self._logprobs(delta.logprobs) if body.logprobs else None,
-                finish_reason=delta.finish_reason,
+                finish_reason=_finish_reason(delta.finish_reason, parser.called),
                 matched_stop=delta.matched_stop,
+                reasoning_content=reasoning or None,
+                tool_calls=_delta_calls(calls),
             )
             usage = self._usage(handle, results, body) if body.continuous_usage else None
             yield encoder.encode([choice], usage)
         if body.include_usage:
             yield encoder.encode([], self._usage(handle, results, body))
+
+    async def _without_stop_token(self, plan: ChatPlan, text: str, matched_stop: str | int | None) -> str:
+        """``text`` without the stop token that ended it, where special tokens are kept for the
+        tool-call parser (an EOS such as ``<|eot_id|>`` is not part of the answer)."""
+        if plan.tools is None or plan.tools.skip_special_tokens or not isinstance(matched_stop, int):
+            return text
+        stop_text = (await self.ctx.manager.token_pieces.get([matched_stop]))[matched_stop].text
+        return text.removesuffix(stop_text)
 
     @staticmethod
     def _usage(handle: RequestHandle, results: list[ChoiceResult], body: ChatCompletionRequest) -> UsageInfo:
@@ -114,3 +155,20 @@ class OpenAIServingChat:
             for lp in logprobs
         ]
         return ChatLogprobs(content=content)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that ended normally after calling tools."""
+    return "tool_calls" if reason == "stop" and called else reason
+
+
+def _delta_calls(calls: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    return [
+        DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=DeltaFunction(name=c.name, arguments=c.arguments),
+        )
+        for c in calls
+    ]

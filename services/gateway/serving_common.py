@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,28 +14,52 @@ from fastapi.responses import StreamingResponse
 
 from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.request_manager import RequestManager
 from pdserve.services.gateway.request_state import RequestHandle
+from pdserve.services.gateway.tool_parsers import ToolParser
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
+logger = logging.getLogger(__name__)
+
 
 class ServingContext:
-    """What the serving modules share: the manager and the served model name."""
+    """What the serving modules share: the manager, the served model names and the chat output
+    parsers (``--tool-call-parser``, ``--reasoning-parser``; None when not configured).
 
-    def __init__(self, manager: RequestManager, served_model_name: str) -> None:
+    ``model_names``: every id a client may send (``--served-model-name``, aliases included); the
+    first, ``served_model_name``, is the one responses report.
+    """
+
+    def __init__(
+        self,
+        manager: RequestManager,
+        model_names: str | list[str],
+        tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
+    ) -> None:
         self.manager = manager
-        self.served_model_name = served_model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.served_model_name = self.model_names[0]
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
 
     def check_model(self, model: str | None, required: bool = True) -> None:
-        """Raises ``GatewayError`` 404 unless ``model`` is the served model (or absent where optional)."""
+        """Raises ``GatewayError`` 404 unless ``model`` is a served name (or absent where optional)."""
         if model is None and not required:
             return
-        if model != self.served_model_name:
+        if model not in self.model_names:
             raise GatewayError(
-                404, f"The model '{model}' does not exist (served: '{self.served_model_name}')",
+                404, f"The model '{model}' does not exist (served: '{', '.join(self.model_names)}')",
                 param="model", code="model_not_found",
             )  # fmt: skip
+
+
+def log_unknown_fields(rid: str, fields: list[str]) -> None:
+    """Log the request fields this server ignored (vLLM's behaviour: accepted, not applied)."""
+    if fields:
+        logger.info("request %s: ignoring unknown fields %s", rid, ", ".join(fields[:50]))
 
 
 def request_id(request: Request) -> str:

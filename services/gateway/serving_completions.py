@@ -25,6 +25,7 @@ from pdserve.services.gateway.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
+    log_unknown_fields,
     request_id,
     sse_response,
     submit,
@@ -41,8 +42,9 @@ class OpenAIServingCompletion:
         """Serve one completions request. Raises ``GatewayError`` for every failure before streaming."""
         self.ctx.check_model(body.model)
         rid = request_id(request)
+        log_unknown_fields(rid, body.unknown_fields())
         prompts = body.prompts()
-        sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0)
+        sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0, body.constraint)
         echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
         handle = await submit(request, self.ctx.manager, GenerateReqInput(rid, prompts, sampling, n=body.n))
         if body.stream:

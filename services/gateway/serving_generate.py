@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.observability import tracing
+from pdserve.observability.logs import bind_rid
 from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import ChatPrompt, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.native_protocol import (
@@ -45,6 +47,8 @@ class NativeServing:
         self.ctx.check_model(body.model, required=False)
         if body.rid:
             request.state.rid = body.rid
+            bind_rid(body.rid)
+            tracing.tag_current_span(body.rid)
         rid = request.state.rid
         sp = body.sampling_params
         sampling = sp.to_sampling_params(body.return_logprob, body.top_logprobs_num)

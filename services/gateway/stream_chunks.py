@@ -67,11 +67,20 @@ def chat_choice(
     logprobs: BaseModel | None = None,
     finish_reason: str | None = None,
     matched_stop: str | int | None = None,
+    reasoning_content: str | None = None,
+    tool_calls: list[BaseModel] | None = None,
 ) -> dict[str, Any]:
-    """A ``ChatChunkChoice``: ``delta`` has the role (first chunk) and the new content (None when none)."""
+    """A ``ChatChunkChoice``: ``delta`` has the role (first chunk), the new content, reasoning and
+    tool-call pieces (``DeltaToolCall``s; each None when none)."""
+    calls = [c.model_dump() for c in tool_calls] if tool_calls else None
     return {
         "index": index,
-        "delta": {"role": role, "content": content},
+        "delta": {
+            "role": role,
+            "content": content,
+            "reasoning_content": reasoning_content,
+            "tool_calls": calls,
+        },
         "logprobs": _dump(logprobs),
         "finish_reason": finish_reason,
         "matched_stop": matched_stop,

@@ -3,10 +3,13 @@
 Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check. A worker that fails
 ``failure_threshold`` probes in a row (one slow answer on a saturated machine is not a death) is
 taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
-it is put back as soon as it answers SERVING again. Serving schedulers are asked ``GetLoad``: their
-load (for the least-load and cache-aware policies), their capacity (for the gateway's default
-pending limit) and their incarnation: a scheduler that restarted (whether or not it was seen down)
-holds none of the requests routed to its previous process, which are ended like a dead worker's.
+it is put back as soon as it answers SERVING again. A scheduler is asked about its own service: when
+that is NOT_SERVING while the server as a whole is SERVING, it is draining (SIGTERM): it gets no new
+requests but keeps those it holds (it is alive; nothing is ended). Live schedulers are asked
+``GetLoad``: their load (for the least-load and cache-aware policies), their capacity (for the
+gateway's default pending limit) and their incarnation: a scheduler that restarted (whether or not it
+was seen down) holds none of the requests routed to its previous process, which are ended like a dead
+worker's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.services.gateway.backend_clients import BackendClients
+from pdserve.services.gateway.backend_clients import SCHEDULER_SERVICES, BackendClients
 from pdserve.services.gateway.router import Router, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -65,7 +68,15 @@ class WorkerMonitor:
         return status
 
     async def _probe(self, role: str, worker: Worker) -> bool:
-        ok = await self.clients.is_serving(worker.address)
+        """One probe of ``worker``; True when it takes new requests."""
+        service = SCHEDULER_SERVICES.get(role, "")
+        ok = await self.clients.is_serving(worker.address, service)
+        draining = not ok and bool(service) and await self.clients.is_serving(worker.address)
+        if draining != worker.draining:
+            state = "draining: no new requests" if draining else "takes new requests again"
+            logger.warning("%s worker %s is %s", role, worker.address, state)
+            worker.draining = draining
+        ok = ok or draining  # alive
         if ok and role in SCHEDULER_ROLES:
             await self._read_load(role, worker)  # before it is routed to again: a restart ends its requests
         worker.failed_probes = 0 if ok else worker.failed_probes + 1
@@ -79,7 +90,12 @@ class WorkerMonitor:
             worker.healthy = False
             self.router.forget(role, worker)
             self.on_down(role, worker.address)
-        return ok
+        return ok and not worker.draining
+
+    def remove(self, role: str, worker: Worker) -> None:
+        """``worker`` left the pool (``discovery``): forget it and end what it still held."""
+        self.router.forget(role, worker)
+        self.on_down(role, worker.address)
 
     async def _read_load(self, role: str, worker: Worker) -> None:
         try:

@@ -33,6 +33,8 @@ def worker_specs(args: argparse.Namespace, argv: list[str]) -> list[ServiceSpec]
     for i in range(args.workers):
         port = args.internal_grpc_port + i
         flags = ["--workers", "1", "--reuse-port", "--internal-grpc-port", str(port)]
+        if args.metrics_port is not None:  # each worker's own registry on a port of its own
+            flags += ["--metrics-port", str(args.metrics_port + i)]
         specs.append(ServiceSpec(f"gateway-{i}", "gateway", [*argv, *flags], f"{probe_host}:{port}"))
     return specs
 
@@ -45,7 +47,7 @@ async def serve_workers(args: argparse.Namespace, argv: list[str], stop: asyncio
     tls.configure(args.identity)  # the workers' health checks speak mutual TLS to their internal servers
     supervisor = Supervisor(
         worker_specs(args, argv),
-        Console(),
+        Console(json_lines=args.log_format == "json"),
         startup_timeout=_STARTUP_TIMEOUT_S,
         drain_timeout=args.drain_timeout,
     )

@@ -17,10 +17,14 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int, setup_logging
-from pdserve.model_source import resolve_model
+from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int
+from pdserve.model_source import resolve_model, served_model_names
+from pdserve.observability.logs import add_logging_args, setup_logging
+from pdserve.observability.stats_log import add_stats_args
+from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
+from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.ports import PortReservation
@@ -74,12 +78,25 @@ def make_parser() -> argparse.ArgumentParser:
         default=30000,
         help="internal ports: +1 tokenizer, +2 detokenizer, +3 gateway, +10+i prefill-i, +20+i decode-i",
     )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=None,
+        help="each service's /metrics port: this plus its internal port's offset (gateway: +3) "
+        "(default: --internal-port-base + 100)",
+    )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (PD mode)")
     p.add_argument("--num-decode", type=int, default=1, help="decode workers")
     p.add_argument(
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     add_engine_args(p)
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, instead of the model's own",
+    )
+    add_stats_args(p)
     p.add_argument(
         "--gpus",
         default=None,
@@ -104,7 +121,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=1,
         help="gateway processes sharing the HTTP and public gRPC ports, each owning its own requests",
     )
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    add_chat_parser_args(p)
     p.add_argument(
         "--api-key",
         default=None,
@@ -118,7 +135,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--drain-timeout",
         type=float,
         default=30.0,
-        help="on shutdown, seconds in-flight requests get to finish (new ones: 503); the rest is aborted",
+        help="on shutdown (and a scheduler on its own SIGTERM), seconds in-flight requests get to finish "
+        "(new ones: 503); the rest is aborted",
     )
     p.add_argument(
         "--liveness-timeout",
@@ -128,7 +146,8 @@ def make_parser() -> argparse.ArgumentParser:
         "stuck event loop, or a scheduler step past --watchdog-timeout) before it is killed and "
         "restarted; 0 = never",
     )
-    p.add_argument("--log-level", default="info", help="log level of the launcher and every service")
+    add_logging_args(p)
+    add_tracing_args(p)
     tls.add_tls_args(p)
     p.add_argument(
         "--public-client-ca",
@@ -151,6 +170,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--num-prefill must be at least 1 (or use --colocated)")
     if args.drain_timeout < 0:
         parser.error("--drain-timeout must not be negative")
+    num_prefill = 0 if args.colocated else args.num_prefill
+    internal_ports = max(10, 3 + args.gateway_workers) + max(10, num_prefill) + args.num_decode
+    if (
+        args.metrics_port_base is not None
+        and abs(args.metrics_port_base - args.internal_port_base) < internal_ports
+    ):
+        parser.error(
+            f"--metrics-port-base overlaps the {internal_ports} internal ports from --internal-port-base"
+        )
+    try:
+        served_model_names(args.model, args.served_model_name)
+    except ValueError as e:
+        parser.error(str(e))
     args.identity = tls.identity_from_args(parser, args)
     if args.public_client_ca and not args.identity:
         parser.error("--public-client-ca needs --tls-cert, --tls-key and --tls-ca")
@@ -169,7 +201,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
     """Start the topology, supervise it until ``stop`` is set (or a signal arrives), then stop it."""
     console.status("resolving the model ...")
     try:
-        model_dir = str(await asyncio.to_thread(resolve_model, args.model))
+        model_dir = str(await asyncio.to_thread(resolve_model, args.model, args.revision))
     except (OSError, ValueError) as e:
         logger.error("cannot use the model: %s", e)
         raise SystemExit(1) from None
@@ -199,7 +231,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
     try:
         if await _start(supervisor, stop):
             scheme, over = ("https", " over TLS") if args.identity else ("http", "")
-            console.print(
+            console.announce(
                 f"pdserve is up: OpenAI API at {scheme}://{args.host}:{args.port}/v1, "
                 f"gRPC at {args.host}:{args.grpc_port}{over} (Ctrl-C to stop)"
             )
@@ -258,8 +290,8 @@ async def _start(supervisor: Supervisor, stop: asyncio.Event) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup_logging(args.log_level, "launch")
-    console = Console()
+    setup_logging(args.log_level, "launch", args.log_format)
+    console = Console(json_lines=args.log_format == "json")
     handler = ConsoleHandler(console)
     root = logging.getLogger()
     handler.setFormatter(root.handlers[0].formatter)

@@ -45,10 +45,10 @@ class Supervisor:
         specs: the services (see ``topology.build_topology``).
         console: where progress, the children's output and the restart log go.
         startup_timeout: seconds a service may take to become healthy (at start and after a restart).
-        drain_timeout: seconds the gateway gets, once told to stop, to let in-flight requests
-            finish; it then has ``ABORT_MARGIN_S`` more to abort what is left and exit before it is
-            killed.
-        grace: seconds every other service gets between SIGTERM and SIGKILL.
+        drain_timeout: seconds the gateway and the schedulers get, once told to stop, to let
+            in-flight requests finish; they then have ``ABORT_MARGIN_S`` more to abort what is left
+            and exit before they are killed.
+        grace: seconds the tokenizer and detokenizer get between SIGTERM and SIGKILL.
         http_verify: how the gateway's HTTPS health check verifies its certificate (httpx ``verify``).
         liveness_timeout: seconds a running service may leave its liveness check unanswered
             (not SERVING) before it is SIGKILLed and restarted; 0 = never.
@@ -136,7 +136,7 @@ class Supervisor:
             done += 1
             waiting.remove(spec.name)
             elapsed = time.monotonic() - t0
-            self.console.print(f"[{done}/{len(self.specs)}] {spec.name} ready ({elapsed:.1f} s)")
+            self.console.announce(f"[{done}/{len(self.specs)}] {spec.name} ready ({elapsed:.1f} s)")
 
         async def show_progress() -> None:
             for tick in itertools.count():
@@ -234,7 +234,8 @@ class Supervisor:
         """Drain and stop everything, in reverse start order.
 
         The gateway goes first: it stops accepting requests, finishes or aborts those in flight and
-        exits (killed after ``drain_timeout + ABORT_MARGIN_S`` s). Then the schedulers, then the tokenizer and
+        exits (killed after ``drain_timeout + ABORT_MARGIN_S`` s). Then the schedulers, which drain
+        the same way (a request the gateway gave up on is aborted there), then the tokenizer and
         detokenizer (each killed after ``grace`` s). Every child's process group is SIGKILLed at
         the end, so nothing it started survives.
         """
@@ -243,8 +244,8 @@ class Supervisor:
             keeper.cancel()
         for stage in reversed(self.stages()):
             children = [self.children[s.name] for s in stage if s.name in self.children]
-            gateway = any(s.role == "gateway" for s in stage)
-            timeout = self.drain_timeout + ABORT_MARGIN_S if gateway else self.grace
+            drains = any(s.role in ("gateway", "prefill", "decode") for s in stage)
+            timeout = self.drain_timeout + ABORT_MARGIN_S if drains else self.grace
             names = ", ".join(c.name for c in children)
             if names:
                 logger.info("stopping %s", names)

@@ -6,7 +6,9 @@ gRPC API; with ``--gateway-workers N`` every worker binds both, SO_REUSEPORT). E
 worker i's internal gRPC server, where detokenizers stream outputs to), + 10 + i (prefill-i) and
 + 20 + i (decode-i). With more than 7 gateway workers the prefill ports start right after the last
 gateway port, and with more than 10 prefill workers the decode ports right after the last prefill
-port. With ``--tls-*`` every service gets the same certificate flags.
+port. Each service serves its Prometheus metrics at ``--metrics-port-base`` (default
+``--internal-port-base`` + 100) plus the offset of its internal port (gateway worker i: + 3 + i).
+With ``--tls-*`` every service gets the same certificate flags.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve.model_source import served_model_names
 
 STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway": 2}
 
@@ -144,19 +148,63 @@ def _gpu_env(gpus: list[str], index: int, tp_size: int = 1) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(index * tp_size + r) % len(gpus)] for r in range(tp_size))}
 
 
+def observability_flags(args: argparse.Namespace, served_name: str) -> list[str]:
+    """Logging, tracing and the served model name, the same for every service."""
+    flags = [
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        "--served-model-name",
+        served_name,
+    ]
+    if args.otlp_traces_endpoint:
+        flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    return flags
+
+
+def metrics_port_base(args: argparse.Namespace) -> int:
+    """First port of the metrics block: ``--metrics-port-base``, else ``--internal-port-base`` + 100."""
+    return args.metrics_port_base if args.metrics_port_base is not None else args.internal_port_base + 100
+
+
+def _metrics_port(port: int, args: argparse.Namespace, host: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """The flag and bind of the metrics port of the service whose internal port is ``port``."""
+    metrics = metrics_port_base(args) + port - args.internal_port_base
+    return ["--metrics-port", str(metrics)], [(host, metrics)]
+
+
 def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec]:
-    """Services in start order: tokenizer, detokenizer, prefill workers, decode workers, gateway."""
+    """Services in start order: tokenizer, detokenizer, prefill workers, decode workers, gateway.
+
+    Every service gets the same ``--served-model-name`` (from the user's ``--model``, not from
+    ``model_dir``, which may be a download or conversion cache): the names in responses and the
+    ``model_name`` label of metrics.
+    """
+    served_name = ",".join(served_model_names(args.model, args.served_model_name))
     host = args.internal_host
     base = args.internal_port_base
-    common = ["--model", model_dir, "--host", host, "--log-level", args.log_level, *tls_flags(args)]
+    common = ["--model", model_dir, "--host", host, *observability_flags(args, served_name), *tls_flags(args)]
+    model_len = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    template = ["--chat-template", args.chat_template] if args.chat_template else []
     tok = f"{host}:{base + 1}"
     detok = f"{host}:{base + 2}"
+    tok_metrics, tok_binds = _metrics_port(base + 1, args, host)
+    detok_metrics, detok_binds = _metrics_port(base + 2, args, host)
     specs = [
         ServiceSpec(
-            "tokenizer", "tokenizer", [*common, "--port", str(base + 1)], tok, binds=[(host, base + 1)]
+            "tokenizer",
+            "tokenizer",
+            [*common, "--port", str(base + 1), *model_len, *template, *tok_metrics],
+            tok,
+            binds=[(host, base + 1), *tok_binds],
         ),
         ServiceSpec(
-            "detokenizer", "detokenizer", [*common, "--port", str(base + 2)], detok, binds=[(host, base + 2)]
+            "detokenizer",
+            "detokenizer",
+            [*common, "--port", str(base + 2), *detok_metrics],
+            detok,
+            binds=[(host, base + 2), *detok_binds],
         ),
     ]
     num_prefill = 0 if args.colocated else args.num_prefill
@@ -169,25 +217,39 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     gpus = scheduler_gpus(args)
     ranks = num_schedulers * args.tp_size  # processes that share the devices
     engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
+    engine += [
+        *model_len,
+        "--drain-timeout",
+        str(args.drain_timeout),
+        "--stats-interval",
+        str(args.stats_interval),
+    ]
     pin = not (args.max_total_tokens or args.kv_cache_memory)
     for i, addr in enumerate(prefills):
         port = int(addr.rsplit(":", 1)[1])
-        argv = [*common, "--port", str(port), *engine]
+        metrics, binds = _metrics_port(port, args, host)
+        argv = [*common, "--port", str(port), *engine, *metrics]
         gpu = _gpu_env(gpus, i, args.tp_size)
         specs.append(
-            ServiceSpec(f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port)], pin_kv_pool=pin)
+            ServiceSpec(
+                f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin
+            )
         )
     for i, addr in enumerate(decodes):
         port = int(addr.rsplit(":", 1)[1])
-        argv = [*common, "--port", str(port), *engine]
+        metrics, binds = _metrics_port(port, args, host)
+        argv = [*common, "--port", str(port), *engine, *metrics]
         if args.colocated:
             argv.append("--colocated")
         if args.stream_interval != 1:
             argv += ["--stream-interval", str(args.stream_interval)]
         gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
         specs.append(
-            ServiceSpec(f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port)], pin_kv_pool=pin)
+            ServiceSpec(
+                f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin
+            )
         )
+    gateway_metrics, gateway_binds = _metrics_port(base + 3, args, host)
     gateway = [
         "--model", model_dir,
         "--host", args.host,
@@ -195,7 +257,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         "--grpc-port", str(args.grpc_port),
         "--internal-host", host,
         "--internal-grpc-port", str(base + 3),
-        "--log-level", args.log_level,
+        *observability_flags(args, served_name),
+        *gateway_metrics,
         *tls_flags(args),
         "--tokenizer-addresses", tok,
         "--detokenizer-addresses", detok,
@@ -204,16 +267,18 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         "--router-policy", args.router_policy,
         "--drain-timeout", str(args.drain_timeout),
     ]  # fmt: skip
-    if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag, None):
+            gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]
     if args.gateway_workers > 1:
         gateway += ["--workers", str(args.gateway_workers)]
     secrets = {"PDSERVE_API_KEY": args.api_key} if args.api_key else {}
     health = f"{'https' if args.tls_cert else 'http'}://{args.host}:{args.port}/health"
     binds = [(args.host, args.port), (args.host, args.grpc_port)]
     binds += [(host, base + 3 + i) for i in range(args.gateway_workers)]
+    binds += [(h, port + i) for h, port in gateway_binds for i in range(args.gateway_workers)]
     # its internal gRPC server: same event loop, the internal plane's TLS; with --gateway-workers the
     # gateway's own supervisor watches each worker's (``gateway.workers``)
     liveness = f"{host}:{base + 3}" if args.gateway_workers == 1 else ""

@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import logging
 
-from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_logging
+from pdserve.cli_args import apply_env_defaults, parse_service_args, setup_service
 from pdserve.distributed import TpGroup
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop, gather_agents
+from pdserve.services.common.drain import drain
 from pdserve.services.common.liveness import start_watchdog
+from pdserve.services.common.observers import SchedulerObservers
 from pdserve.services.common.scheduler_args import add_scheduler_args
 from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
 from pdserve.services.prefill.servicer import PrefillServicer
@@ -38,7 +40,15 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
     agent = build_kv_agent(scheduler, "prefill", address, args.host)
     stream_chunks = args.kv_stream_chunks == "on"
     rank_agents = await gather_agents(agent, tp)
-    return PrefillServicer(scheduler, address, agent, stream_chunks, tp=tp, rank_agents=rank_agents)
+    return PrefillServicer(
+        scheduler,
+        address,
+        agent,
+        stream_chunks,
+        overlap=not args.disable_overlap_schedule,
+        tp=tp,
+        rank_agents=rank_agents,
+    )
 
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -50,13 +60,22 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     servicer = await build_servicer(args, address, tp)
     server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, servicer)
     await server.start()
+    loop_stop = asyncio.Event()  # the loop outlives SIGTERM until the drain is over
+    supervisor = asyncio.create_task(
+        supervise(servicer.loop, loop_stop, ranks, args.tp_watchdog, servicer.fail_all)
+    )
     await server.set_serving(True)
+    observers = SchedulerObservers(args, servicer.scheduler)
     watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
     logger.info("prefill-scheduler (TP %d) ready on %s", tp.size, address)
-    await supervise(servicer.loop, stop, ranks, args.tp_watchdog, servicer.fail_all)
+    await stop.wait()
     if watchdog is not None:
         await watchdog
+    await drain(server, servicer, args.drain_timeout)
+    loop_stop.set()
     await server.stop(grace=5.0)
+    await supervisor
+    await observers.close()
     servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
     if ranks is not None:
         ranks.stop()
@@ -64,7 +83,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(make_parser(), argv)
-    setup_logging(args.log_level, "prefill")
+    setup_service(args, "prefill")
     run_service(lambda stop: serve(args, stop))
 
 

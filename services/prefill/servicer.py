@@ -27,6 +27,7 @@ import grpc
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
+from pdserve.observability import tracing
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
@@ -36,6 +37,7 @@ from pdserve.services.common.convert import (
     sampling_params_from_pb,
     token_logprob_to_pb,
 )
+from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.servicer import load_info
@@ -68,7 +70,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     ``Prefill`` queues the request and waits; the KV pages decode lacks are written into decode's
     pages as they are computed, and the call answers with the first token once all are written. A
-    cancelled call (decode aborted, or gone) aborts the request and frees its pages here.
+    cancelled call (decode aborted, or gone) aborts the request and frees its pages here. While
+    ``draining`` (SIGTERM, see ``drain``) new Prefill calls are refused (UNAVAILABLE) and the ones
+    taken are finished.
 
     Args:
         scheduler: the prefill-role scheduler.
@@ -113,6 +117,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of this rank's write
         self.written: dict[str, dict[int, KVWritten]] = {}  # prefilled rids: each rank's ended write
         self.rank_peer: dict[str, str] = {}  # decode rank 0's agent -> the agent this rank writes to
+        self.draining = False
+        scheduler.on_request_end = lambda req: tracing.end_request_span(req, "prefill")
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
@@ -136,6 +142,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         return response
 
     async def Prefill(self, request: scheduler_pb2.PrefillRequest, context) -> scheduler_pb2.PrefillResponse:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address} is shutting down: use another"
+            )
         if not self.agent.has_peer(request.dst_agent_name, request.dst_incarnation):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "unknown decode agent: exchange agent info first"
@@ -144,9 +154,15 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refusal = tp_refusal(params, self.tp)
+        if refusal:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        ids = list(request.input_ids)
+        generated = min(max(request.num_output_ids, 0), max(len(ids) - 1, 0))
         req = Req(
             rid=request.rid,
-            origin_input_ids=list(request.input_ids),
+            origin_input_ids=ids[: len(ids) - generated],
+            output_ids=ids[len(ids) - generated :],
             sampling_params=params,
             deadline=request.deadline_unix_s,
             meta={"dst_start_page": request.dst_start_page, "sent_pages": 0},
@@ -173,6 +189,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             transfer.cancel()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate rid {req.rid!r}")
         self.opening[req.rid] = transfer
+        tracing.start_request_span(req, "prefill")
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
             try:
@@ -184,9 +201,15 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                     else grpc.StatusCode.RESOURCE_EXHAUSTED
                 )
                 await context.abort(code, str(e))
+            error = await grammar_error(self.scheduler, req.rid)
+            self.loop.wake()  # a compiled grammar moves its request on at the next step
+            if error:
+                if waiter.done():
+                    waiter.exception()  # the scheduler failed it too: retrieved, not logged
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
             return await waiter
         except asyncio.CancelledError:
-            self._abort_now(req.rid, "prefill call cancelled")
+            self.abort(req.rid, "prefill call cancelled")
             raise
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
@@ -194,18 +217,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.waiters.pop(req.rid, None)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        found = request.rid in self.waiters
-        self._abort_now(request.rid, request.reason or "aborted")
-        return scheduler_pb2.AbortResponse(found=found)
-
-    def _abort_now(self, rid: str, reason: str) -> None:
-        """Cancel rank 0's transfer of ``rid`` at once (no page of it is read any more) and end the
-        request at the next step on every rank (``_abort``)."""
-        for transfers in (self.opening, self.transfers):
-            transfer = transfers.pop(rid, None)
-            if transfer is not None:
-                transfer.cancel()
-        self.loop.abort(rid, reason)
+        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -214,6 +226,21 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         return common_pb2.MetricsResponse(
             role="prefill", worker=self.address, text=self.scheduler.metrics.text()
         )
+
+    def busy(self) -> bool:
+        """Prefills taken and not yet answered (queued, computing, or writing their KV)."""
+        return bool(self.scheduler.reqs or self.opening or self.transfers or self.finishing or self.written)
+
+    def abort(self, rid: str, reason: str) -> bool:
+        """Cancel rank 0's transfer of ``rid`` at once (no page of it is read any more) and end the
+        request at the next step on every rank (``_abort``); False if it is not held here."""
+        found = rid in self.scheduler.reqs or rid in self.opening
+        for transfers in (self.opening, self.transfers):
+            transfer = transfers.pop(rid, None)
+            if transfer is not None:
+                transfer.cancel()
+        self.loop.abort(rid, reason)
+        return found
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
     def _add(self, event: NewRequest) -> int:
@@ -374,7 +401,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         except asyncio.CancelledError:
             return
         except KVTransferError as e:
-            logger.warning("KV write for %s failed: %s", req.rid, e)
+            logger.warning("KV write for %s failed: %s", req.rid, e, extra={"rid": req.rid})
             event = KVWritten(req.rid, self.tp.rank, str(e) or type(e).__name__, 0)
         self.finishing.pop(req.rid, None)
         if self.tp.size == 1:

@@ -44,8 +44,14 @@ def tokenize(tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest) -> to
     kwargs = parse_json("chat_template_kwargs_json", chat.chat_template_kwargs_json, dict)
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise ChatTemplateError("tools_json must be a list of JSON objects")
+    messages = []
+    for i, m in enumerate(chat.messages):
+        calls = parse_json(f"messages[{i}].tool_calls_json", m.tool_calls_json, list)
+        if calls is not None and not all(isinstance(c, dict) for c in calls):
+            raise ChatTemplateError(f"messages[{i}].tool_calls_json must be a list of JSON objects")
+        messages.append(ChatMessage(m.role, m.content, m.name or None, calls, m.tool_call_id or None))
     prompt = tokenizer.apply_chat_template(
-        [ChatMessage(m.role, m.content, m.name or None) for m in chat.messages],
+        messages,
         add_generation_prompt=chat.add_generation_prompt,
         continue_final_message=chat.continue_final_message,
         tools=tools,
@@ -60,4 +66,5 @@ def info_to_pb(info: TokenizerInfo) -> tokenizer_pb2.TokenizerInfoResponse:
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
         context_length=info.context_length,
+        think_tokens=info.think_tokens,
     )

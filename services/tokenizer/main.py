@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from prometheus_client import REGISTRY
+
 from pdserve.cli_args import (
     add_model_arg,
     add_server_args,
     apply_env_defaults,
     parse_service_args,
-    setup_logging,
+    setup_service,
 )
+from pdserve.model_source import served_model_names
+from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc.server import GrpcServer, internal_server, run_service
 from pdserve.services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from pdserve.tokenization import Tokenizer
@@ -25,13 +29,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve tokenizer", description=__doc__)
     add_model_arg(parser)
     add_server_args(parser, DEFAULT_PORT)
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, instead of the model's own",
+    )
     apply_env_defaults(parser)
     return parser
 
 
 async def start_server(args: argparse.Namespace) -> GrpcServer:
-    """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops it."""
-    tokenizer = await asyncio.to_thread(Tokenizer.load, args.model)
+    """Load the tokenizer, then start the gRPC server and report SERVING; the caller stops it.
+
+    Raises:
+        ValueError: a bad ``--chat-template`` or ``--max-model-len``.
+    """
+    tokenizer = await asyncio.to_thread(
+        Tokenizer.load,
+        args.model,
+        revision=args.revision,
+        model_name=served_model_names(args.model, args.served_model_name)[0],
+        chat_template=args.chat_template,
+        max_model_len=args.max_model_len,
+    )
     server = internal_server(args, [SERVICE_NAME])
     server.add(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, TokenizerServicer(tokenizer))
     await server.start()
@@ -41,13 +61,17 @@ async def start_server(args: argparse.Namespace) -> GrpcServer:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     server = await start_server(args)
+    model_name = served_model_names(args.model, args.served_model_name)[0]
+    metrics = serve_metrics(args, args.host, labelled(REGISTRY, model_name=model_name))
     await stop.wait()
     await server.stop()
+    if metrics is not None:
+        metrics.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_service_args(build_parser(), argv)
-    setup_logging(args.log_level, "tokenizer")
+    setup_service(args, "tokenizer")
     run_service(lambda stop: serve(args, stop))
 
 

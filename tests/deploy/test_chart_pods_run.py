@@ -21,6 +21,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.model_source import cache_dir
 from tests.deploy.conftest import Rendered, load_values, render
@@ -30,11 +31,16 @@ ROLES = ("tokenizer", "detokenizer", "decode", "gateway")
 API_KEY = "pod-test-key"
 
 
+def metrics_port(base: int, role: str) -> int:
+    return base + 6 + ROLES.index(role)
+
+
 @dataclass
 class Pods:
     chart: Rendered
     procs: dict[str, subprocess.Popen]
     logs: Path
+    base: int  # the first of the ports the roles were given here
 
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.chart.values['gateway']['port']}"
@@ -43,8 +49,9 @@ class Pods:
         return (self.logs / f"{role}.log").read_text()[-4000:]
 
 
-def pod_env(chart: Rendered, role: str, home: Path) -> dict[str, str]:
-    """The container's environment as the kubelet builds it, mapped onto this machine."""
+def pod_env(chart: Rendered, role: str, home: Path, metrics_port: int) -> dict[str, str]:
+    """The container's environment as the kubelet builds it, mapped onto this machine (every pod's
+    metrics port, one number in the chart, is ``metrics_port`` here)."""
     (secret,) = chart.kind("Secret").values()
     env = {**os.environ, **chart.env(role)}
     for entry in chart.container(role)["env"]:
@@ -58,11 +65,18 @@ def pod_env(chart: Rendered, role: str, home: Path) -> dict[str, str]:
             env[name] = f"127.0.0.1:{ports[peer]}"
     if "PDSERVE_ADVERTISE_HOST" in env:
         env["PDSERVE_ADVERTISE_HOST"] = "127.0.0.1"
+    assert env["PDSERVE_METRICS_PORT"] == str(container_port(chart, role, "metrics"))
+    env["PDSERVE_METRICS_PORT"] = str(metrics_port)
     env["PDSERVE_WORKER_ID"] = env.get("PDSERVE_WORKER_ID", "").replace("$(POD_NAME)", f"{role}-0")
     # The chart's cache and home are pod volumes; here they are this machine's model cache and a tmp dir.
     env["PDSERVE_CACHE_DIR"] = str(cache_dir())
     env["HOME"] = str(home)
     return env
+
+
+def container_port(chart: Rendered, role: str, name: str) -> int:
+    (port,) = [p["containerPort"] for p in chart.container(role)["ports"] if p["name"] == name]
+    return port
 
 
 def health(port: int, service: str = "") -> str:
@@ -78,7 +92,7 @@ def health(port: int, service: str = "") -> str:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
-    base = free_port_block(6)
+    base = free_port_block(6 + len(ROLES))  # the roles' ports, then each one's metrics port
     overrides = {role: {"port": base + i} for i, role in enumerate(ROLES)}
     overrides["gateway"].update(grpcPort=base + len(ROLES), internalPort=base + len(ROLES) + 1)
     overrides["apiKey"] = {"value": API_KEY}
@@ -89,11 +103,11 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
         with open(logs / f"{role}.log", "w") as log:
             procs[role] = subprocess.Popen(
                 [sys.executable, "-m", "pdserve.cli", *chart.container(role)["args"]],
-                env=pod_env(chart, role, logs),
+                env=pod_env(chart, role, logs, metrics_port(base, role)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-    running = Pods(chart, procs, logs)
+    running = Pods(chart, procs, logs, base)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -131,6 +145,18 @@ def test_probes_see_every_role_ready_and_alive(pods: Pods) -> None:
     ready = httpx.get(f"{pods.gateway_url()}{gateway['readinessProbe']['httpGet']['path']}", timeout=10)
     assert ready.status_code == 200
     assert set(ready.json()["roles"]) == {"tokenizer", "detokenizer", "decode"}
+
+
+def test_every_pod_serves_its_own_metrics_with_the_model_name(pods: Pods) -> None:
+    """What the PodMonitor scrapes: each role's /metrics on its metrics port."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    model = httpx.get(f"{pods.gateway_url()}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    for role in ROLES:
+        port = metrics_port(pods.base, role)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert "pdserve:rpc_requests" in families and "process_resident_memory_bytes" in families, role
+        assert all(s.labels["model_name"] == model for f in families.values() for s in f.samples), role
 
 
 def run_helm_test(pods: Pods, api_key: str) -> subprocess.CompletedProcess[str]:

@@ -35,6 +35,8 @@ SCHEMA_VIOLATIONS = [
     ({"tls": {"healthPort": 70000}}, "/tls/healthPort"),
     ({"tls": {"serverName": ""}}, "/tls/serverName"),
     ({"tls": {"cert": "/etc/tls.crt"}}, "/tls"),
+    ({"decode": {"drainTimeoutSeconds": -1}}, "/decode/drainTimeoutSeconds"),
+    ({"decode": {"autoscaling": {"kvUsageTarget": 1.5}}}, "/decode/autoscaling/kvUsageTarget"),
 ]
 
 # Values each valid on its own that the chart refuses together (pdserve.validate).
@@ -48,6 +50,15 @@ TEMPLATE_FAILURES = [
     ({"model": {"source": {"type": "pvc"}}}, "needs model.source.pvc.claimName"),
     ({"model": {"source": {"type": "initContainer"}}}, "needs model.source.initContainer.image"),
     ({"tls": {"enabled": True}}, "tls.enabled needs tls.secretName"),
+    (
+        {"prefill": {"replicas": 1, "drainTimeoutSeconds": 60, "terminationGracePeriodSeconds": 60}},
+        "prefill.terminationGracePeriodSeconds must be at least prefill.drainTimeoutSeconds",
+    ),
+    ({"decode": {"autoscaling": {"enabled": True}}}, "decode.autoscaling reads the per-pod metrics"),
+    (
+        {"podMonitor": {"enabled": True}, "prefill": {"autoscaling": {"enabled": True}}},
+        "prefill.autoscaling needs prefill.replicas > 0",
+    ),
 ]
 
 

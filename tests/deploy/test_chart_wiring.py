@@ -205,13 +205,14 @@ def network_policy_peers(chart: Rendered) -> dict[str, set[tuple[str, str]]]:
 
 def test_network_policies_let_only_the_intended_peers_in(gpu_chart: Rendered) -> None:
     """The gateway's internal port (GatewayOutput) is open to the detokenizers only; its public ports
-    to anyone; every other role's port to its callers only."""
+    to anyone; every other role's port to its callers only; every pod's metrics port to Prometheus."""
+    scrape = ("anyone", "metrics")
     assert network_policy_peers(gpu_chart) == {
-        "gateway": {("anyone", "http"), ("anyone", "grpc"), ("detokenizer", "internal")},
-        "tokenizer": {("gateway", "grpc")},
-        "detokenizer": {("gateway", "grpc"), ("decode", "grpc")},
-        "prefill": {("gateway", "grpc"), ("decode", "all")},
-        "decode": {("gateway", "grpc"), ("detokenizer", "grpc"), ("prefill", "all")},
+        "gateway": {("anyone", "http"), ("anyone", "grpc"), ("detokenizer", "internal"), scrape},
+        "tokenizer": {("gateway", "grpc"), scrape},
+        "detokenizer": {("gateway", "grpc"), ("decode", "grpc"), scrape},
+        "prefill": {("gateway", "grpc"), ("decode", "all"), scrape},
+        "decode": {("gateway", "grpc"), ("detokenizer", "grpc"), ("prefill", "all"), scrape},
     }
 
 

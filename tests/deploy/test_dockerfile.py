@@ -89,7 +89,9 @@ def test_images_install_the_project_with_its_pins_and_extras() -> None:
     (torch_pin,) = [d for d in project["dependencies"] if d.startswith("torch")]
     assert torch_pin in runs(stages()["cpu"])  # CPU wheel first, so `pip install` keeps it
     assert "cuda" in project["optional-dependencies"]
-    assert '"$(ls /wheels/pdserve-*.whl)[cuda]"' in runs(stages()["cuda"])
+    assert {"cuda", "tracing"} <= set(project["optional-dependencies"])
+    assert '"$(ls /wheels/pdserve-*.whl)[cuda,tracing]"' in runs(stages()["cuda"])
+    assert '"$(ls /wheels/pdserve-*.whl)[tracing]"' in runs(stages()["cpu"])  # the chart's tracing values
     # The chart's image.variant=cuda appends "-cuda" to the tag: the `cuda` target's image.
     assert "--target cuda -t pdserve:0.1.0-cuda" in DOCKERFILE.read_text()
 

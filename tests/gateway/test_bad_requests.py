@@ -16,6 +16,11 @@ import pytest
 from transformers import AutoConfig
 
 from pdserve.model_source import resolve_model
+from pdserve.sampling.bounds import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.grpc_api import validate_as_body
+from pdserve.services.gateway.native_protocol import NativeGenerateRequest
+from pdserve.services.gateway.protocol import ChatCompletionRequest
 from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
 from tests.reference import chat_ids, hf_tokenizer
 
@@ -59,6 +64,14 @@ def _context_numbers() -> list[str]:
     return [str(c), str(p + c), f"{p} in the prompt"]
 
 
+def _json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
 CASES = [
     Case("malformed-json", 400, b'{"model": "x", "messages": [', contains=lambda: ["JSON"]),
     Case("body-not-object", 400, [1, 2, 3]),
@@ -80,15 +93,20 @@ CASES = [
     Case("missing-key", 401, chat(), headers={}, code="invalid_api_key"),
     Case("wrong-key", 401, chat(), headers={"Authorization": "Bearer sk-wrong"}, code="invalid_api_key"),
     Case("body-too-large", 413, chat(messages=[{"role": "user", "content": "x" * MAX_REQUEST_BYTES}])),
-    Case("response-format-json", 400, chat(response_format={"type": "json_object"}), param="response_format"),
     Case(
-        "response-format-schema",
+        "response-format-unknown-type",
         400,
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        param="response_format",
+        chat(response_format={"type": "yaml"}),
+        param="response_format.type",
     ),
-    Case("tools-auto", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}]), param="tools"),
-    Case("tool-message", 400, chat(messages=[{"role": "tool", "content": "1", "tool_call_id": "a"}])),
+    Case(
+        "tools-auto-without-parser",
+        400,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        param="tool_choice",
+        contains=lambda: ["--tool-call-parser"],
+    ),
+    Case("tool-message-without-content", 400, chat(messages=[{"role": "tool", "tool_call_id": "a"}])),
     Case("logit-bias-not-a-token-id", 400, chat(logit_bias={"fifty": 5}), param="logit_bias.fifty"),
     Case(
         "logit-bias-over-100",
@@ -111,7 +129,6 @@ CASES = [
         path="/generate",
         param="sampling_params.logit_bias.-3",
     ),
-    Case("unknown-field", 400, chat(best_guess=True), param="best_guess"),
     Case(
         "stream-options-without-stream",
         400,
@@ -175,12 +192,20 @@ CASES = [
         param="sampling_params.top_p",
     ),  # fmt: skip
     Case(
-        "generate-regex",
+        "generate-two-grammars",
         400,
-        {"text": "a", "sampling_params": {"regex": "a+"}},
+        {"text": "a", "sampling_params": {"regex": "a+", "ebnf": "root ::= 'a'"}},
         path="/generate",
-        param="sampling_params.regex",
+        param="sampling_params.ebnf",
     ),  # fmt: skip
+    # grammar and tool bounds (pdserve.sampling.bounds); their sizes: test_grammar_and_tool_sizes_are_bounded
+    Case(
+        "too-many-choices",
+        400,
+        chat(structured_outputs={"choice": ["a"] * (MAX_CHOICES + 1)}),
+        param="structured_outputs.choice",
+    ),
+    Case("too-many-tools", 400, chat(tools=[_tool(f"f{i}") for i in range(MAX_TOOLS + 1)]), param="tools"),
     Case(
         "request-id-too-long", 400, chat(), headers={**AUTH, "X-Request-Id": "r" * 300}, param="X-Request-Id"
     ),
@@ -239,6 +264,50 @@ async def test_bad_request(local_gateway, case: Case) -> None:
         assert text in error["message"], error["message"]
     if case.id != "request-id-too-long":
         assert r.headers["x-request-id"] == f"bad-{case.id}"
+
+
+SIZE_CASES = [
+    (
+        NativeGenerateRequest,
+        {"text": "a", "sampling_params": {"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}},
+        "sampling_params.regex",
+    ),
+    (
+        ChatCompletionRequest,
+        chat(response_format=_json_schema_format({"enum": ["x" * MAX_GRAMMAR_CHARS]})),
+        "response_format.json_schema.schema",
+    ),
+    (
+        ChatCompletionRequest,
+        chat(structured_outputs={"grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}),
+        "structured_outputs.grammar",
+    ),
+    (
+        ChatCompletionRequest,
+        chat(tools=[_tool("f", {"type": "string", "description": "x" * MAX_GRAMMAR_CHARS})]),
+        "tools.0.function.parameters",
+    ),
+    (
+        ChatCompletionRequest,
+        chat(
+            tools=[
+                _tool(f"f{i}", {"description": "x" * 60_000}) for i in range(MAX_TOOLS_CHARS // 60_000 + 1)
+            ]
+        ),
+        "tools",
+    ),
+]
+
+
+@pytest.mark.parametrize(("model", "body", "param"), SIZE_CASES, ids=[c[2] for c in SIZE_CASES])
+def test_grammar_and_tool_sizes_are_bounded(model, body: dict, param: str) -> None:
+    """Grammar text and tools past their size bounds: the 400 HTTP and the gRPC API answer, naming
+    the field (checked on the request models: such bodies are larger than the test gateway takes)."""
+    with pytest.raises(GatewayError) as info:
+        validate_as_body(model, body)
+    assert info.value.status == 400
+    assert info.value.param == param, info.value
+    assert "at most" in info.value.message, info.value.message
 
 
 async def test_valid_request_without_schedulers_is_503_with_retry_after(local_gateway) -> None:

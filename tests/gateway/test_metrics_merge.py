@@ -17,13 +17,13 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def test_merge_labels_every_worker_and_keeps_values() -> None:
-    gateway = GatewayMetrics()
+    gateway = GatewayMetrics("m")
     gateway.requests.labels("/v1/completions", "200").inc(3)
     gateway.ttft.observe(0.2)
     workers = {
-        "d0:1": SchedulerMetrics("decode"),
-        "d1:1": SchedulerMetrics("decode"),
-        "p0:1": SchedulerMetrics("prefill"),
+        "d0:1": SchedulerMetrics("decode", "m"),
+        "d1:1": SchedulerMetrics("decode", "m"),
+        "p0:1": SchedulerMetrics("prefill", "m"),
     }
     for i, m in enumerate(workers.values()):
         m.num_running.set(i + 1)
@@ -35,7 +35,7 @@ def test_merge_labels_every_worker_and_keeps_values() -> None:
     got = samples(text)
 
     def key(name: str, role: str, worker: str, **labels: str) -> tuple[str, frozenset]:
-        return name, frozenset({"role": role, "worker": worker, **labels}.items())
+        return name, frozenset({"role": role, "worker": worker, "model_name": "m", **labels}.items())
 
     for i, (address, m) in enumerate(workers.items()):
         assert got[key("pdserve:num_running_reqs", m.role, address)] == i + 1

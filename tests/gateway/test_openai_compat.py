@@ -9,6 +9,7 @@ Expected numbers come from the checkpoint's config.json and the HF tokenizer, no
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 import httpx
@@ -86,7 +87,9 @@ async def test_retrieve_model_needs_the_api_key(local_gateway) -> None:
 
 
 async def test_harmless_openai_chat_fields_are_accepted(local_gateway) -> None:
-    """store, metadata, service_tier, reasoning_effort, prediction and the no-op values of the others."""
+    """store, metadata, service_tier, reasoning_effort, prediction, prompt_cache_key,
+    safety_identifier, verbosity, unknown fields (ignored, as vLLM does) and the no-op values of
+    the others."""
     with pytest.raises(openai.APIStatusError) as info:
         await aclient(local_gateway).chat.completions.create(
             model=MODEL,
@@ -102,9 +105,32 @@ async def test_harmless_openai_chat_fields_are_accepted(local_gateway) -> None:
             web_search_options=None,
             functions=[],
             function_call="none",
+            prompt_cache_key="session-7",
+            safety_identifier="user-1",
+            verbosity="low",
+            extra_body={"best_guess": True, "future_option": {"x": 1}},
         )
     assert info.value.status_code == 503, info.value.body  # validated, then no scheduler
     assert info.value.body["type"] == "service_unavailable"
+
+
+async def test_unknown_completion_fields_and_message_fields_are_accepted(local_gateway, caplog) -> None:
+    """A completions request with fields this server does not know, and a chat whose messages
+    carry fields a client copied from a response (refusal, annotations): accepted, ignored and
+    logged by name (as vLLM does)."""
+    for path, body, ignored in (
+        ("/v1/completions", completion(store=True, best_guess=1, prompt_cache_key="k"), "best_guess, store"),
+        (
+            "/v1/chat/completions",
+            chat(messages=[{"role": "user", "content": "hi", "refusal": None, "annotations": []}]),
+            "messages.0.annotations, messages.0.refusal",
+        ),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pdserve.services.gateway.serving_common"):
+            r = await post(local_gateway, path, body, headers={"X-Request-Id": "unknown-fields"})
+        assert r.status_code == 503, r.text  # validated, then no scheduler
+        assert f"request unknown-fields: ignoring unknown fields {ignored}" in caplog.messages
 
 
 @dataclass
@@ -137,15 +163,15 @@ REJECTED = [
     Rejected(
         "functions",
         chat(functions=[{"name": "f", "parameters": {}}]),
-        "'functions' is not supported: legacy function calling needs tool-call parsing, "
-        "which this server does not do",
+        "'functions' is not supported: legacy function calling is not served; "
+        "send 'tools' and 'tool_choice' instead",
         "functions",
     ),
     Rejected(
         "function-call",
         chat(function_call={"name": "f"}),
-        "'function_call' is not supported: legacy function calling needs tool-call parsing, "
-        "which this server does not do",
+        "'function_call' is not supported: legacy function calling is not served; "
+        "send 'tools' and 'tool_choice' instead",
         "function_call",
     ),
     Rejected(
@@ -155,13 +181,75 @@ REJECTED = [
         "metadata.run",
     ),
     Rejected(
-        "store-on-completions",
-        completion(store=True),
-        "store: Extra inputs are not permitted",
-        "store",
+        "structured-outputs-two-kinds",
+        chat(structured_outputs={"regex": "a+", "choice": ["a"]}),
+        "structured_outputs: give exactly one of json, regex, choice, grammar, json_object, "
+        "structural_tag (got ['regex', 'choice'])",
+        "structured_outputs",
     ),
     Rejected(
-        "unknown-field", chat(best_guess=True), "best_guess: Extra inputs are not permitted", "best_guess"
+        "structured-outputs-unknown-kind",
+        completion(structured_outputs={"lark": "start: 'a'"}),
+        "structured_outputs.lark: Extra inputs are not permitted",
+        "structured_outputs.lark",
+    ),
+    Rejected(
+        "response-format-and-structured-outputs",
+        chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+        "give either response_format or structured_outputs, not both",
+        "structured_outputs",
+    ),
+    Rejected(
+        "json-schema-without-schema",
+        chat(response_format={"type": "json_schema"}),
+        "response_format.json_schema: response_format type 'json_schema' needs 'json_schema'",
+        "response_format.json_schema",
+    ),
+    Rejected(
+        "schema-not-json",
+        chat(structured_outputs={"json": "{not json"}),
+        "structured_outputs.json: the schema is not valid JSON: Expecting property name enclosed in "
+        "double quotes: "
+        "line 1 column 2 (char 1)",
+        "structured_outputs.json",
+    ),
+    Rejected(
+        "grammar-with-ignore-eos",
+        completion(structured_outputs={"regex": "a"}, ignore_eos=True),
+        "'ignore_eos' cannot be combined with a constrained output",
+        "ignore_eos",
+    ),
+    Rejected(
+        "too-many-choices",
+        chat(structured_outputs={"choice": ["a"] * 257}),
+        "structured_outputs.choice: List should have at most 256 items after validation, not 257",
+        "structured_outputs.choice",
+    ),
+    Rejected(
+        "tool-choice-without-tools",
+        chat(tool_choice="required"),
+        "'tool_choice' names a tool call but 'tools' is empty",
+        "tool_choice",
+    ),
+    Rejected(
+        "tool-name-not-allowed",
+        chat(tools=[{"type": "function", "function": {"name": "get weather"}}], tool_choice="none"),
+        "tools.0.function.name: String should match pattern '^[a-zA-Z0-9_.-]{1,64}$'",
+        "tools.0.function.name",
+    ),
+    Rejected(
+        "tool-call-on-a-user-message",
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": "hi",
+                    "tool_calls": [{"function": {"name": "f", "arguments": ""}}],
+                }
+            ]
+        ),
+        "only an assistant message carries 'tool_calls'",
+        "tool_calls",
     ),
 ]
 

@@ -14,12 +14,15 @@ from pdserve.services.gateway.protocol_responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     UsageInfo,
 )
 from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice, completion_choice
 
 USAGE = UsageInfo.of(12, 3, 8)
+CALL = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunction(name="f", arguments='{"'))
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,8 @@ def test_completion_chunks_match_the_pydantic_model(fields, usage):
         (("", "assistant"), DeltaMessage(role="assistant", content=""), {}),
         ((" the sea",), DeltaMessage(content=" the sea"), {}),
         ((None,), DeltaMessage(), {"finish_reason": "stop", "matched_stop": 2}),
+        ((None,), DeltaMessage(reasoning_content="hm"), {"reasoning_content": "hm"}),
+        ((None,), DeltaMessage(tool_calls=[CALL]), {"tool_calls": [CALL]}),
         (
             ("a",),
             DeltaMessage(content="a"),
@@ -60,11 +65,12 @@ def test_completion_chunks_match_the_pydantic_model(fields, usage):
 def test_chat_chunks_match_the_pydantic_model(args, delta, extra):
     encoder = ChunkEncoder("chat.completion.chunk", "chatcmpl-abc", "SmolLM2")
     ours = json.loads(encoder.encode([chat_choice(1, *args, **extra)], USAGE))
+    on_choice = {k: v for k, v in extra.items() if k not in ("reasoning_content", "tool_calls")}
     model = ChatCompletionChunk(
         id="chatcmpl-abc",
         created=encoder.created,
         model="SmolLM2",
-        choices=[ChatChunkChoice(index=1, delta=delta, **extra)],
+        choices=[ChatChunkChoice(index=1, delta=delta, **on_choice)],
         usage=USAGE,
     )
     assert ours == json.loads(model.model_dump_json())

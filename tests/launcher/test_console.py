@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pty
@@ -60,3 +61,22 @@ def test_log_records_go_through_the_console() -> None:
     finally:
         logger.removeHandler(handler)
     assert out.getvalue() == "WARNING decode-0 killed by SIGKILL\n"
+
+
+def test_json_lines_keep_every_line_json(caplog) -> None:
+    """With --log-format json the launcher's own announcements are log records, children's plain
+    output is wrapped, and their JSON lines gain the launcher's name for them."""
+    out = io.StringIO()
+    console = Console(out, json_lines=True)
+    console.child_line("decode-0", '{"message": "loaded", "service": "decode"}')
+    console.child_line("decode-0", "NIXL INFO backend ready")
+    assert [json.loads(line) for line in out.getvalue().splitlines()] == [
+        {"process": "decode-0", "message": "loaded", "service": "decode"},
+        {"process": "decode-0", "service": "decode", "message": "NIXL INFO backend ready"},
+    ]
+    with caplog.at_level(logging.INFO, logger="pdserve.launch"):
+        console.announce("[1/5] tokenizer ready (1.0 s)")
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("pdserve.launch", "[1/5] tokenizer ready (1.0 s)")
+    ]
+    assert len(out.getvalue().splitlines()) == 2  # written by the log handler, not as plain text

@@ -84,7 +84,8 @@ def test_taken_ports_are_found_before_anything_starts() -> None:
     args = make_parser().parse_args(["--internal-port-base", "0", "--port", "0", "--grpc-port", "0"])
     specs = build_topology(args, "/m")
     binds = [b for s in specs for b in s.binds]
-    assert len(binds) == len(specs) + 2  # one port each, three for the gateway (HTTP, gRPC, internal)
+    # one port each and its metrics port; the gateway's HTTP and public gRPC ports besides
+    assert len(binds) == 2 * len(specs) + 2
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -118,7 +119,9 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
     )  # fmt: skip
     specs = build_topology(args, "/m")
     gateway = specs[-1]
-    assert gateway.binds == [("0.0.0.0", 8000), ("0.0.0.0", 50051), ("10.1.2.3", 40003)]
+    # public HTTP and gRPC on --host; the internal gRPC server and the metrics port on the internal host
+    assert gateway.binds == [("0.0.0.0", 8000), ("0.0.0.0", 50051), ("10.1.2.3", 40003), ("10.1.2.3", 40103)]
+    assert _flag(gateway.argv, "--metrics-port") == "40103"
     assert (_flag(gateway.argv, "--internal-host"), _flag(gateway.argv, "--internal-grpc-port")) == (
         "10.1.2.3",
         "40003",
@@ -132,7 +135,9 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
             "/ca.pem",
         ]
         if spec.role != "gateway":
-            assert spec.binds == [("10.1.2.3", int(_flag(spec.argv, "--port")))]
+            port, metrics = int(_flag(spec.argv, "--port")), int(_flag(spec.argv, "--metrics-port"))
+            assert spec.binds == [("10.1.2.3", port), ("10.1.2.3", metrics)]
+            assert metrics == port + 100
             assert _flag(spec.argv, "--host") == "10.1.2.3"
 
 
@@ -221,7 +226,10 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
     gateway, decode = specs["gateway"], specs["decode-0"]
     assert _flag(gateway.argv, "--workers") == "3"
     host, base = args.internal_host, args.internal_port_base
-    assert gateway.binds[2:] == [(host, base + 3 + i) for i in range(3)]
+    # each worker's internal port, then each one's metrics port
+    assert gateway.binds[2:] == [(host, base + 3 + i) for i in range(3)] + [
+        (host, base + 103 + i) for i in range(3)
+    ]
     assert _flag(decode.argv, "--stream-interval") == "4" and "--disable-overlap-schedule" in decode.argv
     plain = {s.name: s for s in build_topology(make_parser().parse_args([]), "/m")}
     assert "--workers" not in plain["gateway"].argv and "--stream-interval" not in plain["decode-0"].argv
@@ -230,10 +238,12 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
 
 def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() -> None:
     argv = ["--internal-host", "10.0.0.7", "--internal-grpc-port", "9000", "--decode-addresses", "d:1"]
+    argv += ["--metrics-port", "9100"]
     args = gateway_args([*argv, "--workers", "2", *BACKENDS])
     specs = worker_specs(args, argv)
     assert [s.name for s in specs] == ["gateway-0", "gateway-1"]
     assert [_flag(s.argv[len(argv) :], "--internal-grpc-port") for s in specs] == ["9000", "9001"]
+    assert [_flag(s.argv[len(argv) :], "--metrics-port") for s in specs] == ["9100", "9101"]
     assert all("--reuse-port" in s.argv and _flag(s.argv, "--workers") == "1" for s in specs)
     assert [s.health for s in specs] == ["10.0.0.7:9000", "10.0.0.7:9001"]
     with pytest.raises(SystemExit):  # each worker needs a known port to be probed and reached at
@@ -243,10 +253,10 @@ def test_gateway_workers_each_take_their_outputs_on_their_own_internal_port() ->
 def test_many_gateway_workers_push_the_scheduler_ports_up() -> None:
     args = make_parser().parse_args(["--gateway-workers", "9", "--num-prefill", "1"])
     base = args.internal_port_base
-    ports = sorted(
-        port for spec in build_topology(args, "/m") for _, port in spec.binds if base < port < args.grpc_port
-    )
+    binds = [port for spec in build_topology(args, "/m") for _, port in spec.binds]
+    ports = sorted(port for port in binds if base < port < base + 100)
     assert ports == [base + i for i in range(1, 12)] + [base + 12, base + 22]
+    assert sorted(port for port in binds if base + 100 < port < args.grpc_port) == [p + 100 for p in ports]
 
 
 def test_liveness_addresses_and_which_kv_pools_are_pinned() -> None:

@@ -57,6 +57,23 @@ def test_chat_request_renders_messages_and_template_options():
     assert "add_generation_prompt" not in as_server_sees(continued)["chat"]
 
 
+def test_grammars_and_tool_turns_reach_the_server():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = generate_request("Hi", None, "", {"json_schema": schema, "temperature": 0.0})
+    assert json.loads(as_server_sees(request)["sampling_params"]["json_schema"]) == schema
+    assert as_server_sees(generate_request("Hi", None, "", {"regex": "a+"}))["sampling_params"] == {
+        "regex": "a+"
+    }
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    turns = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+    ]
+    seen = as_server_sees(chat_request(turns, "", {}))["chat"]["messages"]
+    assert json.loads(seen[0]["tool_calls_json"]) == [call]
+    assert seen[1] == {"role": "tool", "content": "2", "tool_call_id": "call_1"}
+
+
 @pytest.mark.parametrize(
     ("prompt", "input_ids", "kwargs", "match"),
     [

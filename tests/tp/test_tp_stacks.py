@@ -3,7 +3,8 @@ colocated and in PD (prefill rank i writes its KV heads into decode rank i over 
 greedy tokens through chunked prefill, radix hits, retraction and aborts, with every scheduler's
 ranks comparing their state digests after every step and every pool conserved; a killed rank takes
 its group down, every client gets an answer within 10 s, and the group restarts and serves again;
-a prefill worker of another TP size is refused at the handshake, naming both sides' values."""
+a prefill worker of another TP size is refused at the handshake, naming both sides' values; a
+constrained request is a clear 400."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import time
 
 import grpc
 import httpx
+import openai
 import psutil
 import pytest
 
+from pdserve.services.common.grammar_wait import GRAMMAR_UNDER_TP
 from tests.pd.handshake import refused_handshake
 from tests.reference import chat_ids, hf_greedy
-from tests.stack import Stack, launch_stack
+from tests.stack import SERVED_MODEL, Stack, launch_stack
 from tests.tp.helpers import (
     check_aborts,
     check_chunked_prefill_and_radix_hit,
@@ -80,6 +83,23 @@ def test_retraction(tp):
 
 def test_aborted_streams(tp):
     check_aborts(tp)
+
+
+def test_constrained_request_is_refused_clearly(tp):
+    """Grammars compile per rank process, at moments the ranks would not agree on: under TP a
+    constrained request is a 400 naming the limitation, and the stack keeps serving."""
+    client = openai.OpenAI(
+        base_url=f"{tp.base_url}/v1", api_key="none", max_retries=0, http_client=httpx.Client(timeout=60)
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=SERVED_MODEL,
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8,
+            response_format={"type": "json_object"},
+        )
+    assert GRAMMAR_UNDER_TP in err.value.body["message"], err.value.body
+    assert tp.chat("Name a colour.", max_tokens=4)
 
 
 def _rank1(stack: Stack) -> psutil.Process:

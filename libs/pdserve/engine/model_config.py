@@ -11,6 +11,7 @@ import torch
 
 from pdserve.distributed import head_shard
 from pdserve.layers.native import cpu_has
+from pdserve.model_source import capped_context_length
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,14 +82,17 @@ class ModelConfig:
         model_path: Path,
         dtype: str = "auto",
         device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
         tp_size: int = 1,
         tp_rank: int = 0,
     ) -> ModelConfig:
-        """Read ``model_path/config.json`` (and ``generation_config.json`` when present).
+        """Read ``model_path/config.json`` (and ``generation_config.json`` when present); the context
+        is capped at ``max_model_len``.
 
         Raises:
-            ValueError: the attention heads cannot be split over ``tp_size`` ranks, or there are
-                fewer intermediate channels than ranks (the message says which).
+            ValueError: ``max_model_len`` exceeds the model's context; the attention heads cannot be
+                split over ``tp_size`` ranks, or there are fewer intermediate channels than ranks
+                (the message says which).
         """
         from transformers import AutoConfig, GenerationConfig
 
@@ -101,6 +105,7 @@ class ModelConfig:
         window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
         if window:
             context_length = min(context_length, window)
+        context_length = capped_context_length(context_length, max_model_len)
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_shard(num_heads, num_kv_heads, tp_size, tp_rank)

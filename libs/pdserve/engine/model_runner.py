@@ -46,6 +46,8 @@ class ModelRunner:
         disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
             (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
             backend supports it; the KV pool then has one extra page for padded rows).
+        max_model_len: serve at most this many tokens per request (``--max-model-len``); default
+            the model's context.
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
@@ -65,12 +67,13 @@ class ModelRunner:
         quantization: str | None = None,
         disable_cuda_graph: bool = False,
         kv_memory_fraction: float = 0.25,
+        max_model_len: int | None = None,
         tp: TpGroup = SINGLE_RANK,
     ):
         self.device = resolve_device(device)
         self.tp = tp
         self.model_config = cfg = ModelConfig.from_pretrained(
-            Path(model_path), dtype, self.device, tp.size, tp.rank
+            Path(model_path), dtype, self.device, max_model_len, tp.size, tp.rank
         )
         quantization = resolve_quantization(quantization, self.device, cfg.dtype, tp.size)
         self.model = load_model(

@@ -30,6 +30,18 @@ from pdserve.kv_transfer.transfer import KVTransfer, PeerLink
 
 logger = logging.getLogger(__name__)
 
+
+def _route_nixl_logs() -> None:
+    """Send nixl's records through this process's logging (``--log-format``, rid): importing
+    ``nixl._api`` gives the "nixl" logger a stdout handler of its own line format, not propagated."""
+    nixl_logger = logging.getLogger("nixl")
+    for handler in list(nixl_logger.handlers):
+        nixl_logger.removeHandler(handler)
+    nixl_logger.propagate = True
+
+
+_route_nixl_logs()
+
 T = TypeVar("T")
 
 

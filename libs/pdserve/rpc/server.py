@@ -16,6 +16,7 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.observability.rpc_observer import RpcObserver
 from pdserve.rpc import tls
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class GrpcServer:
     Args:
         address: "host:port" to bind; port 0 picks a free one (see ``port``).
         service_names: full names of the services registered (for health and reflection).
-        interceptors: grpc.aio server interceptors (cross-cutting concerns such as authentication).
+        interceptors: grpc.aio server interceptors (cross-cutting concerns such as authentication),
+            after ``RpcObserver`` (RPC metrics, the rid in log lines).
         credentials: TLS of the port (e.g. ``tls.server_credentials()``); None = plaintext.
         health_address: with TLS, "host:port" of a second, plaintext listener that serves only
             ``grpc.health.v1`` (same statuses), for probes that cannot speak TLS (Kubernetes' gRPC
@@ -69,7 +71,7 @@ class GrpcServer:
         reuse_port: bool = False,
     ) -> None:
         options = [*GRPC_OPTIONS, ("grpc.so_reuseport", int(reuse_port))]
-        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=options, interceptors=[RpcObserver(), *interceptors])
         self.port = _bind(self.server, address, credentials)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
         self.service_names = list(service_names)
@@ -99,6 +101,12 @@ class GrpcServer:
         )
         for name in ["", *self.service_names]:
             await self.health.set(name, status)
+
+    async def set_draining(self) -> None:
+        """Report every registered service NOT_SERVING while the server as a whole ("") stays SERVING:
+        alive, but taking no new work (readiness off, liveness on)."""
+        for name in self.service_names:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float = 5.0) -> None:
         """Report NOT_SERVING to every health watcher, then stop; in-flight calls get ``grace`` seconds."""

@@ -17,13 +17,20 @@ forward step, where one bad value would fail every request of the batch.
   well under a millisecond per request and step, see ``benchmarks/detokenizer.py``); at most 1,024
   ``stop_token_ids`` (checked per generated token); at most 1,024 ``logit_bias`` entries (written
   into the batch's bias row each step).
+- Grammars (constrained decoding): at most one of ``json_schema``, ``regex``, ``ebnf``,
+  ``structural_tag``, never with ``ignore_eos``. A client's grammar text (each of those, a
+  ``response_format`` schema as JSON text, a tool's parameter schema) holds at most 64 KiB
+  characters; a scheduler takes up to 256 KiB, the gateway's own tool-call and reasoning wrappers
+  around the client's schemas included (xgrammar compiles on a worker thread, cached, within the
+  scheduler's compile timeout). At most 128 tools (OpenAI's limit), 256 KiB characters of them in
+  all as JSON; vLLM's ``choice``: at most 256 choices of 1 to 1,024 characters.
 - A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) is greedy: dividing
   the logits by a near-zero temperature overflows them to inf, and softmax of that is NaN.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -40,6 +47,12 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOTAL_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 GREEDY_TEMPERATURE = 1e-5
+MAX_GRAMMAR_CHARS = 64 * 1024  # what a client sends as one grammar text
+MAX_SCHEDULER_GRAMMAR_CHARS = 256 * 1024  # what a scheduler compiles (gateway wrappers included)
+MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 256 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 
 class BoundError(ValueError):
@@ -89,6 +102,24 @@ def check_vocab_fields(
         bad = next((i for i in ids if not (isinstance(i, int) and 0 <= i < vocab_size)), None)
         if bad is not None:
             raise BoundError(name, f"names token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_grammars(texts: Mapping[str, str | None], ignore_eos: bool) -> None:
+    """Raise ``BoundError`` naming the field unless at most one of ``texts`` (grammar kind -> text or
+    None) is set, to 1 to ``MAX_SCHEDULER_GRAMMAR_CHARS`` characters, and ``ignore_eos`` is false
+    where one is (the grammar decides where the output ends)."""
+    given = [kind for kind, text in texts.items() if text is not None]
+    if len(given) > 1:
+        raise BoundError(given[1], f"cannot be combined with {given[0]}: at most one of {', '.join(texts)}")
+    if not given:
+        return
+    kind, text = given[0], texts[given[0]]
+    if ignore_eos:
+        raise BoundError("ignore_eos", f"cannot be combined with {kind}: the grammar decides the end")
+    if not text:
+        raise BoundError(kind, "must not be empty")
+    if len(text) > MAX_SCHEDULER_GRAMMAR_CHARS:
+        raise BoundError(kind, f"has {len(text)} characters; at most {MAX_SCHEDULER_GRAMMAR_CHARS}")
 
 
 def wrap_int64(value: int) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.constrained.grammar import apply_grammars
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -20,9 +22,11 @@ class GenerationBatchResult:
             reads its decode inputs from it on the device).
         next_token_logprobs: log-probability of each sampled token under the raw model distribution
             (log_softmax of the logits before temperature, penalties and filters, as OpenAI reports
+            it; for a constrained request, of the logits masked by its grammar, as vLLM reports
             it); None when no request asked for logprobs.
-        top_logprobs: per request, its ``top_logprobs_num`` most likely ``(token_id, logprob)``
-            pairs (empty where it asked for none); None when no request asked for any.
+        top_logprobs: per request, up to ``top_logprobs_num`` most likely ``(token_id, logprob)``
+            pairs (empty where it asked for none; tokens its grammar forbids are left out); None
+            when no request asked for any.
     """
 
     next_token_ids: list[int]
@@ -43,27 +47,39 @@ class Sampler:
     ) -> GenerationBatchResult:
         """Sample one token per row of ``logits`` (``[B, V]``, the model's dtype); ``info=None`` means
         greedy. A batch that only takes each row's argmax reads the logits as they are (the largest
-        bfloat16 value is the largest after a cast); anything else works on a float32 copy."""
+        bfloat16 value is the largest after a cast); anything else works on a float32 copy.
+        Constrained rows (``info.grammars``) are masked by their grammar first."""
         top_k_max = min(max(top_logprobs_nums or [0]), logits.shape[-1])
         if return_logprob or top_k_max or not (info is None or info.argmax_only):
             logits = logits.float()
+        constrained = apply_grammars(logits, info.grammars) if info is not None and info.grammars else []
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
-        next_ids = self._sample(logits, info)
+        next_ids = self._sample(logits, info, constrained)
         result = GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_tensor=next_ids)
         if raw_logprobs is not None:
             result.next_token_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
         if raw_logprobs is not None and top_k_max:
             values, indices = raw_logprobs.topk(top_k_max, dim=-1)
             pairs = [
-                list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+                [(t, lp) for t, lp in zip(i, v, strict=True) if lp != -math.inf]
+                for i, v in zip(indices.tolist(), values.tolist(), strict=True)
             ]
             result.top_logprobs = [row[:n] for row, n in zip(pairs, top_logprobs_nums, strict=True)]
         return result
 
-    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo | None) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, info: SamplingBatchInfo | None, constrained: list[int]
+    ) -> torch.Tensor:
         if info is None:
             return _argmax(logits)
+        masked = logits
         logits = _apply_penalties(logits, info)
+        if constrained and logits is not masked:
+            # A grammar that allows only EOS while min_tokens still bans it leaves a row nothing:
+            # the grammar wins (its output is complete), so such a row samples its masked logits.
+            rows = torch.tensor(constrained, device=logits.device)
+            dead = rows[torch.isneginf(logits[rows]).all(dim=-1)]
+            logits[dead] = masked[dead]
         next_ids = _argmax(logits)
         if info.all_greedy:
             return next_ids

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.constrained.grammar import Grammar
 from pdserve.sampling.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) pairs over the seed space
@@ -35,6 +36,15 @@ class SamplingBatchInfo:
             None when no row needs it.
         repetition_penalties: float32 ``[B, 1]`` and repetition_mask: bool ``[B, V]`` (tokens of the
             prompt or output), or both None when no row penalises repetition.
+        grammars: per row its ``Grammar`` (None for unconstrained rows), or None when no row is
+            constrained. The sampler reads each grammar's state when it samples (it fills the
+            token bitmask then, on the forward thread), so every token the request kept before
+            this step must have been accepted by then. The serial loop guarantees that (a step's
+            results are processed before the next batch is built). An overlapped loop, which
+            builds step N+1 while step N runs, must let the sampler of step N+1 wait until
+            ``process_result`` of step N has advanced the matchers (SGLang's overlap scheduler
+            waits on an event, ``sampling_info_done``, set by the loop thread after it processed
+            the previous step); the forward itself need not wait.
     """
 
     temperatures: torch.Tensor
@@ -51,11 +61,17 @@ class SamplingBatchInfo:
     repetition_penalties: torch.Tensor | None
     repetition_mask: torch.Tensor | None
     vocab_size: int
+    grammars: list[Grammar | None] | None = None
 
     @property
     def argmax_only(self) -> bool:
-        """Every row's token is the argmax of its raw logits: all greedy, no penalty, bias or ban."""
-        return self.all_greedy and self.logit_bias is None and self.repetition_mask is None
+        """Every row's token is the argmax of its raw logits: all greedy, no penalty, bias, ban or grammar."""
+        return (
+            self.all_greedy
+            and self.logit_bias is None
+            and self.repetition_mask is None
+            and self.grammars is None
+        )
 
     @classmethod
     def build(
@@ -66,9 +82,10 @@ class SamplingBatchInfo:
         eos_token_ids: list[int],
         vocab_size: int,
         device: str | torch.device = "cpu",
+        grammars: list[Grammar | None] | None = None,
         output_lens: list[int] | None = None,
     ) -> SamplingBatchInfo:
-        """Build from each request's params, its output so far and its prompt (same order).
+        """Build from each request's params, its output so far, its prompt and its grammar (same order).
 
         ``output_lens`` (default: the lengths of ``output_ids``) counts each request's outputs before
         this step's token, also those sampled by a step whose result is not known yet; they set
@@ -139,6 +156,7 @@ class SamplingBatchInfo:
             repetition_penalties=repetition_penalties,
             repetition_mask=repetition_mask,
             vocab_size=vocab_size,
+            grammars=grammars if grammars and any(g is not None for g in grammars) else None,
         )
 
     def select(self, rows: list[int]) -> SamplingBatchInfo:
@@ -166,6 +184,7 @@ class SamplingBatchInfo:
             repetition_penalties=pick(self.repetition_penalties),
             repetition_mask=pick(self.repetition_mask),
             vocab_size=self.vocab_size,
+            grammars=[self.grammars[i] for i in rows] if self.grammars is not None else None,
         )
 
 

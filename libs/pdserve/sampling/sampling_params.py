@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.constrained.spec import GRAMMAR_KINDS, GrammarSpec
 from pdserve.sampling.bounds import (
     FLOAT32_MAX,
     GREEDY_TEMPERATURE,
@@ -15,6 +16,7 @@ from pdserve.sampling.bounds import (
     MAX_N,
     MAX_TOP_LOGPROBS,
     BoundError,
+    check_grammars,
     check_stop_strings,
     check_vocab_fields,
 )
@@ -49,6 +51,9 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's logit before penalties'
             bias, bans and sampling (OpenAI semantics: -100 bans a token, +100 all but forces it);
             logprobs stay those of the unbiased distribution.
+        json_schema / regex / ebnf / structural_tag: at most one grammar the output is held to
+            (``pdserve.constrained.GrammarSpec`` says what each kind means); EOS is allowed only
+            where the grammar is complete, and logprobs are those of the masked distribution.
     """
 
     temperature: float = 1.0
@@ -71,6 +76,19 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        """The request's grammar, or None when its output is unconstrained."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return GrammarSpec(kind, text)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -96,6 +114,7 @@ class SamplingParams:
             if not ok:
                 raise BoundError(name, message)
         check_stop_strings(self.stop)
+        check_grammars({kind: getattr(self, kind) for kind in GRAMMAR_KINDS}, self.ignore_eos)
         vocab = INT32_MAX if vocab_size is None else vocab_size
         check_vocab_fields(self.top_k, self.stop_token_ids, self.logit_bias, vocab)
 

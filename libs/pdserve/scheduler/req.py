@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.constrained.grammar import Grammar
 from pdserve.sampling.sampling_params import SamplingParams
 
 
@@ -88,8 +89,11 @@ class Req:
     admit_time: float = 0.0
     first_token_time: float = 0.0
     last_token_time: float = 0.0
+    finish_time: float = 0.0
     # set when an abort arrives while the request is inside a running forward
     to_abort: str = ""
+    # its grammar's matcher, once compiled (None for an unconstrained request)
+    grammar: Grammar | None = None
     # overlap bookkeeping (see the class docstring)
     num_pending: int = 0
     in_batches: int = 0
@@ -135,10 +139,25 @@ class Req:
         self.error = error
 
     def check_finished(self, eos_token_ids: list[int], context_len: int) -> None:
-        """After a new token: finish with STOP (EOS / stop token) or LENGTH when due."""
+        """After a new token: finish with STOP (EOS / stop token) or LENGTH when due.
+
+        A constrained request also finishes with STOP once its grammar has ended (it accepted EOS,
+        even before ``min_new_tokens``: nothing may follow), and fails if its grammar refused the
+        token.
+        """
         params = self.sampling_params
         last = self.output_ids[-1]
         n = len(self.output_ids)
+        if self.grammar is not None:
+            if self.grammar.rejected is not None:
+                self.finish(
+                    FinishReason.ERROR, f"token {self.grammar.rejected} is not allowed by the grammar"
+                )
+                return
+            if self.grammar.terminated:
+                self.matched_stop_token = last
+                self.finish(FinishReason.STOP)
+                return
         if n >= (params.min_new_tokens or 0):
             if last in (params.stop_token_ids or ()):
                 self.matched_stop_token = last

@@ -113,6 +113,7 @@ class ScheduleBatch:
             eos_token_ids=runner.model_config.eos_token_ids,
             vocab_size=runner.model_config.vocab_size,
             device=runner.device,
+            grammars=[r.grammar for r in self.reqs],
             output_lens=[r.num_generated for r in self.reqs],
         )
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)

@@ -24,7 +24,8 @@ A request that a pending token will bring to its length limit is not scheduled a
 stops at EOS runs one wasted row. The KV of a request that ends while a scheduled batch still
 holds it is released when the last such batch is processed (``Req.in_batches``), so no forward
 reads a page or request slot that was given to another request. Where a step would need token ids
-that are still pending (penalties over the output, or a retraction of a request in flight),
+that are still pending (penalties over the output, a grammar's next mask, or a retraction of a
+request in flight),
 ``schedule()`` returns None with ``needs_results`` set: the caller processes the batch in flight
 first and schedules again.
 """
@@ -37,7 +38,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.constrained.backend import GrammarBackend
 from pdserve.scheduler.batch_runner import run_batch
+from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.overload import (
@@ -71,6 +74,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     new_token_reserve: int = 32  # tokens reserved per request at admission, beyond its prompt
+    grammar_compile_timeout: float = 20.0  # seconds a constrained request may wait for its grammar
     max_queued_requests: int | None = None  # waiting-queue bound; None = auto, 0 = none (see overload.py)
     max_queue_time: float = DEFAULT_MAX_QUEUE_TIME_S  # seconds a request may wait unadmitted; 0 = no limit
 
@@ -104,13 +108,21 @@ class Scheduler:
             pools it schedules.
         config: scheduling knobs.
         metrics: Prometheus metrics of this process; a private registry when omitted.
+        grammar_backend: compiles the grammars of constrained requests; without one, such
+            requests are refused.
 
     Attributes:
         clock: the time source of every scheduling decision (deadlines, admission order, lpm
             starvation), ``time.time`` by default; a TP group sets rank 0's reading of each step.
     """
 
-    def __init__(self, runner, config: SchedulerConfig, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        runner,
+        config: SchedulerConfig,
+        metrics: SchedulerMetrics | None = None,
+        grammar_backend: GrammarBackend | None = None,
+    ) -> None:
         config.validate()
         self.clock: Callable[[], float] = time.time
         self.runner = runner
@@ -132,6 +144,7 @@ class Scheduler:
         self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len, lambda: self.clock())
         self.metrics = metrics or SchedulerMetrics(config.role)
         self.reqs: dict[str, Req] = {}
+        self.grammar_queue = GrammarQueue(grammar_backend, config.grammar_compile_timeout, self.metrics)
         self.waiting: list[Req] = []
         self.prefilling: list[Req] = []  # admitted, extending in chunks (mixed / prefill roles)
         self.running: list[Req] = []  # decoding (mixed / decode roles)
@@ -141,6 +154,8 @@ class Scheduler:
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
         self.needs_results = False  # the last schedule() needs the outstanding batch processed first
         self.aborted_outputs: list[StepOutput] = []
+        # called with every request as it ends (finish, abort, failure), after its pages are released
+        self.on_request_end: Callable[[Req], None] | None = None
         # decode role: called with a request whose prompt KV is still arriving, just before its pages
         # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
         self.on_kv_abandoned: Callable[[Req], None] | None = None
@@ -150,14 +165,17 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        """Queue a new request, checked as the gateway checks it (internal ports are reachable too).
+        """Queue a new request, checked as the gateway checks it (internal ports are reachable too);
+        a constrained one waits in the grammar queue until its grammar compiled (``grammar_future``
+        tells when).
 
         Raises:
             ValueError: a duplicate rid, an empty prompt or one with an id outside the vocabulary, a
-                prompt that cannot fit the context or the pool; or (``BoundError``, naming the
-                field) a sampling parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the
-                vocabulary and stop or bias token ids outside it included.
-            QueueFull: the waiting queue is at its bound.
+                prompt that cannot fit the context or the pool, a grammar this scheduler cannot
+                compile (no backend); or (``BoundError``, naming the field) a sampling parameter
+                outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary, stop or bias
+                token ids outside it and grammar text over its size included.
+            QueueFull: the waiting queue (with the grammar queue) is at its bound.
         """
         self._check_queue_room()
         if req.rid in self.reqs:
@@ -177,9 +195,18 @@ class Scheduler:
                 f"prompt of {len(req.origin_input_ids)} tokens needs more KV pages than the pool has"
                 f" ({self.usable_pages} pages of {self.page_size} tokens)"
             )
+        if req.sampling_params.grammar is not None:
+            self.grammar_queue.add(req)
+        else:
+            self.waiting.append(req)
         self.reqs[req.rid] = req
-        self.waiting.append(req)
         self.metrics.prompt_tokens.inc(len(req.origin_input_ids))
+        self.metrics.request_prompt_tokens.observe(len(req.origin_input_ids))
+
+    def grammar_future(self, rid: str):
+        """The compile ``rid`` waits for in the grammar queue (a ``concurrent.futures.Future`` that
+        resolves to the compiled grammar or raises ``GrammarError``), or None."""
+        return self.grammar_queue.future(rid)
 
     def abort_request(self, rid: str, reason: str = "aborted") -> bool:
         """Abort ``rid`` in whatever state it is; pages are released exactly once.
@@ -204,7 +231,8 @@ class Scheduler:
         return reqs
 
     def kv_ready(self, rid: str, first_token_id: int, logprob=None) -> StepOutput | None:
-        """The prefill worker wrote ``rid``'s prompt KV into our pages and sampled its next token."""
+        """The prefill worker wrote ``rid``'s prompt KV into our pages and sampled its next token
+        (under the request's grammar, if it has one: our own matcher advances by that token)."""
         req = self.waiting_for_kv.pop(rid, None)
         if req is None:
             return None
@@ -253,7 +281,9 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.outstanding)
+        return bool(
+            self.waiting or self.prefilling or self.running or self.outstanding or len(self.grammar_queue)
+        )
 
     def schedule(self) -> ScheduleBatch | None:
         """Pick this step's requests (chunks of extends within the token budget, then decodes), build
@@ -264,11 +294,16 @@ class Scheduler:
         """
         self.needs_results = False
         self._expire_deadlines()
+        self._take_compiled_grammars()
         self._expire_queue_time()
         if self.role == "decode":
             self._admit_for_kv()
-        if self.outstanding and any(r.num_pending and r.sampling_params.has_penalties for r in self.running):
-            self.needs_results = True  # penalties count the output tokens: they must be known
+        if self.outstanding and any(
+            r.num_pending and (r.sampling_params.has_penalties or r.grammar is not None) for r in self.running
+        ):
+            # penalties count the output tokens, and a grammar's mask follows from them: they must be
+            # known (a matcher is advanced on this thread, by process_result, before it masks again)
+            self.needs_results = True
             return None
         decodes = self._prepare_decodes() if self.role != "prefill" else []
         if decodes is None:
@@ -402,12 +437,22 @@ class Scheduler:
         self.outstanding.append(batch)
 
     # ---- internals ----------------------------------------------------------------------
+    def _take_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; those whose compile failed end."""
+        ready, failed = self.grammar_queue.pop_done()
+        self.waiting += ready
+        for req, error in failed:
+            self._end(req, FinishReason.ERROR, error)
+            self.aborted_outputs.append(StepOutput(req, finished=True))
+
     def _cached_prefix_len(self, req: Req) -> int:
         return self.ledger.tree.match_prefix(req.fill_ids[:-1]).num_tokens
 
     def _append_token(self, req: Req, token: int, logprob, now: float | None = None) -> None:
         now = now or self.clock()
         req.output_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)  # a refusal fails the request in check_finished
         if logprob is not None:
             req.output_logprobs.append((token, logprob[0], logprob[1]))
         if req.first_token_time == 0.0:
@@ -442,6 +487,7 @@ class Scheduler:
             return False
         if not req.output_ids:  # a retracted request re-admitted is not a new prompt
             req.cached_tokens = prefix
+            self.metrics.prefix_cache_queries.inc(len(req.origin_input_ids))
             self.metrics.prefix_cache_hit_tokens.inc(prefix)
         req.admit_time = self.clock()
         self.metrics.queue_time.observe(req.admit_time - req.arrival_time)
@@ -537,7 +583,12 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         """Give ``req``'s pages back (its computed KV goes to the radix cache) and re-queue it."""
-        logger.info("retracting %s (%d tokens generated) to free KV pages", req.rid, len(req.output_ids))
+        logger.info(
+            "retracting %s (%d tokens generated) to free KV pages",
+            req.rid,
+            len(req.output_ids),
+            extra={"rid": req.rid},
+        )
         self.running.remove(req)
         self.ledger.release(req, cache=True)
         req.set_state(ReqState.WAITING)
@@ -552,7 +603,7 @@ class Scheduler:
 
     def _check_queue_room(self) -> None:
         try:
-            check_queue_room(len(self.waiting), self.max_queued_requests)
+            check_queue_room(len(self.waiting) + len(self.grammar_queue), self.max_queued_requests)
         except QueueFull:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise
@@ -578,6 +629,7 @@ class Scheduler:
                 queue.remove(req)
         if self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None:
             self.on_kv_abandoned(req)
+        self.grammar_queue.remove(req)
         if not req.state.done:
             req.finish(reason, error)
         valid_kv = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
@@ -587,10 +639,14 @@ class Scheduler:
         else:
             self.ledger.release(req, cache=cache)
         self.reqs.pop(req.rid, None)
+        req.finish_time = self.clock()
         if req.first_token_time:
-            self.metrics.e2e.observe(self.clock() - req.arrival_time)
+            self.metrics.e2e.observe(req.finish_time - req.arrival_time)
         if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
             self.metrics.finished.labels(finish_reason=req.finish_reason.value).inc()
+            self.metrics.request_generation_tokens.observe(len(req.output_ids))
+        if self.on_request_end is not None:
+            self.on_request_end(req)
 
     def _release_deferred(self, req: Req) -> None:
         """Release the KV of an ended request once no scheduled batch holds it any more."""
@@ -601,11 +657,12 @@ class Scheduler:
     def _update_gauges(self) -> None:
         m = self.metrics
         m.num_running.set(len(self.running) + len(self.prefilling) + len(self.waiting_for_kv))
-        m.num_queue.set(len(self.waiting))
+        m.num_queue.set(len(self.waiting) + len(self.grammar_queue))
         m.kv_pages_used.set(self.ledger.used_pages())
         m.kv_pages_free.set(self.ledger.free_pages())
         m.kv_pages_cached.set(self.ledger.cached_pages())
         m.kv_pages_total.set(self.usable_pages)
+        m.kv_cache_usage.set(self.ledger.used_pages() / self.usable_pages if self.usable_pages else 0.0)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers import PreTrainedTokenizerBase
 
 
@@ -17,17 +20,41 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One chat turn; ``content`` is plain text, ``name`` is passed to the template when set."""
+    """One chat turn; ``content`` is plain text, ``name`` is passed to the template when set.
+
+    An assistant turn may carry ``tool_calls`` (OpenAI's shape: ``{"id", "type": "function",
+    "function": {"name", "arguments"}}``) and a ``tool`` turn the ``tool_call_id`` it answers; both
+    reach the template, which renders them its own way (or not at all).
+    """
 
     role: str
     content: str
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def to_template(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content}
+    def to_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_with_parsed_arguments(call) for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call whose JSON ``arguments`` string is parsed into an object, as chat templates
+    expect (they serialise it with ``tojson``); arguments that are not JSON stay a string."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +63,25 @@ class ChatPrompt:
 
     text: str
     input_ids: list[int]
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: the text of the file ``value`` names, or ``value`` itself when it is an
+    inline Jinja template (it contains ``{{`` or ``{%``).
+
+    Raises:
+        ValueError: ``value`` is neither an existing file nor a Jinja template, or does not parse.
+    """
+    path = Path(value).expanduser()
+    if "{{" not in value and "{%" not in value:
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        value = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment().parse(value)
+    except TemplateError as e:
+        raise ValueError(f"--chat-template does not parse as Jinja: {e}") from e
+    return value
 
 
 def render_chat(

@@ -1,4 +1,5 @@
-"""What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length."""
+"""What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length,
+whether it has reasoning tokens."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+
+from pdserve.model_source import capped_context_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,17 +20,27 @@ class TokenizerInfo:
         vocab_size: number of ids the tokenizer knows (``len(tokenizer)``, added tokens included).
         eos_token_ids: every id that ends generation: the tokenizer's EOS, then those of
             generation_config.json and config.json (deduplicated, in that order).
-        context_length: ``max_position_embeddings`` of config.json, 0 when absent.
+        context_length: ``max_position_embeddings`` of config.json (0 when absent), capped at
+            ``--max-model-len``.
+        think_tokens: ``<think>`` and ``</think>`` are tokens of their own in the vocabulary, as in
+            reasoning models (Qwen3, DeepSeek-R1): the model may open a reasoning block.
     """
 
     model_name: str
     vocab_size: int
     eos_token_ids: list[int]
     context_length: int
+    think_tokens: bool = False
 
 
-def read_tokenizer_info(hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str) -> TokenizerInfo:
-    """Build the ``TokenizerInfo`` of ``hf`` loaded from the checkpoint directory ``checkpoint``."""
+def read_tokenizer_info(
+    hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str, max_model_len: int | None = None
+) -> TokenizerInfo:
+    """Build the ``TokenizerInfo`` of ``hf`` loaded from the checkpoint directory ``checkpoint``.
+
+    Raises:
+        ValueError: ``max_model_len`` exceeds the model's context.
+    """
     config = AutoConfig.from_pretrained(checkpoint)
     text_config = config.get_text_config()
     try:
@@ -43,5 +56,8 @@ def read_tokenizer_info(hf: PreTrainedTokenizerBase, checkpoint: Path, model_nam
         model_name=model_name,
         vocab_size=len(hf),
         eos_token_ids=eos,
-        context_length=int(getattr(text_config, "max_position_embeddings", 0) or 0),
+        context_length=capped_context_length(
+            int(getattr(text_config, "max_position_embeddings", 0) or 0), max_model_len
+        ),
+        think_tokens={"<think>", "</think>"} <= hf.get_vocab().keys(),
     )

@@ -9,7 +9,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pdserve.model_source import resolve_model, served_model_name
-from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, render_chat
+from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, load_chat_template, render_chat
 from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
 from pdserve.tokenization.token_pieces import TokenPiece, TokenPieces
 
@@ -25,14 +25,21 @@ class Tokenizer:
         hf: the transformers tokenizer (``hf`` stays public for reference checks).
         checkpoint: the checkpoint directory it was loaded from (config.json lives there).
         model_name: the served model name reported by ``info``.
+        max_model_len: caps ``info.context_length`` (``--max-model-len``).
 
     Thread safety: encode/decode may run from several threads at once (nothing here mutates the
     tokenizer after loading).
     """
 
-    def __init__(self, hf: PreTrainedTokenizerBase, checkpoint: Path, model_name: str) -> None:
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerBase,
+        checkpoint: Path,
+        model_name: str,
+        max_model_len: int | None = None,
+    ) -> None:
         self.hf = hf
-        self.info: TokenizerInfo = read_tokenizer_info(hf, checkpoint, model_name)
+        self.info: TokenizerInfo = read_tokenizer_info(hf, checkpoint, model_name, max_model_len)
         # A fast tokenizer whose decode adds no Python post-processing can decode a whole batch in
         # one Rust call; otherwise go through transformers (same text, slower).
         self._rust = hf.backend_tokenizer if hf.is_fast and not hf.clean_up_tokenization_spaces else None
@@ -57,14 +64,28 @@ class Tokenizer:
             )
 
     @classmethod
-    def load(cls, model: str | None = None) -> Tokenizer:
-        """Load the tokenizer of ``model`` (as ``pdserve.model_source.resolve_model`` takes it).
+    def load(
+        cls,
+        model: str | None = None,
+        *,
+        revision: str | None = None,
+        model_name: str | None = None,
+        chat_template: str | None = None,
+        max_model_len: int | None = None,
+    ) -> Tokenizer:
+        """Load the tokenizer of ``model`` (as ``pdserve.model_source.resolve_model`` takes it, with
+        ``revision``), served as ``model_name`` (default: from ``model``), with ``chat_template``
+        (a file or an inline Jinja template, ``load_chat_template``) instead of the model's own.
 
         Raises:
             FileNotFoundError: the model path does not exist.
+            ValueError: a bad ``chat_template`` or a ``max_model_len`` beyond the model's context.
         """
-        checkpoint = resolve_model(model)
-        return cls(AutoTokenizer.from_pretrained(checkpoint), checkpoint, served_model_name(model))
+        checkpoint = resolve_model(model, revision)
+        hf = AutoTokenizer.from_pretrained(checkpoint)
+        if chat_template is not None:
+            hf.chat_template = load_chat_template(chat_template)
+        return cls(hf, checkpoint, model_name or served_model_name(model), max_model_len)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds.

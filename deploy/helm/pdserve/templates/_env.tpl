@@ -23,6 +23,8 @@
   value: /etc/pdserve/tls/ca.crt
 {{- end }}
 {{- end }}
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ .Values.gateway.drainTimeoutSeconds | int | toString | quote }}
 - name: PDSERVE_ROUTER_POLICY
   value: {{ .Values.gateway.routerPolicy }}
 {{- if gt (int .Values.gateway.workers) 1 }}
@@ -45,9 +47,9 @@
 - name: PDSERVE_DETOKENIZER_ADDRESSES
   value: dns:///{{ include "pdserve.serviceAddress" (list . "detokenizer") }}
 - name: PDSERVE_DECODE_ADDRESSES
-  value: {{ include "pdserve.podAddresses" (list . "decode") | quote }}
+  value: {{ include "pdserve.workerAddresses" (list . "decode") | quote }}
 - name: PDSERVE_PREFILL_ADDRESSES
-  value: {{ include "pdserve.podAddresses" (list . "prefill") | quote }}
+  value: {{ include "pdserve.workerAddresses" (list . "prefill") | quote }}
 {{- with include "pdserve.apiKeySecretName" . }}
 - name: PDSERVE_API_KEY
   valueFrom:
@@ -72,6 +74,8 @@ pods, decode runs colocated (prefills itself).
   value: $(POD_NAME)
 - name: PDSERVE_SCHEDULE_POLICY
   value: {{ $values.schedulePolicy }}
+- name: PDSERVE_DRAIN_TIMEOUT
+  value: {{ $values.drainTimeoutSeconds | int | toString | quote }}
 {{- with $values.maxRunningRequests }}
 - name: PDSERVE_MAX_RUNNING_REQUESTS
   value: {{ . | int64 | toString | quote }}

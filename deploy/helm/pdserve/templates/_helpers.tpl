@@ -95,6 +95,20 @@ Service's name, which resolves to the IP of every ready pod.
 {{- join "," $addresses }}
 {{- end }}
 
+{{/*
+(list $ "decode") -> the gateway's address flag for a scheduler role: its fixed pod list, or with
+<role>.autoscaling the headless Service as dns:<name>:<port>, resolved again as pods come and go.
+*/}}
+{{- define "pdserve.workerAddresses" -}}
+{{- $root := index . 0 }}
+{{- $values := index $root.Values (index . 1) }}
+{{- if and $values.autoscaling.enabled (gt (int $values.replicas) 0) }}
+{{- printf "dns:%s.%s.svc.%s:%d" (include "pdserve.componentName" .) $root.Release.Namespace $root.Values.clusterDomain (int $values.port) }}
+{{- else }}
+{{- include "pdserve.podAddresses" . }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.serviceAddress" -}}
 {{- $root := index . 0 }}
 {{- $values := index $root.Values (index . 1) }}
@@ -104,6 +118,20 @@ Service's name, which resolves to the IP of every ready pod.
 {{/* The gRPC service each role registers; its readiness probe asks grpc.health.v1 for it. */}}
 {{- define "pdserve.grpcServiceName" -}}
 {{- get (dict "tokenizer" "pdserve.v1.Tokenizer" "detokenizer" "pdserve.v1.Detokenizer" "prefill" "pdserve.v1.PrefillScheduler" "decode" "pdserve.v1.DecodeScheduler") . }}
+{{- end }}
+
+{{/*
+(list $ "decode") -> the pod's terminationGracePeriodSeconds: the role's own value, or (null) its
+drainTimeoutSeconds plus a 15 s margin for what follows the drain (the aborts' flush, the servers'
+stop). Roles without a drain (tokenizer, detokenizer) give their own value.
+*/}}
+{{- define "pdserve.terminationGrace" -}}
+{{- $values := index (index . 0).Values (index . 1) -}}
+{{- if kindIs "invalid" $values.terminationGracePeriodSeconds -}}
+{{- add (int $values.drainTimeoutSeconds) 15 -}}
+{{- else -}}
+{{- int $values.terminationGracePeriodSeconds -}}
+{{- end -}}
 {{- end }}
 
 {{/* Values that the schema cannot check on their own. */}}
@@ -131,6 +159,26 @@ Service's name, which resolves to the IP of every ready pod.
 {{- end }}
 {{- if and (eq .Values.model.source.type "initContainer") (not .Values.model.source.initContainer.image) }}
 {{- fail "model.source.type=initContainer needs model.source.initContainer.image" }}
+{{- end }}
+{{- range $component := list "gateway" "prefill" "decode" }}
+{{- $values := index $.Values $component }}
+{{- if lt (int (include "pdserve.terminationGrace" (list $ $component))) (add (int $values.drainTimeoutSeconds) 5) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds must be at least %s.drainTimeoutSeconds + 5 (Kubernetes kills the pod at the grace period, cutting its drain)" $component $component) }}
+{{- end }}
+{{- end }}
+{{- range $component := list "prefill" "decode" }}
+{{- $autoscaling := (index $.Values $component).autoscaling }}
+{{- if $autoscaling.enabled }}
+{{- if not $.Values.podMonitor.enabled }}
+{{- fail (printf "%s.autoscaling reads the per-pod metrics from Prometheus: set podMonitor.enabled" $component) }}
+{{- end }}
+{{- if lt (int $autoscaling.maxReplicas) (int $autoscaling.minReplicas) }}
+{{- fail (printf "%s.autoscaling.maxReplicas is below its minReplicas" $component) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.prefill.autoscaling.enabled (eq (int .Values.prefill.replicas) 0) }}
+{{- fail "prefill.autoscaling needs prefill.replicas > 0 (0 prefill replicas is the colocated mode)" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.enabled needs tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" }}

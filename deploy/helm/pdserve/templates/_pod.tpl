@@ -54,7 +54,7 @@ spec:
   {{- with $values.runtimeClassName }}
   runtimeClassName: {{ . }}
   {{- end }}
-  terminationGracePeriodSeconds: {{ int $values.terminationGracePeriodSeconds }}
+  terminationGracePeriodSeconds: {{ include "pdserve.terminationGrace" (list $root $component) }}
   {{- with $values.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -113,6 +113,9 @@ spec:
           containerPort: {{ int $tls.healthPort }}
           protocol: TCP
         {{- end }}
+        - name: metrics
+          containerPort: {{ int $root.Values.metrics.port }}
+          protocol: TCP
       envFrom:
         - configMapRef:
             name: {{ include "pdserve.fullname" $root }}-common

@@ -16,7 +16,10 @@ class SamplingKwargs(TypedDict, total=False):
     ``temperature=0`` is greedy; ``max_new_tokens`` counts generated tokens; ``stop`` strings are
     matched on the output text; ``n`` > 1 asks for parallel samples; with ``return_logprob`` each
     token carries its logprob (natural log) and ``top_logprobs_num`` alternatives; ``logit_bias``
-    maps token ids to a value in [-100, 100] added to their logits before sampling.
+    maps token ids to a value in [-100, 100] added to their logits before sampling. At most one of
+    ``json_schema`` (a JSON Schema, as a dict or JSON text), ``regex``, ``ebnf`` (a grammar whose
+    start rule is ``root``) and ``structural_tag`` (xgrammar's format, dict or JSON text) holds
+    the output to a grammar.
     """
 
     temperature: float
@@ -39,6 +42,10 @@ class SamplingKwargs(TypedDict, total=False):
     return_logprob: bool
     top_logprobs_num: int
     logit_bias: Mapping[int, float]
+    json_schema: str | Mapping[str, Any]
+    regex: str
+    ebnf: str
+    structural_tag: str | Mapping[str, Any]
 
 
 class RequestKwargs(SamplingKwargs, total=False):
@@ -76,6 +83,8 @@ def sampling_params(sampling: Mapping[str, Any]) -> Any:
             continue
         if name == "stop" and isinstance(value, str):
             value = [value]
+        if name in ("json_schema", "structural_tag") and isinstance(value, Mapping):
+            value = json.dumps(value)
         try:
             params.MergeFrom(_wire.SamplingParams(**{name: value}))
         except (TypeError, ValueError) as err:
@@ -102,17 +111,18 @@ def generate_request(
     return request
 
 
-_MESSAGE_KEYS = {"role", "content", "name"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 
 def chat_request(messages: Sequence[Mapping[str, Any]], default_model: str, kwargs: ChatKwargs) -> Any:
     """A ``GenerateRequest`` whose prompt is ``messages`` rendered by the model's chat template.
 
-    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``); ``content`` is a
-    string or, as in OpenAI's API, a list of ``{"type": "text", "text": ...}`` parts, which are sent
-    joined without a separator (what the HTTP API renders them as). The server checks the messages
-    and ``tools`` as /v1/chat/completions does with ``tool_choice='none'``: known roles, no tool
-    messages, tools shown to the template and never parsed.
+    ``messages`` are ``{"role", "content"}`` dicts (optionally with ``"name"``; an assistant turn
+    with the ``"tool_calls"`` it made, a ``"tool"`` turn with the ``"tool_call_id"`` it answers, as in
+    OpenAI's API); ``content`` is a string or, as in OpenAI's API, a list of ``{"type": "text",
+    "text": ...}`` parts, which are sent joined without a separator (what the HTTP API renders them
+    as). The server checks the messages and ``tools`` as /v1/chat/completions does with
+    ``tool_choice='none'``: known roles, tools shown to the template and never parsed.
 
     Raises:
         TypeError: when a message is not such a dict or a value has the wrong type, or on a bad kwarg.
@@ -140,11 +150,17 @@ def chat_request(messages: Sequence[Mapping[str, Any]], default_model: str, kwar
 
 
 def _message_fields(message: Any) -> dict[str, str]:
-    """The ``pdserve.v1.ChatMessage`` fields of one message (strings; content parts joined)."""
+    """The ``pdserve.v1.ChatMessage`` fields of one message (strings; content parts joined; tool
+    calls as JSON text)."""
     if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys() <= _MESSAGE_KEYS:
         shape = sorted(message) if isinstance(message, Mapping) else type(message).__name__
-        raise TypeError(f"a chat message has keys role, content and optionally name; got {shape}")
+        raise TypeError(
+            "a chat message has keys role, content and optionally name, tool_calls, tool_call_id; "
+            f"got {shape}"
+        )
     fields = {**message, "content": _content_text(message["content"])}
+    if "tool_calls" in fields:
+        fields["tool_calls_json"] = json.dumps(list(fields.pop("tool_calls")))
     for key, value in fields.items():
         if not isinstance(value, str):
             raise TypeError(f"{key} must be a string, got {type(value).__name__}")

@@ -1,0 +1,185 @@
+"""The grammar backend on the real tokenizer: compile kinds, errors, cache, matchers and masks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from pdserve.constrained import GrammarSpec
+from pdserve.constrained.backend import GrammarBackend, GrammarError
+from pdserve.constrained.grammar import apply_grammars
+from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS, BoundError
+from pdserve.sampling.sampling_params import SamplingParams
+from tests.reference import hf_tokenizer
+
+VOCAB = 49152
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def backend() -> GrammarBackend:
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS])
+    yield backend
+    backend.close()
+
+
+def compiled(backend: GrammarBackend, kind: str, text: str):
+    return backend.compile(GrammarSpec(kind, text))[0].result(timeout=120)
+
+
+def matcher_accepts(backend: GrammarBackend, kind: str, grammar: str, text: str) -> bool:
+    """Whether ``text`` then EOS is a complete output of the grammar, token by token."""
+    m = backend.matcher(compiled(backend, kind, grammar))
+    return all(m.accept(t) for t in hf_tokenizer().encode(text)) and m.accept(EOS) and m.terminated
+
+
+@pytest.mark.parametrize(
+    ("kind", "grammar", "good", "bad"),
+    [
+        ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                    "required": ["a"], "additionalProperties": False}),
+         '{"a": 12}', '{"a": "x"}'),
+        ("regex", r"(yes|no), [0-9]{2}", "no, 42", "maybe, 42"),
+        ("ebnf", 'root ::= "<" [a-c]+ ">"', "<abca>", "<abd>"),
+        ("structural_tag", json.dumps({"type": "structural_tag", "format": {
+            "type": "or", "elements": [{"type": "const_string", "value": "red"},
+                                       {"type": "const_string", "value": "blue"}]}}), "blue", "green"),
+    ],
+)  # fmt: skip
+def test_each_kind_accepts_its_language_only(backend, kind, grammar, good, bad):
+    assert matcher_accepts(backend, kind, grammar, good)
+    assert not matcher_accepts(backend, kind, grammar, bad)
+
+
+def test_json_schema_is_compact_so_whitespace_cannot_loop(backend):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    assert matcher_accepts(backend, "json_schema", schema, '{"a": 1}')
+    assert not matcher_accepts(backend, "json_schema", schema, '{ "a": 1}')
+    assert not matcher_accepts(backend, "json_schema", schema, '{"a": 1}\n')
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "reason"),
+    [
+        ("json_schema", '{"type": "objec"}', 'Unsupported type "objec"'),
+        ("json_schema", "not json", "Failed to parse JSON"),
+        ("regex", "(ab", "parenthesis is not closed"),
+        ("ebnf", 'root ::= "a" |', "EBNF parser error"),
+        ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', "nope"),
+    ],
+)
+def test_bad_grammars_fail_with_a_clean_reason(backend, kind, text, reason):
+    future, _ = backend.compile(GrammarSpec(kind, text))
+    with pytest.raises(GrammarError) as err:
+        future.result(timeout=120)
+    message = str(err.value)
+    assert message.startswith(f"invalid {kind}: ") and reason in message
+    assert ".cc:" not in message and "Check failed" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("part", "kind", "reason"),
+    [
+        (
+            {"type": "json_schema", "json_schema": {"type": "objec"}},
+            "json_schema",
+            'Unsupported type "objec"',
+        ),
+        ({"type": "regex", "pattern": "(ab"}, "regex", "parenthesis is not closed"),
+        ({"type": "grammar", "grammar": 'root ::= "a" |'}, "ebnf", "EBNF parser error"),
+    ],
+)
+def test_a_structural_tag_names_the_part_that_is_wrong(backend, part, kind, reason):
+    """A reasoning block before the client's grammar: the error names the client's kind, not the tag."""
+    free = {"type": "optional", "content": {"type": "tag", "begin": "<think>", "end": "</think>",
+                                            "content": {"type": "any_text"}}}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [free, part]}}
+    future, _ = backend.compile(GrammarSpec("structural_tag", json.dumps(tag)))
+    with pytest.raises(GrammarError) as err:
+        future.result(timeout=120)
+    assert str(err.value).startswith(f"invalid {kind}: ") and reason in str(err.value)
+
+
+def test_compiles_are_cached_by_spec(backend):
+    spec = GrammarSpec("regex", "[0-9]{3}-cache")
+    first, hit = backend.compile(spec)
+    assert not hit
+    first.result(timeout=120)
+    again, hit = backend.compile(GrammarSpec("regex", "[0-9]{3}-cache"))
+    assert hit and again is first
+
+
+def test_cache_is_bounded_lru():
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS], cache_size=2)
+    try:
+        specs = [GrammarSpec("regex", f"a{i}") for i in range(3)]
+        for spec in specs:
+            backend.compile(spec)
+        assert backend.compile(specs[0])[1] is False  # the oldest was evicted
+        assert backend.compile(specs[2])[1] is True
+    finally:
+        backend.close()
+
+
+def test_compile_runs_off_the_calling_thread(backend):
+    """A slow compile returns a future at once; the caller's thread keeps running (the GIL is free)."""
+    nested = {"type": "string", "maxLength": 10}
+    for _ in range(4):
+        nested = {"type": "object", "properties": {f"k{j}": nested for j in range(4)}, "required": ["k0"]}
+    start = time.perf_counter()
+    future, _ = backend.compile(GrammarSpec("json_schema", json.dumps(nested)))
+    assert time.perf_counter() - start < 0.05
+    ticks = 0
+    while not future.done():
+        ticks += 1
+        time.sleep(0.001)
+    future.result()
+    assert ticks > 5
+
+
+def test_a_refused_token_is_remembered(backend):
+    m = backend.matcher(compiled(backend, "regex", "ab"))
+    a, b = hf_tokenizer().encode("a")[0], hf_tokenizer().encode("b")[0]
+    assert not m.accept(b)
+    assert m.rejected == b
+    assert not m.accept(a)  # once refused, the matcher stays refused
+    assert m.rejected == b
+
+
+def test_an_ended_grammar_masks_nothing(backend):
+    """A finished request may still be in a batch an overlapped loop built: its row stays unmasked."""
+    m = backend.matcher(compiled(backend, "regex", "a"))
+    assert m.accept(hf_tokenizer().encode("a")[0]) and m.accept(EOS) and m.terminated
+    logits = torch.zeros(1, VOCAB)
+    apply_grammars(logits, [m])
+    assert torch.isfinite(logits).all()
+
+
+def test_masks_only_constrained_rows(backend):
+    m = backend.matcher(compiled(backend, "regex", "(yes|no)"))
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    rows = apply_grammars(logits, [None, m, None])
+    assert rows == [1]
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+    allowed = torch.isfinite(logits[1]).nonzero().squeeze(1).tolist()
+    texts = [hf_tokenizer().decode([t]) for t in allowed]
+    assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    assert EOS not in allowed  # the grammar is not complete yet
+
+
+def test_spec_and_sampling_params_bounds():
+    for params, field, message in (
+        (SamplingParams(regex="a" * (MAX_SCHEDULER_GRAMMAR_CHARS + 1)), "regex", "at most 262144"),
+        (SamplingParams(regex="a", ebnf='root ::= "a"'), "ebnf", "cannot be combined with regex"),
+        (SamplingParams(regex="a", ignore_eos=True), "ignore_eos", "cannot be combined with regex"),
+        (SamplingParams(regex=""), "regex", "must not be empty"),
+    ):
+        with pytest.raises(BoundError, match=message) as info:
+            params.validate()
+        assert info.value.field == field
+    SamplingParams(regex="a" * MAX_SCHEDULER_GRAMMAR_CHARS).validate()
+    assert SamplingParams(json_schema="{}").grammar == GrammarSpec("json_schema", "{}")
