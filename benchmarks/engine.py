@@ -10,20 +10,29 @@ last line one JSON object with every number and the engine/HF ratios.
 On a GPU machine: ``--device cuda`` (attention backend ``auto`` = FlashInfer there). Where the
 checkpoint is not at hand, ``--model CONFIG.json`` benchmarks random weights of that architecture
 (the same speed), e.g. ``benchmarks/configs/smollm2-135m-instruct.json``.
+
+``--tp-size 1,2`` adds tensor-parallel engines: each size above 1 runs the same prompts on that
+many rank processes (gloo on CPU, each rank ``--threads / N`` threads; NCCL with one GPU per rank
+on CUDA), after the TP=1 rows; their ratios are against the same run's HF numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.layers.native import cpu_description
 from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
@@ -33,8 +42,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def engine_decode(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of our engine for one batch."""
-    driver = Driver(runner)
+    """(prefill tokens/s, decode tokens/s) of our engine (one TP rank of it) for one batch."""
+    driver = Driver(TpModelWorker(runner))
     seqs = [driver.add(p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens)) for p in prompts]
     steps = []
     for _ in range(new_tokens):
@@ -86,6 +95,64 @@ def random_checkpoint(config_json: Path, directory: Path) -> Path:
     return directory
 
 
+def build_runner(path: Path, spec: str, args: argparse.Namespace, tp: TpGroup = SINGLE_RANK) -> ModelRunner:
+    """The engine of one ``DTYPE[+QUANT]`` spec, sized for the largest batch (one rank's under TP)."""
+    dtype, _, quantization = spec.partition("+")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    device = args.device if tp.size == 1 or args.device == "cpu" else f"cuda:{tp.rank}"
+    return ModelRunner(
+        path,
+        dtype=dtype,
+        quantization=quantization or None,
+        attention_backend=args.attention_backend,
+        device=device,
+        disable_cuda_graph=args.disable_cuda_graph,
+        max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
+        max_running_requests=max(batch_sizes),
+        tp=tp,
+    )
+
+
+def tp_engine_rank(rank: int, size: int, port: int, path: Path, args, prompts: dict, out: Path) -> None:
+    """One rank of a TP engine: every (spec, batch) of ``prompts``, best of ``--repeats``; rank 0
+    saves ``{(spec, batch): (prefill tok/s, decode tok/s)}`` to ``out``."""
+    torch.set_num_threads(max(1, (args.threads or torch.get_num_threads()) // size))
+    device = torch.device("cpu" if args.device == "cpu" else f"cuda:{rank}")
+    tp = init_tp_group(rank, size, f"127.0.0.1:{port}", device, timeout_s=600)
+    results = {}
+    for spec in args.dtypes.split(","):
+        runner = build_runner(path, spec, args, tp)
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            runs = [engine_decode(runner, prompts[spec, batch], args.new_tokens) for _ in range(args.repeats)]
+            results[spec, batch] = (max(r[0] for r in runs), max(r[1] for r in runs))
+        del runner
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def run_tp_engine(size: int, path: Path, args, prompts: dict, scratch: Path) -> dict:
+    """``tp_engine_rank`` on ``size`` spawned ranks; rank 0's results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = scratch / f"tp{size}.pt"
+    mp.spawn(tp_engine_rank, args=(size, port, path, args, prompts, out), nprocs=size, join=True)
+    return torch.load(out)
+
+
+def record(
+    results: dict, rows: list, tp: int, spec: str, batch: int, speeds: tuple, hf_tps: float | None
+) -> None:
+    """Add one engine measurement (``speeds``: prefill, decode tok/s) to the JSON and the table;
+    TP sizes above 1 prefix their keys with ``tp{N}_``."""
+    prefill_tps, decode_tps = speeds
+    ratio = None if hf_tps is None else decode_tps / hf_tps
+    key = f"{f'tp{tp}_' if tp > 1 else ''}{spec.replace('+', '_')}_b{batch}"
+    results |= {f"{key}_engine_tok_s": decode_tps, f"{key}_ratio": ratio, f"{key}_prefill_tok_s": prefill_tps}
+    rows.append((tp, spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -107,6 +174,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="measure only the engine")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each; the best counts")
+    parser.add_argument(
+        "--tp-size",
+        default="1",
+        help="comma-separated TP sizes to run the engine at, e.g. 1,2 (rank processes)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,18 +191,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     results: dict[str, float | None] = {}
     rows = []
+    prompts = {}
+    hf_by_key = {}
     for spec in args.dtypes.split(","):
-        dtype, _, quantization = spec.partition("+")
-        runner = ModelRunner(
-            path,
-            dtype=dtype,
-            quantization=quantization or None,
-            attention_backend=args.attention_backend,
-            device=args.device,
-            disable_cuda_graph=args.disable_cuda_graph,
-            max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
-            max_running_requests=max(batch_sizes),
-        )
+        dtype = spec.partition("+")[0]
+        runner = build_runner(path, spec, args)
         hf = None
         if not args.skip_hf:
             from transformers import AutoModelForCausalLM
@@ -138,35 +203,35 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(args.device).eval()
         vocab = runner.model_config.vocab_size
         for batch in batch_sizes:
-            prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
+            batch_prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
+            prompts[spec, batch] = batch_prompts
             engine_runs, hf_runs = [], []
             for _ in range(args.repeats):  # interleaved, best of each: a shared machine's noise hits both
-                engine_runs.append(engine_decode(runner, prompts, args.new_tokens))
+                engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
                 if hf is not None:
-                    hf_runs.append(hf_decode(hf, prompts, args.new_tokens))
-            prefill_tps, decode_tps = max(r[0] for r in engine_runs), max(r[1] for r in engine_runs)
-            hf_tps = max(hf_runs, default=None)  # None with --skip-hf: null in the JSON
-            ratio = None if hf_tps is None else decode_tps / hf_tps
-            key = f"{spec.replace('+', '_')}_b{batch}"
-            results |= {
-                f"{key}_engine_tok_s": decode_tps,
-                f"{key}_hf_tok_s": hf_tps,
-                f"{key}_ratio": ratio,
-                f"{key}_prefill_tok_s": prefill_tps,
-            }
-            rows.append((spec, batch, prefill_tps, decode_tps, hf_tps, ratio))
+                    hf_runs.append(hf_decode(hf, batch_prompts, args.new_tokens))
+            hf_tps = hf_by_key[spec, batch] = max(hf_runs, default=None)  # None with --skip-hf: null in JSON
+            results[f"{spec.replace('+', '_')}_b{batch}_hf_tok_s"] = hf_tps
+            speeds = (max(r[0] for r in engine_runs), max(r[1] for r in engine_runs))
+            record(results, rows, 1, spec, batch, speeds, hf_tps)
         backend_name = type(runner.attn_backend).__name__ + (
             " + CUDA graphs" if runner.cuda_graph_runner else ""
         )
         del runner, hf
+    for size in (int(t) for t in args.tp_size.split(",")):
+        if size == 1:
+            continue
+        for (spec, batch), speeds in run_tp_engine(size, path, args, prompts, Path(scratch.name)).items():
+            record(results, rows, size, spec, batch, speeds, hf_by_key[spec, batch])
     cpu = cpu_description()
     print(f"device {args.device} ({cpu}), attention backend {backend_name}")
     print(
-        f"{'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'HF tok/s':>9} {'ratio':>6}"
+        f"{'tp':>3} {'dtype':>18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13}"
+        f" {'HF tok/s':>9} {'ratio':>6}"
     )
-    for dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
+    for size, dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
         hf_cells = f"{'-':>9} {'-':>6}" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
-        print(f"{dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
+        print(f"{size:>3} {dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
     summary = {"device": args.device, "cpu": cpu, "attention_backend": backend_name}
     print(json.dumps(summary | {k: None if v is None else round(v, 3) for k, v in results.items()}))
 

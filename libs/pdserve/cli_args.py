@@ -242,6 +242,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     parser.add_argument(
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks per scheduler (processes: one GPU each on CUDA, a core share on CPU)",
+    )
+    parser.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="run each step's scheduling and result processing between forwards, not beside the next one",

@@ -1,4 +1,4 @@
-"""Build a scheduler process's engine, scheduler and NIXL agent from its parsed flags."""
+"""Build a scheduler rank's engine, scheduler and NIXL agent from its parsed flags."""
 
 from __future__ import annotations
 
@@ -7,20 +7,24 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from transformers import AutoTokenizer
 
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.kv_transfer import POOL_LAYOUT, KVLayout, KVTransferAgent, StagingConfig
+from pdserve.engine.tp_worker import TpModelWorker
+from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVTransferAgent, StagingConfig
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
-    """ModelRunner (weights, pools, attention backend), the grammar backend (which loads the
-    tokenizer only when the first constrained request comes) and the scheduler core for ``role``."""
+def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RANK) -> Scheduler:
+    """ModelRunner (this rank's weights and pools, attention backend) behind a ``TpModelWorker``,
+    the grammar backend (which loads the tokenizer only when the first constrained request comes)
+    and the scheduler core for ``role``."""
     model_path = resolve_model(args.model, args.revision)
     runner = ModelRunner(
         model_path,
@@ -32,9 +36,10 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
         kv_memory_fraction=args.kv_memory_fraction,
         max_running_requests=args.max_running_requests,
         quantization=args.quantization,
-        device=args.device,
+        device=rank_device(args.device, tp),
         disable_cuda_graph=args.disable_cuda_graph or role == "prefill",  # a prefill worker never decodes
         max_model_len=args.max_model_len,
+        tp=tp,
     )
     config = SchedulerConfig(
         role=role,
@@ -47,13 +52,33 @@ def build_scheduler(args: argparse.Namespace, role: str) -> Scheduler:
     )
     model_name = served_model_names(args.model, args.served_model_name)[0]
     cfg = runner.model_config
-    grammars = GrammarBackend(
-        lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
-    )
-    return Scheduler(runner, config, SchedulerMetrics(role, model_name), grammars)
+    grammars = None  # under TP constrained requests are refused (``grammar_wait.tp_refusal``)
+    if tp.size == 1:
+        grammars = GrammarBackend(
+            lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
+        )
+    return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role, model_name), grammars)
 
 
-async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Scheduler:
+def rank_device(device: str, tp: TpGroup) -> str:
+    """The device of ``tp.rank``: ``device`` itself without TP, else GPU ``rank`` of those visible
+    (``auto`` / ``cuda``: the launcher gives a TP scheduler one GPU per rank) or the CPU.
+
+    Raises:
+        ValueError: a single GPU (``cuda:i``) named for several ranks.
+    """
+    if tp.size == 1 or device == "cpu":
+        return device
+    if device.startswith("cuda:"):
+        raise ValueError(
+            f"--device {device} names one GPU; a TP group of {tp.size} takes cuda:0..{tp.size - 1}"
+        )
+    return f"cuda:{tp.rank}" if device == "cuda" or torch.cuda.is_available() else "cpu"
+
+
+async def build_scheduler_off_loop(
+    args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RANK
+) -> Scheduler:
     """``build_scheduler`` on a one-off thread that has exited when this returns.
 
     Not ``asyncio.to_thread``: the default executor's thread would stay alive with the OpenMP
@@ -62,14 +87,14 @@ async def build_scheduler_off_loop(args: argparse.Namespace, role: str) -> Sched
     output tok/s, ~100x more context switches; see ``make bench-gateway``).
     """
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load") as pool:
-        return await asyncio.get_running_loop().run_in_executor(pool, build_scheduler, args, role)
+        return await asyncio.get_running_loop().run_in_executor(pool, build_scheduler, args, role, tp)
 
 
 def build_kv_agent(
     scheduler: Scheduler, role: str, address: str, host: str, staging: StagingConfig | None = None
 ) -> KVTransferAgent:
-    """One NIXL agent per scheduler process with the whole KV pool and its staging memory registered; its
-    UCX transports use only the interface of ``host``, the internal address the process binds
+    """One NIXL agent per scheduler rank with its whole KV pool (its heads) and its staging memory
+    registered; its UCX transports use only the interface of ``host``, the internal address the process binds
     (``restrict_ucx_to``)."""
     restrict_ucx_to(host)
     runner = scheduler.runner
@@ -79,9 +104,21 @@ def build_kv_agent(
         dtype=str(cfg.dtype).removeprefix("torch."),
         page_size=scheduler.page_size,
         num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
+        num_kv_heads=cfg.num_local_kv_heads,
         head_dim=cfg.head_dim,
         layout=POOL_LAYOUT,
+        tp_size=cfg.tp_size,
+        tp_rank=cfg.tp_rank,
     )
-    name = f"{role}-{address}-{uuid.uuid4().hex[:8]}"
+    name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
     return KVTransferAgent(name, runner.kv_pool.kv_data, layout, staging)
+
+
+async def gather_agents(agent: KVTransferAgent, tp: TpGroup) -> list[KVAgentInfo]:
+    """Every rank's agent info, in rank order (a collective of the group's control plane)."""
+    if tp.size == 1:
+        return [agent.local_info()]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-agents") as pool:
+        return await asyncio.get_running_loop().run_in_executor(
+            pool, tp.all_gather_object, agent.local_info()
+        )

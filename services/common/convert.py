@@ -153,4 +153,10 @@ def kv_agent_info_from_pb(pb: scheduler_pb2.KVAgentInfo) -> KVAgentInfo:
     )
     fields = {f.name: getattr(pb, f.name) for f in scheduler_pb2.KVAgentInfo.DESCRIPTOR.fields}
     fields["layout"] = layout
+    del fields["tp_rank_agents"]  # the handshake's other ranks: ``kv_rank_agents_from_pb``
     return KVAgentInfo(**fields)
+
+
+def kv_rank_agents_from_pb(pb: scheduler_pb2.KVAgentInfo) -> list[KVAgentInfo]:
+    """Every rank's agent of a handshake message, rank order (one for a scheduler without TP)."""
+    return [kv_agent_info_from_pb(pb), *(kv_agent_info_from_pb(rank) for rank in pb.tp_rank_agents)]

@@ -16,3 +16,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser, port: int) -> None:
     add_stats_args(parser)
     add_drain_args(parser)
     parser.add_argument("--worker-id", default=None, help="name in metrics and logs (default: host:port)")
+    parser.add_argument(
+        "--tp-watchdog",
+        type=float,
+        default=10.0,
+        help="seconds a TP rank may stay an iteration behind rank 0 before the group counts as hung",
+    )

@@ -13,6 +13,7 @@ from pdserve.cli_args import (
     positive_int,
     setup_service,
 )
+from pdserve.distributed import TpGroup
 from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
@@ -21,6 +22,7 @@ from pdserve.services.common.drain import drain
 from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.observers import SchedulerObservers
 from pdserve.services.common.scheduler_args import add_scheduler_args
+from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -69,42 +71,54 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) -> DecodeServicer:
+    """This rank's scheduler (its shard of the model and KV pool), NIXL agent and servicer."""
     role = "mixed" if args.colocated else "decode"
-    server = internal_server(args, [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
-    address = f"{args.advertise_host or args.host}:{server.port}"
-    scheduler = await build_scheduler_off_loop(args, role)
+    scheduler = await build_scheduler_off_loop(args, role, tp)
     staging = StagingConfig(lanes=max(0, args.kv_staging_lanes))
     agent = build_kv_agent(scheduler, role, address, args.host, staging) if role == "decode" else None
-    servicer = DecodeServicer(
+    return DecodeServicer(
         scheduler,
         address,
         agent,
         args.prefill_retries,
         args.detokenizer_dead_after,
         args.prefill_dead_after,
+        tp,
         overlap=not args.disable_overlap_schedule,
         stream_interval=args.stream_interval,
     )
+
+
+async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    server = internal_server(args, [scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name])
+    address = f"{args.advertise_host or args.host}:{server.port}"
+    ranks = TpRanks(args, "decode", address) if args.tp_size > 1 else None
+    tp = await join_group(args, 0, ranks.address if ranks else "")
+    servicer = await build_servicer(args, address, tp)
     server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, servicer)
     await server.start()
     loop_stop = asyncio.Event()  # the loop outlives SIGTERM until the drain is over
-    loop_task = asyncio.create_task(servicer.loop.run(loop_stop))
+    supervisor = asyncio.create_task(
+        supervise(servicer.loop, loop_stop, ranks, args.tp_watchdog, servicer.fail_all)
+    )
     await server.set_serving(True)
-    observers = SchedulerObservers(args, scheduler)
+    observers = SchedulerObservers(args, servicer.scheduler)
     watchdog = start_watchdog(servicer.loop.heartbeat, server.set_serving, args.watchdog_timeout, stop)
-    logger.info("decode-scheduler (%s) ready on %s", role, address)
+    logger.info("decode-scheduler (%s, TP %d) ready on %s", servicer.scheduler.role, tp.size, address)
     await stop.wait()
     if watchdog is not None:
         await watchdog
     await drain(server, servicer, args.drain_timeout)
     loop_stop.set()
     await server.stop(grace=5.0)
-    await loop_task
+    await supervisor
     await servicer.close()
     await observers.close()
-    if agent is not None:
-        agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
+    if servicer.agent is not None:
+        servicer.agent.close()  # disconnect peers and deregister the pool before NIXL's threads are torn down
+    if ranks is not None:
+        ranks.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

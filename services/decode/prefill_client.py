@@ -16,16 +16,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.kv_transfer import KVTransferAgent
 from pdserve.rpc import tls
 from pdserve.rpc.health_watch import HealthWatch
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
 from pdserve.services.common.convert import (
-    kv_agent_info_from_pb,
     kv_agent_info_to_pb,
+    kv_rank_agents_from_pb,
     sampling_params_to_pb,
 )
+from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -48,33 +48,37 @@ class PrefillPeer:
 
     Args:
         address: the prefill worker's "host:port".
-        agent: this decode worker's NIXL agent.
+        ranks: this decode worker's KV receiving side (its NIXL agent; under TP every rank's, prefill
+            rank ``i`` writing its KV shard into the pool of decode rank ``i``).
         dead_after: seconds without a SERVING health answer after which calls to it fail.
     """
 
     def __init__(
-        self, address: str, agent: KVTransferAgent, dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S
+        self,
+        address: str,
+        ranks: KVRanks,
+        dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
     ) -> None:
         self.address = address
-        self.agent = agent
+        self.ranks = ranks
+        self.agent = ranks.agent
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
         self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
         self.health = HealthWatch(self.channel, dead_after)
-        self.peer_name = ""
         self.peer_incarnation = ""
 
     async def handshake(self, timeout: float) -> None:
         """Send our agent info (and its lane), learn the peer's; done once per peer and redone after a
         restart.
 
-        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout mismatch).
+        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch, refused by
+        the prefill worker) or KVLayoutMismatch (refused here).
         """
-        lane = self.agent.lane_for(self.address)
-        info = await self.stub.ExchangeKVAgentInfo(
-            kv_agent_info_to_pb(self.agent.local_info(lane)), timeout=timeout
-        )
-        self.agent.add_peer(kv_agent_info_from_pb(info), lane=lane)
-        self.peer_name = info.agent_name
+        infos = await self.ranks.grant_lanes(self.address)
+        local = kv_agent_info_to_pb(infos[0])
+        local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in infos[1:])
+        info = await self.stub.ExchangeKVAgentInfo(local, timeout=timeout)
+        await self.ranks.add_peers(self.address, kv_rank_agents_from_pb(info))
         self.peer_incarnation = info.incarnation
 
     async def connect(self, timeout: float) -> None:
@@ -118,8 +122,7 @@ class PrefillPeer:
 
     def _forget_peer(self) -> None:
         """Drop the hung peer's NIXL connection; the handshake is redone when it answers again."""
-        if self.peer_name:
-            self.agent.remove_peer(self.peer_name)
+        self.ranks.forget_peers(self.address)
         self.peer_incarnation = ""
 
     async def _prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:

@@ -1,4 +1,13 @@
-"""DecodeScheduler servicer: translates gRPC to the scheduler core and streams token ids out."""
+"""DecodeScheduler servicer: translates gRPC to the scheduler core and streams token ids out.
+
+Handlers submit events (``step_inputs``) that the scheduler loop applies at the top of an
+iteration; under tensor parallelism the same servicer runs on every rank without a gRPC server
+(``tp.rank > 0``): it applies the events rank 0 hands it, never calls a prefill worker and emits
+nothing. In PD, prefill rank ``i`` writes its KV head shard into this group's rank ``i``; rank 0
+drives every rank's receiving side (``kv_ranks``) and queues the request to decode (``KVReady``,
+applied on every rank at one step) only once the prefill worker answered and every rank's shard
+landed.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +15,22 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kv_transfer import KVReceive, KVTransferAgent, KVTransferError
+from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.kv_transfer import KVTransferAgent, KVTransferError
 from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
-from pdserve.services.common.grammar_wait import grammar_error
+from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.step_inputs import Abort, NewRequest
+from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -36,6 +49,26 @@ _SERVER_STATE = (
 INCARNATION = uuid.uuid4().hex
 
 
+@dataclass(slots=True)
+class KVReady:
+    """A prefill worker wrote ``rid``'s prompt KV (every rank's shard) and sampled its first token."""
+
+    rid: str
+    first_token_id: int
+    logprob: tuple[float, list[tuple[int, float]]] | None
+    cached_tokens: int
+    transferred_bytes: int
+
+
+@dataclass(slots=True)
+class KVFailed:
+    """Every prefill attempt for ``rid`` failed (``retryable``: each for the prefill pool's state)."""
+
+    rid: str
+    error: str
+    retryable: bool
+
+
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     """Decode (or colocated ``mixed``) scheduler service.
 
@@ -48,6 +81,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             then every request whose outputs go there is aborted (pages freed by the normal abort path).
         prefill_dead_after: seconds a prefill worker may leave its health checks unanswered while
             it holds our prefills before they are given up on it (and retried on another one).
+        tp: this rank's TP group.
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
         stream_interval: tokens per output of a request (its first and last go out at once).
 
@@ -63,6 +97,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         prefill_retries: int = 1,
         detokenizer_dead_after: float = DEFAULT_DEAD_AFTER_S,
         prefill_dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
+        tp: TpGroup = SINGLE_RANK,
         overlap: bool = True,
         stream_interval: int = 1,
     ) -> None:
@@ -72,7 +107,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.prefill_retries = prefill_retries
         self.address = address
         self.agent = agent
-        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, overlap=overlap)
+        self.tp = tp
+        handlers = {Abort: self._abort, KVReady: self._kv_ready, KVFailed: self._kv_failed}
+        self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp, overlap)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
             dead_after=detokenizer_dead_after,
@@ -80,8 +117,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
-        self.receives: dict[str, KVReceive] = {}  # rid -> its KV transfer in flight
-        scheduler.on_kv_abandoned = self._abandon_kv
+        self.kv = KVRanks(agent, scheduler, self.loop) if agent is not None else None
+        if self.kv is not None:
+            scheduler.on_kv_abandoned = self.kv.abandon
         self.started: set[str] = set()  # rids whose first output went out
         self.draining = False
         scheduler.on_request_end = lambda req: tracing.end_request_span(req, scheduler.role)
@@ -99,6 +137,9 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refusal = tp_refusal(params, self.tp)
+        if refusal:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         if self.scheduler.role == "decode" and not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "decode worker needs a prefill_address")
         req = Req(
@@ -132,18 +173,39 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
     def busy(self) -> bool:
-        """Requests still held (queued, waiting for KV or running)."""
-        return bool(self.scheduler.reqs)
+        """Requests still held (queued for the next step, waiting for KV or running)."""
+        return bool(self.scheduler.reqs) or any(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
 
     def abort(self, rid: str, reason: str) -> bool:
-        """Stop a prefill in flight for ``rid`` and abort it in the scheduler at the next step; False if
-        the scheduler does not hold it."""
-        found = rid in self.scheduler.reqs
-        task = self.prefill_tasks.pop(rid, None)
-        if task is not None:
-            task.cancel()
+        """Abort ``rid`` at the next step on every rank (``_abort`` also stops its prefill in flight);
+        False if it is neither held nor queued for the next step."""
+        found = rid in self.scheduler.reqs or any(
+            isinstance(e, NewRequest) and e.req.rid == rid for e in self.loop.inputs.pending()
+        )
         self.loop.abort(rid, reason)
         return found
+
+    # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
+    def _abort(self, event: Abort) -> bool:
+        """Stop a prefill in flight (rank 0) and abort the request in the scheduler."""
+        task = self.prefill_tasks.pop(event.rid, None)
+        if task is not None:
+            task.cancel()
+        return self.scheduler.abort_request(event.rid, event.reason)
+
+    def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
+        out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
+        return [out] if out is not None else []
+
+    def _kv_ready(self, event: KVReady) -> list[StepOutput]:
+        """Every rank's KV shard landed (rank 0 saw each rank's receive complete)."""
+        req = self.scheduler.waiting_for_kv.get(event.rid)
+        if req is None:
+            return []  # aborted meanwhile
+        self.scheduler.metrics.kv_transfer_bytes.inc(event.transferred_bytes)
+        req.cached_tokens = max(req.cached_tokens, event.cached_tokens)
+        out = self.scheduler.kv_ready(event.rid, event.first_token_id, event.logprob)
+        return [out] if out is not None else []
 
     async def GetLoad(self, request, context) -> common_pb2.LoadInfo:
         return load_info(self.scheduler)
@@ -200,15 +262,29 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.started.discard(rid)
             self.abort(rid, f"detokenizer {address} is gone")
 
+    async def fail_all(self, error: str) -> None:
+        """The rank group is going down: every request (queued or not yet applied) ends with ``error``,
+        and the outputs that say so are delivered (a few seconds at most)."""
+        outputs = self.scheduler.fail_all(error)
+        for event in self.loop.inputs.pending():
+            if isinstance(event, NewRequest):
+                event.req.retryable = True
+                event.req.finish(FinishReason.ERROR, error)
+                outputs.append(StepOutput(event.req, finished=True))
+        self._emit(outputs)
+        await self.outputs.close()
+
     # ---- PD: ask prefill workers ------------------------------------------------------------
     def _start_prefills(self) -> None:
-        for req in self.scheduler.pop_kv_requests():
-            self.prefill_tasks[req.rid] = asyncio.create_task(self._prefill(req))
+        reqs = self.scheduler.pop_kv_requests()
+        if self.tp.is_driver:  # the other ranks get the KV from their prefill rank, the token from rank 0
+            for req in reqs:
+                self.prefill_tasks[req.rid] = asyncio.create_task(self._prefill(req))
 
     def _peer(self, address: str) -> PrefillPeer:
         peer = self.peers.get(address)
         if peer is None:
-            peer = self.peers[address] = PrefillPeer(address, self.agent, self.prefill_dead_after)
+            peer = self.peers[address] = PrefillPeer(address, self.kv, self.prefill_dead_after)
         return peer
 
     async def _prefill(self, req: Req) -> None:
@@ -240,19 +316,18 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                         if e.code() in _NOT_RETRYABLE:
                             break
             if resp is None:
-                self.loop.call(Scheduler.kv_failed, rid, "prefill failed: " + "; ".join(errors), retryable)
+                event = KVFailed(rid, "prefill failed: " + "; ".join(errors), retryable)
             else:
-                self.scheduler.metrics.kv_transfer_bytes.inc(resp.transferred_bytes)
-                req.cached_tokens = max(req.cached_tokens, resp.cached_tokens)
                 logprob = None
                 if resp.HasField("first_logprob"):
                     lp = resp.first_logprob
                     logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                self.loop.call(Scheduler.kv_ready, rid, resp.first_token_id, logprob)
+                event = KVReady(rid, resp.first_token_id, logprob, resp.cached_tokens, resp.transferred_bytes)
         except asyncio.CancelledError:
             return
         finally:
             self.prefill_tasks.pop(rid, None)
+        self.loop.submit(event)
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
         """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
@@ -273,7 +348,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             return await self._prefill_call(req, peer)
 
     async def _prefill_call(self, req: Req, peer: PrefillPeer) -> scheduler_pb2.PrefillResponse:
-        """One Prefill call; returns once its response came and every page of its KV has landed.
+        """One Prefill call; returns once its response came and every page of its KV has landed (on
+        every TP rank: each rank receives its head shard from the prefill worker's rank of its index).
 
         The transfer is expected (by a fresh id, so a late write of an earlier attempt never counts)
         before the call goes out, and cancelled on any failure: after that nothing writes its pages.
@@ -281,24 +357,14 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         timeout = _prefill_timeout(req)
         await peer.connect(timeout)
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
-        receive = self.receives[req.rid] = self.agent.expect(
-            peer.peer_name, tid, req.pages[req.num_prefix_pages :]
-        )
         start = time.monotonic()
+        landing = await self.kv.expect(req, peer.address, tid, timeout)
         try:
             resp = await peer.prefill(req, tid, timeout)
-            await receive.wait(max(0.1, timeout - (time.monotonic() - start)))
+            await landing.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
-            receive.cancel()  # no-op once every page landed
-            if self.receives.get(req.rid) is receive:
-                del self.receives[req.rid]
+            landing.cancel()  # on every rank; no-op once every page landed
         return resp
-
-    def _abandon_kv(self, req: Req) -> None:
-        """The scheduler frees ``req``'s pages next: stop its transfer first (no scatter after this)."""
-        receive = self.receives.pop(req.rid, None)
-        if receive is not None:
-            receive.cancel()
 
     async def close(self) -> None:
         for task in self.prefill_tasks.values():

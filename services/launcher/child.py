@@ -24,7 +24,7 @@ MAX_LINE_BYTES = 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` (runs in the forked child before exec) arming the parent-death signal.
 
     The death signal survives exec. If the parent already died between fork and prctl, the child
@@ -88,7 +88,7 @@ class Child:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=die_with_parent(os.getpid()),
             env={**os.environ, **env} if env else None,
             limit=MAX_LINE_BYTES,
         )

@@ -72,6 +72,7 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--schedule-policy", args.schedule_policy,
+        "--tp-size", str(args.tp_size),
         "--max-queue-time", f"{args.max_queue_time:g}",
         "--watchdog-timeout", f"{args.watchdog_timeout:g}",
     ]  # fmt: skip
@@ -139,9 +140,12 @@ def scheduler_gpus(args: argparse.Namespace) -> list[str]:
     return args.gpus.split(",") if args.gpus else visible_gpus()
 
 
-def _gpu_env(gpus: list[str], index: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: so PD 2+2 on four GPUs gets one each."""
-    return {"CUDA_VISIBLE_DEVICES": gpus[index % len(gpus)]} if gpus else {}
+def _gpu_env(gpus: list[str], index: int, tp_size: int = 1) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: its ``tp_size`` GPUs (one per TP rank),
+    in turn, so PD 2+2 on four GPUs gets one each and with ``--tp-size 2`` on eight, two each."""
+    if not gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(index * tp_size + r) % len(gpus)] for r in range(tp_size))}
 
 
 def observability_flags(args: argparse.Namespace, served_name: str) -> list[str]:
@@ -211,7 +215,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     num_schedulers = len(prefills) + len(decodes)
     env = scheduler_env()
     gpus = scheduler_gpus(args)
-    engine = _engine_flags(args, per_device=-(-num_schedulers // len(gpus)) if gpus else num_schedulers)
+    ranks = num_schedulers * args.tp_size  # processes that share the devices
+    engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
     engine += [
         *model_len,
         "--drain-timeout",
@@ -224,7 +229,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         port = int(addr.rsplit(":", 1)[1])
         metrics, binds = _metrics_port(port, args, host)
         argv = [*common, "--port", str(port), *engine, *metrics]
-        gpu = _gpu_env(gpus, i)
+        gpu = _gpu_env(gpus, i, args.tp_size)
         specs.append(
             ServiceSpec(
                 f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin
@@ -238,7 +243,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
             argv.append("--colocated")
         if args.stream_interval != 1:
             argv += ["--stream-interval", str(args.stream_interval)]
-        gpu = _gpu_env(gpus, len(prefills) + i)
+        gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
         specs.append(
             ServiceSpec(
                 f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin

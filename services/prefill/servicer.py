@@ -6,6 +6,14 @@ still outstanding is not, ``Scheduler.computed_tokens``), so they move while lat
 go once the last chunk has sampled the first token, and the call answers when every byte is written.
 A transfer is cancelled (no page of it read any more) before the scheduler's pages of an ended
 request can be handed to another one: on abort, and at the first step after a scheduler-side end.
+
+Handlers submit events (``step_inputs``) that the scheduler loop applies at the top of an
+iteration. Under tensor parallelism the same servicer runs on every rank (without a gRPC server on
+ranks > 0): every rank prefills the same requests and rank ``i`` opens, streams and finishes the
+transfer of its KV head shard into rank ``i`` of the decode worker (same transfer id, its own NIXL
+agent and the staging lane decode rank ``i`` granted it). Each rank reports when its own write ended;
+once every rank's write landed (or one failed) every rank caches or frees the pages at the same
+step, and rank 0 answers.
 """
 
 from __future__ import annotations
@@ -13,28 +21,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kv_transfer import KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
+from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransfer, KVTransferAgent, KVTransferError
 from pdserve.observability import tracing
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
-    kv_agent_info_from_pb,
     kv_agent_info_to_pb,
+    kv_rank_agents_from_pb,
     sampling_params_from_pb,
     token_logprob_to_pb,
 )
-from pdserve.services.common.grammar_wait import grammar_error
+from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.servicer import load_info
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 30.0
+
+
+@dataclass(slots=True)
+class AddKVPeers:
+    """A decode worker's agents, one per rank: rank ``i`` of this group loads ``agents[i]``."""
+
+    agents: list[KVAgentInfo]
+
+
+@dataclass(slots=True)
+class KVWritten:
+    """Rank ``rank``'s KV write for ``rid`` ended: ``error`` is empty when every byte landed."""
+
+    rid: str
+    rank: int
+    error: str
+    nbytes: int
 
 
 class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
@@ -49,10 +77,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
     Args:
         scheduler: the prefill-role scheduler.
         address: this service's advertised "host:port".
-        agent: the NIXL agent.
+        agent: this rank's NIXL agent.
         stream_chunks: send a chunked prompt's finished pages after each chunk (else all at the end).
         transfer_timeout_s: how long a transfer may wait for the decode side (a free slot, a WRITE's
             completion), and at most for the end of its write after the prompt's last chunk.
+        tp: this rank's TP group.
+        rank_agents: every rank's agent (rank order), answered in the handshake.
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
     """
 
@@ -63,6 +93,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         agent: KVTransferAgent,
         stream_chunks: bool = True,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        tp: TpGroup = SINGLE_RANK,
+        rank_agents: list[KVAgentInfo] | None = None,
         overlap: bool = True,
     ) -> None:
         self.scheduler = scheduler
@@ -70,21 +102,44 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.agent = agent
         self.stream_chunks = stream_chunks
         self.transfer_timeout_s = transfer_timeout_s
-        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, overlap=overlap)
+        self.tp = tp
+        self.rank_agents = rank_agents or [agent.local_info()]
+        handlers = {
+            NewRequest: self._add,
+            Abort: self._abort,
+            AddKVPeers: self._add_rank_peer,
+            KVWritten: self._written,
+        }
+        self.loop = SchedulerLoop(scheduler, self._on_outputs, self._start_transfers, handlers, tp, overlap)
         self.waiters: dict[str, asyncio.Future] = {}
-        self.transfers: dict[str, KVTransfer] = {}  # open, by rid
-        self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of their write
+        self.opening: dict[str, KVTransfer] = {}  # rank 0: opened by the handler, request not queued yet
+        self.transfers: dict[str, KVTransfer] = {}  # this rank's open transfers, by rid
+        self.finishing: dict[str, asyncio.Task] = {}  # prefilled, awaiting the end of this rank's write
+        self.written: dict[str, dict[int, KVWritten]] = {}  # prefilled rids: each rank's ended write
+        self.rank_peer: dict[str, str] = {}  # decode rank 0's agent -> the agent this rank writes to
         self.draining = False
         scheduler.on_request_end = lambda req: tracing.end_request_span(req, "prefill")
 
     async def ExchangeKVAgentInfo(
         self, request: scheduler_pb2.KVAgentInfo, context
     ) -> scheduler_pb2.KVAgentInfo:
+        agents = kv_rank_agents_from_pb(request)
+        if len(agents) != self.tp.size:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch with prefill: tp_size: decode {len(agents)}, prefill {self.tp.size}"
+                " (prefill rank i writes decode rank i: both need the same TP size)",
+            )
         try:
-            self.agent.add_peer(kv_agent_info_from_pb(request))
+            self.agent.add_peer(agents[0])
         except KVLayoutMismatch as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch with prefill: {e}")
-        return kv_agent_info_to_pb(self.agent.local_info())
+        if self.tp.size > 1:
+            self.loop.inputs.submit(AddKVPeers(agents))
+            self.loop.wake()
+        response = kv_agent_info_to_pb(self.agent.local_info())
+        response.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in self.rank_agents[1:])
+        return response
 
     async def Prefill(self, request: scheduler_pb2.PrefillRequest, context) -> scheduler_pb2.PrefillResponse:
         if self.draining:
@@ -99,6 +154,9 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             params = sampling_params_from_pb(request.sampling_params)
         except TypeError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        refusal = tp_refusal(params, self.tp)
+        if refusal:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         ids = list(request.input_ids)
         generated = min(max(request.num_output_ids, 0), max(len(ids) - 1, 0))
         req = Req(
@@ -118,6 +176,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                 f" {prompt_pages} pages",
             )
         tid = (request.kv_transfer_id or request.rid).encode()
+        req.meta.update(dst_agent=request.dst_agent_name, dst_pages=dst_pages, tid=tid)
         try:
             transfer = self.agent.start_transfer(
                 request.dst_agent_name, tid, dst_pages, self.transfer_timeout_s
@@ -126,15 +185,16 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except KVTransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        self.transfers[req.rid] = transfer
+        if req.rid in self.waiters:
+            transfer.cancel()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate rid {req.rid!r}")
+        self.opening[req.rid] = transfer
         tracing.start_request_span(req, "prefill")
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
             try:
                 await self.loop.add(req)
             except (ValueError, QueueFull) as e:
-                self.transfers.pop(req.rid, None)
-                transfer.cancel()
                 code = (
                     grpc.StatusCode.INVALID_ARGUMENT
                     if isinstance(e, ValueError)
@@ -168,26 +228,122 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         )
 
     def busy(self) -> bool:
-        """Prefills taken and not yet answered (computing, or writing their KV)."""
-        return bool(self.scheduler.reqs or self.transfers or self.finishing)
+        """Prefills taken and not yet answered (queued, computing, or writing their KV)."""
+        return bool(self.scheduler.reqs or self.opening or self.transfers or self.finishing or self.written)
 
     def abort(self, rid: str, reason: str) -> bool:
-        """Cancel ``rid``'s transfer now and end it in the scheduler at the next step's input point;
-        False if the scheduler does not hold it."""
-        found = rid in self.scheduler.reqs
-        transfer = self.transfers.pop(rid, None)
+        """Cancel rank 0's transfer of ``rid`` at once (no page of it is read any more) and end the
+        request at the next step on every rank (``_abort``); False if it is not held here."""
+        found = rid in self.scheduler.reqs or rid in self.opening
+        for transfers in (self.opening, self.transfers):
+            transfer = transfers.pop(rid, None)
+            if transfer is not None:
+                transfer.cancel()
+        self.loop.abort(rid, reason)
+        return found
+
+    # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
+    def _add(self, event: NewRequest) -> int:
+        """Queue the request with this rank's transfer open (rank 0 opened its own in the handler).
+        A rank that cannot open one still queues the request, so every rank schedules the same; its
+        write then fails at once, which fails the prefill on every rank at the same step."""
+        req = event.req
+        opening = self.opening.pop(req.rid, None)
+        transfer = opening if self.tp.is_driver else self._open_rank_transfer(req)
+        try:
+            position = self.loop.add_request(event)
+        except Exception:  # refused (on every rank alike): nothing reads its pages
+            if transfer is not None:
+                transfer.cancel()
+            raise
+        if transfer is not None:
+            self.transfers[req.rid] = transfer
+        return position
+
+    def _open_rank_transfer(self, req: Req) -> KVTransfer | None:
+        dst_agent = req.meta["dst_agent"]
+        peer = self.rank_peer.get(dst_agent, dst_agent)
+        try:
+            return self.agent.start_transfer(
+                peer, req.meta["tid"], req.meta["dst_pages"], self.transfer_timeout_s
+            )
+        except (ValueError, KVTransferError) as e:
+            logger.error("TP rank %d cannot open the KV transfer of %s: %s", self.tp.rank, req.rid, e)
+            return None
+
+    def _abort(self, event: Abort) -> None:
+        transfer = self.transfers.pop(event.rid, None)
         if transfer is not None:
             transfer.cancel()  # before the scheduler frees the pages it reads
+        if event.rid in self.written:
+            self._finish_transfer(event.rid, event.reason)
+        else:
+            self.scheduler.abort_request(event.rid, event.reason)
+
+    def _add_rank_peer(self, event: AddKVPeers) -> None:
+        """This rank's decode peer (rank 0 loaded its own in the handshake). A peer that cannot be
+        loaded here fails this rank's transfers to it, which fails those prefills cleanly."""
+        if self.tp.is_driver:
+            return
+        mine = event.agents[self.tp.rank]
+        try:
+            self.agent.add_peer(mine)
+        except Exception as e:
+            logger.error("TP rank %d cannot add KV peer %s: %s", self.tp.rank, mine.agent_name, e)
+            return
+        self.rank_peer[event.agents[0].agent_name] = mine.agent_name
+
+    def _written(self, event: KVWritten) -> None:
+        ended = self.written.get(event.rid)
+        if ended is None:
+            return  # aborted or failed already
+        ended[event.rank] = event
+        if event.error:
+            where = f" on TP rank {event.rank}" if self.tp.size > 1 else ""
+            self._finish_transfer(event.rid, f"KV transfer failed{where}: {event.error}")
+        elif len(ended) == self.tp.size:
+            self._finish_transfer(event.rid, "")
+
+    def _finish_transfer(self, rid: str, error: str) -> None:
+        """Every rank's write for ``rid`` landed (``error`` empty) or one failed: cache or free its
+        pages on every rank at this same step; rank 0 answers the Prefill call."""
+        ended = self.written.pop(rid)
         task = self.finishing.pop(rid, None)
         if task is not None:
             task.cancel()
-            self.loop.call(Scheduler.prefill_sent, rid, False, reason)
-        else:
-            self.loop.abort(rid, reason)
-        return found
+        transfer = self.transfers.pop(rid, None)
+        if transfer is not None:
+            transfer.cancel()  # no-op once complete
+        req = self.scheduler.reqs.get(rid)
+        self.scheduler.prefill_sent(rid, ok=not error, error=error)
+        if req is not None:
+            self._answer(req, error, sum(e.nbytes for e in ended.values()))
 
+    def _answer(self, req: Req, error: str, nbytes: int) -> None:
+        """Answer ``req``'s Prefill call (rank 0; once): its first token, or ``error``."""
+        waiter = self.waiters.get(req.rid)
+        if waiter is None or waiter.done():
+            return
+        if error:
+            waiter.set_exception(RuntimeError(error))
+            return
+        self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
+        self.scheduler.metrics.kv_transfer_seconds.observe(time.monotonic() - req.meta["prefilled_at"])
+        response = scheduler_pb2.PrefillResponse(
+            rid=req.rid,
+            first_token_id=req.output_ids[-1],
+            cached_tokens=req.cached_tokens,
+            transferred_bytes=nbytes,
+        )
+        if req.output_logprobs:
+            token, logprob, top = req.output_logprobs[-1]
+            response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
+        waiter.set_result(response)
+
+    # ---- outputs and transfers ------------------------------------------------------------
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
-        """Only failures and aborts come out of a prefill scheduler's steps."""
+        """Only failures and aborts come out of a prefill scheduler's steps (rank 0; the other ranks
+        stop those transfers at their next step, in ``_start_transfers``)."""
         for out in outputs:
             transfer = self.transfers.pop(out.req.rid, None)
             if transfer is not None:
@@ -196,6 +352,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(RuntimeError(out.req.error or "aborted"))
 
+    def fail_all(self, error: str) -> None:
+        """The rank group is going down: every Prefill call in flight fails with ``error``."""
+        for waiter in self.waiters.values():
+            if not waiter.done():
+                waiter.set_exception(RuntimeError(error))
+
     def _start_transfers(self) -> None:
         """After each schedule (before the forward): stop transfers of requests that ended, send the
         pages of finished chunks, and finish the transfers of requests whose prefill is complete."""
@@ -203,10 +365,14 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             self.transfers.pop(rid).cancel()
         if self.stream_chunks:
             for req in self.scheduler.prefilling:
-                self._send_ready_pages(req, self.scheduler.computed_tokens(req) // self.scheduler.page_size)
+                ready = self.scheduler.computed_tokens(req) // self.scheduler.page_size
+                self._send_ready_pages(req, ready)
         for req in self.scheduler.pop_prefilled():
+            self.written[req.rid] = {}
+            req.meta["prefilled_at"] = time.monotonic()
             transfer = self.transfers.get(req.rid)
             if transfer is None:
+                self.loop.inputs.report(KVWritten(req.rid, self.tp.rank, "no KV transfer open for it", 0))
                 continue
             self._send_ready_pages(req, len(req.pages))
             transfer.finish()
@@ -224,38 +390,21 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             req.meta["sent_pages"] = end
 
     async def _finish(self, req: Req, transfer: KVTransfer) -> None:
-        """Await the end of ``req``'s write, then answer its Prefill call and release its pages."""
-        prefilled = time.monotonic()
+        """Await the end of this rank's write of ``req``'s KV; report it (every rank learns it at the
+        next step, where the pages are cached or freed). With one rank the call answers at once."""
         timeout = self.transfer_timeout_s
         if req.deadline:
             timeout = max(0.1, min(timeout, req.deadline - time.time()))
         try:
             nbytes = await transfer.wait(timeout)
+            event = KVWritten(req.rid, self.tp.rank, "", nbytes)
         except asyncio.CancelledError:
             return
         except KVTransferError as e:
             logger.warning("KV write for %s failed: %s", req.rid, e, extra={"rid": req.rid})
-            self.finishing.pop(req.rid, None)
-            self.transfers.pop(req.rid, None)
-            self.loop.call(Scheduler.prefill_sent, req.rid, False, str(e))
-            waiter = self.waiters.get(req.rid)
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(RuntimeError(f"KV transfer failed: {e}"))
-            return
+            event = KVWritten(req.rid, self.tp.rank, str(e) or type(e).__name__, 0)
         self.finishing.pop(req.rid, None)
-        self.transfers.pop(req.rid, None)
-        self.scheduler.metrics.kv_transfer_bytes.inc(nbytes)
-        self.scheduler.metrics.kv_transfer_seconds.observe(time.monotonic() - prefilled)
-        response = scheduler_pb2.PrefillResponse(
-            rid=req.rid,
-            first_token_id=req.output_ids[-1],
-            cached_tokens=req.cached_tokens,
-            transferred_bytes=nbytes,
-        )
-        if req.output_logprobs:
-            token, logprob, top = req.output_logprobs[-1]
-            response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
-        self.loop.call(Scheduler.prefill_sent, req.rid, True)
-        waiter = self.waiters.get(req.rid)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(response)
+        if self.tp.size == 1:
+            self._answer(req, event.error and f"KV transfer failed: {event.error}", event.nbytes)
+        self.loop.inputs.report(event)
+        self.loop.wake()

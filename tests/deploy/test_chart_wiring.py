@@ -255,6 +255,17 @@ def test_schedulers_get_shared_memory_and_rdma_only_where_asked(rendered: Render
         assert "shm" not in {v["name"] for v in spec["volumes"]} and "hostIPC" not in spec
 
 
+def test_tensor_parallel_schedulers_ask_a_gpu_per_rank() -> None:
+    chart = render(load_values("gpu-pd", {"engine": {"tpSize": 2}}))
+    for component in SCHEDULERS:
+        assert chart.env(component)["PDSERVE_TP_SIZE"] == "2"
+        resources = pod_spec(chart.workload(component))["containers"][0]["resources"]
+        per_rank = chart.values[component]["gpus"]
+        assert (
+            resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == 2 * per_rank
+        )
+
+
 def test_config_changes_roll_the_pods(default_chart: Rendered) -> None:
     changed = render(load_values("default", {"engine": {"dtype": "float32"}}))
 

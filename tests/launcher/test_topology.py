@@ -184,6 +184,19 @@ def test_schedulers_take_the_gpus_in_turn(monkeypatch) -> None:
         assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in build_topology(args, "/m"))
 
 
+def test_tensor_parallel_schedulers_take_a_gpu_per_rank(monkeypatch) -> None:
+    """PD 1+1 with --tp-size 2 on four GPUs: each scheduler process (rank 0, which starts the other
+    rank) sees two GPUs, one per rank, and every scheduler gets the flag."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = make_parser().parse_args(
+        ["--num-prefill", "1", "--num-decode", "1", "--tp-size", "2", "--gpus", "0,1,2,3"]
+    )
+    specs = {s.name: s for s in build_topology(args, "/m")}
+    assert specs["prefill-0"].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert specs["decode-0"].env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert all(_flag(specs[n].argv, "--tp-size") == "2" for n in ("prefill-0", "decode-0"))
+
+
 def test_schedulers_sharing_a_device_split_the_kv_memory_fraction(monkeypatch) -> None:
     """They start together and each sees the same free memory: PD 2+2 on the CPU gives each a
     quarter of --kv-memory-fraction, on two GPUs a half; an explicit budget is passed as is."""

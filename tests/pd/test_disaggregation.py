@@ -6,22 +6,15 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-import time
 
 import grpc
 import httpx
 import pytest
-import torch
 
-from pdserve.kv_transfer import KVLayout, KVTransferAgent
-from pdserve.rpc.server import wait_for_health
-from pdserve.services.common.convert import kv_agent_info_to_pb
-from pdserve.v1 import scheduler_pb2_grpc
+from tests.pd.handshake import PAGE, refused_handshake
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.stack import free_port_block, launch_stack
+from tests.stack import launch_stack
 
-PAGE = 16
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x kv heads x head dim x fp32
 PROMPTS = [
     "What is the capital of France?",
@@ -115,33 +108,6 @@ def test_prefill_killed_mid_transfer_retries_or_fails_clearly(two_prefill_stack)
 
 
 def test_handshake_with_mismatched_page_size_fails_clearly(tmp_path):
-    port = free_port_block(1)
-    log = open(tmp_path / "prefill.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "prefill", "--port", str(port), "--dtype", "float32",
-         "--page-size", "32", "--max-total-tokens", "4096"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        assert asyncio.run(wait_for_health(f"127.0.0.1:{port}", 300)), (tmp_path / "prefill.log").read_text()
-        layout = KVLayout(
-            model="LlamaForCausalLM:30x576:vocab49152", dtype="float32", page_size=PAGE,
-            num_layers=30, num_kv_heads=3, head_dim=64,
-        )  # fmt: skip
-        agent = KVTransferAgent(f"test-decode-{time.time_ns()}", torch.zeros(30, 2, 4, PAGE, 3, 64), layout)
-
-        async def exchange():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = scheduler_pb2_grpc.PrefillSchedulerStub(channel)
-                await stub.ExchangeKVAgentInfo(kv_agent_info_to_pb(agent.local_info()), timeout=30)
-
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            asyncio.run(exchange())
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert (
-            "page_size" in err.value.details() and "32" in err.value.details() and "16" in err.value.details()
-        )
-        agent.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    err = refused_handshake(tmp_path, "--page-size", "32")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "page_size" in err.details() and "32" in err.details() and "16" in err.details()

@@ -201,10 +201,10 @@ async def test_a_prefill_call_cancelled_while_its_add_is_queued_aborts_it(schedu
         dst_incarnation=local.incarnation,
     )
     call = asyncio.create_task(prefill.Prefill(request, None))
-    while "cancelled-early" not in prefill.transfers:  # the call is awaiting its add
+    while "cancelled-early" not in prefill.opening:  # the call is awaiting its add, its transfer open
         await asyncio.sleep(0)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert "cancelled-early" not in prefill.transfers
+    assert "cancelled-early" not in prefill.opening and "cancelled-early" not in prefill.transfers
     await _idle_and_conserved(schedulers)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pdserve.distributed import head_shard
 from pdserve.layers.native import cpu_has
 from pdserve.model_source import capped_context_length
 
@@ -47,6 +48,10 @@ class ModelConfig:
             sliding window where the model uses one (attention here is always full).
         eos_token_ids: ids that end generation (config.json and generation_config.json).
         dtype: weight, activation and KV dtype.
+        tp_size / tp_rank: the tensor-parallel ranks the model is split over and the one this
+            config describes; ``num_heads`` / ``num_kv_heads`` are the whole model's,
+            ``num_local_heads`` / ``num_local_kv_heads`` this rank's (what its attention backend and
+            KV pool hold; ranks may differ: ``pdserve.distributed.head_shard``).
     """
 
     hf_config: Any
@@ -60,6 +65,16 @@ class ModelConfig:
     context_length: int
     eos_token_ids: list[int]
     dtype: torch.dtype
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def num_local_heads(self) -> int:
+        return head_shard(self.num_heads, self.num_kv_heads, self.tp_size, self.tp_rank).num_heads
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return head_shard(self.num_heads, self.num_kv_heads, self.tp_size, self.tp_rank).num_kv_heads
 
     @classmethod
     def from_pretrained(
@@ -68,9 +83,17 @@ class ModelConfig:
         dtype: str = "auto",
         device: str | torch.device = "cpu",
         max_model_len: int | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
     ) -> ModelConfig:
         """Read ``model_path/config.json`` (and ``generation_config.json`` when present); the context
-        is capped at ``max_model_len`` (ValueError when it exceeds the model's)."""
+        is capped at ``max_model_len``.
+
+        Raises:
+            ValueError: ``max_model_len`` exceeds the model's context; the attention heads cannot be
+                split over ``tp_size`` ranks, or there are fewer intermediate channels than ranks
+                (the message says which).
+        """
         from transformers import AutoConfig, GenerationConfig
 
         hf = AutoConfig.from_pretrained(model_path)
@@ -84,18 +107,26 @@ class ModelConfig:
             context_length = min(context_length, window)
         context_length = capped_context_length(context_length, max_model_len)
         num_heads = hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        head_shard(num_heads, num_kv_heads, tp_size, tp_rank)
+        if hf.intermediate_size < tp_size:
+            raise ValueError(
+                f"intermediate_size {hf.intermediate_size} is smaller than the TP size {tp_size}"
+            )
         return cls(
             hf_config=hf,
             architecture=(hf.architectures or ["LlamaForCausalLM"])[0],
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
             hidden_size=hf.hidden_size,
             vocab_size=hf.vocab_size,
             context_length=context_length,
             eos_token_ids=eos,
             dtype=resolve_dtype(dtype, device),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
         )
 
 

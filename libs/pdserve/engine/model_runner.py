@@ -1,5 +1,6 @@
 """``ModelRunner``: owns the weights, the KV pools, the attention backend and the sampler of one
-scheduler, and runs one ``ForwardBatch`` into next tokens (SGLang's ``model_runner.py``)."""
+scheduler (of one TP rank of it), and runs one ``ForwardBatch`` into next tokens (SGLang's
+``model_runner.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.engine.cuda_graph_runner import CudaGraphRunner
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """One model replica with its KV memory.
+    """One model replica (or one TP rank's shard of it) with its KV memory.
 
     Args:
         model_path: Hugging Face-style checkpoint directory (config.json, *.safetensors).
@@ -66,12 +68,14 @@ class ModelRunner:
         disable_cuda_graph: bool = False,
         kv_memory_fraction: float = 0.25,
         max_model_len: int | None = None,
+        tp: TpGroup = SINGLE_RANK,
     ):
         self.device = resolve_device(device)
+        self.tp = tp
         self.model_config = cfg = ModelConfig.from_pretrained(
-            Path(model_path), dtype, self.device, max_model_len
+            Path(model_path), dtype, self.device, max_model_len, tp.size, tp.rank
         )
-        quantization = resolve_quantization(quantization, self.device, cfg.dtype)
+        quantization = resolve_quantization(quantization, self.device, cfg.dtype, tp.size)
         self.model = load_model(
             model_path,
             cfg.hf_config,
@@ -80,14 +84,18 @@ class ModelRunner:
             cfg.dtype,
             self.device,
             quantization,
+            tp,
         )
-        bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        bytes_per_token = KVPool.bytes_per_token(
+            cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, cfg.dtype
+        )
         if max_total_tokens is None and kv_cache_memory is None:
             kv_cache_memory = min(
                 int(_free_memory(self.device) * kv_memory_fraction),
                 max_running_requests * cfg.context_length * bytes_per_token,
             )
         num_pages = num_pages_for_budget(page_size, bytes_per_token, max_total_tokens, kv_cache_memory)
+        num_pages = tp.min_int(num_pages)  # every rank schedules the same pages: the smallest pool
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
         want_graphs = self.device.type == "cuda" and not disable_cuda_graph
@@ -96,7 +104,7 @@ class ModelRunner:
                 num_pages + want_graphs,  # the last page: padded rows of graph replays
                 page_size,
                 cfg.num_layers,
-                cfg.num_kv_heads,
+                cfg.num_local_kv_heads,
                 cfg.head_dim,
                 cfg.dtype,
                 self.device,
@@ -116,11 +124,14 @@ class ModelRunner:
             logger.info("%s captures no CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         self.sampler = Sampler()
         logger.info(
-            "loaded %s (%s, %s, quantization %s) on %s: %d KV pages of %d tokens (%.1f MiB), backend %s",
+            "loaded %s (%s, %s, quantization %s, TP rank %d of %d) on %s: %d KV pages of %d tokens"
+            " (%.1f MiB), backend %s",
             cfg.architecture,
             model_path,
             cfg.dtype,
             quantization or "none",
+            tp.rank,
+            tp.size,
             self.device,
             num_pages,
             page_size,
@@ -132,14 +143,24 @@ class ModelRunner:
     def forward_batch_generation(self, forward_batch: ForwardBatch) -> GenerationBatchResult:
         """Run the batch, write its KV, and sample one next token per request from the logits of
         each request's last computed position."""
+        return self.sample(forward_batch, self.forward_logits(forward_batch))
+
+    @torch.inference_mode()
+    def forward_logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Run the batch and write its KV; logits ``[B, vocab]`` (model dtype) of each request's last
+        computed position (under TP, every rank's vocabulary slice gathered on every rank)."""
         fb = forward_batch
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
-            logits = self.cuda_graph_runner.replay(fb)
-        else:
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb.input_ids, fb.positions, fb)
-            last = fb.extend_start_loc + fb.extend_seq_lens - 1
-            logits = self.model.compute_logits(hidden[last])
+            return self.cuda_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        last = fb.extend_start_loc + fb.extend_seq_lens - 1
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def sample(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:
+        """One next token per row of ``logits`` (``forward_logits``) under the batch's sampling info."""
+        fb = forward_batch
         return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums)
 
 

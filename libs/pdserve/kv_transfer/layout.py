@@ -26,6 +26,9 @@ class KVLayout:
         page_size: tokens per KV page.
         num_layers, num_kv_heads, head_dim: the KV tensor geometry of one page slot.
         layout: axis order of the pool tensor; this library supports ``POOL_LAYOUT`` only.
+        tp_size / tp_rank: the tensor-parallel ranks of the scheduler and the rank owning this pool
+            (``num_kv_heads`` are that rank's heads); rank ``i`` of a prefill worker writes into rank
+            ``i`` of a decode worker, so both sizes and the ranks must agree.
     """
 
     model: str
@@ -35,6 +38,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     layout: str = POOL_LAYOUT
+    tp_size: int = 1
+    tp_rank: int = 0
 
     @property
     def page_bytes(self) -> int:

@@ -13,6 +13,7 @@ bfloat16 path (AVX2 only) ``pdserve.layers.cpu_matmul``'s bfloat16 panels.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +23,24 @@ from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 from pdserve.layers.cpu_matmul import MatmulWeight, load_cpu_matmul
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into ``param`` (casting the dtype).
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor | Any) -> None:
+    """Copy a checkpoint tensor, or all of a lazy safetensors slice, into ``param`` (casting the dtype).
 
     Raises:
         ValueError: the shapes differ.
     """
+    if not isinstance(loaded, torch.Tensor):
+        loaded = loaded[:]  # a safetensors slice reads its bytes only now
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
         )
     param.data.copy_(loaded)
+
+
+def checkpoint_shape(loaded: torch.Tensor | Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or of a lazy safetensors slice (read without loading it)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
 
 
 _PACK_BATCH_HINT = 64  # rows oneDNN tunes the layout for; any number of rows works

@@ -125,12 +125,26 @@ class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
         return Int8WeightOnlyLinearMethod().pack(weight)
 
 
-def resolve_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+def resolve_quantization(
+    quantization: str | None, device: torch.device, dtype: torch.dtype, tp_size: int = 1
+) -> str | None:
     """``--quantization`` with ``auto`` resolved: on a CPU without native bfloat16 (no AVX512-BF16 or
     AMX) running a float32 model, ``int4_or_int8`` (``LosslessInt4OrInt8LinearMethod``: see the
-    README for the measurements); else none. Other names are returned as they are (``none`` → None)."""
+    README for the measurements); else none. Other names are returned as they are (``none`` → None).
+    Under tensor parallelism (``tp_size`` > 1) the methods are not supported: ``auto`` is none.
+
+    Raises:
+        ValueError: a quantization method named with ``tp_size`` > 1.
+    """
     if quantization in (None, "", "none"):
         return None
+    if tp_size > 1:
+        if quantization == "auto":
+            return None
+        raise ValueError(
+            f"--quantization {quantization} is not supported with --tp-size {tp_size} "
+            "(tensor-parallel layers run unquantized: use --quantization none or auto)"
+        )
     if quantization != "auto":
         return quantization
     native_bf16 = cpu_has("avx512_bf16", "amx_bf16")

@@ -3,6 +3,11 @@
 Touvron et al. 2023: pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP.
 q/k/v and gate/up are fused into one matmul each; ``packed_modules_mapping`` tells the loader
 which checkpoint matrices go where. Qwen2 and Qwen3 subclass this with their attention options.
+
+Under tensor parallelism (``tp``, ``pdserve.layers.parallel_linear``) each rank holds its attention
+heads (q/k/v column-parallel, ``o_proj`` row-parallel), its intermediate channels (gate/up
+column-parallel, ``down_proj`` row-parallel) and its vocabulary rows (embedding and LM head): two
+all-reduces per layer, one for the embedding, and an all-gather of the logits.
 """
 
 from __future__ import annotations
@@ -13,13 +18,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pdserve.distributed import SINGLE_RANK, TpGroup, head_shard, split_range
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.cpu_decoder import CpuDecoder
 from pdserve.layers.cpu_gemm import PanelWeight
 from pdserve.layers.cpu_matmul import MatmulWeight
-from pdserve.layers.embedding import VocabEmbedding
+from pdserve.layers.embedding import VocabParallelEmbedding
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.linear import Linear, MergedLinear, PackedWeight, linear, prepack_weight
+from pdserve.layers.linear import Linear, PackedWeight, linear, prepack_weight
+from pdserve.layers.parallel_linear import (
+    ParallelLMHead,
+    RowParallelLinear,
+    gate_up_parallel_linear,
+    qkv_parallel_linear,
+)
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
 
@@ -37,20 +49,28 @@ class AttentionOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, options: AttentionOptions):
+    """Attention over this rank's heads: ``num_heads`` / ``num_kv_heads`` are the rank's own."""
+
+    def __init__(self, config: Any, layer_id: int, options: AttentionOptions, tp: TpGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        shard = head_shard(total_heads, total_kv_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            ["q", "k", "v"],
-            bias=options.qkv_bias,
+        self.qkv_proj = qkv_parallel_linear(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, shard, options.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=options.o_bias)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim,
+            config.hidden_size,
+            options.o_bias,
+            tp,
+            input_start=shard.q_start * self.head_dim,
+            local_in=self.q_size,
+        )
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -75,14 +95,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TpGroup):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate", "up"], bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = gate_up_parallel_linear(config.hidden_size, size, bias, tp)
+        start, local = split_range(size, tp.size, tp.rank)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp, start, local)
         self.act_fn = SiluAndMul()
         self.fused_act: PanelWeight | MatmulWeight | None = None
 
@@ -100,10 +121,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, options: AttentionOptions):
+    def __init__(self, config: Any, layer_id: int, options: AttentionOptions, tp: TpGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, options)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, options, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,21 +147,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int, options: AttentionOptions):
+    def __init__(self, config: Any, max_position: int, options: AttentionOptions, tp: TpGroup):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = get_rope(config, head_dim, max_position)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, options) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, options, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp = tp
         self.cpu_decoder: CpuDecoder | None = None
 
     def process_weights_after_loading(self) -> None:
         """Where every layer runs on ``cpu_matmul``'s packed weights, decode steps run the layers in
-        one C call (``CpuDecoder``); None otherwise."""
-        self.cpu_decoder = CpuDecoder.build(self)
+        one C call (``CpuDecoder``); None otherwise, and under TP (the C call has no collectives)."""
+        self.cpu_decoder = CpuDecoder.build(self) if self.tp.size == 1 else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -159,7 +181,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits``
     turns selected rows into logits ``[N, vocab]`` in the model's dtype (the sampler upcasts when it
-    needs float32). Tied embeddings share one parameter."""
+    needs float32), every rank's vocabulary slice gathered under TP. Tied embeddings share one
+    parameter."""
 
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -169,14 +192,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, max_position: int):
+    def __init__(self, config: Any, max_position: int, tp: TpGroup = SINGLE_RANK):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_position, self.attention_options(config))
+        self.tp = tp
+        self.model = LlamaModel(config, max_position, self.attention_options(config), tp)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         self.lm_head_packed: PackedWeight | None = None
 
     @staticmethod
@@ -195,7 +219,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = head.packed if isinstance(head, Linear) else prepack_weight(head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
+        logits = linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits)[:, : self.config.vocab_size]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.layers.linear import Linear, MergedLinear, default_weight_loader
 from pdserve.layers.quantization import get_linear_method
 from pdserve.models.registry import get_model_class
@@ -24,11 +25,14 @@ def load_model(
     dtype: torch.dtype,
     device,
     quantization: str | None = None,
+    tp: TpGroup = SINGLE_RANK,
 ) -> nn.Module:
     """Instantiate ``architecture`` with ``dtype`` parameters on ``device``, load its weights, then
     run each module's ``process_weights_after_loading`` (weight repacking or quantization),
     children first. ``quantization`` (``pdserve.layers.quantization``, resolved: not ``auto``)
-    applies to every ``Linear`` but the LM head, which gets the method's own LM head format.
+    applies to every ``Linear`` but the LM head, which gets the method's own LM head format. Under
+    TP (``tp``) the model holds, and reads from the checkpoint, only this rank's slices
+    (``pdserve.layers.parallel_linear``).
 
     Raises:
         ValueError: an unknown ``quantization``.
@@ -38,7 +42,7 @@ def load_model(
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = get_model_class(architecture)(hf_config, max_position)
+            model = get_model_class(architecture)(hf_config, max_position, tp)
         finally:
             torch.set_default_dtype(previous)
     load_weights(model, Path(model_path))
@@ -59,6 +63,8 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
 
     Checkpoint names are Hugging Face's; ``model.packed_modules_mapping`` maps fused ones
     (``q_proj`` → shard ``q`` of ``qkv_proj``) and a parameter's own ``weight_loader`` places them.
+    Loaders get a lazy safetensors slice, so a tensor-parallel layer reads only its rank's rows or
+    columns from the file.
     With tied embeddings a checkpoint may hold the shared matrix as ``lm_head.weight``, as
     ``model.embed_tokens.weight`` or both; either fills the one shared parameter.
 
@@ -87,11 +93,11 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                         f"checkpoint tensor {name} has no parameter {target} in {type(model).__name__}"
                     )
                 param = params[target]
-                tensor = checkpoint.get_tensor(name)
+                source = checkpoint.get_slice(name)
                 if shard is None:
-                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                    getattr(param, "weight_loader", default_weight_loader)(param, source)
                 else:
-                    param.weight_loader(param, tensor, shard)
+                    param.weight_loader(param, source, shard)
                 loaded.add((target, shard))
     missing = sorted({name for name, shard in _expected(params) if (name, shard) not in loaded})
     if missing:

@@ -27,10 +27,17 @@ logger = logging.getLogger(__name__)
 def run_batch(runner, batch: ScheduleBatch) -> ScheduleBatch:
     """Run ``batch`` on ``runner`` (the ``ModelRunner``); set ``batch.result`` (one token per row, 0
     for failed rows) and ``batch.row_errors``. Never raises: an error that is no one request's fails
-    every row. Returns ``batch``."""
+    every row. Returns ``batch``.
+
+    Except under tensor parallelism (``runner.isolates_failures`` False): there any error raises, and
+    the rank group goes down (ranks that bisected apart would never meet in their collectives again).
+    """
+    isolate = getattr(runner, "isolates_failures", True)
     try:
         batch.resolve()
     except Exception as e:  # no request's fault: the step before left nothing to decode
+        if not isolate:
+            raise
         logger.exception("inputs of a batch of %d requests could not be resolved", len(batch.reqs))
         _fail_all(batch, e)
         return batch
@@ -38,6 +45,8 @@ def run_batch(runner, batch: ScheduleBatch) -> ScheduleBatch:
         batch.result = runner.forward_batch_generation(batch.forward_batch)
         return batch
     except Exception as e:  # any error of the forward is isolated, then reported per row
+        if not isolate:
+            raise
         if len(batch.reqs) == 1:
             _fail_all(batch, e)
             return batch

@@ -73,6 +73,11 @@ class SchedulerMetrics:
             ["finish_reason"],
             registry=r,
         )
+        self.tp_state_checks = Counter(
+            "pdserve:tp_state_checks",
+            "Steps after which every TP rank's scheduler state digest was compared and found equal",
+            registry=r,
+        )
         self.rejected = Counter(
             "pdserve:requests_rejected",
             "Requests refused for overload: queue_full (at arrival) or queue_time (waited too long)",

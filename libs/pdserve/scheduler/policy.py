@@ -23,24 +23,32 @@ class SchedulePolicy:
         policy: ``"fcfs"`` or ``"lpm"``.
         prefix_len: for lpm, returns the cached prefix length (tokens) of a request's prompt.
         starvation_s: for lpm, seconds after which a request is served in arrival order.
+        clock: the current time (the scheduler's clock, so TP ranks agree on who starves).
 
     Raises:
         ValueError: unknown policy.
     """
 
-    def __init__(self, policy: str, prefix_len: Callable[[Req], int], starvation_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        policy: str,
+        prefix_len: Callable[[Req], int],
+        clock: Callable[[], float] = time.time,
+        starvation_s: float = 5.0,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; choose one of {POLICIES}")
         self.policy = policy
         self.prefix_len = prefix_len
         self.starvation_s = starvation_s
+        self.clock = clock
 
     def order(self, waiting: list[Req]) -> None:
         # Retracted requests (they already generated tokens) keep their place at the front.
         if self.policy == "fcfs" or len(waiting) < 2:
             waiting.sort(key=lambda r: (not r.output_ids, r.arrival_time))
             return
-        now = time.time()
+        now = self.clock()
 
         def key(r: Req) -> tuple:
             starving = now - r.arrival_time > self.starvation_s

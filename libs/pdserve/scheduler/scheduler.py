@@ -3,6 +3,10 @@
 Transport-free and single-threaded: every method is called from one thread (the service's event
 loop); only ``run_batch`` (the forward) runs on a worker thread.
 
+Deterministic in its inputs: given the same requests, aborts and KV events in the same order, and
+the same ``clock`` readings, two schedulers make the same decisions (batches, pages, radix-cache
+operations). The ranks of a tensor-parallel scheduler rely on that (``state_digest`` checks it).
+
 The step is schedule → run → process (cf. SGLang's ``event_loop_normal``):
 
     batch = scheduler.schedule()
@@ -28,6 +32,7 @@ first and schedules again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -99,11 +104,16 @@ class Scheduler:
     """One scheduler of one role over one ``ModelRunner``.
 
     Args:
-        runner: the engine (``pdserve.engine.model_runner.ModelRunner``), owner of the pools.
+        runner: the engine (``pdserve.engine.tp_worker.TpModelWorker``, or a ``ModelRunner``), whose
+            pools it schedules.
         config: scheduling knobs.
         metrics: Prometheus metrics of this process; a private registry when omitted.
         grammar_backend: compiles the grammars of constrained requests; without one, such
             requests are refused.
+
+    Attributes:
+        clock: the time source of every scheduling decision (deadlines, admission order, lpm
+            starvation), ``time.time`` by default; a TP group sets rank 0's reading of each step.
     """
 
     def __init__(
@@ -114,6 +124,7 @@ class Scheduler:
         grammar_backend: GrammarBackend | None = None,
     ) -> None:
         config.validate()
+        self.clock: Callable[[], float] = time.time
         self.runner = runner
         self.config = config
         self.role = config.role
@@ -130,7 +141,7 @@ class Scheduler:
         self.context_len = runner.model_config.context_length
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
         self.vocab_size = runner.model_config.vocab_size
-        self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len)
+        self.policy = SchedulePolicy(config.schedule_policy, self._cached_prefix_len, lambda: self.clock())
         self.metrics = metrics or SchedulerMetrics(config.role)
         self.reqs: dict[str, Req] = {}
         self.grammar_queue = GrammarQueue(grammar_backend, config.grammar_compile_timeout, self.metrics)
@@ -321,7 +332,7 @@ class Scheduler:
             batch.result = result
         self.outstanding.remove(batch)
         result = batch.result
-        now = time.time()
+        now = self.clock()
         outputs: list[StepOutput] = []
         for i, req in enumerate(batch.reqs):
             req.in_batches -= 1
@@ -360,6 +371,15 @@ class Scheduler:
         """The whole step failed outside the forward: fail every request of ``batch``."""
         batch.row_errors = dict.fromkeys(range(len(batch.reqs)), error)
         return self.process_result(batch)
+
+    def fail_all(self, error: str) -> list[StepOutput]:
+        """End every request with ERROR ``error``, retryable (the scheduler is going down, to restart)."""
+        outputs = []
+        for req in list(self.reqs.values()):
+            req.retryable = True
+            self._end(req, FinishReason.ERROR, error)
+            outputs.append(StepOutput(req, finished=True))
+        return outputs
 
     def pop_aborted(self) -> list[StepOutput]:
         """Requests ended outside a step (explicit abort, deadline, queue time) since the last call."""
@@ -429,7 +449,7 @@ class Scheduler:
         return self.ledger.tree.match_prefix(req.fill_ids[:-1]).num_tokens
 
     def _append_token(self, req: Req, token: int, logprob, now: float | None = None) -> None:
-        now = now or time.time()
+        now = now or self.clock()
         req.output_ids.append(token)
         if req.grammar is not None:
             req.grammar.accept(token)  # a refusal fails the request in check_finished
@@ -469,7 +489,7 @@ class Scheduler:
             req.cached_tokens = prefix
             self.metrics.prefix_cache_queries.inc(len(req.origin_input_ids))
             self.metrics.prefix_cache_hit_tokens.inc(prefix)
-        req.admit_time = time.time()
+        req.admit_time = self.clock()
         self.metrics.queue_time.observe(req.admit_time - req.arrival_time)
         self.waiting.remove(req)
         return True
@@ -576,7 +596,7 @@ class Scheduler:
         self.metrics.retracted.inc()
 
     def _expire_deadlines(self) -> None:
-        now = time.time()
+        now = self.clock()
         for req in list(self.reqs.values()):
             if req.deadline and now > req.deadline and not req.to_abort:
                 self.abort_request(req.rid, "deadline exceeded")
@@ -595,7 +615,7 @@ class Scheduler:
         """
         if self.role == "prefill":
             return
-        for req, error in overdue(self.waiting, time.time(), self.config.max_queue_time):
+        for req, error in overdue(self.waiting, self.clock(), self.config.max_queue_time):
             logger.warning("%s: %s", req.rid, error)
             req.retryable = True
             self._end(req, FinishReason.ERROR, error)
@@ -619,7 +639,7 @@ class Scheduler:
         else:
             self.ledger.release(req, cache=cache)
         self.reqs.pop(req.rid, None)
-        req.finish_time = time.time()
+        req.finish_time = self.clock()
         if req.first_token_time:
             self.metrics.e2e.observe(req.finish_time - req.arrival_time)
         if self.role != "prefill":  # a prefill worker hands requests on; they end on decode
@@ -647,6 +667,28 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""
         self.ledger.check_conservation(self.usable_pages)
+
+    def state_digest(self) -> str:
+        """A hash of the scheduling state every TP rank must hold identically: each queue's requests
+        in order with their progress and KV pages, and the pool's free / cached / used page counts."""
+        h = hashlib.blake2b(digest_size=16)
+        for queue in (
+            self.waiting,
+            self.prefilling,
+            self.running,
+            self.prefilled,
+            self.waiting_for_kv.values(),
+        ):
+            for r in queue:
+                h.update(
+                    repr(
+                        (r.rid, r.state.value, r.num_computed, r.output_ids, r.pages, r.req_pool_idx)
+                    ).encode()
+                )
+            h.update(b"|")
+        ledger = self.ledger
+        h.update(repr((ledger.free_pages(), ledger.cached_pages(), ledger.used_pages())).encode())
+        return h.hexdigest()
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

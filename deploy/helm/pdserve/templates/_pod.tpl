@@ -18,7 +18,8 @@ transfer settings, /dev/shm and (with RDMA) the RDMA device, IPC_LOCK and option
 {{- $resources := deepCopy (default (dict) $values.resources) }}
 {{- $devices := dict }}
 {{- if gt (int $values.gpus) 0 }}
-{{- $_ := set $devices "nvidia.com/gpu" (int $values.gpus) }}
+{{- /* a scheduler's TP ranks are processes of its pod, each on its own GPUs */}}
+{{- $_ := set $devices "nvidia.com/gpu" (mul (int $values.gpus) (ternary (int $root.Values.engine.tpSize) 1 $engine)) }}
 {{- end }}
 {{- if $rdma }}
 {{- $_ := set $devices $root.Values.kvTransfer.rdma.resourceName (int $root.Values.kvTransfer.rdma.resourceCount) }}

@@ -23,7 +23,8 @@ class AttentionBackend(ABC):
     attends to its own key. Request ``b``'s query at position ``p`` attends to its keys at
     positions ``[0, p]``, read through ``req_to_token[req_pool_indices[b]]``.
 
-    Subclasses set ``num_heads``, ``num_kv_heads`` and ``head_dim`` from the model config. One
+    Subclasses set ``num_heads``, ``num_kv_heads`` (this TP rank's: ``num_local_heads`` /
+    ``num_local_kv_heads`` of the model config) and ``head_dim`` from the model config. One
     that sets ``supports_cuda_graph`` implements the three ``cuda_graph`` methods, which let
     ``CudaGraphRunner`` capture and replay DECODE forwards of padded batch sizes.
     """

@@ -40,7 +40,8 @@ class FlashInferAttnBackend(AttentionBackend):
         from pdserve.engine.forward_batch import ForwardMode
 
         cfg = runner.model_config
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_local_heads, cfg.num_local_kv_heads
+        self.head_dim = cfg.head_dim
         self.dtype = cfg.dtype
         self.page_size = runner.kv_pool.page_size
         self.decode_mode = ForwardMode.DECODE

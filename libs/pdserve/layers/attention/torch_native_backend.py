@@ -110,8 +110,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.decode_kernel = decode_kernel if decode_kernel and decode_kernel.supports(config.dtype) else None
         supported = extend_kernel and extend_kernel.supports(config.dtype, config.head_dim)
         self.extend_kernel = extend_kernel if self.decode_kernel and supported else None
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = config.num_local_heads
+        self.num_kv_heads = config.num_local_kv_heads
         self.head_dim = config.head_dim
         self.page_size = runner.kv_pool.page_size
         self.groups: list[_Group] = []
