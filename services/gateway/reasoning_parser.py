@@ -107,8 +107,9 @@ class ReasoningStream:
                     self.state = _REASONING
                 elif START.startswith(self._buffer):
                     return reasoning, answer
-                else:
+                else:  # no reasoning block: the answer is the output as it is, leading space kept
                     self.state = _ANSWER
+                    self._answer_started = True
             elif self.state == _REASONING:
                 if self._leading:
                     if self._buffer.startswith(START):
@@ -126,7 +127,7 @@ class ReasoningStream:
                 self._buffer = self._buffer[end + len(END) :]
                 self.state = _ANSWER
             else:
-                if not self._answer_started:
+                if not self._answer_started:  # the blank lines between </think> and the answer
                     self._buffer = self._buffer.lstrip()
                     self._answer_started = bool(self._buffer)
                 answer += self._buffer

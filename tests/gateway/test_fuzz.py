@@ -41,7 +41,9 @@ def shrink(body: object, path: str) -> None:
         value = params.get(name)
         if type(value) is int and 0 < value < 2**31:
             params[name] = min(value, MAX_NEW)
-    params.setdefault("max_new_tokens" if path == "/generate" else "max_tokens", MAX_NEW)
+    limit = "max_new_tokens" if path == "/generate" else "max_tokens"
+    if params.get(limit) is None:  # absent or null: both mean "up to the context length"
+        params[limit] = MAX_NEW
     if type(params.get("n")) is int and 1 <= params["n"] <= 128:
         params["n"] = min(params["n"], 2)
     for name in ("prompt", "text", "input_ids"):

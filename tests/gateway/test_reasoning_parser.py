@@ -20,6 +20,8 @@ CASES = [
     ("deepseek_r1", None, "Still thinking when cut off", "Still thinking when cut off", ""),
     ("qwen3", None, "<think>\nLet me see.\n</think>\n\n{\"a\": 1}", "\nLet me see.\n", '{"a": 1}'),
     ("qwen3", None, "No reasoning here.", None, "No reasoning here."),
+    ("qwen3", None, "\n\nNo reasoning, leading blank lines kept.", None,
+     "\n\nNo reasoning, leading blank lines kept."),
     ("qwen3", None, "<", None, "<"),
     ("qwen3", "Sure. <think>", "I continue my thought.</think>Done.", "I continue my thought.", "Done."),
     ("qwen3", "<think>x</think>", "Plain.", None, "Plain."),

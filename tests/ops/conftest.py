@@ -67,7 +67,7 @@ class OpsStack:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def otlp_receiver() -> Iterator[OtlpReceiver]:
     receiver = OtlpReceiver()
     receiver.start()
@@ -75,7 +75,7 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
     receiver.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ops_stack_session(
     otlp_receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OpsStack]:

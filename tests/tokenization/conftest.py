@@ -1,4 +1,4 @@
-"""The real default-model tokenizer, loaded once per test session."""
+"""The real default-model tokenizer, loaded once for this package."""
 
 from __future__ import annotations
 
@@ -7,6 +7,6 @@ import pytest
 from pdserve.tokenization import Tokenizer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tokenizer() -> Tokenizer:
     return Tokenizer.load()
