@@ -34,6 +34,8 @@ def shrink(body: object, path: str) -> None:
     """Cut a generating request's size fields (valid ones only) and add a small ``max_tokens``."""
     if path not in GENERATING or not isinstance(body, dict):
         return
+    if path == "/generate" and body.get("sampling_params") is None:  # absent or null: the defaults
+        body["sampling_params"] = {}
     params = body.get("sampling_params") if path == "/generate" else body
     if not isinstance(params, dict):
         return
