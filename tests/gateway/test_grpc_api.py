@@ -109,11 +109,11 @@ SAME_AS_HTTP = {
         {"model": MODEL, "messages": [{"role": "x", "content": "hi"}]},
         "messages.0.role",
     ),
-    "tool-message": (
-        chat_request([{"role": "tool", "content": "1"}]),
+    "tool-call-id-off-a-tool-message": (
+        chat_request([{"role": "user", "content": "1", "tool_call_id": "call_1"}]),
         "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "tool", "content": "1"}]},
-        "tool_calls",
+        {"model": MODEL, "messages": [{"role": "user", "content": "1", "tool_call_id": "call_1"}]},
+        "tool_call_id",
     ),
     "no-messages": (
         chat_request([]),
