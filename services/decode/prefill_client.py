@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -105,7 +106,7 @@ class PrefillPeer:
         """``coro``'s result, unless the peer's health checks go unanswered first (``PrefillHung``)."""
         self.health.start()
         call = asyncio.ensure_future(coro)
-        silent = asyncio.ensure_future(self.health.wait_silent())
+        silent = asyncio.ensure_future(self.health.wait_silent(since=time.monotonic()))
         try:
             await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
         finally:

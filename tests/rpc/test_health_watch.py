@@ -51,3 +51,27 @@ async def test_silent_on_not_serving_and_on_no_answer_then_back() -> None:
         await watch.close()
         await channel.close()
         await server.stop(0)
+
+
+async def test_a_call_made_after_the_silence_gets_its_own_dead_after() -> None:
+    """A process silent for a while (a restart) that answers SERVING again soon after a call begins:
+    the call's watch (``since`` = its start) is not given up, though the process was silent before."""
+    server = GrpcServer("127.0.0.1:0", ["test.Service"])
+    await server.start()
+    await server.set_serving(False)
+    channel = grpc.aio.insecure_channel(server.address)
+    watch = HealthWatch(channel, DEAD_AFTER)
+    try:
+        await silent_within(watch)
+        assert await asyncio.wait_for(watch.wait_silent(), 0.1) >= DEAD_AFTER  # silent before the call
+        call_watch = asyncio.ensure_future(watch.wait_silent(since=time.monotonic()))
+        await asyncio.sleep(DEAD_AFTER / 2)
+        await server.set_serving(True)  # back within the call's own dead_after
+        await asyncio.sleep(2 * DEAD_AFTER)
+        assert not call_watch.done() and not watch.silent.is_set()
+        await server.set_serving(False)  # silent again, for the call's whole dead_after: given up
+        assert await asyncio.wait_for(call_watch, 10) > DEAD_AFTER
+    finally:
+        await watch.close()
+        await channel.close()
+        await server.stop(0)

@@ -57,10 +57,21 @@ class HealthWatch:
         """Seconds since the last SERVING answer."""
         return time.monotonic() - self.last_serving
 
-    async def wait_silent(self) -> float:
-        """Return once the process is silent (at once if it already is); returns ``silent_for()``."""
+    async def wait_silent(self, since: float | None = None) -> float:
+        """Return once the process is silent (at once if it already is); returns ``silent_for()``.
+
+        With ``since`` (a ``time.monotonic()`` instant, e.g. when a call to the process began), the
+        silence counts from the later of its last SERVING answer and ``since``: a call made just after
+        the process came back from a restart (its health checks were still failing a moment ago, or
+        the channel is still in its reconnect backoff) gets the whole ``dead_after`` for the next
+        SERVING answer, instead of being given up at once.
+        """
         self.start()
-        await self.silent.wait()
+        if since is None:
+            await self.silent.wait()
+            return self.silent_for()
+        while (quiet := time.monotonic() - max(self.last_serving, since)) <= self.dead_after:
+            await asyncio.sleep(min(self.interval, self.dead_after - quiet + 0.01))
         return self.silent_for()
 
     async def _poll(self) -> None:
