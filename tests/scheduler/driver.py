@@ -7,9 +7,12 @@ what the loop's forward thread does while the loop thread processes step N.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import Req
@@ -32,15 +35,18 @@ def req(rid: str, prompt: list[int], max_new: int = 16, **params) -> Req:
     return Req(rid, list(prompt), SamplingParams(max_new_tokens=max_new, **({"temperature": 0.0} | params)))
 
 
-_last: dict[int, Scheduler] = {}  # the latest scheduler on each runner (they share its KV pool)
+# the radix tree of the latest scheduler on each runner (they share its KV pool); weak on the runner,
+# so that a test's runner (1 GB and more) is freed with it: the tree refers to its allocator, not to it
+_last_tree: weakref.WeakKeyDictionary[ModelRunner, RadixCache] = weakref.WeakKeyDictionary()
 
 
 def fresh(runner: ModelRunner, **config) -> Scheduler:
     """A new scheduler on ``runner``'s pools, after the previous one's cached pages went back."""
-    previous = _last.get(id(runner))
+    previous = _last_tree.get(runner)
     if previous is not None:
-        previous.ledger.tree.reset()
-    sched = _last[id(runner)] = Scheduler(runner, SchedulerConfig(**config))
+        previous.reset()
+    sched = Scheduler(runner, SchedulerConfig(**config))
+    _last_tree[runner] = sched.ledger.tree
     return sched
 
 
