@@ -73,10 +73,16 @@ def test_radix_hit_extends_only_the_suffix_and_gives_the_same_tokens(big_runner)
     assert nocache.ledger.cached_pages() == 0
 
 
-def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runner, overlap):
+@pytest.mark.parametrize("clock", ["time", "one-reading-per-step"])
+def test_retraction_when_decode_runs_out_of_pages_keeps_greedy_output(small_runner, overlap, clock):
+    """With a clock read once per step (as a TP group's ranks share rank 0's), requests admitted
+    together tie on admit time: the one retracted must still be the newest in the order decodes are
+    given pages (it used to be one already in the batch: its pages gone, the batch failed)."""
     questions = ("Tell me a story about a dragon.", "Describe a city at night.", "Write a poem about rain.")
     prompts = [chat_ids([{"role": "user", "content": q}]) for q in questions]
     sched = fresh(small_runner, role="mixed", new_token_reserve=0)
+    if clock == "one-reading-per-step":
+        sched.clock = lambda: 1.0
     for i, p in enumerate(prompts):
         sched.add_request(req(f"r{i}", p, max_new=48))
     before = sched.metrics.retracted._value.get()

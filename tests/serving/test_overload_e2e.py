@@ -181,7 +181,7 @@ def test_300_concurrent_clients_get_answers_or_quick_refusals(overloaded: Stack)
             assert QUEUE_TIME <= seconds <= ANSWERED_WITHIN, (api, seconds, text)
     # nobody waited in a scheduler's queue past the limit (plus the step that noticed it)
     assert len(waited) == by_status[503], waited
-    assert min(waited) > QUEUE_TIME and max(waited) <= QUEUE_TIME + STEP_SLACK, waited
+    assert min(waited) >= QUEUE_TIME and max(waited) <= QUEUE_TIME + STEP_SLACK, waited
 
     m = overloaded.wait_idle(timeout=30)
     overloaded.check_kv_conservation()

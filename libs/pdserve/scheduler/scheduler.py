@@ -565,7 +565,10 @@ class Scheduler:
         forward reads it): the caller processes that batch and schedules again.
         """
         batch: list[Req] = []
-        for req in sorted(self.running, key=lambda r: r.admit_time):
+        # oldest first; the victim of a retraction is the newest still running in this same order, so
+        # never a request already in ``batch`` (admit times tie when a step admits several requests)
+        order = sorted(self.running, key=lambda r: r.admit_time)
+        for req in order:
             if req.state is not ReqState.RUNNING:
                 continue  # retracted while making room for an older request
             if req.to_abort or (req.num_pending and req.will_finish_by_length(self.max_req_tokens)):
@@ -573,7 +576,7 @@ class Scheduler:
             while not self.ledger.grow(req, req.seq_len):
                 if self.outstanding:
                     return None
-                victim = max(self.running, key=lambda r: r.admit_time)
+                victim = next(r for r in reversed(order) if r.state is ReqState.RUNNING)
                 self._retract(victim)
                 if victim is req:
                     break
