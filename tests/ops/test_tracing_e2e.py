@@ -74,9 +74,11 @@ def check_tree(trace: list[Span], rid: str) -> None:
         assert all(parent(s) is request for s in spans)
         assert spans[0].start == request.start and spans[-1].end == request.end
         assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))
-    # the prefill worker's work sits inside the decode worker's wait for it
+    # the prefill worker's work starts inside the decode worker's wait for it and its compute ends
+    # there too (the end of the KV transfer is seen by each side on its own, in either order)
     remote = one(trace, "decode", "remote_prefill")
-    assert remote.start <= prefill_req.start and prefill_req.end <= remote.end
+    compute = one(trace, "prefill", "prefill")
+    assert remote.start <= prefill_req.start and compute.end <= remote.end
 
 
 def chat(ops: OpsStack, rid: str, **headers: str) -> None:
