@@ -166,7 +166,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model", help="checkpoint directory or .gguf (default: the tiny random-weight Llama)")
     p.add_argument("--configs", default="colocated,pd", help=f"comma-separated, of {', '.join(CONFIGS)}")
-    p.add_argument("--flags", default="", help="more pdserve launch flags for every stack and the scheduler")
+    p.add_argument(
+        "--flags",
+        # the default queue bound (sized from the pool) refuses part of a 256-request burst in process
+        default="--max-queued-requests 1024",
+        help="more pdserve launch flags for every stack and the scheduler",
+    )
     p.add_argument("--concurrency", default="64,256", help="comma-separated concurrency levels")
     p.add_argument("--num-requests", type=int, default=512, help="requests per level and side")
     p.add_argument("--prompt-tokens", type=int, default=128)
