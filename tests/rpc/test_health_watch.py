@@ -4,7 +4,9 @@ answering), and not any more once SERVING comes back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -21,13 +23,24 @@ async def silent_within(watch: HealthWatch) -> float:
     return time.monotonic() - t0
 
 
-async def test_silent_on_not_serving_and_on_no_answer_then_back() -> None:
+@contextlib.asynccontextmanager
+async def watched_server(serving: bool) -> AsyncIterator[tuple[GrpcServer, HealthWatch]]:
+    """A gRPC server (``serving`` or not) and a HealthWatch on a channel to it; all closed after."""
     server = GrpcServer("127.0.0.1:0", ["test.Service"])
     await server.start()
-    await server.set_serving(True)
+    await server.set_serving(serving)
     channel = grpc.aio.insecure_channel(server.address)
     watch = HealthWatch(channel, DEAD_AFTER)
     try:
+        yield server, watch
+    finally:
+        await watch.close()
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_silent_on_not_serving_and_on_no_answer_then_back() -> None:
+    async with watched_server(serving=True) as (server, watch):
         watch.start()
         await asyncio.sleep(2 * DEAD_AFTER)
         assert not watch.silent.is_set() and watch.silent_for() < DEAD_AFTER
@@ -47,21 +60,12 @@ async def test_silent_on_not_serving_and_on_no_answer_then_back() -> None:
         await server.stop(0)  # nothing answers any more
         took = await silent_within(watch)
         assert took <= BOUND, took
-    finally:
-        await watch.close()
-        await channel.close()
-        await server.stop(0)
 
 
 async def test_a_call_made_after_the_silence_gets_its_own_dead_after() -> None:
     """A process silent for a while (a restart) that answers SERVING again soon after a call begins:
     the call's watch (``since`` = its start) is not given up, though the process was silent before."""
-    server = GrpcServer("127.0.0.1:0", ["test.Service"])
-    await server.start()
-    await server.set_serving(False)
-    channel = grpc.aio.insecure_channel(server.address)
-    watch = HealthWatch(channel, DEAD_AFTER)
-    try:
+    async with watched_server(serving=False) as (server, watch):
         await silent_within(watch)
         assert await asyncio.wait_for(watch.wait_silent(), 0.1) >= DEAD_AFTER  # silent before the call
         call_watch = asyncio.ensure_future(watch.wait_silent(since=time.monotonic()))
@@ -71,7 +75,3 @@ async def test_a_call_made_after_the_silence_gets_its_own_dead_after() -> None:
         assert not call_watch.done() and not watch.silent.is_set()
         await server.set_serving(False)  # silent again, for the call's whole dead_after: given up
         assert await asyncio.wait_for(call_watch, 10) > DEAD_AFTER
-    finally:
-        await watch.close()
-        await channel.close()
-        await server.stop(0)

@@ -125,9 +125,8 @@ class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
         matmul = load_cpu_matmul()
         if matmul is not None and matmul.supports(weight, "int4"):
             w = weight.float()
-            if (
-                dequantize_int4(*quantize_int4(w)) - w
-            ).abs().max() <= self.LOSSLESS_TOLERANCE * w.abs().max():
+            error = (dequantize_int4(*quantize_int4(w)) - w).abs().max()
+            if error <= self.LOSSLESS_TOLERANCE * w.abs().max():
                 return Int4WeightOnlyLinearMethod().pack(weight)
         return Int8WeightOnlyLinearMethod().pack(weight)
 

@@ -67,12 +67,12 @@ class HealthWatch:
         SERVING answer, instead of being given up at once.
         """
         self.start()
-        if since is None:
+        while True:
             await self.silent.wait()
-            return self.silent_for()
-        while (quiet := time.monotonic() - max(self.last_serving, since)) <= self.dead_after:
-            await asyncio.sleep(min(self.interval, self.dead_after - quiet + 0.01))
-        return self.silent_for()
+            quiet = time.monotonic() - max(self.last_serving, since or 0.0)
+            if quiet > self.dead_after:
+                return self.silent_for()
+            await asyncio.sleep(self.dead_after - quiet)
 
     async def _poll(self) -> None:
         request = health_pb2.HealthCheckRequest()
