@@ -1,12 +1,11 @@
-"""KV transfer benchmark (``make bench-kv``): staged and direct page transfers beside raw NIXL and memcpy.
+"""KV transfer benchmark (``make bench-kv``): page transfers beside a raw NIXL WRITE and memcpy.
 
 A prefill-role process (this one) transfers the KV pages of one prompt into a decode-role child process
-(multiprocessing spawn, UCX over loopback on CPU) with ``KVTransferAgent``, two ways, over the same
-pools: ``direct`` (the previous design, kept for page runs: one NIXL descriptor per layer, k/v and run
-of pages consecutive on both sides) and ``staged`` (pages gathered into send slots, one descriptor per
-slot into the decode side's receive lane, scattered there). Each is timed until the decode side has
-every page. In the same run, for the same bytes: a raw NIXL WRITE of one contiguous buffer (the wire's
-speed; the decode side busy-polls for its notification) and a local copy (memcpy).
+(multiprocessing spawn, UCX over loopback on CPU) with ``KVTransferAgent`` over page-major pools (one
+NIXL descriptor per run of pages consecutive on both sides, every layer's K and V in it), timed until
+the decode side has every page. In the same run, for the same bytes: a raw NIXL WRITE of one
+contiguous buffer (the wire's speed; the decode side busy-polls for its notification) and a local copy
+(memcpy).
 
 Pools are sized like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page 16 tokens). Placements:
 ``contiguous`` (pages 0..n-1 on both sides), ``scattered`` (random distinct pages on both sides),
@@ -33,15 +32,13 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from pdserve.kv_transfer import KVLayout, KVTransferAgent, StagingConfig
+from pdserve.kv_transfer import KVLayout, KVTransferAgent
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 
 logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, among the table
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
-NUM_PAGES = 512  # pool pages per (layer, k/v) plane: room for a 4,000-token prompt, scattered
-METHODS = ("direct", "staged")
-DIRECT_ONLY = StagingConfig(lanes=0, direct_min_bytes=0)
+NUM_PAGES = 512  # pool pages: room for a 4,000-token prompt, scattered
 
 
 def _layout(dtype: str) -> KVLayout:
@@ -49,7 +46,7 @@ def _layout(dtype: str) -> KVLayout:
 
 
 def _pool(dtype: str, device: str) -> torch.Tensor:
-    shape = (NUM_LAYERS, 2, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (NUM_PAGES, NUM_LAYERS, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return torch.randn(shape, device=device).to(getattr(torch, dtype))
 
 
@@ -89,11 +86,8 @@ def _decode_main(conn: Connection, device: str) -> None:
         pool = _pool(dtype, device)
         agent = KVTransferAgent(f"bench-decode-{dtype}", pool, _layout(dtype))
         raw = _raw_agent(f"bench-decode-raw-{dtype}", pool)
-        lane = agent.lane_for("bench-prefill")
-        conn.send((agent.local_info(lane), agent.local_info(), raw.get_agent_metadata()))
-        staged_info, direct_info = conn.recv()
-        agent.add_peer(staged_info, lane=lane)
-        agent.add_peer(direct_info)
+        conn.send((agent.local_info(), raw.get_agent_metadata()))
+        agent.add_peer(conn.recv())
         while (cmd := conn.recv())[0] != "done":
             if cmd[0] == "expect":  # (peer, tid, dst pages): register, say so, then await every page
                 receive = agent.expect(*cmd[1:])
@@ -160,25 +154,22 @@ def _memcpy_once(pool: torch.Tensor, scratch: torch.Tensor, nbytes: int) -> floa
 
 
 async def _bench_dtype(args, dtype: str, conn: Connection, rng: np.random.Generator) -> list[dict]:
-    """Every repetition runs each method once, interleaved, so all see the same machine load."""
+    """Every repetition runs the raw WRITE, the memcpy and each placement once, interleaved, so all see
+    the same machine load."""
     pool = _pool(dtype, args.device)
-    agents = {
-        "staged": KVTransferAgent(f"bench-prefill-staged-{dtype}", pool, _layout(dtype)),
-        "direct": KVTransferAgent(f"bench-prefill-direct-{dtype}", pool, _layout(dtype), DIRECT_ONLY),
-    }
+    agent = KVTransferAgent(f"bench-prefill-{dtype}", pool, _layout(dtype))
     raw = _raw_agent(f"bench-prefill-raw-{dtype}", pool)
     conn.send(("setup", dtype))
-    staged_peer, direct_peer, raw_metadata = conn.recv()
-    agents["staged"].add_peer(staged_peer)
-    agents["direct"].add_peer(direct_peer)
-    conn.send((agents["staged"].local_info(), agents["direct"].local_info()))
+    peer, raw_metadata = conn.recv()
+    agent.add_peer(peer)
+    conn.send(agent.local_info())
     raw_peer = raw.add_remote_agent(raw_metadata).decode()
     mem = "VRAM" if pool.is_cuda else "DRAM"
     scratch = torch.empty(pool.numel() * pool.element_size(), dtype=torch.uint8, device=pool.device)
     results = []
     for tokens in args.tokens:
         n = math.ceil(tokens / PAGE_SIZE)
-        nbytes = n * _layout(dtype).page_bytes * NUM_LAYERS * 2
+        nbytes = n * _layout(dtype).page_bytes
         placements = {
             "contiguous": (list(range(n)), list(range(n))),
             "scattered": (
@@ -188,39 +179,41 @@ async def _bench_dtype(args, dtype: str, conn: Connection, rng: np.random.Genera
             "after-churn": (after_churn(rng, n), after_churn(rng, n)),
         }
         raw_s, memcpy_s = [], []
-        pd_s = {(p, m): [] for p in placements for m in METHODS}
+        pd_s: dict[str, list[float]] = {p: [] for p in placements}
         descriptors = {}
         for rep in range(args.reps + 1):  # repetition 0 warms up (connection, page faults) and is dropped
-            raw_s.append(_raw_once(raw, raw_peer, pool.data_ptr(), direct_peer.base_addr, nbytes, conn, mem))
+            raw_s.append(_raw_once(raw, raw_peer, pool.data_ptr(), peer.base_addr, nbytes, conn, mem))
             memcpy_s.append(_memcpy_once(pool, scratch, nbytes))
             for placement, (src, dst) in placements.items():
-                for method, agent in agents.items():
-                    tid = f"{tokens}-{placement}-{method}-{rep}".encode()
-                    peer = staged_peer.agent_name
-                    seconds, descriptors[placement, method] = await _pd_once(agent, peer, conn, src, dst, tid)
-                    pd_s[placement, method].append(seconds)
+                tid = f"{tokens}-{placement}-{rep}".encode()
+                seconds, descriptors[placement] = await _pd_once(agent, peer.agent_name, conn, src, dst, tid)
+                pd_s[placement].append(seconds)
         raw_gbps = _gbps(nbytes, raw_s[1:])
         for placement in placements:
-            row = {"dtype": dtype, "tokens": tokens, "pages": n, "bytes": nbytes, "placement": placement}
-            for method in METHODS:
-                gbps = _gbps(nbytes, pd_s[placement, method][1:])
-                row[f"{method}_descriptors"] = descriptors[placement, method]
-                row[f"{method}_gbps"] = round(gbps, 3)
-                row[f"{method}_ms"] = round(statistics.median(pd_s[placement, method][1:]) * 1e3, 3)
-                row[f"{method}_vs_raw"] = round(gbps / raw_gbps, 3)
-            row["raw_nixl_gbps"] = round(raw_gbps, 3)
-            row["memcpy_gbps"] = round(_gbps(nbytes, memcpy_s[1:]), 3)
-            results.append(row)
+            gbps = _gbps(nbytes, pd_s[placement][1:])
+            results.append(
+                {
+                    "dtype": dtype,
+                    "tokens": tokens,
+                    "pages": n,
+                    "bytes": nbytes,
+                    "placement": placement,
+                    "descriptors": descriptors[placement],
+                    "gbps": round(gbps, 3),
+                    "ms": round(statistics.median(pd_s[placement][1:]) * 1e3, 3),
+                    "vs_raw": round(gbps / raw_gbps, 3),
+                    "raw_nixl_gbps": round(raw_gbps, 3),
+                    "memcpy_gbps": round(_gbps(nbytes, memcpy_s[1:]), 3),
+                }
+            )
     conn.send(("done",))
-    for agent in agents.values():
-        agent.close()
+    agent.close()
     return results
 
 
 def _print_table(results: list[dict]) -> None:
     header = (
-        f"{'dtype':<9}{'tokens':>7}{'MB':>7} {'placement':<12}"
-        f"{'direct descs':>13}{'GB/s':>6}{'/raw':>6}{'staged descs':>13}{'GB/s':>6}{'/raw':>6}"
+        f"{'dtype':<9}{'tokens':>7}{'MB':>7} {'placement':<12}{'descs':>6}{'ms':>8}{'GB/s':>6}{'/raw':>6}"
         f"{'raw':>6}{'memcpy':>7}"
     )
     print(header)
@@ -228,10 +221,8 @@ def _print_table(results: list[dict]) -> None:
     for r in results:
         print(
             f"{r['dtype']:<9}{r['tokens']:>7}{r['bytes'] / 1e6:>7.1f} {r['placement']:<12}"
-            + "".join(
-                f"{r[f'{m}_descriptors']:>13}{r[f'{m}_gbps']:>6.2f}{r[f'{m}_vs_raw']:>6.2f}" for m in METHODS
-            )
-            + f"{r['raw_nixl_gbps']:>6.2f}{r['memcpy_gbps']:>7.2f}"
+            f"{r['descriptors']:>6}{r['ms']:>8.2f}{r['gbps']:>6.2f}{r['vs_raw']:>6.2f}{r['raw_nixl_gbps']:>6.2f}"
+            f"{r['memcpy_gbps']:>7.2f}"
         )
     print(
         "(GB/s = 1e9 bytes/s until the decode side has every page, median of the repetitions;"
@@ -276,7 +267,6 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else _cpu_name(),
         "model_geometry": {"num_layers": NUM_LAYERS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
         "page_size": PAGE_SIZE,
-        "staging": vars(StagingConfig()),
         "reps": args.reps,
         "wall_s": round(time.perf_counter() - started, 1),
         "results": results,

@@ -1,4 +1,4 @@
-"""KV transfer's share of TTFT in PD 1+1 (``make bench-kv-e2e``), the transfer designs side by side.
+"""KV transfer's share of TTFT in PD 1+1 (``make bench-kv-e2e``), sent after the last chunk or streamed.
 
 For each configuration a PD 1+1 stack is launched (``pdserve launch --num-prefill 1 --num-decode 1``,
 float32), its pools are churned by earlier traffic (``--churn`` requests of 16-1,500 random tokens, 4
@@ -7,9 +7,9 @@ at a time, so the radix caches hold scattered pages), then ``--reps`` fresh prom
 decode side's TTFT (arrival to first token) and the prefill side's ``pdserve:kv_transfer_seconds``
 (first token sampled to the last byte written: the part of TTFT the transfer adds), as means.
 
-Configurations: ``direct`` (prefill workers write pages directly, one NIXL descriptor per layer and run
-of pages, after the last chunk: the previous design) and ``staged`` (scattered pages through staging,
-chunks streamed while later ones compute: the default). Prints a table and, last, one JSON object.
+Configurations: ``after-last-chunk`` (a prompt's pages written once its last chunk has computed) and
+``streamed`` (each chunk's pages written while later ones compute: the default). Prints a table and,
+last, one JSON object.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import numpy as np
 from tests.stack import Stack, launch_stack
 
 CONFIGS = {
-    "direct": {"PDSERVE_KV_STAGING_LANES": "0", "PDSERVE_KV_STREAM_CHUNKS": "off"},
-    "staged": {"PDSERVE_KV_STAGING_LANES": "4", "PDSERVE_KV_STREAM_CHUNKS": "on"},
+    "after-last-chunk": {"PDSERVE_KV_STREAM_CHUNKS": "off"},
+    "streamed": {"PDSERVE_KV_STREAM_CHUNKS": "on"},
 }
 VOCAB = (100, 49000)  # ordinary token ids of SmolLM2's vocabulary
 

@@ -14,7 +14,7 @@ from pdserve.constrained.backend import GrammarBackend
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
-from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVTransferAgent, StagingConfig
+from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVTransferAgent
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
@@ -90,11 +90,9 @@ async def build_scheduler_off_loop(
         return await asyncio.get_running_loop().run_in_executor(pool, build_scheduler, args, role, tp)
 
 
-def build_kv_agent(
-    scheduler: Scheduler, role: str, address: str, host: str, staging: StagingConfig | None = None
-) -> KVTransferAgent:
-    """One NIXL agent per scheduler rank with its whole KV pool (its heads) and its staging memory
-    registered; its UCX transports use only the interface of ``host``, the internal address the process binds
+def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> KVTransferAgent:
+    """One NIXL agent per scheduler rank with its whole KV pool (its heads) registered; its UCX
+    transports use only the interface of ``host``, the internal address the process binds
     (``restrict_ucx_to``)."""
     restrict_ucx_to(host)
     runner = scheduler.runner
@@ -111,7 +109,7 @@ def build_kv_agent(
         tp_rank=cfg.tp_rank,
     )
     name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
-    return KVTransferAgent(name, runner.kv_pool.kv_data, layout, staging)
+    return KVTransferAgent(name, runner.kv_pool.kv_data, layout)
 
 
 async def gather_agents(agent: KVTransferAgent, tp: TpGroup) -> list[KVAgentInfo]:

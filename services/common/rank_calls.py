@@ -1,8 +1,8 @@
 """Rank 0 asks every rank of its TP group to do something at the step seam, and awaits each answer.
 
-A decode worker's NIXL work is per rank (each rank has its own agent, staging lanes and pool shard),
-but only rank 0 talks to prefill workers. When rank 0 needs every rank's part (grant a staging lane
-to a prefill worker and describe it, load the worker's rank ``i`` agent, expect a transfer), it
+A decode worker's NIXL work is per rank (each rank has its own agent and pool shard), but only rank 0
+talks to prefill workers. When rank 0 needs every rank's part (describe its agent, load the worker's
+rank ``i`` agent, expect a transfer), it
 ``call``s: the call enters every rank as an event at the step seam (``step_inputs``), each rank runs
 the named function there and reports its result, and rank 0's call returns the results in rank
 order once every rank's report reached it (one or two loop iterations); ``broadcast`` does not wait

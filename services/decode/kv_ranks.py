@@ -1,10 +1,10 @@
 """The receiving side of a decode worker's KV transfers, on every rank of its TP group.
 
-Each rank has its own NIXL agent, staging lanes and pool shard; prefill rank ``i`` writes its KV head
+Each rank has its own NIXL agent and pool shard; prefill rank ``i`` writes its KV head
 shard into decode rank ``i``. Rank 0 drives (it alone talks to prefill workers) through ``RankCalls``,
 so every rank acts at the same step seam, in the same order:
 
-- handshake: every rank grants the prefill worker a staging lane and describes it (``grant_lanes``);
+- handshake: every rank describes its agent (``describe``);
   after the gRPC exchange every rank loads the prefill rank of its own index (``add_peers``);
 - per attempt: every rank expects the transfer id (rank 0 picks it) into the request's pages, which
   are the same on every rank (``expect``); rank 0 awaits its own receive and the other ranks' reports
@@ -112,7 +112,7 @@ class KVRanks:
         self.calls = RankCalls(
             loop,
             {
-                "grant_lane": self._grant_lane,
+                "describe": self.agent.local_info,
                 "add_peer": self._add_peer,
                 "forget_peer": self._forget_peer,
                 "expect": self._expect,
@@ -127,9 +127,9 @@ class KVRanks:
         self._landed: dict[bytes, set[int]] = {}  # rank 0: tid -> the other ranks landed so far
 
     # ---- rank 0 ---------------------------------------------------------------------------
-    async def grant_lanes(self, address: str) -> list[KVAgentInfo]:
-        """Every rank's agent info with the receive lane it grants the prefill worker at ``address``."""
-        return await self.calls.call("grant_lane", address)
+    async def describe(self) -> list[KVAgentInfo]:
+        """Every rank's agent info, rank order."""
+        return await self.calls.call("describe")
 
     async def add_peers(self, address: str, infos: list[KVAgentInfo]) -> None:
         """Rank ``i`` loads ``infos[i]`` (the prefill worker's rank ``i``) as its sender at ``address``.
@@ -169,9 +169,6 @@ class KVRanks:
         if receive is not None:
             receive.cancel()
 
-    def _grant_lane(self, address: str) -> KVAgentInfo:
-        return self.agent.local_info(self.agent.lane_for(address))
-
     def _add_peer(self, address: str, infos: list[KVAgentInfo]) -> None:
         if len(infos) != self.tp.size:
             raise KVLayoutMismatch(
@@ -179,7 +176,7 @@ class KVRanks:
                 " (prefill rank i writes decode rank i: both need the same TP size)"
             )
         mine = infos[self.tp.rank]
-        self.agent.add_peer(mine, lane=self.agent.lane_for(address))
+        self.agent.add_peer(mine)
         self.peer_names[address] = mine.agent_name
 
     def _forget_peer(self, address: str) -> None:

@@ -14,7 +14,6 @@ from pdserve.cli_args import (
     setup_service,
 )
 from pdserve.distributed import TpGroup
-from pdserve.kv_transfer import StagingConfig
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
@@ -48,13 +47,6 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a detokenizer may stay unreachable before the requests it serves are aborted",
     )
     parser.add_argument(
-        "--kv-staging-lanes",
-        type=int,
-        default=StagingConfig.lanes,
-        help="prefill workers that may send scattered KV pages through staging slots at once"
-        " (0: they write pages directly, one NIXL descriptor per layer and run of pages)",
-    )
-    parser.add_argument(
         "--prefill-dead-after",
         type=positive_float,
         default=DEFAULT_PREFILL_DEAD_AFTER_S,
@@ -75,8 +67,7 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
     """This rank's scheduler (its shard of the model and KV pool), NIXL agent and servicer."""
     role = "mixed" if args.colocated else "decode"
     scheduler = await build_scheduler_off_loop(args, role, tp)
-    staging = StagingConfig(lanes=max(0, args.kv_staging_lanes))
-    agent = build_kv_agent(scheduler, role, address, args.host, staging) if role == "decode" else None
+    agent = build_kv_agent(scheduler, role, address, args.host) if role == "decode" else None
     return DecodeServicer(
         scheduler,
         address,

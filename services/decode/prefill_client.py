@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_PREFILL_DEAD_AFTER_S = 5.0
+ABORT_TIMEOUT_S = 5.0
 
 
 class PrefillHung(Exception):
@@ -42,10 +43,6 @@ class PrefillHung(Exception):
 class PrefillPeer:
     """One prefill worker as seen from a decode worker: channel, stub, the agent handshake and a
     ``HealthWatch`` (polling from the first call on) that gives up calls to it when it hangs.
-
-    The decode agent grants the worker a receive lane (staging slots it may write gathered pages
-    into), kept for its address across reconnects: a worker restarted on the same address is a new
-    process, the old one gone.
 
     Args:
         address: the prefill worker's "host:port".
@@ -69,13 +66,12 @@ class PrefillPeer:
         self.peer_incarnation = ""
 
     async def handshake(self, timeout: float) -> None:
-        """Send our agent info (and its lane), learn the peer's; done once per peer and redone after a
-        restart.
+        """Send our agent info, learn the peer's; done once per peer and redone after a restart.
 
         Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch, refused by
         the prefill worker) or KVLayoutMismatch (refused here).
         """
-        infos = await self.ranks.grant_lanes(self.address)
+        infos = await self.ranks.describe()
         local = kv_agent_info_to_pb(infos[0])
         local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in infos[1:])
         info = await self.stub.ExchangeKVAgentInfo(local, timeout=timeout)
@@ -146,6 +142,17 @@ class PrefillPeer:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
                 self.peer_incarnation = ""  # the peer may have restarted: handshake again next time
             raise
+
+    async def abort(self, rid: str, reason: str) -> None:
+        """Ask the peer to stop prefilling ``rid`` (its Prefill call then answers with an error once its
+        transfer is cancelled). Failures are logged: the call ends anyway, by its own timeout or the
+        health watch."""
+        try:
+            await self.stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason=reason), timeout=ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            logger.info(
+                "abort of %s on prefill worker %s: %s", rid, self.address, e.details(), extra={"rid": rid}
+            )
 
     async def close(self) -> None:
         await self.health.close()

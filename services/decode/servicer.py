@@ -69,6 +69,14 @@ class KVFailed:
     retryable: bool
 
 
+@dataclass(slots=True)
+class KVDrained:
+    """Rank 0's prefill task for ``rid`` ended: no Prefill call of it is in flight, so no prefill
+    worker writes into its pages any more (those of a request that ended meanwhile are released)."""
+
+    rid: str
+
+
 class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
     """Decode (or colocated ``mixed``) scheduler service.
 
@@ -108,7 +116,12 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.address = address
         self.agent = agent
         self.tp = tp
-        handlers = {Abort: self._abort, KVReady: self._kv_ready, KVFailed: self._kv_failed}
+        handlers = {
+            Abort: self._abort,
+            KVReady: self._kv_ready,
+            KVFailed: self._kv_failed,
+            KVDrained: lambda event: self.scheduler.kv_drained(event.rid),
+        }
         self.loop = SchedulerLoop(scheduler, self._emit, self._start_prefills, handlers, tp, overlap)
         self.outputs = ClientStreamPool(
             lambda ch: output_pb2_grpc.DetokenizerStub(ch).StreamTokenIDs,
@@ -117,6 +130,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         )
         self.peers: dict[str, PrefillPeer] = {}
         self.prefill_tasks: dict[str, asyncio.Task] = {}
+        self.prefilling_on: dict[str, PrefillPeer] = {}  # rid -> the worker its Prefill call is on
+        self.prefill_aborts: set[asyncio.Task] = set()
         self.kv = KVRanks(agent, scheduler, self.loop) if agent is not None else None
         if self.kv is not None:
             scheduler.on_kv_abandoned = self.kv.abandon
@@ -173,8 +188,11 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
 
     def busy(self) -> bool:
-        """Requests still held (queued for the next step, waiting for KV or running)."""
-        return bool(self.scheduler.reqs) or any(isinstance(e, NewRequest) for e in self.loop.inputs.pending())
+        """Requests still held (queued for the next step, waiting for KV, running, or ended with their
+        pages still held while a prefill worker may write them)."""
+        return bool(self.scheduler.reqs or self.scheduler.kv_draining) or any(
+            isinstance(e, NewRequest) for e in self.loop.inputs.pending()
+        )
 
     def abort(self, rid: str, reason: str) -> bool:
         """Abort ``rid`` at the next step on every rank (``_abort`` also stops its prefill in flight);
@@ -187,11 +205,19 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
     def _abort(self, event: Abort) -> bool:
-        """Stop a prefill in flight (rank 0) and abort the request in the scheduler."""
-        task = self.prefill_tasks.pop(event.rid, None)
-        if task is not None:
-            task.cancel()
+        """Abort the request in the scheduler, and stop its prefill in flight (rank 0)."""
+        self._stop_prefill(event.rid, event.reason)
         return self.scheduler.abort_request(event.rid, event.reason)
+
+    def _stop_prefill(self, rid: str, reason: str) -> None:
+        """Ask the prefill worker computing ``rid``'s KV to stop. Its Prefill call is left to end (with
+        an error, at once): until it has, that worker may still write the pages, which the scheduler
+        holds (``kv_draining``) until the task's ``KVDrained``."""
+        peer = self.prefilling_on.get(rid)
+        if peer is not None:
+            task = asyncio.get_running_loop().create_task(peer.abort(rid, reason))
+            self.prefill_aborts.add(task)
+            task.add_done_callback(self.prefill_aborts.discard)
 
     def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
         out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
@@ -236,9 +262,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             self.started.add(req.rid)
             if out.finished:
                 self.started.discard(req.rid)
-                task = self.prefill_tasks.pop(req.rid, None)
-                if task is not None:
-                    task.cancel()
+                self._stop_prefill(req.rid, req.error or "finished")
             new_ids = req.output_ids[sent:] if interval > 1 else out.new_token_ids
             req.meta["sent"] = len(req.output_ids)
             builder = batches.get(target)
@@ -300,9 +324,12 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         attempts = addresses[: 1 + self.prefill_retries]
         errors: list[str] = []
         retryable = True
+        event = None
         try:
             resp = None
             for address in attempts:
+                if rid not in self.scheduler.waiting_for_kv:
+                    break  # ended meanwhile (aborted): no other worker is asked
                 try:
                     with tracing.request_context(req):
                         resp = await self._prefill_once(req, address)
@@ -324,10 +351,12 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                     logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
                 event = KVReady(rid, resp.first_token_id, logprob, resp.cached_tokens, resp.transferred_bytes)
         except asyncio.CancelledError:
-            return
+            pass  # the servicer is closing
         finally:
             self.prefill_tasks.pop(rid, None)
-        self.loop.submit(event)
+        if event is not None:
+            self.loop.submit(event)
+        self.loop.submit(KVDrained(rid))
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
         """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
@@ -359,15 +388,17 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         tid = f"{req.rid}/{uuid.uuid4().hex[:12]}".encode()
         start = time.monotonic()
         landing = await self.kv.expect(req, peer.address, tid, timeout)
+        self.prefilling_on[req.rid] = peer
         try:
             resp = await peer.prefill(req, tid, timeout)
             await landing.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:
+            self.prefilling_on.pop(req.rid, None)
             landing.cancel()  # on every rank; no-op once every page landed
         return resp
 
     async def close(self) -> None:
-        for task in self.prefill_tasks.values():
+        for task in (*self.prefill_tasks.values(), *self.prefill_aborts):
             task.cancel()
         await self.outputs.close()
         for peer in self.peers.values():

@@ -11,7 +11,7 @@ Handlers submit events (``step_inputs``) that the scheduler loop applies at the 
 iteration. Under tensor parallelism the same servicer runs on every rank (without a gRPC server on
 ranks > 0): every rank prefills the same requests and rank ``i`` opens, streams and finishes the
 transfer of its KV head shard into rank ``i`` of the decode worker (same transfer id, its own NIXL
-agent and the staging lane decode rank ``i`` granted it). Each rank reports when its own write ended;
+agent). Each rank reports when its own write ended;
 once every rank's write landed (or one failed) every rank caches or frees the pages at the same
 step, and rank 0 answers.
 """

@@ -104,7 +104,7 @@ def test_flashinfer_paged_attention_matches_float64(requests, page_size):
     )
     layer = RadixAttention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, 0)
     out = backend.forward(q, k, v, layer, fb).view(tokens, HEADS, HEAD_DIM).cpu()
-    k_pages, v_pages = (pages.cpu() for pages in runner.kv_pool.kv_data[0])
+    k_pages, v_pages = (pages.cpu() for pages in runner.kv_pool.kv_pages(0))
     expected = row_reference(
         q.view(tokens, HEADS, HEAD_DIM).cpu(),
         k_pages,

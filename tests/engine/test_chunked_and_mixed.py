@@ -13,10 +13,10 @@ GREEDY = SamplingParams(temperature=0.0, return_logprob=True)
 
 
 def kv_of(runner, seq: Seq, n: int) -> torch.Tensor:
-    """K and V of positions [0, n) of ``seq``, every layer: [layers, 2, n, Hkv, D]."""
+    """K and V of positions [0, n) of ``seq``, every layer: [n, layers, 2, Hkv, D]."""
     slots = runner.req_to_token_pool.req_to_token[seq.req_pool_idx, :n]
-    flat = runner.kv_pool.kv_data.flatten(2, 3)
-    return flat[:, :, slots]
+    page_size = runner.kv_pool.page_size
+    return runner.kv_pool.kv_data[slots // page_size, :, :, slots % page_size]
 
 
 def test_chunked_extend_equals_one_extend(runner, tokenizer, long_text):

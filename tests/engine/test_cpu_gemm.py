@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig
 
+from pdserve.distributed import SINGLE_RANK
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
@@ -135,7 +136,7 @@ def test_halves_layout_and_silu_epilogue(gemm, rows, with_bias, int8):
 @kernel_only
 def test_mlp_folds_silu_into_the_gate_up_matmul(gemm):
     config = LlamaConfig(hidden_size=64, intermediate_size=96, hidden_act="silu")
-    mlp = LlamaMLP(config).to(torch.bfloat16)
+    mlp = LlamaMLP(config, SINGLE_RANK).to(torch.bfloat16)
     for param in mlp.parameters():
         param.data.normal_(std=0.1)
     x = torch.randn(5, 64).to(torch.bfloat16)

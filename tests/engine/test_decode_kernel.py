@@ -30,15 +30,16 @@ def make_pool(
     q_scale: float = 1.0,
     seed: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """q, K/V pages, a shuffled page table and seq lens. Every slot no request may read (spare pages,
-    the page table's padding page, a last page's tail) holds NaN, so reading one shows in the output."""
+    """q, K/V pages, a shuffled page table and seq lens. K/V are one layer's views of a page-major pool
+    of two layers (``KVPool``'s layout: pages strided). Every slot no request may read (spare pages,
+    the page table's padding page, a last page's tail, the other layer) holds NaN, so reading one shows
+    in the output."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.tensor(seq_lens)
     pages_per = (lens + page_size - 1) // page_size
     num_pages = int(pages_per.sum()) + 3
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_pages = torch.full(shape, math.nan)
-    v_pages = torch.full(shape, math.nan)
+    pool = torch.full((num_pages, 2, 2, page_size, num_kv_heads, head_dim), math.nan)
+    k_pages, v_pages = pool[:, 1, 0], pool[:, 1, 1]
     order = torch.randperm(num_pages, generator=gen)
     padding = int(order[-1])  # like the backend, padding entries point at a real page: never read
     page_table = torch.full((len(seq_lens), int(pages_per.max())), padding)
@@ -52,7 +53,8 @@ def make_pool(
         k_pages[rows, cols] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         v_pages[rows, cols] = torch.randn(n, num_kv_heads, head_dim, generator=gen)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen) * q_scale
-    return q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), page_table, lens
+    pool = pool.to(dtype)
+    return q.to(dtype), pool[:, 1, 0], pool[:, 1, 1], page_table, lens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -45,14 +45,15 @@ def kernel():
 
 def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0):
     """Random bfloat16 K/V pages and queries for ``requests`` ((prefix, new) pairs), the queries in
-    strided rows of a fused qkv-like tensor with one spare row between requests. Slots no query may
-    read (spare pages, last pages' tails) hold NaN."""
+    strided rows of a fused qkv-like tensor with one spare row between requests. K/V are one layer's
+    views of a page-major pool of two layers (``KVPool``'s layout). Slots no query may read (spare
+    pages, last pages' tails, the other layer) hold NaN."""
     gen = torch.Generator().manual_seed(seed)
     totals = [p + n for p, n in requests]
     pages_per = [-(-t // page_size) for t in totals]
     num_pages = sum(pages_per) + 2
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_pages, v_pages = torch.full(shape, math.nan), torch.full(shape, math.nan)
+    pool = torch.full((num_pages, 2, 2, page_size, num_kv_heads, head_dim), math.nan)
+    k_pages, v_pages = pool[:, 0, 0], pool[:, 0, 1]
     order = torch.randperm(num_pages, generator=gen)
     page_table = torch.full((len(requests), max(pages_per)), int(order[-1]))
     row_starts, row, taken = [], 0, 0
@@ -73,10 +74,11 @@ def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0):
     fused = torch.randn(row, width, generator=gen).to(torch.bfloat16)
     q = fused[:, : num_heads * head_dim].view(row, num_heads, head_dim)
     lens = torch.tensor(requests)
+    pool = pool.bfloat16()
     return (
         q,
-        k_pages.bfloat16(),
-        v_pages.bfloat16(),
+        pool[:, 0, 0],
+        pool[:, 0, 1],
         page_table,
         lens[:, 0],
         lens[:, 1],
@@ -119,7 +121,7 @@ def test_mixed_batch_routing_matches_sdpa(kernel):
     as tiles and the decodes as decode-kernel rows, and one layer's output equals its SDPA path's."""
     num_heads, num_kv_heads, head_dim, page_size = 9, 3, 64, 16
     config = SimpleNamespace(
-        dtype=torch.bfloat16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+        dtype=torch.bfloat16, num_local_heads=num_heads, num_local_kv_heads=num_kv_heads, head_dim=head_dim
     )
     runner = SimpleNamespace(
         device=torch.device("cpu"),

@@ -90,12 +90,13 @@ def test_store_kv_from_fused_qkv_matches_index_put(ops, dtype, rows):
     qkv = torch.randn(rows, q_size + 2 * kv_size, generator=gen).to(dtype)
     _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views, as the model passes them
     loc = torch.randperm(slots, generator=gen)[:rows]
-    k_pool, v_pool = torch.zeros(2, slots, 3, 64, dtype=dtype)
-    ops.store_kv(k, v, k_pool, v_pool, loc)
-    expected_k, expected_v = torch.zeros(2, slots, 3, 64, dtype=dtype)
-    expected_k[loc] = k.reshape(rows, 3, 64)
-    expected_v[loc] = v.reshape(rows, 3, 64)
-    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    page_size = 16  # layer 1 of a page-major pool of two layers, as KVPool lays it out
+    pool = torch.zeros(slots // page_size, 2, 2, page_size, 3, 64, dtype=dtype)
+    ops.store_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], loc)
+    expected = torch.zeros_like(pool)
+    expected[loc // page_size, 1, 0, loc % page_size] = k.reshape(rows, 3, 64)
+    expected[loc // page_size, 1, 1, loc % page_size] = v.reshape(rows, 3, 64)
+    assert torch.equal(pool, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

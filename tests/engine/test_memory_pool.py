@@ -97,20 +97,24 @@ def test_slots_for_pages_maps_positions_through_pages():
         slots_for_pages(pages, 0, 13, page_size=4)
 
 
-def test_kv_pool_layout_views_and_page_bytes():
+def test_kv_pool_is_page_major_with_strided_layer_views():
     pool = KVPool(num_pages=6, page_size=4, num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
-    assert pool.kv_data.shape == (3, 2, 6, 4, 2, 8) and pool.kv_data.is_contiguous()
-    assert pool.page_nbytes == 4 * 2 * 8 * 2
+    assert pool.kv_data.shape == (6, 3, 2, 4, 2, 8) and pool.kv_data.is_contiguous()
+    assert pool.page_nbytes == 3 * 2 * 4 * 2 * 8 * 2  # every layer's K and V of 4 tokens
     loc = torch.tensor([5, 17])  # page 1 offset 1, page 4 offset 1
     k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
     pool.set_kv(1, loc, k, v)
-    assert torch.equal(pool.kv_data[1, 0, 1, 1], k[0].bfloat16())
-    assert torch.equal(pool.kv_data[1, 1, 4, 1], v[1].bfloat16())
-    assert torch.equal(pool.k_buffer(1)[17], k[1].bfloat16())
-    assert pool.k_buffer(1).data_ptr() == pool.kv_data[1, 0].data_ptr()
-    # one request's consecutive pages of one layer's K are one contiguous byte range
-    start = pool.kv_data[2, 0, 3].data_ptr()
-    assert pool.kv_data[2, 0, 4].data_ptr() - start == pool.page_nbytes
+    assert torch.equal(pool.kv_data[1, 1, 0, 1], k[0].bfloat16())
+    assert torch.equal(pool.kv_data[4, 1, 1, 1], v[1].bfloat16())
+    k_pages, v_pages = pool.kv_pages(1)
+    assert k_pages.shape == v_pages.shape == (6, 4, 2, 8)
+    assert torch.equal(k_pages[4, 1], k[1].bfloat16()) and torch.equal(v_pages[1, 1], v[0].bfloat16())
+    assert k_pages.stride(0) == v_pages.stride(0) == pool.page_stride == 3 * 2 * 4 * 2 * 8
+    assert k_pages[0].is_contiguous()
+    # page p of every layer is one contiguous byte range, page p + 1 right after it
+    start = pool.kv_data[3].data_ptr()
+    assert pool.kv_data[4].data_ptr() - start == pool.page_nbytes
+    assert pool.kv_pages(2)[1][3].data_ptr() - start == (2 * 2 + 1) * 4 * 2 * 8 * 2
 
 
 def test_pool_sizing_from_tokens_or_bytes():

@@ -17,7 +17,6 @@ from pdserve.kv_transfer import (
     KVReceive,
     KVTransferAgent,
     KVTransferError,
-    StagingConfig,
 )
 
 LAYOUT = KVLayout(
@@ -27,8 +26,8 @@ NUM_PAGES = 64
 
 
 def pool_shape(layout: KVLayout, num_pages: int) -> tuple[int, ...]:
-    """``kv_data`` shape ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``."""
-    return (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    """``kv_data`` shape ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``."""
+    return (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
 
 
 def seeded_pool(layout: KVLayout, num_pages: int, seed: int) -> torch.Tensor:
@@ -37,17 +36,16 @@ def seeded_pool(layout: KVLayout, num_pages: int, seed: int) -> torch.Tensor:
     return torch.randn(pool_shape(layout, num_pages), generator=gen).to(getattr(torch, layout.dtype))
 
 
-def _serve(conn: Connection, name: str, seed: int, staging: StagingConfig | None) -> None:
+def _serve(conn: Connection, name: str, seed: int) -> None:
     torch.set_num_threads(1)
     kv_data = seeded_pool(LAYOUT, NUM_PAGES, seed)
-    agent = KVTransferAgent(name, kv_data, LAYOUT, staging)
-    lane = agent.lane_for("prefill")
-    conn.send(agent.local_info(lane))
+    agent = KVTransferAgent(name, kv_data, LAYOUT)
+    conn.send(agent.local_info())
     receives: dict[bytes, KVReceive] = {}
     while True:
         cmd, *args = conn.recv()
-        if cmd == "add_peer":  # (info, with_lane): a sender, granted our lane or not
-            agent.add_peer(args[0], lane=lane if args[1] else None)
+        if cmd == "add_peer":  # (info,): a sender
+            agent.add_peer(args[0])
             conn.send("ok")
         elif cmd == "expect":  # (peer, tid, dst_pages)
             receives[args[1]] = agent.expect(*args)
@@ -60,7 +58,7 @@ def _serve(conn: Connection, name: str, seed: int, staging: StagingConfig | None
         elif cmd == "done":
             conn.send(receives[args[0]].done)
         elif cmd == "cancel":
-            receives.pop(args[0]).cancel()
+            receives[args[0]].cancel()
             conn.send("ok")
         elif cmd == "dump":
             conn.send(kv_data.clone())
@@ -100,12 +98,11 @@ class Peer:
             self.process.join()
 
 
-def start_peer(name: str, seed: int, staging: StagingConfig | None = None) -> Peer:
-    """Spawn a child holding a ``KVTransferAgent`` over ``seeded_pool(LAYOUT, NUM_PAGES, seed)``; its
-    ``info`` grants a receive lane, bound to the sender added by ``("add_peer", info, True)``."""
+def start_peer(name: str, seed: int) -> Peer:
+    """Spawn a child holding a ``KVTransferAgent`` over ``seeded_pool(LAYOUT, NUM_PAGES, seed)``."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(child, name, seed, staging), daemon=True)
+    process = ctx.Process(target=_serve, args=(child, name, seed), daemon=True)
     process.start()
     child.close()  # so a child that dies during start-up reads as EOF here
     if not parent.poll(60):

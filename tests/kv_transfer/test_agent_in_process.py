@@ -39,9 +39,8 @@ def _side(role: str, num_pages: int, seed: int) -> Side:
 @pytest.fixture(scope="module")
 def pair():
     prefill, decode = _side("prefill", 24, seed=1), _side("decode", 40, seed=2)
-    lane = decode.agent.lane_for("the-prefill-address")
-    prefill.agent.add_peer(decode.agent.local_info(lane))
-    decode.agent.add_peer(prefill.agent.local_info(), lane=lane)
+    prefill.agent.add_peer(decode.agent.local_info())
+    decode.agent.add_peer(prefill.agent.local_info())
     yield prefill, decode
     prefill.agent.close()
     decode.agent.close()
@@ -53,10 +52,10 @@ async def test_random_pages_land_exactly(pair: tuple[Side, Side]):
     src = torch.randperm(24, generator=gen)[:10].tolist()
     dst = torch.randperm(40, generator=gen)[:10].tolist()
     expected = decode.kv.clone()
-    expected[:, :, dst] = prefill.kv[:, :, src]
+    expected[dst] = prefill.kv[src]
     receive = decode.agent.expect(prefill.agent.name, b"rid-1", dst)
     nbytes = await prefill.agent.write_pages(decode.agent.name, src, dst, b"rid-1", timeout_s=10)
-    assert await receive.wait(10) == nbytes == prefill.kv[:, :, src].numel() * prefill.kv.element_size()
+    assert await receive.wait(10) == nbytes == prefill.kv[src].numel() * prefill.kv.element_size()
     assert torch.equal(decode.kv, expected)
 
 
@@ -88,19 +87,19 @@ async def test_landed_messages_count_each_page_once_and_only_from_the_sender(pai
     prefill, decode = pair
     receive = decode.agent.expect(prefill.agent.name, b"forged", [5, 6])
     nixl = prefill.agent._agent
-    for msg in (messages.landed(b"forged", 0, 1, messages.DIRECT),) * 2 + (
-        messages.landed(b"forged", 1, 5, messages.DIRECT),
-        messages.landed(b"forged", -1, 2, messages.DIRECT),
+    for msg in (messages.landed(b"forged", 0, 1),) * 2 + (
+        messages.landed(b"forged", 1, 5),
+        messages.landed(b"forged", -1, 2),
     ):
         nixl.send_notif(decode.agent.name, msg)
     stranger = _side("stranger", 2, seed=5)
     try:
         stranger.agent.add_peer(decode.agent.local_info())
-        stranger.agent._agent.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1, messages.DIRECT))
+        stranger.agent._agent.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1))
         await asyncio.sleep(0.3)
         assert not receive.done
-        nixl.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1, messages.DIRECT))
-        assert await receive.wait(5) == 2 * prefill.kv[:, :, 0].numel() * prefill.kv.element_size()
+        nixl.send_notif(decode.agent.name, messages.landed(b"forged", 1, 1))
+        assert await receive.wait(5) == 2 * prefill.kv[0].numel() * prefill.kv.element_size()
     finally:
         stranger.agent.close()
 
@@ -155,7 +154,7 @@ def test_pool_must_match_its_layout():
     with pytest.raises(ValueError, match="dtype"):
         KVTransferAgent("bad-dtype", torch.zeros(pool_shape(LAYOUT, 2)), LAYOUT)
     with pytest.raises(ValueError, match="shape"):
-        KVTransferAgent("bad-shape", torch.zeros(3, 2, 2, 16, 3, 32, dtype=torch.bfloat16), LAYOUT)
+        KVTransferAgent("bad-shape", torch.zeros(2, 3, 2, 16, 3, 32, dtype=torch.bfloat16), LAYOUT)
     with pytest.raises(ValueError, match="contiguous"):
         kv = (
             torch.zeros(pool_shape(LAYOUT, 2), dtype=torch.bfloat16)

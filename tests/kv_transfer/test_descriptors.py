@@ -52,18 +52,16 @@ def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs: list[tuple[int, int
 def test_descriptor_addresses_are_torch_page_addresses():
     num_pages = 7
     pool = torch.zeros(
-        LAYOUT.num_layers, 2, num_pages, LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim
+        num_pages, LAYOUT.num_layers, 2, LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim
     )
     info = KVAgentInfo("a", b"", LAYOUT, pool.data_ptr(), pool.numel() * 4, -1, num_pages, "x")
     runs = coalesce([1, 2, 3, 6], [0, 1, 2, 5])  # (1, 0, 3), (6, 5, 1)
     starts = np.array([r[0] for r in runs])
     counts = np.array([r[2] for r in runs])
     descs = page_run_descs(info, starts, counts)
-    assert descs.dtype == np.uint64 and descs.shape == (LAYOUT.num_layers * 2 * len(runs), 3)
+    assert descs.dtype == np.uint64 and descs.shape == (len(runs), 3)  # every layer's K and V in one
     expected = [
-        (pool[layer, kv, start].data_ptr(), pool[layer, kv, start : start + n].numel() * 4, 0)
-        for layer in range(LAYOUT.num_layers)
-        for kv in range(2)
+        (pool[start].data_ptr(), pool[start : start + n].numel() * 4, 0)
         for start, n in zip(starts, counts, strict=True)
     ]
     assert [tuple(int(x) for x in row) for row in descs] == expected

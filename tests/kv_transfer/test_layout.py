@@ -32,8 +32,8 @@ def test_mismatch_names_every_differing_field():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_page_bytes_is_one_page_of_the_pool_tensor(dtype: str):
     layout = dataclasses.replace(SMOL, dtype=dtype)
-    pool = torch.zeros(2, 2, 3, 16, 3, 64, dtype=getattr(torch, dtype))
-    assert layout.page_bytes == pool[0, 0, 0].numel() * pool.element_size()
+    pool = torch.zeros(3, 30, 2, 16, 3, 64, dtype=getattr(torch, dtype))  # [pages, layers, k/v, ...]
+    assert layout.page_bytes == pool[0].numel() * pool.element_size()
 
 
 def test_unknown_dtype_is_refused():

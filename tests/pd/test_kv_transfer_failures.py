@@ -1,11 +1,11 @@
-"""PD KV transfers through staging, in process: streamed chunks equal HF, and failures corrupt nothing.
+"""PD KV transfers in process: streamed chunks equal HF, and failures corrupt nothing.
 
 The real ``PrefillServicer`` and ``DecodeServicer`` (the real model on CPU, prefill in chunks of 64
 tokens so a prompt's pages stream while later chunks compute) behind real gRPC servers, their NIXL
-agents writing over UCX loopback, every transfer forced through staging slots of 2 pages. Failures
-are injected at a seam of the real transfer path (a WRITE of the third slot raises; the decode side
-stops scattering and ACKing): the request ends with a clear error, both schedulers end idle with
-their pools conserved, and the next request still equals HF token for token.
+agents writing over UCX loopback. Failures are injected at a seam of the real transfer path (the
+third WRITE raises; the decode side stops handling notifications): the request ends with a clear
+error, both schedulers end idle with their pools conserved, and the next request still equals HF
+token for token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import pytest_asyncio
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.kv_transfer import StagingConfig
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import KVSender
 from pdserve.model_source import resolve_model
@@ -61,21 +60,17 @@ def schedulers() -> tuple[Scheduler, Scheduler]:
 async def pd(schedulers):
     """Prefill and decode servicers behind gRPC, their loops running, and a detokenizer endpoint."""
     prefill_sched, decode_sched = schedulers
-    span = decode_sched.runner.kv_pool.kv_data[:, :, 0].numel() * 4
-    staging = StagingConfig(
-        slot_bytes=2 * span, send_slots=2, lanes=1, lane_slots=3, direct_min_bytes=1 << 40
-    )
     servers, stop, tasks = [], asyncio.Event(), []
     prefill_server = GrpcServer("127.0.0.1:0", [])
     prefill = PrefillServicer(
         prefill_sched,
         prefill_server.address,
-        build_kv_agent(prefill_sched, "prefill", prefill_server.address, "127.0.0.1", staging),
+        build_kv_agent(prefill_sched, "prefill", prefill_server.address, "127.0.0.1"),
         transfer_timeout_s=TRANSFER_TIMEOUT_S,
     )
     prefill_server.add(scheduler_pb2_grpc.add_PrefillSchedulerServicer_to_server, prefill)
     decode_server = GrpcServer("127.0.0.1:0", [])
-    decode_agent = build_kv_agent(decode_sched, "decode", decode_server.address, "127.0.0.1", staging)
+    decode_agent = build_kv_agent(decode_sched, "decode", decode_server.address, "127.0.0.1")
     decode = DecodeServicer(decode_sched, decode_server.address, decode_agent, prefill_retries=0)
     decode_server.add(scheduler_pb2_grpc.add_DecodeSchedulerServicer_to_server, decode)
     for server, servicer in ((prefill_server, prefill), (decode_server, decode)):
@@ -125,13 +120,13 @@ async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], 
 
 async def _idle_and_conserved(schedulers) -> None:
     for scheduler in schedulers:
-        await wait_until(lambda s=scheduler: not s.reqs, timeout=30)
+        await wait_until(lambda s=scheduler: not s.reqs and not s.kv_draining, timeout=30)
         assert scheduler.ledger.used_pages() == 0
         scheduler.check_invariants()
 
 
-async def test_streamed_staged_transfer_equals_hf(schedulers, pd):
-    assert len(PROMPT) > 4 * 64  # several chunks, several slots per chunk
+async def test_streamed_transfer_equals_hf(schedulers, pd):
+    assert len(PROMPT) > 4 * 64  # several chunks, each written as its own group
     tokens, finish, error = await _run(pd, "streamed")
     assert (finish, error) in ((common_pb2.FINISH_REASON_LENGTH, ""), (common_pb2.FINISH_REASON_STOP, ""))
     assert tokens == hf_greedy(PROMPT, MAX_NEW)
@@ -139,18 +134,62 @@ async def test_streamed_staged_transfer_equals_hf(schedulers, pd):
     await _idle_and_conserved(schedulers)
 
 
+async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_worker_stopped(
+    schedulers, pd, monkeypatch
+):
+    """Aborted on the decode side while its prompt is being prefilled in chunks (each chunk's pages
+    written as it is done), a request's decode pages are not freed at once: the prefill worker, still
+    writing, could land bytes in them after another request got them. They stay held (counted used)
+    until the prefill worker, asked to stop, has ended the request and its call, and are freed then,
+    once."""
+    prefill_sched, decode_sched = schedulers
+    stub, prefill_address, detok_address, detok, prefill, _ = pd
+    rid, comet = "aborted-mid-prefill", prompt("comets")
+    releases = []
+    real_drained = decode_sched.kv_drained
+
+    def drained(r: str) -> None:
+        if r == rid:  # what the prefill worker still holds when the decode side lets the pages go
+            releases.append((r in decode_sched.kv_draining, r in prefill_sched.reqs, r in prefill.transfers))
+        real_drained(r)
+
+    monkeypatch.setattr(decode_sched, "kv_drained", drained)
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+    await stub.Generate(
+        scheduler_pb2.TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=comet,
+            sampling_params=sampling_params_to_pb(params),
+            prefill_address=prefill_address,
+            output_address=detok_address,
+            gateway_address="127.0.0.1:1",
+        )
+    )
+    await wait_until(lambda: (r := prefill_sched.reqs.get(rid)) is not None and r.num_computed > 0, 60)
+    assert prefill_sched.reqs[rid].num_computed < len(comet)  # chunks still to come
+    await stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason="client went away"))
+    await wait_until(lambda: detok.finish(rid), timeout=30)
+    assert detok.outputs[rid][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    await wait_until(lambda: releases, timeout=30)
+    assert releases == [(True, False, False)]  # held until then; the prefill worker was done with it
+    await _idle_and_conserved(schedulers)
+    tokens, finish, _ = await _run(pd, "after-abort", comet)
+    assert tokens == hf_greedy(comet, MAX_NEW)
+    await _idle_and_conserved(schedulers)
+
+
 async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothing(
     schedulers, pd, monkeypatch
 ):
-    real, calls = KVSender._start_write, []
+    real, calls = KVSender._post, []
 
-    def third_write_fails(self, *args):
+    def third_write_fails(self, group):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected: the wire broke")
-        return real(self, *args)
+        return real(self, group)
 
-    monkeypatch.setattr(KVSender, "_start_write", third_write_fails)
+    monkeypatch.setattr(KVSender, "_post", third_write_fails)
     sun = prompt("the sun")
     tokens, finish, error = await _run(pd, "broken", sun)
     monkeypatch.undo()
@@ -162,11 +201,10 @@ async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothi
     await _idle_and_conserved(schedulers)
 
 
-async def test_a_decode_side_that_stalls_times_out_on_both_sides(schedulers, pd, monkeypatch):
-    """The decode side stops scattering and ACKing (its notification thread hangs): the prefill side
-    runs out of lane slots and its transfer times out; both sides free the request's pages once.
-    When the decode side moves again, the late slots are ACKed but not scattered, and the lane serves
-    the next request."""
+async def test_a_decode_side_that_stalls_times_out_and_frees_once(schedulers, pd, monkeypatch):
+    """The decode side stops handling notifications (its notification thread hangs): its receive
+    never counts the pages landed and times out; both sides free the request's pages once. When the
+    decode side moves again, the late LANDED messages count for nothing and the next request lands."""
     stalled, real = threading.Event(), KVReceiver.on_landed
 
     def hung(self, sender, landed):

@@ -320,7 +320,7 @@ typedef struct {
   const char *q, *k, *v;
   void* out;
   const int64_t *page_table, *seq_lens;
-  int64_t q_stride, max_pages, page_size, num_heads, num_kv_heads, head_dim, group, elem_size;
+  int64_t q_stride, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group, elem_size;
   float scale;
   int dtype;
 } Problem;
@@ -354,8 +354,9 @@ static void softmax_step(float* s, int64_t group, int64_t head_dim, float* m, fl
 /* rows[t] = byte offset in the K and V pools of the token at position first + t, t < n. */
 static void token_rows(const Problem* P, const int64_t* pages, int64_t first, int64_t n, int64_t* rows) {
   const int64_t ps = P->page_size, token_bytes = P->num_kv_heads * P->head_dim * P->elem_size;
+  const int64_t page_bytes = P->page_stride * P->elem_size;
   for (int64_t t = 0, page = first / ps, offset = first % ps; t < n; ++t) {
-    rows[t] = (pages[page] * ps + offset) * token_bytes;
+    rows[t] = pages[page] * page_bytes + offset * token_bytes;
     if (++offset == ps) offset = 0, ++page;
   }
 }
@@ -422,16 +423,16 @@ static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
 }
 
 /* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
-   head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim];
-   page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
+   head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride elements apart
+   (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
    (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. */
 void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                       const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
-                      int64_t page_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      float scale, int num_threads) {
+                      int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
-                     page_size, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
+                     page_size, page_stride, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
   const int64_t splits = num_splits(batch, max_len, num_threads);

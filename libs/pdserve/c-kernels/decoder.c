@@ -13,9 +13,10 @@ void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, int64_t, con
                 int64_t, int);
 void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, const float*, const int64_t*,
                  int64_t, int);
-void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int);
+void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
+              int64_t, int);
 void decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
-                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 void matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
                   int64_t, int, int, int, int, int, int, int);
 void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
@@ -38,7 +39,7 @@ typedef struct {
 /* The step: T decode tokens (one per request), their positions, KV slots, page tables and lengths. */
 typedef struct {
   int T, bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
-  int64_t max_pages, page_size;
+  int64_t max_pages, page_size, page_stride; /* page_stride: elements between the pool's pages */
   float eps, scale;
   const float* cos_sin;
   const int64_t *positions, *loc, *page_table, *seq_lens;
@@ -90,9 +91,11 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
     else
       rotary_f32((float*)q, qkv_size, s->num_heads, (float*)k, qkv_size, s->num_kv_heads, D, s->cos_sin,
                  s->positions, T, s->threads);
-    store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->threads);
+    store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->page_size,
+             s->page_stride * e, s->threads);
     decode_attention(s->bf16, q, qkv_size, L->k_pages, L->v_pages, attn, s->page_table, s->seq_lens, T,
-                     s->max_pages, s->page_size, s->num_heads, s->num_kv_heads, D, s->scale, s->threads);
+                     s->max_pages, s->page_size, s->page_stride, s->num_heads, s->num_kv_heads, D, s->scale,
+                     s->threads);
     linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads);
     norm(s, hidden, residual, L->post_norm, normed);
     linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads);

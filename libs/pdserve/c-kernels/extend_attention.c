@@ -13,8 +13,9 @@ typedef struct { int32_t* qt; float* s; int32_t* pairs; float* acc; } Buffers;
 
 /* One tile and one query head: queries i < m at positions base + i, their D elements at
    q + i * q_bytes, outputs at out + i * out_elems; k, v: the pools offset to the head's KV head.
-   Pages of the request: pages; token_bytes: one token's K row of all KV heads. */
-INLINE void tile_head(int D, int group, int64_t page_size, int64_t token_bytes, float scale,
+   Pages of the request: pages, page_bytes apart in the pools; token_bytes: one token's K row of all
+   KV heads. */
+INLINE void tile_head(int D, int group, int64_t page_size, int64_t page_bytes, int64_t token_bytes, float scale,
                       const int64_t* pages, int64_t base, int m, const char* q, int64_t q_bytes,
                       const char* k, const char* v, bf16* out, int64_t out_elems, const Buffers* B) {
   int32_t* qt = B->qt;
@@ -38,7 +39,7 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t token_bytes, 
     const int n = end - first < BLOCK ? (int)(end - first) : BLOCK;
     for (int t = 0; t < n; ++t) {
       const int64_t pos = first + t;
-      rows[t] = (pages[pos / page_size] * page_size + pos % page_size) * token_bytes;
+      rows[t] = pages[pos / page_size] * page_bytes + pos % page_size * token_bytes;
     }
     /* 1. scores, eight keys at a time; keys from n on repeat key 0 and are masked */
     for (int t0 = 0; t0 < BLOCK; t0 += 8) {
@@ -120,25 +121,26 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t token_bytes, 
 }
 
 /* A literal head_dim (and the queries per register group it allows) each, so the loops unroll. */
-static void tile_head_64(int64_t ps, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
+static void tile_head_64(int64_t ps, int64_t pb, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
                          const char* q, int64_t qb, const char* k, const char* v, bf16* out, int64_t oe,
                          const Buffers* B) {
-  tile_head(64, 4, ps, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
+  tile_head(64, 4, ps, pb, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
 }
-static void tile_head_128(int64_t ps, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
+static void tile_head_128(int64_t ps, int64_t pb, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
                           const char* q, int64_t qb, const char* k, const char* v, bf16* out, int64_t oe,
                           const Buffers* B) {
-  tile_head(128, 2, ps, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
+  tile_head(128, 2, ps, pb, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
 }
 
 /* Extend attention of R requests: request r computes extend_lens[r] queries after prefix_lens[r]
    cached keys; its queries are rows row_starts[r] + i of q (row stride q_stride elements) and of
-   out [T, Hq, D]; k, v: [num_pages, page_size, Hkv, D]; page_table [R, max_pages]; all bfloat16
+   out [T, Hq, D]; k, v: [num_pages, page_size, Hkv, D], pages page_stride elements apart (each
+   page's rows contiguous); page_table [R, max_pages]; all bfloat16
    but the int64 index arrays. Returns 0, or -1 for a head_dim without a tile kernel. */
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* prefix_lens, const int64_t* extend_lens,
                      const int64_t* row_starts, int64_t num_reqs, int64_t max_pages, int64_t page_size,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                     int64_t page_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
                      int num_threads) {
   if (head_dim != 64 && head_dim != 128) return -1;
   int64_t num_items = 0;
@@ -165,7 +167,8 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
         const int64_t kv = h / group * head_bytes;
         const char *kh = (const char*)k + kv, *vh = (const char*)v + kv;
         bf16* oh = (bf16*)out + row * row_bytes + h * head_dim;
-        (head_dim == 64 ? tile_head_64 : tile_head_128)(page_size, token_bytes, scale, pages, base, m, qh,
+        (head_dim == 64 ? tile_head_64 : tile_head_128)(page_size, page_stride * 2, token_bytes, scale, pages,
+                                                        base, m, qh,
                                                         q_stride * 2, kh, vh, oh, row_bytes, &B);
       }
     }

@@ -110,13 +110,16 @@ static inline int64_t vector_silu_bf16(const uint16_t* gate, const uint16_t* up,
 #define VECTOR_SILU_float(gate, up, o, d) 0  /* float32 keeps libm's expf (vectorised by the compiler) */
 
 /* This step's K and V rows into the KV pool: row t of k (v), row_bytes bytes at k + t * k_stride
-   (bytes; a view into a fused qkv tensor), goes to token slot loc[t] of k_pool (v_pool). */
+   (bytes; a view into a fused qkv tensor), goes to token slot loc[t] of k_pool (v_pool): offset
+   loc[t] % page_size rows into page loc[t] / page_size, the pool's pages page_bytes apart. */
 void store_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_pool,
-              char* v_pool, const int64_t* loc, int64_t rows, int64_t row_bytes, int threads) {
+              char* v_pool, const int64_t* loc, int64_t rows, int64_t row_bytes, int64_t page_size,
+              int64_t page_bytes, int threads) {
   #pragma omp parallel for schedule(static) if(rows * row_bytes >= (1 << 18)) num_threads(threads)
   for (int64_t t = 0; t < rows; ++t) {
-    memcpy(k_pool + loc[t] * row_bytes, k + t * k_stride, row_bytes);
-    memcpy(v_pool + loc[t] * row_bytes, v + t * v_stride, row_bytes);
+    const int64_t at = loc[t] / page_size * page_bytes + loc[t] % page_size * row_bytes;
+    memcpy(k_pool + at, k + t * k_stride, row_bytes);
+    memcpy(v_pool + at, v + t * v_stride, row_bytes);
   }
 }
 

@@ -54,7 +54,6 @@ from pdserve.kv_transfer.descriptors import coalesce
 from pdserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.receiver import KVReceive
-from pdserve.kv_transfer.staging import Lane, StagingConfig
 from pdserve.kv_transfer.transfer import KVTransfer
 
 __all__ = [
@@ -67,8 +66,6 @@ __all__ = [
     "KVTransferAgent",
     "KVTransferError",
     "KVTransferTimeout",
-    "Lane",
-    "StagingConfig",
     "check_compatible",
     "coalesce",
 ]

@@ -1,15 +1,13 @@
-"""One NIXL agent per scheduler process: registers the KV pool and its staging memory, knows its peers,
-sends and receives KV transfers.
+"""One NIXL agent per scheduler process: registers the KV pool, knows its peers, sends and receives KV
+transfers.
 
-The prefill side WRITEs the KV pages of a request into the decode side (one-sided, as in Mooncake /
-SGLang's PD disaggregation over NIXL): scattered pages through staging slots, runs of pages straight
-into the destination pages (see ``sender``); the decode side completes a transfer once every page has
-landed (see ``receiver``).
+The prefill side WRITEs the KV pages of a request straight into the decode side's pages (one-sided, as
+in Mooncake / SGLang's PD disaggregation over NIXL), one descriptor per run of pages (see ``sender``);
+the decode side completes a transfer once every page has landed (see ``receiver``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,11 +20,9 @@ from pdserve.kv_transfer import messages
 from pdserve.kv_transfer.errors import NIXL_ERRORS, KVTransferError, PeerDisconnected
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.notifications import NotificationPump
-from pdserve.kv_transfer.page_copy import PageCopier
 from pdserve.kv_transfer.receiver import KVReceive, KVReceiver
 from pdserve.kv_transfer.sender import KVSender
-from pdserve.kv_transfer.staging import Lane, StagingArea, StagingConfig
-from pdserve.kv_transfer.transfer import KVTransfer, PeerLink
+from pdserve.kv_transfer.transfer import KVTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +42,13 @@ T = TypeVar("T")
 
 
 class KVTransferAgent:
-    """A NIXL agent (UCX backend) with the KV pool ``kv_data`` and a staging area registered once.
+    """A NIXL agent (UCX backend) with the KV pool ``kv_data`` registered once.
 
     Args:
         name: agent name, unique among all schedulers that will talk to each other.
-        kv_data: the pool tensor ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``,
+        kv_data: the pool tensor ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``,
             contiguous, in the model dtype, on CPU (NIXL ``DRAM``) or one CUDA device (``VRAM``).
         layout: its layout facts; they must agree with the tensor's shape and dtype.
-        staging: sizes of the staging memory (same dtype and device as the pool).
 
     Raises:
         ValueError: ``kv_data`` does not match ``layout`` or is not contiguous.
@@ -63,9 +58,7 @@ class KVTransferAgent:
     any thread; ``KVTransfer.wait`` and ``KVReceive.wait`` run on the caller's event loop.
     """
 
-    def __init__(
-        self, name: str, kv_data: torch.Tensor, layout: KVLayout, staging: StagingConfig | None = None
-    ):
+    def __init__(self, name: str, kv_data: torch.Tensor, layout: KVLayout):
         _check_pool(kv_data, layout)
         self.name = name
         self.layout = layout
@@ -74,16 +67,11 @@ class KVTransferAgent:
             backends=["UCX"],
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        copier = PageCopier(kv_data)
-        self.staging = StagingArea(kv_data, copier.span_elems, staging or StagingConfig())
         try:
             self._agent = nixl_agent(name, config)
             if "UCX" not in self._agent.backends:
                 raise KVTransferError("the NIXL UCX backend is not available")
-            self._registrations = [
-                self._agent.register_memory(kv_data),
-                self._agent.register_memory(self.staging.buffer),
-            ]
+            self._registration = self._agent.register_memory(kv_data)
             metadata = self._agent.get_agent_metadata()
         except NIXL_ERRORS as e:
             raise KVTransferError(f"cannot set up NIXL agent {name!r}: {e}") from e
@@ -95,35 +83,25 @@ class KVTransferAgent:
             base_addr=kv_data.data_ptr(),
             num_bytes=kv_data.numel() * kv_data.element_size(),
             device_id=kv_data.get_device(),
-            num_pages=kv_data.shape[2],
+            num_pages=kv_data.shape[0],
             incarnation=uuid.uuid4().hex,
         )
-        self._peers: dict[str, PeerLink] = {}
-        self._receiver = KVReceiver(copier, self.staging, self._send_ack)
-        self._sender = KVSender(self._call, self._agent, self._info, self.staging, copier, self._pump_now)
+        self._peers: dict[str, KVAgentInfo] = {}
+        self._receiver = KVReceiver(layout.page_bytes)
+        self._sender = KVSender(self._call, self._agent, self._info)
         self._pump = NotificationPump(
             self._agent.get_new_notifs, self._on_notification, self._busy, name=f"nixl-progress-{name}"
         )
 
     # ---- identity and peers -----------------------------------------------------------------
-    def local_info(self, lane: Lane | None = None) -> KVAgentInfo:
-        """What a peer needs to write into this agent; with ``lane``, the receive lane granted to it."""
-        if lane is None:
-            return self._info
-        return dataclasses.replace(
-            self._info, staging_addr=lane.addr, staging_slots=lane.slots, staging_slot_bytes=lane.slot_bytes
-        )
+    def local_info(self) -> KVAgentInfo:
+        """What a peer needs to write into this agent."""
+        return self._info
 
-    def lane_for(self, key: str) -> Lane | None:
-        """The receive lane for the peer known by ``key`` (its address): the same one every time, a
-        new one the first time; None when all are taken (that peer then writes pages directly)."""
-        return self.staging.lane_for(key)
-
-    def add_peer(self, info: KVAgentInfo, lane: Lane | None = None) -> None:
+    def add_peer(self, info: KVAgentInfo) -> None:
         """Load a peer's metadata so this agent can WRITE into it; no-op if already known.
 
-        ``lane`` is the receive lane this agent granted that peer (see ``local_info``). A peer known
-        under the same name with another incarnation (a restart) is replaced.
+        A peer known under the same name with another incarnation (a restart) is replaced.
 
         Raises:
             KVLayoutMismatch: the peer's layout differs from ours (message names every field).
@@ -134,8 +112,7 @@ class KVTransferAgent:
             raise KVTransferError(f"peer {info.agent_name!r} has this agent's own name")
         known = self._peers.get(info.agent_name)
         if known is not None:
-            if known.info.incarnation == info.incarnation:
-                self._receiver.bind_lane(info.agent_name, lane)
+            if known.incarnation == info.incarnation:
                 return
             self.remove_peer(info.agent_name)
         try:
@@ -146,19 +123,17 @@ class KVTransferAgent:
         if loaded != info.agent_name:
             self._agent.remove_remote_agent(loaded)
             raise KVTransferError(f"metadata of peer {info.agent_name!r} names agent {loaded!r}")
-        self._peers[info.agent_name] = PeerLink(info)
-        self._receiver.bind_lane(info.agent_name, lane)
+        self._peers[info.agent_name] = info
 
     def has_peer(self, name: str, incarnation: str | None = None) -> bool:
         """Whether ``name`` is a loaded peer (of that incarnation, when given)."""
-        link = self._peers.get(name)
-        return link is not None and incarnation in (None, link.info.incarnation)
+        peer = self._peers.get(name)
+        return peer is not None and incarnation in (None, peer.incarnation)
 
     def remove_peer(self, name: str) -> None:
         """Forget a peer and disconnect from it; unknown names are ignored."""
         if self._peers.pop(name, None) is None:
             return
-        self._receiver.bind_lane(name, None)
         try:
             self._agent.remove_remote_agent(name)
         except NIXL_ERRORS as e:
@@ -170,20 +145,20 @@ class KVTransferAgent:
     ) -> KVTransfer:
         """Open a transfer into the peer's ``dst_pages``; ``send`` pages into it as they are ready.
 
-        ``stall_s`` bounds every wait inside the transfer (a free slot, a WRITE's completion).
+        ``stall_s`` bounds each WRITE's wait for completion.
 
         Raises:
             KVTransferError: unknown peer. ValueError: a destination page repeated or out of range.
         """
-        link = self._peers.get(peer_name)
-        if link is None:
+        peer = self._peers.get(peer_name)
+        if peer is None:
             raise KVTransferError(f"unknown KV peer {peer_name!r}: add_peer() it first")
         if len(set(dst_pages)) != len(dst_pages):
             raise ValueError("a destination page appears more than once")
-        if dst_pages and (min(dst_pages) < 0 or max(dst_pages) >= link.info.num_pages):
-            raise ValueError(f"a destination page is outside [0, {link.info.num_pages})")
+        if dst_pages and (min(dst_pages) < 0 or max(dst_pages) >= peer.num_pages):
+            raise ValueError(f"a destination page is outside [0, {peer.num_pages})")
         self._pump.kick()
-        return KVTransfer(self._sender, link, tid, dst_pages, stall_s)
+        return KVTransfer(self._sender, peer, tid, dst_pages, stall_s)
 
     async def write_pages(
         self, peer_name: str, src_pages: Sequence[int], dst_pages: Sequence[int], tid: bytes, timeout_s: float
@@ -222,16 +197,12 @@ class KVTransferAgent:
         self._receiver.close()
         for name in list(self._peers):
             self.remove_peer(name)
-        for registration in self._registrations:
-            try:
-                self._agent.deregister_memory(registration)
-            except NIXL_ERRORS as e:
-                logger.warning("deregistering KV memory of %r: %s", self.name, e)
+        try:
+            self._agent.deregister_memory(self._registration)
+        except NIXL_ERRORS as e:
+            logger.warning("deregistering KV memory of %r: %s", self.name, e)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _pump_now(self) -> None:
-        self._pump.pump()
-
     def _busy(self) -> bool:
         return self._receiver.busy() or self._sender.busy()
 
@@ -239,18 +210,8 @@ class KVTransferAgent:
         kind, body = messages.parse(msg)
         if kind == messages.LANDED:
             self._receiver.on_landed(sender, body)
-        elif kind == messages.ACK:
-            link = self._peers.get(sender)
-            if link is not None and link.lane is not None:
-                link.lane.release(body)
         else:
             self._receiver.on_abort(sender, body)
-
-    def _send_ack(self, peer_name: str, msg: bytes) -> None:
-        try:
-            self._call(peer_name, self._agent.send_notif, peer_name, msg)
-        except KVTransferError as e:
-            logger.info("ACK to %r not sent: %s", peer_name, e)
 
     def _call(self, peer_name: str, fn: Callable[..., T], *args: Any) -> T:
         """Call into NIXL for a transfer with ``peer_name``; NIXL errors become ``KVTransferError``."""
@@ -268,8 +229,8 @@ def _check_pool(kv_data: torch.Tensor, layout: KVLayout) -> None:
         raise ValueError(f"unsupported KV pool layout {layout.layout!r}; expected {POOL_LAYOUT!r}")
     expected = (layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
     shape = tuple(kv_data.shape)
-    if len(shape) != 6 or shape[:2] + shape[3:] != expected:
-        raise ValueError(f"kv_data shape {shape} does not match [L, 2, pages, slot, head, dim] = {expected}")
+    if len(shape) != 6 or shape[1:] != expected:
+        raise ValueError(f"kv_data shape {shape} does not match [pages, L, 2, slot, head, dim] = {expected}")
     if str(kv_data.dtype).removeprefix("torch.") != layout.dtype:
         raise ValueError(f"kv_data dtype {kv_data.dtype} does not match layout dtype {layout.dtype!r}")
     if not kv_data.is_contiguous():

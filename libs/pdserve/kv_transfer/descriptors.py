@@ -1,8 +1,7 @@
-"""Page lists → NIXL transfer descriptors over the pool layout ``[layer, kv, page, slot, head, dim]``.
+"""Page lists → NIXL transfer descriptors over the page-major pool ``[page, layer, kv, slot, head, dim]``.
 
-The bytes of (layer ``l``, k/v ``c``, page ``p``) start at
-``base + ((l * 2 + c) * num_pages + p) * page_bytes`` and consecutive pages are contiguous, so a run
-of ``n`` pages that is consecutive on both sides moves as one descriptor per (layer, k/v) plane.
+Page ``p`` of every layer (K and V) is the byte range ``[base + p * page_bytes, base + (p + 1) *
+page_bytes)``, so a run of ``n`` pages that is consecutive on both sides moves as one descriptor.
 """
 
 from __future__ import annotations
@@ -45,17 +44,15 @@ def page_run_descs(pool: KVAgentInfo, starts: np.ndarray, counts: np.ndarray) ->
     """NIXL ``(addr, len, dev_id)`` rows for runs of ``counts[i]`` pages from ``starts[i]`` in ``pool``.
 
     Args:
-        pool: the pool's agent info (base address, pages per plane, layout, device).
+        pool: the pool's agent info (base address, layout, device).
         starts, counts: int64 arrays ``[num_runs]``.
 
     Returns:
-        uint64 array ``[num_layers * 2 * num_runs, 3]``, plane-major (layer, then k/v, then run).
+        uint64 array ``[num_runs, 3]``: one descriptor per run, every layer's K and V in it.
     """
-    page_bytes = pool.layout.page_bytes
-    planes = np.arange(pool.layout.num_layers * 2, dtype=np.uint64)[:, None]
-    addrs = pool.base_addr + (planes * pool.num_pages + starts.astype(np.uint64)) * page_bytes
-    descs = np.empty((addrs.size, 3), dtype=np.uint64)
-    descs[:, 0] = addrs.ravel()
-    descs[:, 1] = np.broadcast_to(counts.astype(np.uint64) * page_bytes, addrs.shape).ravel()
+    page_bytes = np.uint64(pool.layout.page_bytes)
+    descs = np.empty((len(starts), 3), dtype=np.uint64)
+    descs[:, 0] = np.uint64(pool.base_addr) + starts.astype(np.uint64) * page_bytes
+    descs[:, 1] = counts.astype(np.uint64) * page_bytes
     descs[:, 2] = max(pool.device_id, 0)
     return descs

@@ -12,8 +12,8 @@ import torch
 
 from pdserve.kv_transfer.errors import KVLayoutMismatch
 
-POOL_LAYOUT = "layer,kv,page,slot,head,dim"
-"""Axis order of the KV pool tensor ``kv_data`` (k = 0, v = 1 on the ``kv`` axis)."""
+POOL_LAYOUT = "page,layer,kv,slot,head,dim"
+"""Axis order of the KV pool tensor ``kv_data`` (k = 0, v = 1 on the ``kv`` axis): page-major."""
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,12 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one (layer, k/v, page) block: ``page_size * num_kv_heads * head_dim * itemsize``."""
+        """Bytes of one page, every layer's K and V:
+        ``num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize``."""
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown KV dtype {self.dtype!r}")
-        return self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
@@ -72,12 +73,8 @@ class KVAgentInfo:
         base_addr: address of ``kv_data`` (host virtual address, or CUDA device address).
         num_bytes: size of the registered pool in bytes.
         device_id: CUDA device index of the pool, or -1 for host memory (NIXL ``DRAM``).
-        num_pages: pages per (layer, k/v) plane of the pool.
+        num_pages: pages of the pool.
         incarnation: random id of this agent instance; a restarted scheduler has a new one.
-        staging_addr, staging_slots, staging_slot_bytes: the receive lane this agent grants the
-            peer it sends this info to (``staging_slots`` slots of ``staging_slot_bytes`` bytes from
-            ``staging_addr``, registered with this agent); 0 slots when it grants none, and then the
-            peer writes straight into the pool pages.
     """
 
     agent_name: str
@@ -88,9 +85,6 @@ class KVAgentInfo:
     device_id: int
     num_pages: int
     incarnation: str
-    staging_addr: int = 0
-    staging_slots: int = 0
-    staging_slot_bytes: int = 0
 
     @property
     def mem_type(self) -> str:

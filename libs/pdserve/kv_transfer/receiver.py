@@ -1,25 +1,21 @@
-"""Receiving side of KV transfers: expected transfers, scatter of landed slots, ACKs, completion.
+"""Receiving side of KV transfers: expected transfers, their landed pages, completion.
 
 A receive completes only when every destination page has landed, each counted once (a LANDED that
 repeats pages, names pages out of range, or comes from another agent than the expected sender
-changes nothing). Staged pages reach the pool only through ``on_landed``'s scatter, under the
-receiver's lock, and only for an expected transfer: after ``cancel`` returns, nothing writes that
-transfer's pages any more, so the caller may free them at once.
+changes nothing). A LANDED arrives after its WRITE's bytes, so a completed receive's pages are whole.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from pdserve.kv_transfer import messages
 from pdserve.kv_transfer.completion import Completion
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
-from pdserve.kv_transfer.page_copy import PageCopier
-from pdserve.kv_transfer.staging import Lane, StagingArea
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ class KVReceive:
             ) from None
 
     def cancel(self) -> None:
-        """Stop expecting: no scatter into ``dst_pages`` runs once this returns. Idempotent."""
+        """Stop expecting: a LANDED of this transfer changes nothing once this returns. Idempotent."""
         self._receiver.cancel(self)
 
     @property
@@ -75,26 +71,13 @@ class KVReceiver:
     """Routes LANDED and ABORT notifications to expected transfers.
 
     Args:
-        copier: scatters staged slots into the pool.
-        staging: this agent's staging memory (the lanes peers write into).
-        send_ack: ``send_ack(peer_name, msg)`` sends an ACK notification back.
+        page_bytes: bytes of one pool page (every layer's K and V).
     """
 
-    def __init__(self, copier: PageCopier, staging: StagingArea, send_ack: Callable[[str, bytes], None]):
-        self._copier = copier
-        self._staging = staging
-        self._send_ack = send_ack
+    def __init__(self, page_bytes: int):
+        self._page_bytes = page_bytes
         self._lock = threading.Lock()
         self._expected: dict[bytes, KVReceive] = {}
-        self._lanes: dict[str, Lane] = {}  # sender agent name -> the lane granted to it
-
-    def bind_lane(self, peer_name: str, lane: Lane | None) -> None:
-        """``peer_name`` writes into ``lane`` (None: it has no lane)."""
-        with self._lock:
-            if lane is None:
-                self._lanes.pop(peer_name, None)
-            else:
-                self._lanes[peer_name] = lane
 
     def expect(self, peer_name: str, tid: bytes, dst_pages: Sequence[int]) -> KVReceive:
         """Register a transfer before asking for it. Raises KVTransferError on a tid already expected."""
@@ -117,34 +100,22 @@ class KVReceiver:
         return bool(self._expected)
 
     def on_landed(self, sender: str, landed: messages.Landed) -> None:
-        """Scatter a landed slot into its pages (if its transfer is expected from ``sender``), then ACK."""
-        lane = self._lanes.get(sender)
-        staged = landed.slot != messages.DIRECT
-        try:
-            with self._lock:
-                receive = self._expected.get(landed.tid)
-                if receive is None or receive.peer_name != sender:
-                    return  # cancelled, failed or timed out: its pages may belong to someone else now
-                first, count = landed.first, landed.count
-                if count < 0 or first < 0 or first + count > len(receive.dst_pages):
-                    logger.warning("KV transfer %r: LANDED pages out of range from %r", landed.tid, sender)
-                    return
-                if staged and (lane is None or not 0 <= landed.slot < lane.slots or count > self._slot_pages):
-                    logger.warning("KV transfer %r: LANDED in an unknown slot from %r", landed.tid, sender)
-                    return
-                pages = receive.dst_pages[first : first + count]
-                if staged:
-                    self._copier.scatter(self._staging.slot(lane.first_slot + landed.slot), pages)
-                fresh = int(np.count_nonzero(~receive._landed[first : first + count]))
-                receive._landed[first : first + count] = True
-                receive._missing -= fresh
-                receive.nbytes += fresh * self._copier.span_bytes
-                if receive._missing == 0:
-                    del self._expected[landed.tid]
-                    receive._completion.set_result(receive.nbytes)
-        finally:
-            if staged and lane is not None:
-                self._send_ack(sender, messages.ack(landed.slot))
+        """Count a group of landed pages (if its transfer is expected from ``sender``)."""
+        with self._lock:
+            receive = self._expected.get(landed.tid)
+            if receive is None or receive.peer_name != sender:
+                return  # cancelled, failed or timed out: its pages may belong to someone else now
+            first, count = landed.first, landed.count
+            if count < 0 or first < 0 or first + count > len(receive.dst_pages):
+                logger.warning("KV transfer %r: LANDED pages out of range from %r", landed.tid, sender)
+                return
+            fresh = int(np.count_nonzero(~receive._landed[first : first + count]))
+            receive._landed[first : first + count] = True
+            receive._missing -= fresh
+            receive.nbytes += fresh * self._page_bytes
+            if receive._missing == 0:
+                del self._expected[landed.tid]
+                receive._completion.set_result(receive.nbytes)
 
     def on_abort(self, sender: str, tid: bytes) -> None:
         with self._lock:
@@ -162,7 +133,3 @@ class KVReceiver:
             pending, self._expected = list(self._expected.values()), {}
         for receive in pending:
             receive._completion.set_exception(KVTransferError("KV agent closed"))
-
-    @property
-    def _slot_pages(self) -> int:
-        return self._staging.pages_per_slot

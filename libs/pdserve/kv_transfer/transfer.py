@@ -1,11 +1,12 @@
 """An outbound KV transfer: the handle a prefill scheduler holds for one request's pages.
 
-Pages are added with ``send`` as they are computed and handed to the agent's ``KVSender`` threads;
+Pages are added with ``send`` as they are computed and handed to the agent's ``KVSender`` thread;
 the transfer completes once every group of pages it was given is written (see ``sender``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -15,48 +16,43 @@ import numpy as np
 from pdserve.kv_transfer.completion import Completion
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import KVAgentInfo
-from pdserve.kv_transfer.staging import SlotRing
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.sender import KVSender
-
-
-class PeerLink:
-    """What the sender knows of one receiver: its info, and its lane's free slots (None: no lane)."""
-
-    def __init__(self, info: KVAgentInfo):
-        self.info = info
-        self.lane = SlotRing(info.staging_slots) if info.staging_slots > 0 else None
 
 
 class KVTransfer:
     """One outbound transfer into a peer's ``dst_pages`` (made by ``KVTransferAgent.start_transfer``).
 
     ``send`` any number of times, then ``finish``; ``wait`` returns once every byte has been written.
+    A transfer that fails or is cancelled settles (``wait`` raises, the receiver gets its ABORT) only
+    once every WRITE already posted has completed or failed: after that no byte of it lands, so the
+    receiver may hand its pages on.
 
     Attributes:
         peer_name, tid: the receiver and the transfer id its notifications name.
-        link: what the sender knows of the receiver (its info, its lane's free slots).
+        peer: the receiver's agent info (its pool's address and layout).
         dst_pages: the receiver's destination pages.
         nbytes: bytes written so far.
-        descriptors: NIXL descriptors posted so far (one per staged slot).
+        descriptors: NIXL descriptors posted so far (one per run of pages consecutive on both sides).
     """
 
     def __init__(
-        self, sender: KVSender, link: PeerLink, tid: bytes, dst_pages: Sequence[int], stall_s: float
+        self, sender: KVSender, peer: KVAgentInfo, tid: bytes, dst_pages: Sequence[int], stall_s: float
     ):
-        self.peer_name = link.info.agent_name
+        self.peer_name = peer.agent_name
         self.tid = tid
         self.dst_pages = np.asarray(dst_pages, dtype=np.int64)
         self.nbytes = 0
         self.descriptors = 0
         self.stall_s = stall_s
         self.lock = threading.Lock()  # held while pool pages of this transfer are read
-        self.link = link
+        self.peer = peer
         self._sender = sender
-        self._pending = 0
+        self._pending = 0  # groups queued or in flight
         self._finished = False
         self._closed = False  # failed, cancelled or complete: no page is read any more
+        self._error: BaseException | None = None
         self._completion = Completion()
 
     def send(self, src_pages: Sequence[int], first: int) -> None:
@@ -72,15 +68,13 @@ class KVTransfer:
             raise ValueError("send() after finish()")
         if first < 0 or first + len(src) > len(self.dst_pages):
             raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
-        if min(src) < 0 or max(src) >= self._sender.copier.num_pages:
-            raise ValueError(f"a source page is outside [0, {self._sender.copier.num_pages})")
-        groups = self._sender.plan(self, src, first)
+        if min(src) < 0 or max(src) >= self._sender.num_pages:
+            raise ValueError(f"a source page is outside [0, {self._sender.num_pages})")
         with self.lock:
             if self._closed:
                 return
-            self._pending += len(groups)
-        for group in groups:
-            self._sender.enqueue(group)
+            self._pending += 1
+        self._sender.enqueue(self, src, first)
 
     def finish(self) -> None:
         """No more ``send`` calls; the transfer completes once what was sent is written."""
@@ -103,10 +97,13 @@ class KVTransfer:
             return await self._completion.wait(timeout_s)
         except TimeoutError:
             self.cancel()
+            with contextlib.suppress(Exception):  # the WRITEs in flight end by their own stall bound
+                await self._completion.wait(self.stall_s + 1)
             raise KVTransferTimeout(f"KV transfer {self.tid!r} to {self.peer_name!r} timed out") from None
 
     def cancel(self) -> None:
-        """Stop: once this returns no page of this transfer is read. Idempotent; the receiver is told."""
+        """Stop: once this returns no page of this transfer is read (the WRITEs in flight still land or
+        fail before it settles). Idempotent; the receiver is told."""
         self.fail(KVTransferError(f"KV transfer {self.tid!r} to {self.peer_name!r} cancelled"))
 
     @property
@@ -117,8 +114,9 @@ class KVTransfer:
     def is_open(self) -> bool:
         return not self._closed
 
-    def group_done(self, nbytes: int, descriptors: int) -> None:
-        """A group of pages was written (called by the sender's post thread)."""
+    def group_left(self, nbytes: int, descriptors: int) -> None:
+        """A group left the sender's pipeline: written (its bytes and descriptors), or dropped or
+        failed (zeros). Called by the sender's post thread."""
         with self.lock:
             self.nbytes += nbytes
             self.descriptors += descriptors
@@ -126,12 +124,23 @@ class KVTransfer:
             complete = self._pending == 0 and self._finished and not self._closed
             if complete:
                 self._closed = True
+            settle_failure = self._pending == 0 and self._error is not None
         if complete:
             self._completion.set_result(self.nbytes)
+        elif settle_failure:
+            self._settle_failure()
 
     def fail(self, error: BaseException) -> None:
-        """End with ``error`` unless already ended; the receiver is told (ABORT)."""
+        """End with ``error`` unless already ended; settles (and tells the receiver: ABORT) once no
+        WRITE of it is in flight."""
         with self.lock:
-            was_open, self._closed = not self._closed, True
-        if was_open and self._completion.set_exception(error):
+            if self._closed:
+                return
+            self._closed, self._error = True, error
+            drained = self._pending == 0
+        if drained:
+            self._settle_failure()
+
+    def _settle_failure(self) -> None:
+        if self._completion.set_exception(self._error):
             self._sender.notify_abort(self.peer_name, self.tid)

@@ -40,8 +40,8 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("T", _C), ("bf16", _C), ("hidden", _C), ("num_heads", _C), ("num_kv_heads", _C),
                 ("head_dim", _C), ("intermediate", _C), ("threads", _C), ("max_pages", _I), ("page_size", _I),
-                ("eps", _F), ("scale", _F), ("cos_sin", _P), ("positions", _P), ("loc", _P),
-                ("page_table", _P), ("seq_lens", _P)]  # fmt: skip
+                ("page_stride", _I), ("eps", _F), ("scale", _F), ("cos_sin", _P), ("positions", _P),
+                ("loc", _P), ("page_table", _P), ("seq_lens", _P)]  # fmt: skip
 
 
 def _linear(module: Any, keep: list) -> _Linear:
@@ -121,7 +121,7 @@ class CpuDecoder:
         pool = fb.token_to_kv_pool
         if self._pool_ptr != pool.kv_data.data_ptr():  # the pool's pages, once per pool
             for i in range(len(self._layers)):
-                k_pages, v_pages = pool.kv_data[i]
+                k_pages, v_pages = pool.kv_pages(i)
                 self._layers[i].k_pages, self._layers[i].v_pages = k_pages.data_ptr(), v_pages.data_ptr()
             self._pool_ptr = pool.kv_data.data_ptr()
         rows = fb.attn_backend.kernel_rows
@@ -131,8 +131,8 @@ class CpuDecoder:
         step = _Step(
             hidden.shape[0], hidden.dtype == torch.bfloat16, self.hidden, self.num_heads, self.num_kv_heads,
             self.head_dim, self.intermediate, torch.get_num_threads(), rows.page_table.shape[1],
-            pool.page_size, self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(), positions.data_ptr(),
-            loc.data_ptr(), rows.page_table.data_ptr(), rows.seq_lens.data_ptr(),
+            pool.page_size, pool.page_stride, self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(),
+            positions.data_ptr(), loc.data_ptr(), rows.page_table.data_ptr(), rows.seq_lens.data_ptr(),
         )  # fmt: skip
         if self._fn(
             self._layers, len(self._layers), ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()

@@ -51,7 +51,10 @@ class FusedOps:
                 fn.restype, fn.argtypes = None, argtypes
                 self._fns[name, dtype] = fn
         self._store_kv = lib.store_kv
-        self._store_kv.restype, self._store_kv.argtypes = None, [_P, _I, _P, _I, _P, _P, _P, _I, _I, _C]
+        self._store_kv.restype, self._store_kv.argtypes = (
+            None,
+            [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+        )
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -139,23 +142,31 @@ class FusedOps:
         return out
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        loc: torch.Tensor,
     ) -> None:
         """Copy row ``t`` of ``k`` and ``v`` (``[T, Hkv * D]``, rows may be strided views into a fused
-        qkv tensor, unit stride within a row) to token slot ``loc[t]`` (int64 ``[T]``, contiguous) of
-        ``k_pool`` / ``v_pool`` (contiguous, ``[num_slots, Hkv, D]`` or any shape with rows of
-        ``Hkv * D`` elements), all of one dtype."""
+        qkv tensor, unit stride within a row) to token slot ``loc[t]`` (int64 ``[T]``, contiguous:
+        offset ``loc % page_size`` of page ``loc // page_size``) of ``k_pages`` / ``v_pages``
+        (``[num_pages, page_size, Hkv, D]``, each page contiguous, pages ``stride(0)`` apart, the same
+        for both), all of one dtype."""
         size = k.element_size()
         self._store_kv(
             k.data_ptr(),
             k.stride(0) * size,
             v.data_ptr(),
             v.stride(0) * size,
-            k_pool.data_ptr(),
-            v_pool.data_ptr(),
+            k_pages.data_ptr(),
+            v_pages.data_ptr(),
             loc.data_ptr(),
             k.shape[0],
             k.shape[1] * size,
+            k_pages.shape[1],
+            k_pages.stride(0) * size,
             torch.get_num_threads(),
         )
 

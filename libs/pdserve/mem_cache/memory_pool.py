@@ -119,14 +119,19 @@ class PagedTokenToKVPoolAllocator:
 
 
 class KVPool:
-    """MHA ``token_to_kv`` pool: one contiguous tensor for the K and V of every layer.
+    """MHA ``token_to_kv`` pool: one contiguous tensor for the K and V of every layer, page-major.
+
+    A page holds its tokens' K and V of every layer in one contiguous byte range, so a KV transfer
+    moves a run of consecutive pages, whatever the number of layers, as one NIXL descriptor (the
+    layout FlashInfer's non-contiguous paged KV supports, and the one SGLang's HiCache calls
+    "page first"). Each layer's K (V) is a view ``[num_pages, page_size, Hkv, D]`` whose pages lie
+    ``page_stride`` elements apart; the attention kernels read it in place.
 
     Attributes:
-        kv_data: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (index 0 = K,
-            1 = V), zero-initialised so padded reads are finite. One request's consecutive pages of
-            one layer's K (or V) are one contiguous byte range, which is what a KV transfer
-            registers and coalesces.
-        page_nbytes: bytes of one page of one layer's K (equal to V's).
+        kv_data: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (index 0 = K,
+            1 = V), zero-initialised so padded reads are finite.
+        page_stride: elements between consecutive pages of one layer's K (or V) view.
+        page_nbytes: bytes of one page of every layer, K and V (what a transfer moves per page).
     """
 
     def __init__(
@@ -145,27 +150,28 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_layers, 2, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
         self.kv_data = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_nbytes = page_size * num_kv_heads * head_dim * self.kv_data.element_size()
+        self.page_stride = self.kv_data.stride(0)
+        self.page_nbytes = self.page_stride * self.kv_data.element_size()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """KV bytes one token takes over all layers (K and V)."""
         return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def k_buffer(self, layer: int) -> torch.Tensor:
-        """View ``[num_pages * page_size, num_kv_heads, head_dim]`` of layer ``layer``'s K."""
-        return self.kv_data[layer, 0].view(-1, self.num_kv_heads, self.head_dim)
-
-    def v_buffer(self, layer: int) -> torch.Tensor:
-        """View ``[num_pages * page_size, num_kv_heads, head_dim]`` of layer ``layer``'s V."""
-        return self.kv_data[layer, 1].view(-1, self.num_kv_heads, self.head_dim)
+    def kv_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V: views ``[num_pages, page_size, num_kv_heads, head_dim]``, each
+        page contiguous, pages ``page_stride`` elements apart."""
+        return self.kv_data[:, layer, 0], self.kv_data[:, layer, 1]
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``, any float dtype) at token slots ``loc`` [T]."""
-        self.k_buffer(layer)[loc] = k.to(self.dtype)
-        self.v_buffer(layer)[loc] = v.to(self.dtype)
+        """Store ``k``/``v`` (``[T, num_kv_heads, head_dim]``, any float dtype) at token slots ``loc``
+        (int64 ``[T]``: offset ``loc % page_size`` of page ``loc // page_size``)."""
+        k_pages, v_pages = self.kv_pages(layer)
+        page, offset = loc // self.page_size, loc % self.page_size
+        k_pages[page, offset] = k.to(self.dtype)
+        v_pages[page, offset] = v.to(self.dtype)
 
 
 def num_pages_for_budget(

@@ -149,6 +149,8 @@ class Scheduler:
         self.prefilling: list[Req] = []  # admitted, extending in chunks (mixed / prefill roles)
         self.running: list[Req] = []  # decoding (mixed / decode roles)
         self.waiting_for_kv: dict[str, Req] = {}  # decode role: pages reserved, prefill asked
+        # decode role: ended while their prompt KV was arriving; pages held until ``kv_drained``
+        self.kv_draining: dict[str, Req] = {}
         self.kv_requests: list[Req] = []  # decode role: admitted, the servicer must ask a prefill worker
         self.prefilled: list[Req] = []  # prefill role: first token sampled, KV ready to send
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
@@ -156,8 +158,9 @@ class Scheduler:
         self.aborted_outputs: list[StepOutput] = []
         # called with every request as it ends (finish, abort, failure), after its pages are released
         self.on_request_end: Callable[[Req], None] | None = None
-        # decode role: called with a request whose prompt KV is still arriving, just before its pages
-        # are freed (abort, deadline, failure), so the transfer writing them can be stopped first
+        # decode role: called with a request that ends while its prompt KV is still arriving (abort,
+        # deadline, failure), so the transfer writing it can be stopped; its pages are then held
+        # (``kv_draining``) until ``kv_drained``: a prefill worker may still be writing into them
         self.on_kv_abandoned: Callable[[Req], None] | None = None
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
@@ -256,6 +259,13 @@ class Scheduler:
         req.retryable = retryable
         self._end(req, FinishReason.ERROR, error)
         return StepOutput(req, finished=True)
+
+    def kv_drained(self, rid: str) -> None:
+        """No prefill worker writes into ``rid``'s pages any more (its Prefill call ended): release the
+        pages of a request that ended while they were arriving. No-op for any other rid."""
+        req = self.kv_draining.pop(rid, None)
+        if req is not None:
+            self.ledger.release(req, cache=False)
 
     # ---- prefill role: KV sent ----------------------------------------------------------
     def pop_prefilled(self) -> list[Req]:
@@ -630,7 +640,8 @@ class Scheduler:
         for queue in (self.waiting, self.prefilling, self.running, self.prefilled):
             if req in queue:
                 queue.remove(req)
-        if self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None:
+        abandoned = self.waiting_for_kv.pop(req.rid, None) is not None and self.on_kv_abandoned is not None
+        if abandoned:
             self.on_kv_abandoned(req)
         self.grammar_queue.remove(req)
         if not req.state.done:
@@ -639,6 +650,8 @@ class Scheduler:
         cache = valid_kv and req.num_computed > 0
         if req.in_batches:  # a scheduled forward still reads and writes its KV
             req.release_cache = cache
+        elif abandoned:  # a prefill worker may still write its pages
+            self.kv_draining[req.rid] = req
         else:
             self.ledger.release(req, cache=cache)
         self.reqs.pop(req.rid, None)
@@ -681,6 +694,7 @@ class Scheduler:
             self.running,
             self.prefilled,
             self.waiting_for_kv.values(),
+            self.kv_draining.values(),
         ):
             for r in queue:
                 h.update(

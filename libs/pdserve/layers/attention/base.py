@@ -71,8 +71,7 @@ class AttentionBackend(ABC):
         ops = load_fused_ops()
         if ops is not None and ops.supports(k) and k.dtype == pool.dtype and k.stride(1) == v.stride(1) == 1:
             # one C call, reading k/v in place from the fused qkv output
-            k_pool, v_pool = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
-            ops.store_kv(k, v, k_pool, v_pool, forward_batch.out_cache_loc)
+            ops.store_kv(k, v, *pool.kv_pages(layer.layer_id), forward_batch.out_cache_loc)
         else:
             num_tokens = k.shape[0]
             pool.set_kv(
@@ -81,5 +80,4 @@ class AttentionBackend(ABC):
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),
                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
             )
-        k_pages, v_pages = pool.kv_data[layer.layer_id]
-        return k_pages, v_pages
+        return pool.kv_pages(layer.layer_id)

@@ -1,4 +1,4 @@
-"""Paged decode attention for CPUs: a small OpenMP C kernel, built with the system C compiler on first use.
+"""Paged decode attention for CPUs: a small OpenMP C kernel (``c-kernels/decode_attention.c``).
 
 Decode attention does little arithmetic per byte (one query per request) but must read every
 cached key and value; PyTorch ops need a gathered copy of the KV plus a generic SDPA, which costs
@@ -6,10 +6,10 @@ several times the reads themselves. This kernel reads the K/V pages in place thr
 table (flash-decoding, Dao et al. 2023; the CPU decode kernel idea of SGLang's ``sgl-kernel``,
 written anew here).
 
-Layout: q and out ``[B, Hq, D]``; K and V ``[num_pages, page_size, Hkv, D]``: position ``j`` of
-request ``b`` is token slot ``page_table[b, j // page_size] * page_size + j % page_size``, whose
-K (V) row of KV head ``hk`` is ``D`` contiguous elements, and the rows of all ``Hkv`` heads of a
-page's tokens are one contiguous run.
+Layout: q and out ``[B, Hq, D]``; K and V ``[num_pages, page_size, Hkv, D]``, one layer's view of the
+page-major pool (``KVPool``): position ``j`` of request ``b`` is row ``j % page_size`` of page
+``page_table[b, j // page_size]``; a page's rows (all ``Hkv`` heads of its tokens, ``D`` contiguous
+elements each) are one contiguous run, and pages lie ``k_pages.stride(0)`` elements apart.
 
 Algorithm. A work item is a request, or a range of its positions (a split, flash-decoding's
 split-K) when the batch alone would leave threads idle; a last pass merges the splits. An item
@@ -28,12 +28,11 @@ to 3 heads that load each 64-byte chunk of a K or V row once:
 3. ``acc[g] += sum_t p[g, t] * v_t``: a bfloat16 chunk of 32 elements read as 16 int32 lanes gives
    its even and odd elements as floats by a shift and a mask, so V is never widened into a copy.
 
-Arithmetic is float32; bfloat16 outputs are rounded to nearest-even. The library is built with
-``-march=native`` on the machine that runs it: AVX-512 code for head_dim 64, 128 and 256, the
-same algorithm in portable C (which the compiler vectorises) for other head dims and CPUs.
-
-Built by ``pdserve.layers.native``; without a C compiler ``load_decode_kernel`` returns None and
-callers fall back to PyTorch ops.
+Arithmetic is float32; bfloat16 outputs are rounded to nearest-even. Each CPU class's library
+(``setup.py``, loaded by ``pdserve.layers.native``) has its own steps: AVX-512 or AVX2 code for
+head_dim 64, 128 and 256, the same algorithm in portable C (which the compiler vectorises) for
+other head dims and CPUs. With the kernels off ``load_decode_kernel`` returns None and callers fall
+back to PyTorch ops.
 """
 
 from __future__ import annotations
@@ -67,7 +66,7 @@ class DecodeAttentionKernel:
         self._fn.argtypes = (
             [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 5
-            + [ctypes.c_int64] * 6
+            + [ctypes.c_int64] * 7
             + [ctypes.c_float, ctypes.c_int]
         )
 
@@ -86,6 +85,7 @@ class DecodeAttentionKernel:
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
+        page_stride = pool_page_stride(k_pages, v_pages)
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
@@ -101,6 +101,7 @@ class DecodeAttentionKernel:
             batch,
             page_table.shape[1],
             page_size,
+            page_stride,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -108,6 +109,24 @@ class DecodeAttentionKernel:
             num_threads or torch.get_num_threads(),
         )
         return out
+
+
+def pool_page_stride(k_pages: torch.Tensor, v_pages: torch.Tensor) -> int:
+    """Elements between consecutive pages of ``k_pages`` and ``v_pages`` (``[num_pages, page_size, Hkv,
+    D]``), the kernels' ``page_stride``.
+
+    Raises:
+        ValueError: a page's rows are not contiguous, or K and V pages lie differently apart.
+    """
+    _, page_size, heads, dim = k_pages.shape
+    for pages in (k_pages, v_pages):
+        if pages.shape != k_pages.shape or pages.stride()[1:] != (heads * dim, dim, 1):
+            raise ValueError(
+                f"KV pages {tuple(pages.shape)} with strides {pages.stride()}: a page must be contiguous"
+            )
+    if k_pages.stride(0) != v_pages.stride(0):
+        raise ValueError(f"K pages {k_pages.stride(0)} and V pages {v_pages.stride(0)} elements apart")
+    return k_pages.stride(0)
 
 
 @per_variant

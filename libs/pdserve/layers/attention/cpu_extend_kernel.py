@@ -24,7 +24,8 @@ over ``|V|`` (the tests' bound). Only bfloat16 and head_dim 64 or 128 on CPUs wi
 (``supports``); other cases use the decode kernel or SDPA.
 
 Layout as in ``cpu_decode_kernel``: q and out rows ``[T, Hq, D]`` (q rows may be strided), K/V
-``[num_pages, page_size, Hkv, D]`` addressed through each request's page table.
+``[num_pages, page_size, Hkv, D]`` (each page contiguous, pages ``stride(0)`` apart) addressed through
+each request's page table.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import ctypes
 
 import torch
 
+from pdserve.layers.attention.cpu_decode_kernel import pool_page_stride
 from pdserve.layers.native import kernel_library, per_variant
 
 
@@ -59,7 +61,7 @@ class ExtendAttentionKernel:
         self._fn.argtypes = (
             [ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 7
-            + [ctypes.c_int64] * 6
+            + [ctypes.c_int64] * 7
             + [ctypes.c_float, ctypes.c_int]
         )
 
@@ -81,6 +83,7 @@ class ExtendAttentionKernel:
     ) -> torch.Tensor:
         tokens, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
+        page_stride = pool_page_stride(k_pages, v_pages)
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         if out is None:
@@ -101,6 +104,7 @@ class ExtendAttentionKernel:
             len(prefix_lens),
             page_table.shape[1],
             page_size,
+            page_stride,
             num_heads,
             num_kv_heads,
             head_dim,

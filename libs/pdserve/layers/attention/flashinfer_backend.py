@@ -1,9 +1,11 @@
 """CUDA attention with FlashInfer's paged-KV wrappers (Ye et al. 2025, "FlashInfer").
 
-The KV pool layer ``kv_data[layer]`` is already FlashInfer's ``NHD`` paged layout: K and V each
-``[num_pages, page_size, Hkv, D]``. Per batch, ``init_forward_metadata`` turns ``req_to_token`` into
-the CSR page table (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``) and plans one wrapper:
-``BatchDecodeWithPagedKVCacheWrapper`` for DECODE batches, ``BatchPrefillWithPagedKVCacheWrapper``
+Each layer's K and V in the page-major pool (``KVPool.kv_pages``) are FlashInfer's ``NHD`` paged
+layout, ``[num_pages, page_size, Hkv, D]``, as non-contiguous views (pages ``page_stride`` apart),
+which its kernels read through the tensors' strides (FlashInfer >= 0.2). Per batch,
+``init_forward_metadata`` turns ``req_to_token`` into the CSR page table (``kv_indptr``,
+``kv_indices``, ``kv_last_page_len``) and plans one wrapper: ``BatchDecodeWithPagedKVCacheWrapper``
+for DECODE batches, ``BatchPrefillWithPagedKVCacheWrapper``
 (causal, queries aligned to the end of each sequence, so cached prefixes just work) for EXTEND and
 MIXED batches. Requires page-aligned slots: position ``p`` of a request is offset ``p % page_size``
 of page ``req_to_token[p] // page_size``.
