@@ -3,7 +3,9 @@
 A prefill-role process (this one) transfers the KV pages of one prompt into a decode-role child process
 (multiprocessing spawn, UCX over loopback on CPU) with ``KVTransferAgent`` over page-major pools (one
 NIXL descriptor per run of pages consecutive on both sides, every layer's K and V in it), timed until
-the decode side has every page. In the same run, for the same bytes: a raw NIXL WRITE of one
+the decode side has every page: the WRITE completes on the prefill side, which says so over the pipe
+(as the Prefill call's answer does in the product), and the decode side counts its LANDED
+notifications. In the same run, for the same bytes: a raw NIXL WRITE of one
 contiguous buffer (the wire's speed; the decode side busy-polls for its notification) and a local copy
 (memcpy).
 
@@ -81,6 +83,7 @@ def after_churn(rng: np.random.Generator, n: int, steps: int = 4000, occupancy: 
 def _decode_main(conn: Connection, device: str) -> None:
     """Decode role: one pool per dtype; expect transfers on command, or progress raw ones."""
     torch.set_num_threads(1)
+    loop = asyncio.new_event_loop()  # one for every receive, as a scheduler process has
     while (cmd := conn.recv())[0] == "setup":
         dtype = cmd[1]
         pool = _pool(dtype, device)
@@ -92,7 +95,8 @@ def _decode_main(conn: Connection, device: str) -> None:
             if cmd[0] == "expect":  # (peer, tid, dst pages): register, say so, then await every page
                 receive = agent.expect(*cmd[1:])
                 conn.send("ready")
-                asyncio.run(receive.wait(60))
+                conn.recv()  # the sender's "written", as a Prefill call's answer
+                loop.run_until_complete(receive.wait(60))
             else:  # ("raw",): progress until the raw WRITE's notification arrived
                 conn.send("ready")
                 while not any(raw.get_new_notifs().values()):
@@ -116,6 +120,7 @@ async def _pd_once(
     transfer.send(src, 0)
     transfer.finish()
     await transfer.wait(60)
+    conn.send(("written",))
     conn.recv()
     return time.perf_counter() - start, transfer.descriptors
 

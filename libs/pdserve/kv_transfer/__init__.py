@@ -1,52 +1,55 @@
-"""KV transfer between schedulers over NIXL: agents, registration, staged and direct page WRITEs.
+"""KV transfer between schedulers over NIXL: agents, registration, page WRITEs, notifications.
 
 The prefill scheduler WRITEs a request's KV pages into the decode scheduler's pages (decode-driven PD
-handshake, see ARCHITECTURE.md); both exchange ``KVAgentInfo`` once per peer over gRPC, the decode
-side granting the prefill worker a receive lane of its staging memory in it.
+handshake, see ARCHITECTURE.md); both exchange ``KVAgentInfo`` once per peer over gRPC.
 
-Design (chosen by ``make bench-kv``; numbers below). The pool stays ``[layer, k/v, page, ...]``, the
-layout the attention kernels read in place. A page is then 2 x layers pieces (60 for SmolLM2), and a
-NIXL descriptor costs about what 20 KB of the wire does (UCX puts through CMA on a CPU host), so
-writing scattered pages as one descriptor per piece ran at 0.29-0.50x a raw one-buffer WRITE. Pages
-now move in one of two ways, per group of pages a ``send`` hands over (``sender.KVSender.plan``):
+Design (chosen by ``make bench-kv``; numbers below). The pool is page-major,
+``[page, layer, k/v, slot, head, dim]`` (``KVPool``): one page of every layer is one contiguous byte
+range, so a run of pages consecutive on both sides is ONE NIXL descriptor whatever the number of
+layers, and a fully scattered 1,000-token prompt is 63 descriptors (16-token pages) instead of 3,780
+with the layer-major pool. Each layer's K (V) is a strided view ``[num_pages, page_size, Hkv, D]``
+whose pages lie ``page_stride`` apart; the attention kernels (ours on CPU, FlashInfer's on CUDA) and
+the KV store read and write it in place through that stride, with no copy in the forward. A
+descriptor costs about what 20 KB of the wire does (UCX moves a CPU host's puts with CMA, one
+``process_vm_writev`` each), and a page of SmolLM2 is 368-737 KB, so placement no longer matters.
 
-- direct: runs of pages consecutive on both sides whose descriptors average ``direct_min_bytes``
-  (16 KiB) or more go straight into the destination pages, one descriptor per layer, k/v and run;
-- staged: any other group is gathered into a registered send slot (a few MiB), written as ONE
-  descriptor into a slot of the receiver's lane, scattered there into the destination pages, and the
-  slot ACKed back; a gather thread fills the next slot while a post thread writes the previous one,
-  and the receiver scatters while the next slot is on the wire. The descriptor count is one per slot
-  whatever the placement.
+The allocator keeps placements run-friendly (best fit over free runs: ``PagedTokenToKVPoolAllocator``).
+A chunked prefill sends each chunk's finished pages while the next chunk computes; the receiver
+completes a transfer only once every page landed (each counted once, only from the expected sender,
+only while the transfer is expected), so decode never reads a page before its last byte has
+arrived. A transfer that fails or is cancelled settles only once no WRITE of it is in flight, and
+the decode side holds the pages of a request that ends while they arrive until the prefill worker's
+call has ended (``Scheduler.kv_draining``), so a late WRITE never lands in pages another request
+owns.
 
-The allocator keeps placements run-friendly (best fit over free runs: ``PagedTokenToKVPoolAllocator``),
-so after churn most transfers go direct. A chunked prefill sends each chunk's finished pages while the
-next chunk computes; the receiver completes a transfer only once every page landed (each counted once,
-only from the expected sender, only while the transfer is expected), so decode never reads a page
-before its last byte has arrived, and a cancelled transfer is never written again (staged pages reach
-the pool only through the receiver's scatter).
+Measured on the 2-core AMD EPYC Zen 5 (AVX512-BF16; quiet), SmolLM2 geometry, time until the decode
+side has every page, as a ratio to a raw one-buffer NIXL WRITE in the same run (min-max of three runs
+of 31 repetitions each; the layer-major design measured in the same session with the benchmark of its
+commit, whose decode side awaited the pages without the sender's "written" message):
 
-Measured on the 2-core AMD EPYC Zen 3 shared with other jobs (load 7-12), SmolLM2 geometry, time
-until the decode side has every page, as a ratio to a raw one-buffer NIXL WRITE in the same run:
+=================  =======================  =======================  =====================
+placement           page-major (now)         layer-major, direct      layer-major, staged
+=================  =======================  =======================  =====================
+1,000 tokens fp32  descriptors / x raw       descriptors / x raw      descriptors / x raw
+contiguous         1 / 0.90-0.97             60 / 0.82-0.99           60 / 0.82-0.94
+scattered          63 / 0.92-1.03            3,780 / 0.38-0.47        13 / 0.49-0.63
+after churn        5 / 0.95-1.07             300 / 0.77-0.91          300 / 0.78-0.92
+1,000 tokens bf16
+contiguous         1 / 0.84-0.95             60 / 0.73-0.87           60 / 0.73-0.80
+scattered          63 / 0.84-0.87            3,780 / 0.26-0.28        6 / 0.42-0.44
+after churn        3 / 0.90-0.92             180 / 0.71-0.80          180 / 0.68-0.71
+4,000 tokens fp32
+scattered          250 / 0.97-1.04           15,000 / 0.46-0.62       50 / 0.54-0.72
+after churn        11 / 1.03-1.07            660 / 0.99-1.21          660 / 0.95-1.28
+4,000 tokens bf16
+scattered          250 / 0.94-1.02           15,000 / 0.30-0.32       23 / 0.43-0.50
+after churn        10 / 0.96-1.05            600 / 0.90-0.94          600 / 0.88-0.92
+=================  =======================  =======================  =====================
 
-=================================  ===========  ==========  ============================
-1,000-token prompt                 fp32         bf16        NIXL descriptors
-=================================  ===========  ==========  ============================
-contiguous, direct                 0.95-1.06x   0.97-1.07x  60
-scattered, direct (previous)       0.43-0.50x   0.25-0.33x  3,780
-scattered, staged                  0.43-0.57x   0.31-0.32x  13 (fp32) / 6 (bf16)
-after churn, best fit, direct      0.82-0.94x   0.63-0.80x  180-360
-page-major pool (side prototype)   0.78-0.96x   0.92-1.05x  63
-=================================  ===========  ==========  ============================
-
-Why staging stays short of 0.8x here: CMA (``process_vm_writev``) moves ~3 GB/s on this box and a
-memcpy ~6 GB/s, so gather + wire + scatter is about twice the wire's CPU work; the threads overlap
-it only with a free core, and a loaded 2-core box has none (profile: gather 10 ms, WRITEs 12-19 ms,
-scatter 8 ms on the other side, for 46 MB). Tried and dropped: NIXL prepped descriptor lists
-(``initialize_xfer`` is 37 us of a 1+ ms slot), NIXL's strided (Nx5) descriptors (its UCX backend
-moved only the first block of each), transparent huge pages under the staging slots (no change),
-UCX's legacy protocols (no CMA puts). A pool laid out page-major would reach the target with no
-copies, but every attention kernel would need a page stride: left for a change agreed with the
-kernels' owners.
+The staging design (gather into registered slots, one descriptor per slot, scatter on the decode
+side) kept the descriptor count flat but added two copies to the wire's one, and stayed under 0.72x
+for scattered pages; it is gone with the page-major pool. What remains of the gap to raw is a fixed
+cost per transfer (thread hand-offs, notification polling: ~0.5 ms), visible only for small prompts.
 """
 
 from pdserve.kv_transfer.agent import KVTransferAgent

@@ -87,7 +87,7 @@ class KVTransferAgent:
             incarnation=uuid.uuid4().hex,
         )
         self._peers: dict[str, KVAgentInfo] = {}
-        self._receiver = KVReceiver(layout.page_bytes)
+        self._receiver = KVReceiver(layout.page_bytes, kick=lambda: self._pump.kick())
         self._sender = KVSender(self._call, self._agent, self._info)
         self._pump = NotificationPump(
             self._agent.get_new_notifs, self._on_notification, self._busy, name=f"nixl-progress-{name}"

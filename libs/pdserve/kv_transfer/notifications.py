@@ -2,11 +2,13 @@
 
 Without NIXL's own progress thread (which spins a full core), UCX makes progress only inside agent
 calls, and notifications (LANDED, ABORT: see ``messages``) arrive only when someone fetches them.
-The pump fetches every ``fast_interval_s`` while ``busy()`` says a transfer is open or for
-``linger_s`` after the last message, and every ``idle_interval_s`` otherwise. A fetch costs ~1.4 us
-(idle agent, Zen 5) and the wake-up a few more, so fast polling costs a few % of one core while
-transfers are open; polling every 1 ms instead added ~0.5 ms to every transfer (a 1,000-token bf16
-prompt moved at 0.72-0.79x a raw NIXL WRITE instead of 0.82-0.89x, ``make bench-kv``).
+The pump fetches every ``hot_interval_s`` while messages flow (one came in the last ``hot_s``: a
+chunked prefill's groups landing), every ``busy_interval_s`` while ``busy()`` says a transfer is open
+or for ``linger_s`` after the last message, and every ``idle_interval_s`` otherwise: a receive open
+for the seconds a long prompt takes to prefill costs ~1,000 wake-ups a second, not 5,000. Those are
+not free on a small host: polling every 0.2 ms throughout made a 2-core PD 1+1's TTFT 11-28% longer
+(``make bench-kv-e2e``, its prefill's OpenMP threads losing their cores). ``kick()`` fetches at once:
+a receiver that knows its pages are written (the Prefill call answered) asks for the LANDED then.
 It is a thread rather than an asyncio task so transfers keep moving while the event loop runs a
 forward pass.
 """
@@ -39,14 +41,17 @@ class NotificationPump:
         handle: Callable[[str, bytes], None],
         busy: Callable[[], bool],
         name: str,
-        fast_interval_s: float = 0.0002,
+        hot_interval_s: float = 0.0002,
+        busy_interval_s: float = 0.001,
         idle_interval_s: float = 0.005,
+        hot_s: float = 0.005,
         linger_s: float = 1.0,
     ):
         self._fetch = fetch
         self._handle = handle
         self._busy = busy
-        self._fast_s, self._idle_s, self._linger_s = fast_interval_s, idle_interval_s, linger_s
+        self._intervals = (hot_interval_s, busy_interval_s, idle_interval_s)
+        self._hot_s, self._linger_s = hot_s, linger_s
         self._last_seen = 0.0
         self._kick = threading.Event()
         self._closed = False
@@ -64,7 +69,7 @@ class NotificationPump:
                     logger.exception("handling KV notification %r from %r failed", msg[:64], agent_name)
 
     def kick(self) -> None:
-        """Poll now and at the fast rate (call when a transfer starts)."""
+        """Poll now (a transfer starts, or a receiver expects its last LANDED)."""
         self._kick.set()
 
     def close(self) -> None:
@@ -79,6 +84,13 @@ class NotificationPump:
                 self.pump()
             except NIXL_ERRORS:
                 logger.exception("polling NIXL notifications failed")
-            fast = self._busy() or time.monotonic() - self._last_seen < self._linger_s
-            self._kick.wait(self._fast_s if fast else self._idle_s)
+            hot, busy, idle = self._intervals
+            quiet = time.monotonic() - self._last_seen
+            if quiet < self._hot_s:
+                interval = hot
+            elif self._busy() or quiet < self._linger_s:
+                interval = busy
+            else:
+                interval = idle
+            self._kick.wait(interval)
             self._kick.clear()

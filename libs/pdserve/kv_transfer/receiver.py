@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -43,12 +43,14 @@ class KVReceive:
             self._completion.set_result(0)
 
     async def wait(self, timeout_s: float) -> int:
-        """Return the bytes received once every page has landed.
+        """Return the bytes received once every page has landed. Fetches notifications at once: call
+        it when the pages should have landed (the sender said so) for the LANDED to count at once.
 
         Raises:
             KVTransferError: the sender aborted, or this receive was cancelled.
             KVTransferTimeout: not complete within ``timeout_s`` (the receive is cancelled).
         """
+        self._receiver.kick()
         try:
             return await self._completion.wait(timeout_s)
         except TimeoutError:
@@ -72,10 +74,12 @@ class KVReceiver:
 
     Args:
         page_bytes: bytes of one pool page (every layer's K and V).
+        kick: fetches notifications now (``NotificationPump.kick``).
     """
 
-    def __init__(self, page_bytes: int):
+    def __init__(self, page_bytes: int, kick: Callable[[], None]):
         self._page_bytes = page_bytes
+        self.kick = kick
         self._lock = threading.Lock()
         self._expected: dict[bytes, KVReceive] = {}
 
