@@ -210,14 +210,17 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return self.scheduler.abort_request(event.rid, event.reason)
 
     def _stop_prefill(self, rid: str, reason: str) -> None:
-        """Ask the prefill worker computing ``rid``'s KV to stop. Its Prefill call is left to end (with
-        an error, at once): until it has, that worker may still write the pages, which the scheduler
-        holds (``kv_draining``) until the task's ``KVDrained``."""
+        """Stop ``rid``'s prefill task (rank 0). With a Prefill call in flight, the prefill worker is
+        asked to stop and the call left to end (with an error, at once): until it has, that worker
+        may still write the pages, which the scheduler holds (``kv_draining``) until the task's
+        ``KVDrained``. Before the call went out (connecting, expecting), the task is cancelled."""
         peer = self.prefilling_on.get(rid)
         if peer is not None:
             task = asyncio.get_running_loop().create_task(peer.abort(rid, reason))
             self.prefill_aborts.add(task)
             task.add_done_callback(self.prefill_aborts.discard)
+        elif (task := self.prefill_tasks.get(rid)) is not None:
+            task.cancel()
 
     def _kv_failed(self, event: KVFailed) -> list[StepOutput]:
         out = self.scheduler.kv_failed(event.rid, event.error, event.retryable)
@@ -328,7 +331,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         try:
             resp = None
             for address in attempts:
-                if rid not in self.scheduler.waiting_for_kv:
+                if self.scheduler.waiting_for_kv.get(rid) is not req:
                     break  # ended meanwhile (aborted): no other worker is asked
                 try:
                     with tracing.request_context(req):
@@ -351,12 +354,15 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
                     logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
                 event = KVReady(rid, resp.first_token_id, logprob, resp.cached_tokens, resp.transferred_bytes)
         except asyncio.CancelledError:
-            pass  # the servicer is closing
+            pass  # ended before its Prefill call went out (``_stop_prefill``), or the servicer closes
+        except Exception as e:  # not a prefill failure we know: this request fails, its pages drain
+            logger.exception("prefill of %s failed", rid, extra={"rid": rid})
+            event = KVFailed(rid, f"prefill failed: {e}", retryable=False)
         finally:
             self.prefill_tasks.pop(rid, None)
-        if event is not None:
-            self.loop.submit(event)
-        self.loop.submit(KVDrained(rid))
+            if event is not None:
+                self.loop.submit(event)
+            self.loop.submit(KVDrained(rid))
 
     async def _prefill_once(self, req: Req, address: str) -> scheduler_pb2.PrefillResponse:
         """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our
@@ -390,6 +396,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         landing = await self.kv.expect(req, peer.address, tid, timeout)
         self.prefilling_on[req.rid] = peer
         try:
+            if self.scheduler.waiting_for_kv.get(req.rid) is not req:  # ended while expect ran
+                raise KVTransferError(f"{req.rid} ended before its prefill worker was asked")
             resp = await peer.prefill(req, tid, timeout)
             await landing.wait(max(0.1, timeout - (time.monotonic() - start)))
         finally:

@@ -24,6 +24,7 @@ from pdserve.kv_transfer.sender import KVSender
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import GrpcServer
 from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.services.common.bootstrap import build_kv_agent
 from pdserve.services.common.convert import sampling_params_to_pb
@@ -151,6 +152,8 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
     def drained(r: str) -> None:
         if r == rid:  # what the prefill worker still holds when the decode side lets the pages go
             releases.append((r in decode_sched.kv_draining, r in prefill_sched.reqs, r in prefill.transfers))
+            with pytest.raises(ValueError, match="duplicate rid"):  # not reused while it drains
+                decode_sched.add_request(Req(rid=r, origin_input_ids=[1, 2, 3], sampling_params=params))
         real_drained(r)
 
     monkeypatch.setattr(decode_sched, "kv_drained", drained)

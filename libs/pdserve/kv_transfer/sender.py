@@ -48,6 +48,17 @@ class _Group:
 _IDLE = _Group(None, [], 0)  # type: ignore[arg-type]  # the post queue had nothing within _POLL_S
 
 
+def _release(group: _Group) -> None:
+    """Release a WRITE's handle. NIXL refuses to release one still in progress (a stalled WRITE whose
+    peer hangs): that handle is left to the agent's teardown, and the post thread goes on."""
+    try:
+        group.handle.release()
+    except Exception as e:
+        t = group.transfer
+        logger.warning("KV write of %r to %r not released: %s", t.tid, t.peer_name, e)
+    group.handle = None
+
+
 class KVSender:
     """The post thread of one agent.
 
@@ -105,7 +116,7 @@ class KVSender:
                 inflight.append(group)
             inflight = [g for g in inflight if not self._guard(g, self._poll)]
         for group in inflight:
-            group.handle.release()
+            _release(group)
 
     def _guard(self, group: _Group, step: Callable[[_Group], bool]) -> bool:
         """Run ``step``; True when the group left the pipeline (written, skipped, or failed)."""
@@ -116,7 +127,7 @@ class KVSender:
                 logger.exception("KV transfer %r: unexpected error", group.transfer.tid)
                 e = KVTransferError(f"KV transfer {group.transfer.tid!r} failed: {e}")
             if group.handle is not None:
-                group.handle.release()
+                _release(group)
             group.transfer.fail(e)
             return self._leave(group, written=False)
 

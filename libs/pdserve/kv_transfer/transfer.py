@@ -46,7 +46,8 @@ class KVTransfer:
         self.nbytes = 0
         self.descriptors = 0
         self.stall_s = stall_s
-        self.lock = threading.Lock()  # held while pool pages of this transfer are read
+        self.lock = threading.Lock()  # held while pool pages of this transfer are read (a post)
+        self._state = threading.Lock()  # the counters below: send() never waits for a post's copy
         self.peer = peer
         self._sender = sender
         self._pending = 0  # groups queued or in flight
@@ -70,7 +71,7 @@ class KVTransfer:
             raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
         if min(src) < 0 or max(src) >= self._sender.num_pages:
             raise ValueError(f"a source page is outside [0, {self._sender.num_pages})")
-        with self.lock:
+        with self._state:
             if self._closed:
                 return
             self._pending += 1
@@ -78,7 +79,7 @@ class KVTransfer:
 
     def finish(self) -> None:
         """No more ``send`` calls; the transfer completes once what was sent is written."""
-        with self.lock:
+        with self._state:
             self._finished = True
             complete = self._pending == 0 and not self._closed
             if complete:
@@ -117,7 +118,7 @@ class KVTransfer:
     def group_left(self, nbytes: int, descriptors: int) -> None:
         """A group left the sender's pipeline: written (its bytes and descriptors), or dropped or
         failed (zeros). Called by the sender's post thread."""
-        with self.lock:
+        with self._state:
             self.nbytes += nbytes
             self.descriptors += descriptors
             self._pending -= 1
@@ -133,7 +134,7 @@ class KVTransfer:
     def fail(self, error: BaseException) -> None:
         """End with ``error`` unless already ended; settles (and tells the receiver: ABORT) once no
         WRITE of it is in flight."""
-        with self.lock:
+        with self.lock, self._state:  # after a post in progress: then no page of it is read any more
             if self._closed:
                 return
             self._closed, self._error = True, error

@@ -181,7 +181,7 @@ class Scheduler:
             QueueFull: the waiting queue (with the grammar queue) is at its bound.
         """
         self._check_queue_room()
-        if req.rid in self.reqs:
+        if req.rid in self.reqs or req.rid in self.kv_draining:  # draining: its prefill still runs
             raise ValueError(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
             raise ValueError("input_ids is empty")
