@@ -38,7 +38,7 @@ def refused_handshake(log_dir: Path, *prefill_flags: str) -> grpc.aio.AioRpcErro
             model="LlamaForCausalLM:30x576:vocab49152", dtype="float32", page_size=PAGE,
             num_layers=30, num_kv_heads=3, head_dim=64,
         )  # fmt: skip
-        agent = KVTransferAgent(f"test-decode-{time.time_ns()}", torch.zeros(30, 2, 4, PAGE, 3, 64), layout)
+        agent = KVTransferAgent(f"test-decode-{time.time_ns()}", torch.zeros(4, 30, 2, PAGE, 3, 64), layout)
 
         async def exchange():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -315,10 +315,11 @@ def test_decode_role_asks_for_a_shared_uncached_prefix_once(big_runner):
     drive(sched)
 
 
-def test_decode_role_hands_a_request_whose_kv_is_arriving_back_before_freeing_its_pages(big_runner):
+def test_decode_role_holds_the_pages_of_a_request_whose_kv_is_arriving_until_drained(big_runner):
     """Abort, deadline or failure of a request still waiting for its KV: the servicer's
-    ``on_kv_abandoned`` hook runs once, while the request still owns its pages (so the transfer
-    writing them is stopped before they can go to anyone else); a request with its KV in does not."""
+    ``on_kv_abandoned`` hook runs once, and the request's pages stay held (``kv_draining``, counted
+    used) until ``kv_drained`` says no prefill worker writes them any more, then are freed once; a
+    request with its KV in is not held. A rid cannot come back while its pages drain."""
     sched = fresh(big_runner, role="decode")
     seen: list[tuple[str, int]] = []
     sched.on_kv_abandoned = lambda r: seen.append((r.rid, sched.ledger.used_pages()))
@@ -335,4 +336,13 @@ def test_decode_role_hands_a_request_whose_kv_is_arriving_back_before_freeing_it
     sched.abort_request("landed")
     assert [rid for rid, _ in seen] == ["aborted", "expired", "failed"]
     assert seen[0][1] == owned and all(used > 0 for _, used in seen)
+    assert set(sched.kv_draining) == {"aborted", "expired", "failed"} and not sched.reqs
+    with pytest.raises(ValueError, match="duplicate rid"):
+        sched.add_request(req("aborted", ids("The same rid again, while its pages drain."), 4))
+    held = sched.ledger.used_pages()
+    assert held > 0
+    for rid in ("aborted", "expired", "failed", "landed"):  # "landed" was never held: a no-op
+        sched.kv_drained(rid)
+    sched.kv_drained("aborted")  # drained twice: freed once
+    assert not sched.kv_draining and sched.ledger.used_pages() < held
     drive(sched)

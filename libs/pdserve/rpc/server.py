@@ -36,6 +36,10 @@ GRPC_OPTIONS = [
     # clients: spread calls over every address a target resolves to (a dns:/// name of a headless
     # Service resolves to each ready pod), one call to the next address in turn (servers ignore it)
     ("grpc.lb_policy_name", "round_robin"),
+    # clients: a restarted peer (the launcher restarts a process within ~1 s) is reachable again
+    # within a second of coming back, not after gRPC's default backoff (1 s growing to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
