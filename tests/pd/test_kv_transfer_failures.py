@@ -100,20 +100,25 @@ async def pd(schedulers):
         prefill.agent.close()
 
 
-async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
-    """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
-    stub, prefill_address, detok_address, detok, *_ = pd
-    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
+async def _submit(pd, rid: str, input_ids: list[int]) -> None:
+    """Send a greedy Generate of ``input_ids`` to the decode worker (its outputs go to the detokenizer)."""
+    stub, prefill_address, detok_address, *_ = pd
     await stub.Generate(
         scheduler_pb2.TokenizedGenerateReqInput(
             rid=rid,
             input_ids=input_ids,
-            sampling_params=sampling_params_to_pb(params),
+            sampling_params=sampling_params_to_pb(SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)),
             prefill_address=prefill_address,
             output_address=detok_address,
             gateway_address="127.0.0.1:1",
         )
     )
+
+
+async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], int, str]:
+    """Generate ``input_ids`` greedily; returns (token ids, finish reason, error) once it finished."""
+    detok = pd[3]
+    await _submit(pd, rid, input_ids)
     await wait_until(lambda: detok.finish(rid), timeout=120)
     outputs = detok.outputs[rid]
     return [t for out in outputs for t in out.token_ids], outputs[-1].finish_reason, outputs[-1].error
@@ -144,7 +149,7 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
     until the prefill worker, asked to stop, has ended the request and its call, and are freed then,
     once."""
     prefill_sched, decode_sched = schedulers
-    stub, prefill_address, detok_address, detok, prefill, _ = pd
+    stub, _, _, detok, prefill, _ = pd
     rid, comet = "aborted-mid-prefill", prompt("comets")
     releases = []
     real_drained = decode_sched.kv_drained
@@ -152,22 +157,13 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
     def drained(r: str) -> None:
         if r == rid:  # what the prefill worker still holds when the decode side lets the pages go
             releases.append((r in decode_sched.kv_draining, r in prefill_sched.reqs, r in prefill.transfers))
+            again = Req(rid=r, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams())
             with pytest.raises(ValueError, match="duplicate rid"):  # not reused while it drains
-                decode_sched.add_request(Req(rid=r, origin_input_ids=[1, 2, 3], sampling_params=params))
+                decode_sched.add_request(again)
         real_drained(r)
 
     monkeypatch.setattr(decode_sched, "kv_drained", drained)
-    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW)
-    await stub.Generate(
-        scheduler_pb2.TokenizedGenerateReqInput(
-            rid=rid,
-            input_ids=comet,
-            sampling_params=sampling_params_to_pb(params),
-            prefill_address=prefill_address,
-            output_address=detok_address,
-            gateway_address="127.0.0.1:1",
-        )
-    )
+    await _submit(pd, rid, comet)
     await wait_until(lambda: (r := prefill_sched.reqs.get(rid)) is not None and r.num_computed > 0, 60)
     assert prefill_sched.reqs[rid].num_computed < len(comet)  # chunks still to come
     await stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason="client went away"))
