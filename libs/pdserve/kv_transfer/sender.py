@@ -164,8 +164,7 @@ class KVSender:
             return False
         if group.state != "DONE":
             raise KVTransferError(f"KV write to {t.peer_name!r} failed")
-        group.handle.release()
-        group.handle = None
+        _release(group)
         return self._leave(group, written=True)
 
     def _leave(self, group: _Group, written: bool) -> bool:
