@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pdserve.rpc.server import GrpcServer, wait_for_health
 from pdserve.sampling.bounds import MAX_STOP_STRING_CHARS, MAX_STOP_TOTAL_CHARS
 from pdserve.tokenization import Tokenizer
 from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc
+from tests.stack import free_port_block
 
 WORDS = [
     *("the", "model", "serves", "many", "requests", "at", "once", "while", "and", "tokens", "stream"),
@@ -99,12 +99,6 @@ class Gateway(output_pb2_grpc.GatewayOutputServicer):
         return output_pb2.StreamAck()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def step_messages(
     streams: list[list[int]], gateway: str, stops: tuple[str, ...]
 ) -> list[output_pb2.BatchTokenIDOutput]:
@@ -137,7 +131,7 @@ def step_messages(
 
 
 async def bench_grpc(model: str | None, streams: list[list[int]], stops: tuple[str, ...]) -> dict[str, float]:
-    port = free_port()
+    port = free_port_block(1)
     cmd = [sys.executable, "-m", "pdserve.services.detokenizer.main", "--port", str(port)]
     proc = subprocess.Popen([*cmd, *(["--model", model] if model else [])], stderr=subprocess.DEVNULL)
     gateway = Gateway(len(streams))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group
+from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.layers.native import cpu_description
@@ -133,11 +132,9 @@ def tp_engine_rank(rank: int, size: int, port: int, path: Path, args, prompts: d
 
 def run_tp_engine(size: int, path: Path, args, prompts: dict, scratch: Path) -> dict:
     """``tp_engine_rank`` on ``size`` spawned ranks; rank 0's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous_store()
     out = scratch / f"tp{size}.pt"
-    mp.spawn(tp_engine_rank, args=(size, port, path, args, prompts, out), nprocs=size, join=True)
+    mp.spawn(tp_engine_rank, args=(size, store.port, path, args, prompts, out), nprocs=size, join=True)
     return torch.load(out)
 
 

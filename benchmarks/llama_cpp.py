@@ -21,7 +21,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -35,6 +34,7 @@ from benchmarks import serving
 from benchmarks.serving_lib.launch import launched, parse_compare
 from pdserve.layers.native import cpu_description
 from pdserve.model_source import cache_dir, default_gguf_path
+from tests.stack import free_port_block
 
 log = logging.getLogger("benchmarks.llama_cpp")
 PACKAGE = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp (tools/server)
@@ -70,17 +70,11 @@ def build_server(root: Path) -> Path:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def llama_server(binary: Path, gguf: Path, slots: int, threads: int, context: int) -> Iterator[str]:
     """A running ``llama-server`` on ``gguf`` with ``slots`` parallel slots of ``context`` tokens
     each; yields its OpenAI base URL and stops it after."""
-    port = _free_port()
+    port = free_port_block(1)
     command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
     command += ["-np", str(slots), "-c", str(slots * context), "--cont-batching", "--no-webui"]
     log_path = Path("bench-results") / "llama-server.log"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import ssl
@@ -11,6 +12,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,19 +23,20 @@ SERVED_MODEL = "SmolLM2-135M-Instruct"  # the id the default model is served und
 
 
 def free_port_block(size: int) -> int:
-    """A base port such that base .. base+size-1 are all free on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size >= 65000:
-            continue
+    """A base port such that base .. base+size-1 are all free on 127.0.0.1, chosen outside the
+    kernel's ephemeral range (``net.ipv4.ip_local_port_range``): a port in it, free when checked,
+    can be handed to any process's ``connect()`` or ``bind(port 0)`` (gRPC clients, UCX listeners)
+    before the service that is given it binds it. Pods started without the launcher's port
+    reservation (tests/deploy) rely on this."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = [*range(10_000, low - size), *range(high + 1, 65_000 - size)]
+    for base in random.sample(candidates, min(200, len(candidates))):
+        socks: list[socket.socket] = []
         try:
-            socks = []
             for p in range(base, base + size):
                 sock = socket.socket()
-                sock.bind(("127.0.0.1", p))
                 socks.append(sock)
+                sock.bind(("127.0.0.1", p))
             return base
         except OSError:
             continue

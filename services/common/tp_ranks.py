@@ -29,7 +29,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +38,7 @@ import torch
 import uvloop
 
 from pdserve.cli_args import setup_service
-from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group
+from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
 from pdserve.rpc import tls
 from pdserve.services.common.bootstrap import rank_device
 from pdserve.services.common.scheduler_loop import SchedulerLoop
@@ -84,9 +83,8 @@ class TpRanks:
 
     def __init__(self, args: argparse.Namespace, service: str, address: str) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.address = f"127.0.0.1:{s.getsockname()[1]}"
+        self.store = rendezvous_store()  # held for the process's life, so the port stays ours
+        self.address = f"127.0.0.1:{self.store.port}"
         self.size = args.tp_size
         self.beats = ctx.Array("d", self.size, lock=False)  # each rank's last heartbeat (monotonic s)
         self.failure: str | None = None

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
 from benchmarks.serving import config_from_args, main, openai_base_url, parse_args
 from benchmarks.serving_lib.launch import LaunchSpec, parse_compare
 from benchmarks.serving_lib.tokens import TokenCounter, estimate_tokens
+from tests.stack import free_port_block
 
 
 @pytest.fixture
 def closed_url() -> str:
     """A localhost URL where nothing listens (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port_block(1)}"
 
 
 def test_defaults_follow_the_workload():

@@ -4,7 +4,6 @@ checkpoints with one KV head replicated on both ranks; rank 0's samples reach ev
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pdserve.distributed import TpGroup, init_tp_group
+from pdserve.distributed import TpGroup, init_tp_group, rendezvous_store
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.sampling.sampling_params import SamplingParams
@@ -64,12 +63,6 @@ TINY_FAMILIES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, size: int, port: int, target, args: tuple, out_dir: Path) -> None:
     torch.set_num_threads(1)
     tp = init_tp_group(rank, size, f"127.0.0.1:{port}", torch.device("cpu"), timeout_s=120)
@@ -81,7 +74,8 @@ def _rank_main(rank: int, size: int, port: int, target, args: tuple, out_dir: Pa
 
 def run_ranks(size: int, target, args: tuple, out_dir: Path) -> list:
     """``target(tp, *args)`` on ``size`` spawned gloo ranks; every rank's return value, by rank."""
-    mp.spawn(_rank_main, args=(size, _free_port(), target, args, out_dir), nprocs=size, join=True)
+    store = rendezvous_store()
+    mp.spawn(_rank_main, args=(size, store.port, target, args, out_dir), nprocs=size, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(size)]
 
 

@@ -8,7 +8,6 @@ scheduler is involved can be checked without one.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import pytest_asyncio
@@ -16,6 +15,7 @@ import pytest_asyncio
 from pdserve.rpc.server import wait_for_health
 from pdserve.services.gateway.main import Gateway, parse_args
 from pdserve.services.tokenizer.main import build_parser, start_server
+from tests.stack import free_port_block
 
 API_KEY = "sk-gateway-test"
 MAX_REQUEST_BYTES = 64 * 1024
@@ -23,9 +23,7 @@ MAX_REQUEST_BYTES = 64 * 1024
 
 def closed_port() -> int:
     """A port nothing listens on (bound once, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port_block(1)
 
 
 @dataclass

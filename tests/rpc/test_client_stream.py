@@ -4,13 +4,13 @@ comes up: dead targets are reported once with the messages that never left, live
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from pdserve.rpc.client_stream import ClientStreamPool, ClientStreamSender
 from pdserve.rpc.server import GrpcServer
 from pdserve.v1 import output_pb2, output_pb2_grpc
+from tests.stack import free_port_block
 
 DEAD_AFTER = 1.0
 SLACK = 1.5  # event-loop and scheduling noise on a loaded 2-core machine
@@ -122,16 +122,10 @@ async def test_target_restarted_within_dead_after_gets_the_queued_messages() -> 
         await server.stop(0)
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_pool_forgets_a_dead_target_and_serves_it_again_once_it_is_back() -> None:
     dead = DeadLog()
     pool = ClientStreamPool(open_call, dead_after=DEAD_AFTER, on_dead=dead)
-    port = closed_port()
+    port = free_port_block(1)
     address = f"127.0.0.1:{port}"
     try:
         # never came up: everything sent is reported back

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import grpc
@@ -22,6 +21,8 @@ from pdserve_sdk import (
     ServiceUnavailableError,
     Usage,
 )
+
+from tests.stack import free_port_block
 
 NO_RETRY = RetryPolicy(max_retries=0)
 FAST_RETRY = RetryPolicy(max_retries=3, initial_backoff=0.01, max_backoff=0.02)
@@ -143,9 +144,7 @@ async def test_leaving_an_async_stream_cancels_the_call(scripted_server):
 
 
 def _unused_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port_block(1)}"
 
 
 def _seconds_until_unavailable(address: str, retry: RetryPolicy) -> float:

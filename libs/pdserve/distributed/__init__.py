@@ -1,6 +1,15 @@
 """Tensor parallelism: the rank group of one scheduler and how a tensor is sharded across it."""
 
-from pdserve.distributed.parallel_state import SINGLE_RANK, TpGroup, init_tp_group
+from pdserve.distributed.parallel_state import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
 from pdserve.distributed.sharding import HeadShard, head_shard, split_range, vocab_shard
 
-__all__ = ["SINGLE_RANK", "HeadShard", "TpGroup", "head_shard", "init_tp_group", "split_range", "vocab_shard"]
+__all__ = [
+    "SINGLE_RANK",
+    "HeadShard",
+    "TpGroup",
+    "head_shard",
+    "init_tp_group",
+    "rendezvous_store",
+    "split_range",
+    "vocab_shard",
+]

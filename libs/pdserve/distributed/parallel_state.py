@@ -92,9 +92,19 @@ SINGLE_RANK = TpGroup()
 RENDEZVOUS_TIMEOUT_S = 600.0  # ranks start (import torch, spawn) at their own pace
 
 
+def rendezvous_store(host: str = "127.0.0.1") -> dist.TCPStore:
+    """The TP group's rendezvous store, listening on ``host`` at a port the kernel picks (``.port``).
+
+    Whoever starts the ranks creates it before they start and keeps it until they joined, so its
+    port is held from the moment it is chosen: a port picked free and closed for a rank to bind
+    later can be handed out as an ephemeral port in the meantime.
+    """
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
 def init_tp_group(rank: int, size: int, address: str, device: torch.device, timeout_s: float) -> TpGroup:
-    """Join (or, on rank 0, create) the TP group rendezvousing at ``address`` ("host:port", rank 0
-    listens there); returns at once for ``size == 1``. Ranks may arrive up to
+    """Join the TP group rendezvousing at ``address`` ("host:port" of a ``rendezvous_store``, which
+    every rank joins as a client); returns at once for ``size == 1``. Ranks may arrive up to
     ``RENDEZVOUS_TIMEOUT_S`` apart; afterwards every collective times out after ``timeout_s``.
 
     Gloo talks over the interface of ``address``'s host: loopback when it is 127.0.0.1, so ranks
@@ -112,7 +122,7 @@ def init_tp_group(rank: int, size: int, address: str, device: torch.device, time
         torch.cuda.set_device(device)
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(
-        host, int(port), size, is_master=rank == 0, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        host, int(port), size, is_master=False, timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     )
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
