@@ -31,10 +31,13 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
 
     Output and prompt token counts come from the final usage chunk (``stream_options.include_usage``);
     a server that sends none gets its output counted as one token per non-empty chunk and keeps
-    ``prompt_tokens``. Errors do not raise: they end up in ``RequestRecord.error``.
+    ``prompt_tokens``. Errors do not raise: they end up in ``RequestRecord.error``. A completion that
+    finished with tokens that all decode to no text (a random-weight model can repeat a special token,
+    which is not shown) is served, without a TTFT.
     """
     record = RequestRecord(prompt_tokens=prompt_tokens, start=time.perf_counter())
     chunks = 0
+    finish = None
     last = record.start
     try:
         stream = await target.client.completions.create(
@@ -55,14 +58,16 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
                     record.itl.append(now - last)
                 last = now
                 chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
             if chunk.usage is not None:
                 record.output_tokens = chunk.usage.completion_tokens
                 record.prompt_tokens = chunk.usage.prompt_tokens or prompt_tokens
     except (openai.OpenAIError, httpx.HTTPError) as e:
         record.error = f"{type(e).__name__}: {e}"[:300]
     record.end = time.perf_counter()
-    if record.error is None and record.ttft is None:
-        record.error = "no text was streamed"
+    if record.error is None and record.ttft is None and not (finish and record.output_tokens):
+        record.error = f"no text was streamed ({record.output_tokens} tokens, finish_reason {finish})"
     if not record.output_tokens:
         record.output_tokens = chunks
     return record

@@ -6,9 +6,13 @@ The metric definitions follow the usual serving benchmarks (SGLang ``bench_servi
 
 from __future__ import annotations
 
+import logging
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger(__name__)
 
 PERCENTILES = (50, 90, 99)
 
@@ -103,6 +107,8 @@ def summarize(label: str, mode: str, level: float, records: Sequence[RequestReco
         raise ValueError("no requests were run at this level")
     ok = [r for r in records if r.error is None]
     failed = [r for r in records if r.error is not None]
+    for error, count in Counter(r.error for r in failed).most_common(3):
+        logger.warning("%s %s level %s: %d request(s) failed: %s", label, mode, level, count, error)
     duration = max(r.end for r in records) - min(r.start for r in records)
     per_s = 1.0 / duration if duration > 0 else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
