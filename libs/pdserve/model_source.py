@@ -15,6 +15,7 @@ directory.
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -181,11 +182,15 @@ def gguf_dtype(gguf: Path) -> torch.dtype:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` to safetensors in its natural dtype (``gguf_dtype``) once per file
-    contents and dtype (``_content_key``); concurrent callers wait on a file lock."""
+    contents and dtype (``_content_key``); concurrent callers wait on a file lock. The dtype follows
+    from the contents, so a cached conversion of the same contents is returned without parsing the
+    GGUF (its header, vocabulary included, takes seconds to read)."""
+    key = _content_key(gguf)
+    done = sorted(cache_dir().glob(f"{glob.escape(gguf.stem)}-{key}-*/config.json"))
+    if done:
+        return done[0].parent
     dtype = gguf_dtype(gguf)
-    out = cache_dir() / f"{gguf.stem}-{_content_key(gguf)}-{str(dtype).removeprefix('torch.')}"
-    if (out / "config.json").exists():
-        return out
+    out = cache_dir() / f"{gguf.stem}-{key}-{str(dtype).removeprefix('torch.')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

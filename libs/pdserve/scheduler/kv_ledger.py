@@ -8,6 +8,7 @@ free + cached + in-use == pool size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -114,32 +115,57 @@ class KVLedger:
         req.req_pool_idx = self.req_to_token_pool.alloc()
         req.pages.extend(pages)
         self.in_use[req] = len(req.pages) - req.num_prefix_pages
-        self._write_req_to_token(req, 0, len(req.pages))
+        self._write_req_to_token([(req, 0, len(req.pages))])
         return True
 
     def grow(self, req: Req, num_tokens: int) -> bool:
         """Make sure ``req`` has pages for ``num_tokens`` positions; False when the pool is short."""
-        need = self.pages_for(num_tokens) - len(req.pages)
-        if need <= 0:
+        return self.grow_all([req], [num_tokens])
+
+    def grow_all(self, reqs: Sequence[Req], num_tokens: Sequence[int]) -> bool:
+        """Make sure every ``reqs[i]`` has pages for ``num_tokens[i]`` positions: one allocation and
+        one ``req_to_token`` write for all of them (a decode step grows a page for every
+        ``page_size``-th request on average). Returns False, changing nothing, when the pool cannot
+        give them all (the caller then grows them one by one, retracting)."""
+        needs = [(req, self.pages_for(n) - len(req.pages)) for req, n in zip(reqs, num_tokens, strict=True)]
+        needs = [(req, need) for req, need in needs if need > 0]
+        total = sum(need for _, need in needs)
+        if total == 0:
             return True
-        pages = self._alloc(need)
+        if total > self.available_pages():
+            return False
+        pages = self._alloc(total)
         if pages is None:
             return False
-        first = len(req.pages)
-        req.pages.extend(pages)
-        self.in_use[req] += need
-        self._write_req_to_token(req, first, len(req.pages))
+        spans, taken = [], 0
+        for req, need in needs:
+            first = len(req.pages)
+            req.pages.extend(pages[taken : taken + need])
+            taken += need
+            self.in_use[req] += need
+            spans.append((req, first, first + need))
+        self._write_req_to_token(spans)
         return True
 
-    def _write_req_to_token(self, req: Req, first: int, last: int) -> None:
-        """Write the token slots of ``req.pages[first:last]`` into its ``req_to_token`` row (positions
-        ``[first * page_size, last * page_size)``): whole pages, so one broadcast add."""
+    def _write_req_to_token(self, spans: Sequence[tuple[Req, int, int]]) -> None:
+        """For each ``(req, first, last)``, write the token slots of ``req.pages[first:last]`` into
+        ``req``'s ``req_to_token`` row (positions ``[first * page_size, last * page_size)``): whole
+        pages, so one indexed write of page × offset for all of them."""
         pool = self.req_to_token_pool.req_to_token
         if self._offsets is None:
-            self._offsets = torch.arange(self.page_size, dtype=pool.dtype, device=pool.device)
-        pages = torch.tensor(req.pages[first:last], dtype=pool.dtype, device=pool.device)
-        slots = (pages[:, None] * self.page_size + self._offsets).view(-1)
-        pool[req.req_pool_idx, first * self.page_size : last * self.page_size] = slots
+            self._offsets = torch.arange(self.page_size, dtype=torch.int64, device=pool.device)
+        rows: list[int] = []
+        positions: list[int] = []
+        pages: list[int] = []
+        for req, first, last in spans:
+            rows += [req.req_pool_idx] * (last - first)
+            positions += range(first, last)
+            pages += req.pages[first:last]
+        if not pages:
+            return
+        index = torch.tensor([rows, positions, pages], dtype=torch.int64, device=pool.device)[:, :, None]
+        slots = index[2] * self.page_size + self._offsets
+        pool[index[0], index[1] * self.page_size + self._offsets] = slots.to(pool.dtype)
 
     def cache_unfinished(self, req: Req) -> None:
         """Put the full pages of a still-running ``req``'s computed tokens into the radix cache.
@@ -161,7 +187,7 @@ class KVLedger:
         req.pages[:full] = match.page_indices
         req.num_prefix_pages = full
         self.in_use[req] = len(req.pages) - full
-        self._write_req_to_token(req, 0, full)
+        self._write_req_to_token([(req, 0, full)])
 
     # ---- release ------------------------------------------------------------------
     def release(self, req: Req, cache: bool) -> None:

@@ -242,6 +242,7 @@ class Scheduler:
         req.num_computed = len(req.fill_ids)
         self.ledger.cache_unfinished(req)
         self._append_token(req, first_token_id, logprob)
+        self.metrics.generation_tokens.inc()
         req.set_state(ReqState.RUNNING)
         req.check_finished(self.eos_token_ids, self.max_req_tokens)
         if req.state.done:
@@ -344,6 +345,7 @@ class Scheduler:
         result = batch.result
         now = self.clock()
         outputs: list[StepOutput] = []
+        generated = 0
         for i, req in enumerate(batch.reqs):
             req.in_batches -= 1
             sampled = batch.samples[i]
@@ -365,6 +367,7 @@ class Scheduler:
                 logprob = (result.next_token_logprobs[i], top)
             token = result.next_token_ids[i]
             self._append_token(req, token, logprob, now)
+            generated += 1
             if i < batch.num_extend:
                 self.ledger.cache_unfinished(req)
                 if self.role == "prefill":
@@ -374,6 +377,7 @@ class Scheduler:
             if req.state.done:
                 self._end(req, req.finish_reason)
             outputs.append(StepOutput(req, [token], finished=req.state.done))
+        self.metrics.generation_tokens.inc(generated)
         self._update_gauges()
         return outputs
 
@@ -471,7 +475,6 @@ class Scheduler:
         else:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
-        self.metrics.generation_tokens.inc()
 
     def _can_run_more(self) -> int:
         active = len(self.running) + len(self.prefilling) + len(self.waiting_for_kv)
@@ -574,14 +577,21 @@ class Scheduler:
         when a retraction is due while a batch is in flight (its requests' KV must stay where that
         forward reads it): the caller processes that batch and schedules again.
         """
-        batch: list[Req] = []
         # oldest first; the victim of a retraction is the newest still running in this same order, so
         # never a request already in ``batch`` (admit times tie when a step admits several requests)
         order = sorted(self.running, key=lambda r: r.admit_time)
+
+        def wants_slot(req: Req) -> bool:  # False too once retracted to make room for an older one
+            if req.state is not ReqState.RUNNING or req.to_abort:
+                return False
+            return not (req.num_pending and req.will_finish_by_length(self.max_req_tokens))
+
+        batch = [req for req in order if wants_slot(req)]
+        if self.ledger.grow_all(batch, [req.seq_len for req in batch]):
+            return batch  # the usual case: the pool has a page for everyone who needs one
+        batch = []
         for req in order:
-            if req.state is not ReqState.RUNNING:
-                continue  # retracted while making room for an older request
-            if req.to_abort or (req.num_pending and req.will_finish_by_length(self.max_req_tokens)):
+            if not wants_slot(req):
                 continue
             while not self.ledger.grow(req, req.seq_len):
                 if self.outstanding:
