@@ -95,19 +95,22 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
 
 def scheduler_env() -> dict[str, str]:
     """Environment of the scheduler processes, which share this machine's cores with each other and
-    with the gateway, tokenizer and detokenizer.
+    with the gateway, tokenizer and detokenizer: OpenMP threads spin ~30 us (``GOMP_SPINCOUNT``
+    3000) at the end of a parallel region, then sleep.
 
-    OpenMP threads spin at the end of every parallel region waiting for the next one (libgomp's
-    default), so between forwards, and whenever another process holds a core, a scheduler's team
-    burns cores the other services need: PD 1+1 on 2 cores made 61 vs 153 output tok/s at
-    concurrency 16 with ``PASSIVE``; one colocated scheduler (SmolLM2 fp32, batch 16, on this 2-core
-    host under load) spent 88-91 vs 18 ms of CPU per output token, 3-5x its wall time
-    (``make bench-stack`` measures the services' CPU per token). An ``OMP_WAIT_POLICY`` of the
-    launcher's own environment wins.
+    libgomp's default spins ~3 ms after every parallel region, so between forwards, and whenever
+    another process holds a core, a scheduler's team burns cores the other services need (PD 1+1
+    on 2 cores: 61 vs 153 output tok/s at concurrency 16 against sleeping at once). Sleeping at
+    once (``OMP_WAIT_POLICY=PASSIVE``) pays a futex wake-up at every barrier of a forward, a few
+    hundred per step: SmolLM2 bf16 batch-1 decode 56 vs 103 tok/s in-process, and through the
+    colocated stack one stream 19.3 vs 12.8 ms per token, for the same decode CPU per token (21.4
+    vs 21.6 ms; 2026-12-02, 2-core Zen 5). The short spin covers a forward's back-to-back regions
+    and ends before the next step. A ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` of the launcher's
+    own environment wins.
     """
-    if "OMP_WAIT_POLICY" in os.environ:
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": "3000"}
 
 
 def tls_flags(args: argparse.Namespace) -> list[str]:

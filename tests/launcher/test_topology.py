@@ -141,22 +141,26 @@ def test_internal_plane_binds_the_internal_host_with_tls_flags_for_all() -> None
             assert _flag(spec.argv, "--host") == "10.1.2.3"
 
 
-def test_schedulers_sharing_the_cores_wait_passively(monkeypatch) -> None:
-    """Scheduler processes get OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads would steal the cores
-    of the other services); a user's own setting wins."""
+def test_schedulers_sharing_the_cores_spin_briefly(monkeypatch) -> None:
+    """Scheduler processes get GOMP_SPINCOUNT=3000 (a short spin, then sleep: spinning OpenMP threads
+    would steal the cores of the other services, sleeping at once slows every forward); a user's
+    own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     pd = build_topology(make_parser().parse_args(["--num-prefill", "1", "--num-decode", "1"]), "/m")
     assert {s.name: s.env for s in pd} == {
         "tokenizer": {},
         "detokenizer": {},
-        "prefill-0": {"OMP_WAIT_POLICY": "PASSIVE"},
-        "decode-0": {"OMP_WAIT_POLICY": "PASSIVE"},
+        "prefill-0": {"GOMP_SPINCOUNT": "3000"},
+        "decode-0": {"GOMP_SPINCOUNT": "3000"},
         "gateway": {},
     }
     alone = build_topology(make_parser().parse_args(["--colocated"]), "/m")
-    assert {s.name: s.env for s in alone}["decode-0"] == {"OMP_WAIT_POLICY": "PASSIVE"}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert all(s.env == {} for s in build_topology(make_parser().parse_args([]), "/m"))
+    assert {s.name: s.env for s in alone}["decode-0"] == {"GOMP_SPINCOUNT": "3000"}
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "300000")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert all(s.env == {} for s in build_topology(make_parser().parse_args([]), "/m"))
 
 
 def test_schedulers_take_the_gpus_in_turn(monkeypatch) -> None:
