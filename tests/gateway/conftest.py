@@ -21,11 +21,6 @@ API_KEY = "sk-gateway-test"
 MAX_REQUEST_BYTES = 64 * 1024
 
 
-def closed_port() -> int:
-    """A port nothing listens on (bound once, then released)."""
-    return free_port_block(1)
-
-
 @dataclass
 class LocalGateway:
     gateway: Gateway
@@ -48,8 +43,8 @@ async def local_gateway():
         [
             "--port", "0", "--grpc-port", "0",
             "--tokenizer-addresses", tokenizer.address,
-            "--decode-addresses", f"127.0.0.1:{closed_port()}",
-            "--detokenizer-addresses", f"127.0.0.1:{closed_port()}",
+            "--decode-addresses", f"127.0.0.1:{free_port_block(1)}",
+            "--detokenizer-addresses", f"127.0.0.1:{free_port_block(1)}",
             "--api-key", API_KEY,
             "--max-request-bytes", str(MAX_REQUEST_BYTES),
             "--log-level", "warning",

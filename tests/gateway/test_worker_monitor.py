@@ -8,11 +8,11 @@ from pdserve.rpc.server import GrpcServer
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.router import Router, WorkerPool
 from pdserve.services.gateway.worker_monitor import WorkerMonitor
-from tests.gateway.conftest import closed_port
+from tests.stack import free_port_block
 
 
 async def test_dead_worker_is_taken_out_after_threshold_and_back_when_serving(local_gateway) -> None:
-    dead = f"127.0.0.1:{closed_port()}"
+    dead = f"127.0.0.1:{free_port_block(1)}"
     pools = {
         "tokenizer": WorkerPool("tokenizer", [local_gateway.tokenizer_address]),
         "decode": WorkerPool("decode", [dead]),
