@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 import pytest
 import torch
@@ -124,20 +124,33 @@ def test_cache_is_bounded_lru():
         backend.close()
 
 
-def test_compile_runs_off_the_calling_thread(backend):
-    """A slow compile returns a future at once; the caller's thread keeps running (the GIL is free)."""
-    nested = {"type": "string", "maxLength": 10}
-    for _ in range(4):
-        nested = {"type": "object", "properties": {f"k{j}": nested for j in range(4)}, "required": ["k0"]}
-    start = time.perf_counter()
-    future, _ = backend.compile(GrammarSpec("json_schema", json.dumps(nested)))
-    assert time.perf_counter() - start < 0.05
-    ticks = 0
-    while not future.done():
-        ticks += 1
-        time.sleep(0.001)
-    future.result()
-    assert ticks > 5
+def test_compile_runs_off_the_calling_thread(monkeypatch):
+    """compile() hands back a pending future at once; the compile runs on the grammar thread.
+
+    The compile is held at a gate the test opens only after compile() returned, so a compile on
+    the calling thread would hang here instead of passing by luck of timing.
+    """
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS])
+    gate = threading.Event()
+    ran_on: list[str] = []
+    real_get_compiler = backend._get_compiler
+
+    def gated_get_compiler():
+        ran_on.append(threading.current_thread().name)
+        assert gate.wait(timeout=60)
+        return real_get_compiler()
+
+    monkeypatch.setattr(backend, "_get_compiler", gated_get_compiler)
+    try:
+        future, hit = backend.compile(GrammarSpec("regex", "[a-z]{2}-gated"))
+        assert not hit and not future.done()
+        gate.set()
+        m = backend.matcher(future.result(timeout=120))
+        assert all(m.accept(t) for t in hf_tokenizer().encode("ab-gated"))
+        assert ran_on and ran_on[0].startswith("grammar")
+        assert threading.current_thread().name not in ran_on
+    finally:
+        backend.close()
 
 
 def test_a_refused_token_is_remembered(backend):
