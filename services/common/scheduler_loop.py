@@ -38,6 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import threadpoolctl
+import torch
+
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch
@@ -49,6 +52,28 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Any]
 IDLE_POLL_S = 0.05  # how often an idle loop wakes to check deadlines (and, under TP, meet its ranks)
+
+
+def openmp_off_this_thread() -> threadpoolctl.threadpool_limits:
+    """A context in which the calling thread runs its torch ops alone, never with an OpenMP team.
+
+    The forward thread owns the process's OpenMP team (its threads are the cores the model runs
+    on). The loop thread's own torch ops are small (a step's positions, page-table rows, results),
+    but some open a parallel region whatever their size (``repeat_interleave`` has a grain of 1),
+    and the first one gives the loop thread a team of its own whose helpers live as long as it
+    does. libgomp then counts more OpenMP threads than cores and from then on lets the forward
+    team's helpers spin only briefly before sleeping: every barrier of every forward pays a futex
+    wake-up. Measured on a 2-core Zen 5, in-process, tiny model, 512 requests at concurrency 64:
+    9.1-10.9k -> 15.6-16.8k tok/s, 41k -> 0.6k voluntary context switches. (A thread that already
+    has a team keeps its helpers: enter this before the thread's first parallel region.)
+
+    libgomp keeps the thread count per thread (``omp_set_num_threads`` sets the calling thread's
+    ICV, which torch's ``parallel_for`` reads), so the forward thread keeps its team. torch's
+    per-thread lazy initialisation runs first (``torch.get_num_threads``), else it would reset the
+    count later. Leaving the context restores the thread's count.
+    """
+    torch.get_num_threads()
+    return threadpoolctl.threadpool_limits(limits=1, user_api="openmp")
 
 
 class TpGroupFailure(RuntimeError):
@@ -199,7 +224,15 @@ class SchedulerLoop:
 
     # ---- the loop -------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Raises ``TpGroupFailure`` (TP only) when the group cannot go on."""
+        """Run the loop on this thread, without an OpenMP team (:func:`openmp_off_this_thread`).
+
+        Raises:
+            TpGroupFailure: (TP only) the rank group cannot go on.
+        """
+        with openmp_off_this_thread():
+            await self._run(stop)
+
+    async def _run(self, stop: asyncio.Event) -> None:
         sched = self.scheduler
         in_flight: tuple[ScheduleBatch, asyncio.Future] | None = None
         try:

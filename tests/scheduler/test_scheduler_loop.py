@@ -4,6 +4,10 @@ arrival order at one point per iteration) and the overlapped loop's outputs."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +22,41 @@ from tests.scheduler.driver import fresh, ids, make_runner, req
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     return make_runner(4096)
+
+
+OPENMP_THREADS_SCRIPT = """
+import json, threading, psutil, torch
+from pdserve.services.common.scheduler_loop import openmp_off_this_thread
+
+extend = torch.repeat_interleave  # as ForwardBatch.init_new: a parallel region whatever the size
+seen = {"baseline": psutil.Process().num_threads()}
+def parallel_op(key, limited):
+    if limited:
+        with openmp_off_this_thread():
+            extend(torch.arange(64), torch.full((64,), 128))
+            seen[key] = (torch.get_num_threads(), psutil.Process().num_threads())
+            other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
+            other.start(); other.join()
+    else:
+        extend(torch.arange(64), torch.full((64,), 128))
+        seen[key] = (torch.get_num_threads(), psutil.Process().num_threads())
+for key, limited in (("loop", True), ("free", False)):
+    t = threading.Thread(target=parallel_op, args=(key, limited)); t.start(); t.join()
+print(json.dumps(seen))
+"""
+
+
+def test_the_loop_thread_runs_no_openmp_team():
+    """Inside ``openmp_off_this_thread`` a thread's parallel ops start no OpenMP helpers; another
+    thread keeps its team, and so does a thread outside it (a fresh process, OMP_NUM_THREADS=2)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", OPENMP_THREADS_SCRIPT], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    base = seen["baseline"]
+    assert seen["loop"] == [1, base + 1]  # the thread itself, no helper
+    assert seen["other"] == 2
+    assert seen["free"] == [2, base + 2]  # the thread and its team's one helper
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
