@@ -50,7 +50,9 @@ def test_the_loop_thread_runs_no_openmp_team():
     """Inside ``openmp_off_this_thread`` a thread's parallel ops start no OpenMP helpers; another
     thread keeps its team, and so does a thread outside it (a fresh process, OMP_NUM_THREADS=2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", OPENMP_THREADS_SCRIPT], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", OPENMP_THREADS_SCRIPT], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
     base = seen["baseline"]
