@@ -44,7 +44,8 @@ class ScheduleBatch:
     ready: torch.cuda.Event | None = None  # on CUDA: recorded once ``forward_batch`` is built
     result: GenerationBatchResult | None = None
     row_errors: dict[int, str] = field(default_factory=dict)
-    _pending_index: torch.Tensor | None = None  # int64 [2, len(pending)] on the device
+    # (flat token indices, rows of prev): int64 [len(pending)] each, on the device
+    _pending_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefix_lens:
@@ -104,7 +105,7 @@ class ScheduleBatch:
         if self.pending and prev is None:
             raise RuntimeError("a request with a pending token needs the batch that samples it")
         pending = torch.tensor(self.pending, dtype=torch.int64, device=runner.device)
-        self._pending_index = pending.reshape(-1, 2).T
+        self._pending_index = pending.reshape(-1, 2).T.unbind(0)  # unpacked here, not on the forward thread
         params = [r.sampling_params for r in self.reqs]
         sampling_info = SamplingBatchInfo.build(
             params,
