@@ -212,7 +212,15 @@ async def test_column_rows_stay_columns_until_a_stop_string_ends_one(
             batch.completion_tokens.extend([step + 1, step + 1])
         sender.send(batch)
     await wait_until(lambda: len(gateway.batches) == len(ids) and scheduler.aborts)
+    assert scheduler.aborts == [("col-stop", "stop")]
     await sender.close()
+    # "col" never finished: the ended stream fails it (retryable) and tells its scheduler
+    await wait_until(lambda: len(scheduler.aborts) == 2 and len(gateway.batches) == len(ids) + 1)
+    assert scheduler.aborts == [("col-stop", "stop"), ("col", "its output stream ended")]
+    lost = gateway.batches[-1].outputs
+    assert [(o.rid, o.finish_reason, o.retryable) for o in lost] == [
+        ("col", common_pb2.FINISH_REASON_ERROR, True)
+    ]
 
     text = {"col": "", "col-stop": ""}
     for batch in gateway.batches:
@@ -224,7 +232,6 @@ async def test_column_rows_stay_columns_until_a_stop_string_ends_one(
     assert text["col-stop"] == TEXT[: TEXT.index(STOP)]
     stopped = [o for b in gateway.batches for o in b.outputs if o.rid == "col-stop"]
     assert (stopped[-1].finish_reason, stopped[-1].matched_stop) == (common_pb2.FINISH_REASON_STOP, STOP)
-    assert scheduler.aborts == [("col-stop", "stop")]
     assert all(len(b.rids) == len(b.text_deltas) == len(b.completion_tokens) for b in gateway.batches)
     assert sum(len(b.rids) for b in gateway.batches) >= len(ids) - 1  # "col" after its first output
     for peer in peers:
