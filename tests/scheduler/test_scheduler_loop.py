@@ -25,21 +25,18 @@ def runner() -> ModelRunner:
 
 
 OPENMP_THREADS_SCRIPT = """
-import json, threading, psutil, torch
+import contextlib, json, threading, psutil, torch
 from pdserve.services.common.scheduler_loop import openmp_off_this_thread
 
-extend = torch.repeat_interleave  # as ForwardBatch.init_new: a parallel region whatever the size
 seen = {"baseline": psutil.Process().num_threads()}
 def parallel_op(key, limited):
-    if limited:
-        with openmp_off_this_thread():
-            extend(torch.arange(64), torch.full((64,), 128))
-            seen[key] = (torch.get_num_threads(), psutil.Process().num_threads())
+    with openmp_off_this_thread() if limited else contextlib.nullcontext():
+        # as ForwardBatch.init_new: tensor repeats open a parallel region whatever the size
+        torch.repeat_interleave(torch.arange(64), torch.full((64,), 128))
+        seen[key] = (torch.get_num_threads(), psutil.Process().num_threads())
+        if limited:
             other = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
             other.start(); other.join()
-    else:
-        extend(torch.arange(64), torch.full((64,), 128))
-        seen[key] = (torch.get_num_threads(), psutil.Process().num_threads())
 for key, limited in (("loop", True), ("free", False)):
     t = threading.Thread(target=parallel_op, args=(key, limited)); t.start(); t.join()
 print(json.dumps(seen))
