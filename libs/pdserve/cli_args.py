@@ -181,9 +181,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["none", "auto", "w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8"],
+        choices=["none", "auto", "w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8", "w4a8"],
         help="CPU: w8a8_int8 (int8 weights and per-token int8 activations), int8_weight_only / "
-        "int4_weight_only (float activations), int4_or_int8 (int4 where lossless, else int8), auto "
+        "int4_weight_only (float activations), int4_or_int8 (int4 where lossless, else int8), w4a8 "
+        "(int4 weights, int8 activations per group of 32: llama.cpp's Q4_1 x Q8_1), auto "
         "(int4_or_int8 for float32 models on CPUs without native bf16, else none)",
     )
     parser.add_argument(

@@ -14,7 +14,8 @@ from tests.engine.driver import Driver
 
 
 @pytest.fixture(
-    scope="module", params=["float32+int4_or_int8", "float32+w8a8_int8", "bfloat16+int8_weight_only"]
+    scope="module",
+    params=["float32+int4_or_int8", "float32+w8a8_int8", "bfloat16+int8_weight_only", "bfloat16+w4a8"],
 )
 def runner(request, model_path) -> ModelRunner:
     dtype, _, method = request.param.partition("+")

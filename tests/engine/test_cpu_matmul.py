@@ -47,12 +47,14 @@ def stored_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 
 def reference(x, weight, bias, format):
-    """float64 ``x W^T + b`` of the stored weight; w8a8: of the activations quantized per row as the
-    fused op quantizes them (the kernel's own quantization, shared C code)."""
+    """float64 ``x W^T + b`` of the stored weight; w8a8 (w4a8): of the activations quantized per row
+    (per group of 32 inputs) as the fused op quantizes a row (the kernel's own quantization, shared C
+    code)."""
     xd = x.double()
-    if format == "w8a8":
-        stored, scale = load_fused_ops().quantize_rows(x)
-        xd = (stored.double() - 128) * scale.double()[:, None]
+    if format in ("w8a8", "w4a8"):
+        groups = x.reshape(-1, 32) if format == "w4a8" else x
+        stored, scale = load_fused_ops().quantize_rows(groups)
+        xd = ((stored.double() - 128) * scale.double()[:, None]).reshape(x.shape)
     return F.linear(xd, stored_weight(weight, format), None if bias is None else bias.double())
 
 
@@ -63,7 +65,7 @@ def assert_close(actual, expected, x_dtype):
     torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("format", [*FORMATS, "w8a8"])
+@pytest.mark.parametrize("format", [*FORMATS, "w8a8", "w4a8"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 def test_matmul_matches_float64_of_the_stored_weight(matmul, format, x_dtype, rows):

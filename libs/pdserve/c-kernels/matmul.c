@@ -354,3 +354,149 @@ void matmul_w8a8(const void* x, int64_t lda, int x_bf16, const int8_t* packed, c
   free(xq);
   free(xs);
 }
+
+/* ---- W4A8: int4 weights x int8 activations, per group of 32 inputs (llama.cpp's Q4_1 x Q8_1) ----
+   Each row of activations is quantized per group g of 32 inputs (symmetric, as quantize.h does a
+   row: x ~ q * d[g]); with the weight's w = q_w * s[g] + m[g] (q_w in 0..15),
+     out = sum_g (s[g] * d[g] * sum_k q_w q + m[g] * d[g] * sum_k q),
+   the inner sums exact in integers: VNNI vpdpbusd (u8 weights x s8 activations, int32), or AVX2
+   vpmaddubsw, whose int16 pair sums cannot saturate here (|2 * 15 * 127| = 3810, and eight of them
+   per group 30480 < 32767) before vpmaddwd widens them. The group terms add in float32, in order.
+   Packed weight [N / 16, K / 32, 4, 64] bytes: for each group and each quarter v of it, byte
+   4 j + i holds input 8 v + i of column j (low nibble) and input 8 v + 4 + i (high nibble), the
+   operand order of a 4-byte dot per column; scales and mins as W_I4's, [N / 16, K / 32, 16]. */
+#define MR_W4A8 4 /* rows per tile: each row keeps an integer and a float accumulator per 8 columns */
+
+typedef struct {
+  const int8_t* xq; /* activations quantized per group, [M, K] */
+  const float *xd, *xm; /* [M, K / 32]: d[g] and d[g] * sum_k q */
+  const uint8_t* packed;
+  const f16 *scale, *mins;
+  int64_t K;
+} W4A8;
+
+/* Row i of x (float32 or bfloat16) quantized per group of 32 inputs into xq, xd, xm. */
+static void quantize_groups(const void* x, int64_t lda, int x_bf16, int64_t i, int64_t K, int8_t* xq, float* xd,
+                            float* xm) {
+  int16_t q[GROUP];
+  for (int64_t g = 0; g < K / GROUP; ++g) {
+    const int64_t at = i * lda + g * GROUP;
+    const float d = x_bf16 ? quantize_row_bf16((const bf16*)x + at, GROUP, q) : quantize_row_f32((const float*)x + at, GROUP, q);
+    int sum = 0;
+    for (int k = 0; k < GROUP; ++k) xq[i * K + g * GROUP + k] = (int8_t)q[k], sum += q[k];
+    xd[i * (K / GROUP) + g] = d, xm[i * (K / GROUP) + g] = d * (float)sum;
+  }
+}
+
+#ifdef __AVX2__
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+INLINE __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(acc, w, x); }
+INLINE __m256i dot4_finish(__m256i acc) { return acc; }
+#else /* int16 sums, widened once a group */
+INLINE __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+INLINE __m256i dot4_finish(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+#endif
+
+/* Rows m0 .. m0 + rows - 1 times panel n: v[r][h] the sums of the panel's columns 8 h .. 8 h + 7. */
+INLINE void tile_w4a8(const int rows, const W4A8* g, int m0, int n, float v[MR][2][8]) {
+  const int64_t groups = g->K / GROUP;
+  const uint8_t* panel = g->packed + (int64_t)n * groups * 256;
+  const f16 *s = g->scale + (int64_t)n * groups * NR, *mn = g->mins + (int64_t)n * groups * NR;
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR_W4A8];
+    for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t q = 0; q < groups; ++q) {
+      __m256i isum[MR_W4A8];
+      for (int r = 0; r < rows; ++r) isum[r] = _mm256_setzero_si256();
+      const int8_t* x = g->xq + m0 * g->K + q * GROUP;
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m256i b = _mm256_loadu_si256((const void*)(panel + q * 256 + quarter * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; ++r) {
+          int32_t x_lo, x_hi;
+          memcpy(&x_lo, x + r * g->K + 8 * quarter, 4);
+          memcpy(&x_hi, x + r * g->K + 8 * quarter + 4, 4);
+          isum[r] = dot4(isum[r], lo, _mm256_set1_epi32(x_lo));
+          isum[r] = dot4(isum[r], hi, _mm256_set1_epi32(x_hi));
+        }
+      }
+      const __m256 ws = load8_f16(s + q * NR + h * 8), wm = load8_f16(mn + q * NR + h * 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < rows; ++r) {
+        const int64_t at = (m0 + r) * groups + q;
+        const __m256 sum = _mm256_cvtepi32_ps(dot4_finish(isum[r]));
+        acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(ws, _mm256_set1_ps(g->xd[at])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(g->xm[at]), acc[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; ++r) _mm256_storeu_ps(v[r][h], acc[r]);
+  }
+}
+#define W4A8_CASE(R) \
+  case R: tile_w4a8(R, g, m0, n, v); break;
+static void tile_w4a8_rows(int rows, const W4A8* g, int m0, int n, float v[MR][2][8]) {
+  switch (rows) { W4A8_CASE(1) W4A8_CASE(2) W4A8_CASE(3) W4A8_CASE(4) }
+}
+#else
+/* Portable: the same integer sums and the same float32 steps, one column at a time. */
+static void tile_w4a8_rows(int rows, const W4A8* g, int m0, int n, float v[MR][2][8]) {
+  const int64_t groups = g->K / GROUP;
+  const uint8_t* panel = g->packed + (int64_t)n * groups * 256;
+  const f16 *s = g->scale + (int64_t)n * groups * NR, *mn = g->mins + (int64_t)n * groups * NR;
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float acc = 0.f;
+      for (int64_t q = 0; q < groups; ++q) {
+        const int64_t at = (m0 + r) * groups + q;
+        int32_t sum = 0;
+        for (int k = 0; k < GROUP; ++k) {
+          const uint8_t byte = panel[q * 256 + k / 8 * 64 + j * 4 + k % 4];
+          sum += (k % 8 < 4 ? byte & 15 : byte >> 4) * g->xq[(m0 + r) * g->K + q * GROUP + k];
+        }
+        acc += (float)sum * (f16_to_f32(s[q * NR + j]) * g->xd[at]);
+        acc += f16_to_f32(mn[q * NR + j]) * g->xm[at];
+      }
+      v[r][j / 8][j % 8] = acc;
+    }
+}
+#endif
+
+/* out [M, ldc] (float32 or bfloat16) = x W^T (+ bias), or silu(gate) * up with halves and silu, for
+   x [M, K] float32 or bfloat16 (row stride lda elements) and W packed as W4A8 (see above). */
+void matmul_w4a8(const void* x, int64_t lda, int x_bf16, const uint8_t* packed, const void* scale, const void* mins,
+                 const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N, int K, int halves, int silu,
+                 int threads) {
+  int8_t* xq = malloc((int64_t)M * K);
+  float* xd = malloc(sizeof(float) * (int64_t)M * (K / GROUP) * 2);
+  float* xm = xd + (int64_t)M * (K / GROUP);
+  const W4A8 w = {xq, xd, xm, packed, scale, mins, K};
+  const Mat g = {NULL, 0, NULL, W_I4, NULL, NULL, NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
+  const int panels = N / NR;
+  const int64_t out_bytes = out_bf16 ? 2 : 4;
+  #pragma omp parallel num_threads(threads)
+  {
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; ++i) quantize_groups(x, lda, x_bf16, i, K, xq, xd, xm);
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+    for (int m_lo = 0; m_lo < M; m_lo += MBLOCK) {
+      const int m_hi = M < m_lo + MBLOCK ? M : m_lo + MBLOCK;
+      for (int n = lo; n < hi; ++n) {
+        int col0, col1;
+        panel_cols(&g, n, &col0, &col1);
+        for (int m0 = m_lo; m0 < m_hi; m0 += MR_W4A8) {
+          const int rows = m_hi - m0 < MR_W4A8 ? m_hi - m0 : MR_W4A8;
+          float v[MR][2][8];
+          tile_w4a8_rows(rows, &w, m0, n, v);
+          for (int r = 0; r < rows; ++r)
+            store_row_f32(&g, v[r][0], v[r][1], col0, col1, (char*)out + (m0 + r) * ldc * out_bytes);
+        }
+      }
+    }
+  }
+  free(xq);
+  free(xd);
+}

@@ -11,7 +11,11 @@ Q4_1 and Q8_0 weights are stored exactly; sums are float32, as ``F.linear`` on t
 weight computes them, in another order. ``w8a8`` quantizes each row of activations to int8 (per
 row, symmetric) and sums int8 x int8 products exactly in int32 (AVX2 ``vpmaddwd`` on int16: the
 u8 x s8 instruction oneDNN uses without VNNI saturates, which made its int8 GEMM wrong there),
-twice the float32 FMA rate on these CPUs.
+twice the float32 FMA rate on these CPUs. ``w4a8`` stores the weight as ``int4`` does and quantizes
+the activations to int8 per group of 32 inputs (llama.cpp's Q4_1 x Q8_1 dot product): the sums of
+int4 x int8 products per group are exact integers (VNNI ``vpdpbusd``, or AVX2 ``vpmaddubsw``, which
+cannot saturate on 4-bit weights), so a weight costs no float conversion; one stream's decode step
+is then bound by reading the weights rather than by widening them.
 
 Layout and algorithm: see ``pdserve/c-kernels/matmul.c`` (panels of 16 output columns, a
 register-blocked micro-kernel, SiLU-and-mul in the epilogue of a ``[gate; up]`` weight packed in
@@ -30,7 +34,7 @@ from pdserve.layers.native import kernel_library, per_variant
 PANEL = 16  # output columns per panel
 GROUP = 32  # int4: inputs per scale
 FORMATS = {"float32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8_g32": 4}  # matmul.c's W_F32 .. W_I8G
-GROUPED = ("int4", "int8_g32")  # scales per group of 32 inputs
+GROUPED = ("int4", "int8_g32", "w4a8")  # scales per group of 32 inputs
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -89,14 +93,15 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) ->
 
 
 class MatmulWeight:
-    """A weight ``W`` ``[N, K]`` packed for ``CpuMatmul`` in one of ``FORMATS`` or ``w8a8``, from its
-    stored values ``rows`` ``[N, K]`` (float32 / bfloat16 weights, int8 or int4 ``q``) and scales.
+    """A weight ``W`` ``[N, K]`` packed for ``CpuMatmul`` in one of ``FORMATS``, ``w8a8`` or ``w4a8``, from
+    its stored values ``rows`` ``[N, K]`` (float32 / bfloat16 weights, int8 or int4 ``q``) and scales.
 
     Attributes:
-        format: ``float32``, ``bf16``, ``int8``, ``int4`` (float activations) or ``w8a8``.
+        format: ``float32``, ``bf16``, ``int8``, ``int4`` (float activations), ``w8a8`` or ``w4a8``
+            (int4 weights as ``int4``'s, activations quantized to int8 per group of 32).
         halves: panels pair gate and up rows (``silu_and_mul`` works); ``matmul`` is the same either way.
         data: the panels; scale: int8 / w8a8 float32 ``[N]``, grouped formats float16
-            ``[N / 16, K / 32, 16]``; mins: int4's, the same.
+            ``[N / 16, K / 32, 16]``; mins: int4's and w4a8's, the same.
     """
 
     def __init__(
@@ -112,6 +117,9 @@ class MatmulWeight:
         elif format == "int4":
             q = panels.transpose(1, 2)
             self.data = (q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)).contiguous()
+        elif format == "w4a8":  # [N/16, K/32, quarter, column, i]: inputs 8 quarter + i (low), + 4 (high)
+            q = panels.reshape(n // PANEL, PANEL, k // GROUP, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+            self.data = (q[..., 0] | (q[..., 1] << 4)).contiguous()
         else:
             self.data = panels.transpose(1, 2).contiguous()
         if format in GROUPED:  # float16 [N / 16, K / 32, 16]
@@ -131,13 +139,18 @@ class MatmulWeight:
         n, k = self.out_features, self.in_features
         if self.format == "w8a8":
             return self.data.permute(0, 2, 1, 3).reshape(n, k), self.scale, None
-        data = torch.cat([self.data & 15, self.data >> 4], dim=2) if self.format == "int4" else self.data
+        if self.format == "w4a8":  # bytes [P, G, quarter, column, i] -> [P, column, G, quarter, nibble, i]
+            nibbles = torch.stack([self.data & 15, self.data >> 4], dim=-1)
+            rows = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(n, k)
+        else:
+            data = torch.cat([self.data & 15, self.data >> 4], dim=2) if self.format == "int4" else self.data
+            rows = data.transpose(1, 2).reshape(n, k)
         scale, mins = self.scale, self.mins
         if self.format in GROUPED:
             scale, mins = (
                 None if t is None else t.transpose(1, 2).reshape(n, k // GROUP).float() for t in (scale, mins)
             )
-        return data.transpose(1, 2).reshape(n, k), scale, mins
+        return rows, scale, mins
 
     @property
     def nbytes(self) -> int:
@@ -186,6 +199,11 @@ class MatmulWeight:
                     rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
                     self.scale.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
+            elif self.format == "w4a8":
+                self._kernel.w4a8_fn(
+                    rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
+                    self.scale.data_ptr(), self.mins.data_ptr(), bias_ptr, *tail,
+                )  # fmt: skip
             else:
                 self._kernel.float_fn(
                     rows.data_ptr(), rows.stride(0), x_bf16, FORMATS[self.format], self.data.data_ptr(),
@@ -199,17 +217,18 @@ class CpuMatmul:
     """The kernels of one library variant; ``pack`` a weight for them."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.float_fn, self.w8a8_fn = lib.matmul_float, lib.matmul_w8a8
+        self.float_fn, self.w8a8_fn, self.w4a8_fn = lib.matmul_float, lib.matmul_w8a8, lib.matmul_w4a8
         tail = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_bf16, M, N, K, halves, silu, threads
         self.float_fn.restype, self.float_fn.argtypes = None, [_P, _I, _C, _C, _P, _P, _P, _P, *tail]
         self.w8a8_fn.restype, self.w8a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, *tail]
+        self.w4a8_fn.restype, self.w4a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, _P, *tail]
 
     @staticmethod
     def supports(weight: torch.Tensor, format: str) -> bool:
         """Whether ``weight`` ``[N, K]`` packs in ``format``: on CPU, ``N % 16 == 0``, and for int4 and
-        int8_g32 ``K % 32 == 0``, for w8a8 ``K`` even."""
+        int8_g32 and w4a8 ``K % 32 == 0``, for w8a8 ``K`` even."""
         n, k = weight.shape
-        k_multiple = {"int4": GROUP, "int8_g32": GROUP, "w8a8": 2}.get(format, 1)
+        k_multiple = {"int4": GROUP, "int8_g32": GROUP, "w4a8": GROUP, "w8a8": 2}.get(format, 1)
         return weight.device.type == "cpu" and n % PANEL == 0 and k % k_multiple == 0
 
     def pack(self, weight: torch.Tensor, format: str, halves: bool = False) -> MatmulWeight:
@@ -229,10 +248,10 @@ class CpuMatmul:
         if format == "int8_g32":
             q, scale = quantize_int8_grouped(weight)
             return MatmulWeight(self, format, q, scale, halves=halves)
-        if format == "int4":
+        if format in ("int4", "w4a8"):
             q, scale, mins = quantize_int4(weight)
             return MatmulWeight(self, format, q, scale, mins, halves=halves)
-        raise ValueError(f"unknown weight format {format!r}; choose one of {[*FORMATS, 'w8a8']}")
+        raise ValueError(f"unknown weight format {format!r}; choose one of {[*FORMATS, 'w8a8', 'w4a8']}")
 
 
 @per_variant

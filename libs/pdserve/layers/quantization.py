@@ -38,7 +38,7 @@ from pdserve.layers.cpu_matmul import (
 )
 from pdserve.layers.native import cpu_has
 
-METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8")
+METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8", "w4a8")
 
 
 class PackedLinearMethod:
@@ -111,6 +111,14 @@ class Int4WeightOnlyLinearMethod(PackedLinearMethod):
     format = "int4"
 
 
+class W4A8LinearMethod(PackedLinearMethod):
+    """``w4a8``: int4 weights in groups of 32 inputs as ``int4_weight_only`` stores them, activations
+    quantized to int8 per group of 32 on the fly, the products summed exactly in integers per group
+    (llama.cpp's Q4_1 x Q8_1 dot product; ``cpu_matmul``'s ``w4a8`` format)."""
+
+    format = "w4a8"
+
+
 class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
     """``auto`` on CPUs without native bfloat16: each weight as int4 where that stores it exactly
     (a GGUF's Q4_1 weights: every group of 32 is ``q * scale + min``, ``q`` in 0..15), else int8
@@ -172,6 +180,7 @@ def get_linear_method(quantization: str | None) -> PackedLinearMethod | None:
         "int8_weight_only": Int8WeightOnlyLinearMethod,
         "int4_weight_only": Int4WeightOnlyLinearMethod,
         "int4_or_int8": LosslessInt4OrInt8LinearMethod,
+        "w4a8": W4A8LinearMethod,
     }
     if quantization not in methods:
         raise ValueError(f"unknown quantization {quantization!r}; choose none, auto or one of {METHODS}")
