@@ -41,6 +41,7 @@ PACKAGE = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp (tools/serve
 DEFAULT_COMPARE = [
     "auto=--colocated --quantization auto --max-total-tokens 65536",
     "pd-auto=--num-prefill 1 --num-decode 1 --quantization auto --max-total-tokens 65536",
+    "w4a8=--colocated --quantization w4a8 --max-total-tokens 65536",
 ]
 
 

@@ -185,7 +185,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="CPU: w8a8_int8 (int8 weights and per-token int8 activations), int8_weight_only / "
         "int4_weight_only (float activations), int4_or_int8 (int4 where lossless, else int8), w4a8 "
         "(int4 weights, int8 activations per group of 32: llama.cpp's Q4_1 x Q8_1), auto "
-        "(int4_or_int8 for float32 models on CPUs without native bf16, else none)",
+        "(w4a8 for float32 models on CPUs without native bf16, else none)",
     )
     parser.add_argument(
         "--device", type=device_name, default="auto", help="auto (CUDA when there is a GPU), cpu, cuda[:i]"

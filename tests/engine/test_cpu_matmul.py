@@ -11,6 +11,7 @@ from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import load_cpu_gemm
 from pdserve.layers.cpu_matmul import (
     FORMATS,
+    NIBBLE_PLANES,
     MatmulWeight,
     dequantize_int4,
     load_cpu_matmul,
@@ -40,19 +41,19 @@ def stored_weight(weight: torch.Tensor, format: str) -> torch.Tensor:
     if format in ("int8", "w8a8"):
         q, scale = quantize_int8(weight)
         return q.double() * scale.double()[:, None]
-    if format == "int8_g32":
+    if format in ("int8_g32", "w8a8_g32"):
         q, scale = quantize_int8_grouped(weight)
         return (q.double().reshape(n, -1, 32) * scale.double()[..., None]).reshape(n, k)
     return dequantize_int4(*quantize_int4(weight)).double()
 
 
 def reference(x, weight, bias, format):
-    """float64 ``x W^T + b`` of the stored weight; w8a8 (w4a8): of the activations quantized per row
-    (per group of 32 inputs) as the fused op quantizes a row (the kernel's own quantization, shared C
-    code)."""
+    """float64 ``x W^T + b`` of the stored weight; w8a8 (w4a8, w8a8_g32): of the activations quantized
+    per row (per group of 32 inputs) as the fused op quantizes a row (the kernel's own quantization,
+    shared C code)."""
     xd = x.double()
-    if format in ("w8a8", "w4a8"):
-        groups = x.reshape(-1, 32) if format == "w4a8" else x
+    if format in ("w8a8", "w4a8", "w8a8_g32"):
+        groups = x if format == "w8a8" else x.reshape(-1, 32)
         stored, scale = load_fused_ops().quantize_rows(groups)
         xd = ((stored.double() - 128) * scale.double()[:, None]).reshape(x.shape)
     return F.linear(xd, stored_weight(weight, format), None if bias is None else bias.double())
@@ -65,7 +66,7 @@ def assert_close(actual, expected, x_dtype):
     torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("format", [*FORMATS, "w8a8", "w4a8"])
+@pytest.mark.parametrize("format", [*FORMATS, "w8a8", *NIBBLE_PLANES])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 def test_matmul_matches_float64_of_the_stored_weight(matmul, format, x_dtype, rows):

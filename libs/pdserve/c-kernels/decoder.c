@@ -21,13 +21,14 @@ void matmul_float(const void*, int64_t, int, int, const void*, const void*, cons
                   int64_t, int, int, int, int, int, int, int);
 void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
                  int, int, int, int, int, int);
-void matmul_w4a8(const void*, int64_t, int, const uint8_t*, const void*, const void*, const float*, void*, int64_t,
-                 int, int, int, int, int, int, int);
+void matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
+                 int64_t, int, int, int, int, int, int, int);
 
 /* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
-enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 }; /* which matmul a Linear runs */
+/* which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`) */
+enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 };
 typedef struct {
-  int kernel, format, N, K, halves;
+  int kernel, format, planes, N, K, halves;
   const void *data, *scale, *mins;
   const float* bias;
 } Linear;
@@ -54,8 +55,8 @@ static void linear(const Linear* w, const void* x, int64_t lda, void* out, int64
     matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T, w->N,
                 w->K, w->halves, silu, threads);
   else if (w->kernel == LINEAR_W4A8)
-    matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
-                w->halves, silu, threads);
+    matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->planes, w->scale, w->mins, w->bias, out, ldc, bf16, T,
+                w->N, w->K, w->halves, silu, threads);
   else
     matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
                  w->halves, silu, threads);

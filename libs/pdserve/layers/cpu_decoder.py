@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.layers.cpu_matmul import FORMATS, MatmulWeight
+from pdserve.layers.cpu_matmul import FORMATS, NIBBLE_PLANES, MatmulWeight
 from pdserve.layers.native import kernel_library, selected_variant
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_KERNELS = {"w8a8": 1, "w4a8": 2}  # decoder.c's Linear.kernel; other formats: 0, matmul_float
+_KERNELS = {"w8a8": 1, "w4a8": 2, "w8a8_g32": 2}  # decoder.c's Linear.kernel; others: 0, matmul_float
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kernel", _C), ("format", _C), ("N", _C), ("K", _C), ("halves", _C), ("data", _P),
-                ("scale", _P), ("mins", _P), ("bias", _P)]  # fmt: skip
+    _fields_ = [("kernel", _C), ("format", _C), ("planes", _C), ("N", _C), ("K", _C), ("halves", _C),
+                ("data", _P), ("scale", _P), ("mins", _P), ("bias", _P)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -51,7 +51,8 @@ def _linear(module: Any, keep: list) -> _Linear:
     keep.append(bias)
     ptr = lambda t: None if t is None else t.data_ptr()
     return _Linear(
-        _KERNELS.get(packed.format, 0), FORMATS.get(packed.format, 0), packed.out_features,
+        _KERNELS.get(packed.format, 0), FORMATS.get(packed.format, 0), NIBBLE_PLANES.get(packed.format, 0),
+        packed.out_features,
         packed.in_features, packed.halves, ptr(packed.data), ptr(packed.scale), ptr(packed.mins), ptr(bias),
     )  # fmt: skip
 

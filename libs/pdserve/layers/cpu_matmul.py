@@ -15,7 +15,8 @@ twice the float32 FMA rate on these CPUs. ``w4a8`` stores the weight as ``int4``
 the activations to int8 per group of 32 inputs (llama.cpp's Q4_1 x Q8_1 dot product): the sums of
 int4 x int8 products per group are exact integers (VNNI ``vpdpbusd``, or AVX2 ``vpmaddubsw``, which
 cannot saturate on 4-bit weights), so a weight costs no float conversion; one stream's decode step
-is then bound by reading the weights rather than by widening them.
+is then bound by reading the weights rather than by widening them. ``w8a8_g32`` (the LM head under
+``w4a8``) runs ``int8_g32``'s weights the same way, each as two 4-bit planes of ``q + 128``.
 
 Layout and algorithm: see ``pdserve/c-kernels/matmul.c`` (panels of 16 output columns, a
 register-blocked micro-kernel, SiLU-and-mul in the epilogue of a ``[gate; up]`` weight packed in
@@ -34,7 +35,8 @@ from pdserve.layers.native import kernel_library, per_variant
 PANEL = 16  # output columns per panel
 GROUP = 32  # int4: inputs per scale
 FORMATS = {"float32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8_g32": 4}  # matmul.c's W_F32 .. W_I8G
-GROUPED = ("int4", "int8_g32", "w4a8")  # scales per group of 32 inputs
+GROUPED = ("int4", "int8_g32", "w4a8", "w8a8_g32")  # scales per group of 32 inputs
+NIBBLE_PLANES = {"w4a8": 1, "w8a8_g32": 2}  # matmul.c's matmul_w4a8 formats: 4-bit planes a weight
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -45,6 +47,30 @@ def _rows_in_panels(w: torch.Tensor, halves: bool) -> torch.Tensor:
         return w
     n = w.shape[0]
     return w.reshape(2, n // PANEL, PANEL // 2, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def _nibble_panels(panels: torch.Tensor, planes: int) -> torch.Tensor:
+    """``panels`` ``[P, 16, K]`` (uint8 0..15 for one plane, int8 for two) in matmul_w4a8's layout,
+    ``[P, K / 32, planes, quarter, column, i]`` bytes: inputs ``8 quarter + i`` in the low nibbles,
+    ``8 quarter + 4 + i`` in the high ones; int8 ``q`` as the planes of ``q + 128`` (low, high)."""
+    p, _, k = panels.shape
+    if planes == 2:
+        u = (panels.to(torch.int16) + 128).to(torch.uint8)
+        values = torch.stack([u & 15, u >> 4], dim=-1)
+    else:
+        values = panels.unsqueeze(-1)
+    q = values.reshape(p, PANEL, k // GROUP, 4, 2, 4, planes).permute(0, 2, 6, 3, 1, 5, 4)
+    return (q[..., 0] | (q[..., 1] << 4)).contiguous()
+
+
+def _nibble_values(data: torch.Tensor) -> torch.Tensor:
+    """``_nibble_panels``' inverse: the ``[P, 16, K]`` values back."""
+    p, groups, planes = data.shape[:3]
+    nibbles = torch.stack([data & 15, data >> 4], dim=-1)  # [P, G, plane, quarter, column, i, nibble]
+    values = nibbles.permute(0, 4, 1, 3, 6, 5, 2).reshape(p, PANEL, groups * GROUP, planes)
+    if planes == 1:
+        return values[..., 0]
+    return (values[..., 0].to(torch.int16) + 16 * values[..., 1].to(torch.int16) - 128).to(torch.int8)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,15 +119,17 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) ->
 
 
 class MatmulWeight:
-    """A weight ``W`` ``[N, K]`` packed for ``CpuMatmul`` in one of ``FORMATS``, ``w8a8`` or ``w4a8``, from
-    its stored values ``rows`` ``[N, K]`` (float32 / bfloat16 weights, int8 or int4 ``q``) and scales.
+    """A weight ``W`` ``[N, K]`` packed for ``CpuMatmul`` in one of ``FORMATS``, ``w8a8`` or
+    ``NIBBLE_PLANES``, from its stored values ``rows`` ``[N, K]`` (float32 / bfloat16 weights, int8 or
+    int4 ``q``) and scales.
 
     Attributes:
-        format: ``float32``, ``bf16``, ``int8``, ``int4`` (float activations), ``w8a8`` or ``w4a8``
-            (int4 weights as ``int4``'s, activations quantized to int8 per group of 32).
+        format: ``float32``, ``bf16``, ``int8``, ``int4``, ``int8_g32`` (float activations), ``w8a8``,
+            or ``w4a8`` / ``w8a8_g32`` (``int4``'s / ``int8_g32``'s weights, activations quantized
+            to int8 per group of 32).
         halves: panels pair gate and up rows (``silu_and_mul`` works); ``matmul`` is the same either way.
         data: the panels; scale: int8 / w8a8 float32 ``[N]``, grouped formats float16
-            ``[N / 16, K / 32, 16]``; mins: int4's and w4a8's, the same.
+            ``[N / 16, K / 32, 16]``; mins: int4's, w4a8's and w8a8_g32's, the same.
     """
 
     def __init__(
@@ -117,9 +145,8 @@ class MatmulWeight:
         elif format == "int4":
             q = panels.transpose(1, 2)
             self.data = (q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)).contiguous()
-        elif format == "w4a8":  # [N/16, K/32, quarter, column, i]: inputs 8 quarter + i (low), + 4 (high)
-            q = panels.reshape(n // PANEL, PANEL, k // GROUP, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-            self.data = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        elif format in NIBBLE_PLANES:
+            self.data = _nibble_panels(panels, NIBBLE_PLANES[format])
         else:
             self.data = panels.transpose(1, 2).contiguous()
         if format in GROUPED:  # float16 [N / 16, K / 32, 16]
@@ -139,9 +166,8 @@ class MatmulWeight:
         n, k = self.out_features, self.in_features
         if self.format == "w8a8":
             return self.data.permute(0, 2, 1, 3).reshape(n, k), self.scale, None
-        if self.format == "w4a8":  # bytes [P, G, quarter, column, i] -> [P, column, G, quarter, nibble, i]
-            nibbles = torch.stack([self.data & 15, self.data >> 4], dim=-1)
-            rows = nibbles.permute(0, 3, 1, 2, 5, 4).reshape(n, k)
+        if self.format in NIBBLE_PLANES:
+            rows = _nibble_values(self.data).reshape(n, k)
         else:
             data = torch.cat([self.data & 15, self.data >> 4], dim=2) if self.format == "int4" else self.data
             rows = data.transpose(1, 2).reshape(n, k)
@@ -199,9 +225,9 @@ class MatmulWeight:
                     rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
                     self.scale.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
-            elif self.format == "w4a8":
+            elif self.format in NIBBLE_PLANES:
                 self._kernel.w4a8_fn(
-                    rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
+                    rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(), NIBBLE_PLANES[self.format],
                     self.scale.data_ptr(), self.mins.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
             else:
@@ -221,14 +247,14 @@ class CpuMatmul:
         tail = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_bf16, M, N, K, halves, silu, threads
         self.float_fn.restype, self.float_fn.argtypes = None, [_P, _I, _C, _C, _P, _P, _P, _P, *tail]
         self.w8a8_fn.restype, self.w8a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, *tail]
-        self.w4a8_fn.restype, self.w4a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, _P, *tail]
+        self.w4a8_fn.restype, self.w4a8_fn.argtypes = None, [_P, _I, _C, _P, _C, _P, _P, _P, *tail]
 
     @staticmethod
     def supports(weight: torch.Tensor, format: str) -> bool:
         """Whether ``weight`` ``[N, K]`` packs in ``format``: on CPU, ``N % 16 == 0``, and for int4 and
-        int8_g32 and w4a8 ``K % 32 == 0``, for w8a8 ``K`` even."""
+        int8_g32, w4a8 and w8a8_g32 ``K % 32 == 0``, for w8a8 ``K`` even."""
         n, k = weight.shape
-        k_multiple = {"int4": GROUP, "int8_g32": GROUP, "w4a8": GROUP, "w8a8": 2}.get(format, 1)
+        k_multiple = 2 if format == "w8a8" else GROUP if format in GROUPED else 1
         return weight.device.type == "cpu" and n % PANEL == 0 and k % k_multiple == 0
 
     def pack(self, weight: torch.Tensor, format: str, halves: bool = False) -> MatmulWeight:
@@ -248,10 +274,14 @@ class CpuMatmul:
         if format == "int8_g32":
             q, scale = quantize_int8_grouped(weight)
             return MatmulWeight(self, format, q, scale, halves=halves)
+        if format == "w8a8_g32":  # w = (q + 128) * scale - 128 * scale
+            q, scale = quantize_int8_grouped(weight)
+            return MatmulWeight(self, format, q, scale, -128 * scale, halves=halves)
         if format in ("int4", "w4a8"):
             q, scale, mins = quantize_int4(weight)
             return MatmulWeight(self, format, q, scale, mins, halves=halves)
-        raise ValueError(f"unknown weight format {format!r}; choose one of {[*FORMATS, 'w8a8', 'w4a8']}")
+        known = [*FORMATS, "w8a8", *NIBBLE_PLANES]
+        raise ValueError(f"unknown weight format {format!r}; choose one of {known}")
 
 
 @per_variant
