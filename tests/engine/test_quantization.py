@@ -101,7 +101,7 @@ ACCURACY = [
     ("float32", "int8_weight_only", 0.95, 1.03),
     ("float32", "int4_weight_only", 0.995, 1.001),
     ("float32", "int4_or_int8", 0.995, 1.001),  # every SmolLM2 weight is int4 then
-    ("float32", "w4a8", 0.95, 1.01),  # auto's choice; measured 0.975 and 11.66 (AVX-512), 0.967 and 11.70 (avx2)
+    ("float32", "w4a8", 0.95, 1.01),  # auto's; measured 0.975 and 11.66 (AVX-512), 0.967 and 11.70 (avx2)
     ("bfloat16", "w4a8", 0.94, 1.01),  # 0.959 and 11.62 (AVX-512), 0.975 and 11.65 (avx2)
 ]
 
