@@ -56,11 +56,14 @@ class InProcessServer:
     Args:
         scheduler: the scheduler core (role ``mixed``).
         model_dir: the checkpoint directory its weights came from (for the matching tokenizer).
+        overlap: run the loop overlapped (``SchedulerLoop``), as the decode service does unless
+            ``--disable-overlap-schedule``.
     """
 
-    def __init__(self, scheduler: Scheduler, model_dir: Path) -> None:
+    def __init__(self, scheduler: Scheduler, model_dir: Path, overlap: bool = True) -> None:
         self.scheduler = scheduler
         self.model_dir = model_dir
+        self.overlap = overlap
         self._rids = itertools.count()
         self._streams: dict[str, _Stream] = {}
         self._loop: SchedulerLoop | None = None
@@ -85,10 +88,12 @@ class InProcessServer:
             raise ValueError("the in-process scheduler needs --colocated and one decode worker")
         model_dir = resolve_model(args.model)
         worker = next(s for s in build_topology(args, str(model_dir)) if s.role == "decode")
-        return cls(build_scheduler(decode_parser().parse_args(worker.argv), "mixed"), model_dir)
+        worker_args = decode_parser().parse_args(worker.argv)
+        overlap = not worker_args.disable_overlap_schedule
+        return cls(build_scheduler(worker_args, "mixed"), model_dir, overlap)
 
     async def __aenter__(self) -> InProcessServer:
-        self._loop = SchedulerLoop(self.scheduler, self._on_outputs)
+        self._loop = SchedulerLoop(self.scheduler, self._on_outputs, overlap=self.overlap)
         self._stop = asyncio.Event()  # of the running event loop
         self._task = asyncio.create_task(self._loop.run(self._stop))
         return self

@@ -50,8 +50,16 @@ def test_the_launch_flags_reach_the_scheduler(server):
     assert sched.config.max_running_requests == MAX_RUNNING
     assert sched.config.chunked_prefill_size == CHUNK
     assert str(sched.runner.model_config.dtype) == "torch.float32"
+    assert server.overlap  # the decode service's default loop
     with pytest.raises(ValueError, match="--colocated"):
         InProcessServer.from_launch_flags(["--num-prefill", "1"])
+
+
+def test_disable_overlap_schedule_reaches_the_loop():
+    with ThreadPoolExecutor(1) as pool:
+        flags = [*FLAGS, "--disable-overlap-schedule"]
+        plain = pool.submit(InProcessServer.from_launch_flags, flags).result()
+    assert not plain.overlap
 
 
 def alone(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
