@@ -24,9 +24,10 @@ void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const f
 void matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
                  int64_t, int, int, int, int, int, int, int);
 
-/* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
-/* which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`) */
+/* Which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`). */
 enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 };
+
+/* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
 typedef struct {
   int kernel, format, planes, N, K, halves;
   const void *data, *scale, *mins;

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_KERNELS = {"w8a8": 1, "w4a8": 2, "w8a8_g32": 2}  # decoder.c's Linear.kernel; others: 0, matmul_float
 
 
 class _Linear(ctypes.Structure):
@@ -50,9 +49,10 @@ def _linear(module: Any, keep: list) -> _Linear:
     bias = None if module.bias is None else module.bias.detach().float().contiguous()
     keep.append(bias)
     ptr = lambda t: None if t is None else t.data_ptr()
+    # decoder.c's Linear.kernel: 1 matmul_w8a8, 2 matmul_w4a8 (NIBBLE_PLANES), 0 matmul_float (FORMATS)
+    kernel = 1 if packed.format == "w8a8" else 2 if packed.format in NIBBLE_PLANES else 0
     return _Linear(
-        _KERNELS.get(packed.format, 0), FORMATS.get(packed.format, 0), NIBBLE_PLANES.get(packed.format, 0),
-        packed.out_features,
+        kernel, FORMATS.get(packed.format, 0), NIBBLE_PLANES.get(packed.format, 0), packed.out_features,
         packed.in_features, packed.halves, ptr(packed.data), ptr(packed.scale), ptr(packed.mins), ptr(bias),
     )  # fmt: skip
 

@@ -22,8 +22,8 @@ so a decode step is bound by reading its weights.
 
 In every scheme the LM head is stored as int8 in groups of 32 inputs (llama.cpp's Q8_0), with
 float activations (``w4a8`` on AVX-512: int8 per group, as its layers); KV cache and activations
-keep the model dtype. ``auto`` picks, per CPU,
-the fastest scheme that stays close to the unquantized model (``resolve_quantization``).
+keep the model dtype. ``auto`` picks, per CPU, the fastest scheme that stays close to the
+unquantized model (``resolve_quantization``).
 
 Outputs are close to, not equal to, the unquantized model's: greedy continuations drift apart after
 a while, as with any quantization. The exactness tests run unquantized; ``tests/engine`` measures
