@@ -10,6 +10,13 @@ bench`` takes them) with the same prompts, and a table gives every configuration
 and ITL beside llama.cpp's (ratios: pdserve / llama.cpp). The last line of stdout is one JSON
 object with every number.
 
+``--cpu-class avx2`` runs both sides as on an AVX2-only CPU (e.g. a Zen 3) on a machine with
+AVX-512: llama.cpp built without native tuning (AVX2, FMA, F16C, BMI2; into ``build-avx2``), and
+pdserve with ``PDSERVE_CPU_KERNELS=avx2`` (its kernels and its ``auto`` choices as on that class)
+and PyTorch capped by ``ATEN_CPU_CAPABILITY=avx2`` / ``ONEDNN_MAX_CPU_ISA=AVX2`` /
+``MKL_ENABLE_INSTRUCTIONS=AVX2``. The memory system
+and clock stay this machine's, so it shows the instruction sets' share, not another CPU.
+
 ``--build-only`` just builds; ``--llama-only`` measures llama.cpp alone.
 """
 
@@ -43,11 +50,23 @@ DEFAULT_COMPARE = [
     "pd-auto=--num-prefill 1 --num-decode 1 --quantization auto --max-total-tokens 65536",
     "w4a8=--colocated --quantization w4a8 --max-total-tokens 65536",
 ]
+# CMake flags of llama.cpp and the environment of pdserve (and PyTorch) per --cpu-class.
+CPU_CLASSES: dict[str, tuple[list[str], dict[str, str]]] = {
+    "native": ([], {}),
+    "avx2": (
+        ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
+        + ["-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+        {"PDSERVE_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        | {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    ),
+}
 
 
-def build_server(root: Path) -> Path:
-    """``llama-server`` built from the sdist under ``root`` (once; later calls return the binary)."""
-    binary = root / "build" / "bin" / "llama-server"
+def build_server(root: Path, cpu_class: str = "native") -> Path:
+    """``llama-server`` built from the sdist under ``root`` for ``cpu_class`` (a key of
+    ``CPU_CLASSES``; once: later calls return the binary)."""
+    build = root / ("build" if cpu_class == "native" else f"build-{cpu_class}")
+    binary = build / "bin" / "llama-server"
     if binary.exists():
         return binary
     root.mkdir(parents=True, exist_ok=True)
@@ -62,7 +81,7 @@ def build_server(root: Path) -> Path:
             archive.extractall(root, filter="data")
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
     flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
-    build = root / "build"
+    flags += CPU_CLASSES[cpu_class][0]
     subprocess.run(
         ["cmake", "-S", source / "vendor" / "llama.cpp", "-B", build, "-G", "Ninja", *flags], check=True
     )
@@ -105,11 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--num-requests", type=int, help="per level (default: benchmarks.serving's)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
+    parser.add_argument("--cpu-class", choices=sorted(CPU_CLASSES), default="native")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--llama-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    binary = build_server(cache_dir() / "llama.cpp")
+    os.environ.update(CPU_CLASSES[args.cpu_class][1])  # before any kernel loads; the stacks inherit it
+    binary = build_server(cache_dir() / "llama.cpp", args.cpu_class)
     if args.build_only:
         print(json.dumps({"llama_server": str(binary)}))
         return {}
@@ -121,13 +142,13 @@ def main(argv: list[str] | None = None) -> dict:
     with llama_server(binary, default_gguf_path(), slots, args.threads, context=512) as url:
         level_results, run = asyncio.run(serving.bench_server(url, "llama.cpp", cfg, None))
     results += level_results
-    runs.append(run | {"launch": None, "cpu": cpu_description()})
+    runs.append(run | {"launch": None, "cpu": cpu_description(), "cpu_class": args.cpu_class})
     for spec in [] if args.llama_only else [parse_compare(s) for s in args.compare]:
         with launched(spec) as stack:
             level_results, run = asyncio.run(serving.bench_server(stack.base_url, spec.label, cfg, None))
         results += level_results
-        runs.append(run | {"launch": spec.flags, "cpu": cpu_description()})
-    print(f"pdserve beside llama.cpp's server on {cpu_description()}:")
+        runs.append(run | {"launch": spec.flags, "cpu": cpu_description(), "cpu_class": args.cpu_class})
+    print(f"pdserve beside llama.cpp's server on {cpu_description()} (--cpu-class {args.cpu_class}):")
     return serving.report(results, runs, cfg, None)
 
 

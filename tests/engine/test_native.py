@@ -88,3 +88,20 @@ def test_environment_names_the_variant_or_turns_the_kernels_off():
     assert _run(code, PDSERVE_CPU_KERNELS="none").stdout.split() == ["None", "True"]
     refused = _run(code, PDSERVE_CPU_KERNELS="avx9000")
     assert refused.returncode != 0 and "PDSERVE_CPU_KERNELS='avx9000'" in refused.stderr
+
+
+def test_a_named_variant_makes_cpu_decisions_as_on_its_class():
+    """``PDSERVE_CPU_KERNELS=avx2`` on any CPU: ``cpu_has`` sees no AVX-512 (so ``--dtype auto`` is
+    float32 and ``--quantization auto`` is w4a8, as on an AVX2-only CPU); ``portable``: not even AVX2."""
+    code = "from pdserve.layers import native; from pdserve.engine.model_config import resolve_dtype; "
+    code += "print(native.cpu_has('avx512f'), native.cpu_has('avx2'), native.cpu_has('sse4_2'), "
+    code += "resolve_dtype('auto', 'cpu'))"
+    capped = [("avx2", "False True"), ("portable", "False False")]
+    if "avx512" in native.runnable_variants():
+        capped.append(("avx512", "True True"))
+    for variant, expected in capped:
+        if variant in native.runnable_variants():
+            out = _run(code, PDSERVE_CPU_KERNELS=variant)
+            assert out.stdout.split() == [*expected.split(), "True", "torch.float32"], out.stderr
+    if native.cpu_has("avx512_bf16"):
+        assert _run(code).stdout.split()[-1] == "torch.bfloat16"

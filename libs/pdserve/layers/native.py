@@ -6,6 +6,12 @@ and ``portable`` (no instruction set beyond the baseline). At run time ``kernel_
 the best one the CPU supports (``/proc/cpuinfo``), so no compiler is needed where pdserve runs.
 ``PDSERVE_CPU_KERNELS`` names another variant (or ``none``: PyTorch ops only); ``forced_variant``
 switches it within a process (the tests run every variant the machine can execute).
+
+A variant named in ``PDSERVE_CPU_KERNELS`` also caps what ``cpu_has`` reports to that class, so
+every CPU-feature decision (``--dtype auto``, ``--quantization auto``) is made as on such a CPU:
+``PDSERVE_CPU_KERNELS=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 machine
+runs pdserve (and PyTorch's own kernels) as an AVX2-only CPU would (``make bench-llama ARGS=
+"--cpu-class avx2"``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "avx2": _AVX2,
     "portable": (),
 }
+_CLASS_FLAGS = frozenset(flag for needs in VARIANTS.values() for flag in needs)
 _ENV = "PDSERVE_CPU_KERNELS"
 T = TypeVar("T")
 _forced: list[str | None] = [None]
@@ -46,9 +53,25 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def _is_isa_extension(flag: str) -> bool:
+    """An instruction-set flag that tells CPU classes apart (one a variant's class may lack)."""
+    return flag in _CLASS_FLAGS or flag.startswith(("avx512", "amx", "avx_vnni"))
+
+
+@functools.cache
+def _visible_flags(requested: str) -> frozenset[str]:
+    flags = _cpu_flags()
+    if requested not in VARIANTS:  # auto / none / an unknown name (refused by selected_variant)
+        return flags
+    return frozenset(f for f in flags if not _is_isa_extension(f) or f in VARIANTS[requested])
+
+
 def cpu_has(*flags: str) -> bool:
-    """True when ``/proc/cpuinfo`` lists any of ``flags`` (e.g. ``"avx512_vnni"``, ``"avx_vnni"``)."""
-    return any(flag in _cpu_flags() for flag in flags)
+    """True when ``/proc/cpuinfo`` lists any of ``flags`` (e.g. ``"avx512_vnni"``, ``"avx_vnni"``);
+    with ``$PDSERVE_CPU_KERNELS`` naming a variant, only the instruction sets of that variant's
+    class count (``avx2``: no ``avx512_*``, ``amx_*`` or ``avx_vnni``)."""
+    visible = _visible_flags(os.environ.get(_ENV, "auto"))
+    return any(flag in visible for flag in flags)
 
 
 def cpu_description() -> str:
