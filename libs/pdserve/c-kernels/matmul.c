@@ -68,17 +68,27 @@ INLINE void store_row_f32(const Mat* g, float v0[8], float v1[8], int col0, int 
   if (g->out_bf16) {
     bf16* o = (bf16*)c;
     if (g->silu) {
+#ifdef __AVX2__
+      const __m256 gate = bf16_to_f32_8(round8_bf16(_mm256_loadu_ps(v0)));
+      const __m256 up = bf16_to_f32_8(round8_bf16(_mm256_loadu_ps(v1)));
+      store8_bf16(o + col0, _mm256_mul_ps(bf16_to_f32_8(round8_bf16(silu256(gate))), up));
+#else
       for (int j = 0; j < 8; ++j) {
         const float gate = round_bf16(v0[j]), up = round_bf16(v1[j]);
         o[col0 + j] = f32_to_bf16(round_bf16(gate / (1.f + expf(-gate))) * up);
       }
+#endif
     } else {
       for (int j = 0; j < 8; ++j) o[col0 + j] = f32_to_bf16(v0[j]), o[col1 + j] = f32_to_bf16(v1[j]);
     }
   } else {
     float* o = (float*)c;
     if (g->silu) {
+#ifdef __AVX2__
+      _mm256_storeu_ps(o + col0, _mm256_mul_ps(silu256(_mm256_loadu_ps(v0)), _mm256_loadu_ps(v1)));
+#else
       for (int j = 0; j < 8; ++j) o[col0 + j] = v0[j] / (1.f + expf(-v0[j])) * v1[j];
+#endif
     } else {
       for (int j = 0; j < 8; ++j) o[col0 + j] = v0[j], o[col1 + j] = v1[j];
     }
@@ -463,6 +473,7 @@ INLINE void tile_w4a8(const int rows, const int planes, const W4A8* g, int m0, i
         vint part[W4A8_ROWS];
         for (int r = 0; r < rows; ++r) part[r] = V_ZERO_I();
         const uint8_t* p = panel + (q * planes + plane) * 256 + h * LANES * 4;
+#pragma GCC unroll 1 /* unrolled, GCC sums all 32 int16 products of a group as a tree: AVX2 spills */
         for (int quarter = 0; quarter < 4; ++quarter) {
           const vint b = V_LOAD(p + quarter * 64);
           const vint lo = V_AND(b, low), hi = V_AND(V_SRLI16(b, 4), low);
