@@ -10,15 +10,16 @@ import grpc
 import pytest
 
 from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
+from tests.conftest import COMMON
 from tests.stack import Stack, launch_stack
 
 API_KEY = "k"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def auth_stack() -> Stack:
-    """A colocated fp32 stack whose gateway requires ``authorization: Bearer k``."""
-    stack = launch_stack("--colocated", "--dtype", "float32", "--api-key", API_KEY, log_name="sdk-auth")
+    """A colocated fp32 stack whose gateway requires ``authorization: Bearer k`` (stopped after tests/sdk)."""
+    stack = launch_stack(*COMMON, "--colocated", "--api-key", API_KEY, log_name="sdk-auth")
     yield stack
     stack.stop()
 
