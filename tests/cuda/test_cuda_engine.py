@@ -56,7 +56,11 @@ def checkpoint(tmp_path_factory):
 
 def _attention_runner(page_size: int, num_pages: int) -> SimpleNamespace:
     config = SimpleNamespace(
-        dtype=torch.bfloat16, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, context_length=2048
+        dtype=torch.bfloat16,
+        num_local_heads=HEADS,
+        num_local_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        context_length=2048,
     )
     return SimpleNamespace(
         device=CUDA,
