@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 
 from pdserve.distributed import SINGLE_RANK
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
@@ -88,6 +89,8 @@ def test_strided_rows_leading_dims_and_no_rows(gemm):
     assert packed.matmul(torch.empty(0, 128, dtype=torch.bfloat16)).shape == (0, 64)
     with pytest.raises(TypeError, match="bfloat16 activations"):
         packed.matmul(torch.randn(2, 128))
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        packed.matmul(x, None, torch.float16)
 
 
 @kernel_only
@@ -164,7 +167,8 @@ def test_any_shape_matches_the_reference(
     gemm, rows, panels, steps, extra_stride, with_bias, halves, int8, seed
 ):
     """Random shapes (rows across tiles and blocks, panels split over threads), row strides, biases,
-    layouts and both dtypes: bfloat16 against float32 products, int8 exactly against its integer sum."""
+    layouts and both dtypes: bfloat16 against float32 products, int8 exactly against its integer sum;
+    bfloat16 and float32 outputs."""
     gen = torch.Generator().manual_seed(seed)
     n, k = 32 * panels, 4 * steps
     weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -189,3 +193,27 @@ def test_any_shape_matches_the_reference(
         0 if bias is None else bias.double().abs()
     )
     assert ((out.double() - expected).abs() <= magnitude * 2**-8 + 1e-6).all()
+    # float32 out: the same sums before that rounding (float32 summation order alone)
+    out32 = packed.matmul(x, bias, torch.float32)
+    assert out32.shape == (rows, n) and out32.dtype == torch.float32
+    assert torch.equal(out32.to(torch.bfloat16), out)
+    assert ((out32.double() - expected).abs() <= magnitude * 2**-14 + 1e-6).all()
+
+
+def test_bfloat16_logits_are_the_lm_heads_float32_sums(model_path):
+    """An unquantized bfloat16 model's packed LM head hands the sampler its float32 sums: rounded to
+    bfloat16, logits near 16 lie 1/16 to 1/8 apart, so near-ties become ties that greedy decoding
+    breaks by the lower token id (SmolLM2 answered "L'Étoile, ..." to "What is the capital of
+    France?" that way, HF's bfloat16 model "The capital of France is Paris.")."""
+    model = ModelRunner(model_path, dtype="bfloat16", max_total_tokens=256).model
+    weight = model.lm_head.weight
+    hidden = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)
+    exact = hidden.double() @ weight.double().T
+    assert logits.shape == exact.shape and logits.dtype == torch.float32
+    if isinstance(model.lm_head_packed, OneDNNWeight):  # oneDNN rounds to bfloat16 first
+        assert torch.equal(logits, logits.bfloat16().float())
+    else:
+        magnitude = hidden.double().abs() @ weight.double().abs().T
+        assert ((logits.double() - exact).abs() <= magnitude * 2**-14).all()
+        assert not torch.equal(logits, logits.bfloat16().float())

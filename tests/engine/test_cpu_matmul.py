@@ -79,6 +79,10 @@ def test_matmul_matches_float64_of_the_stored_weight(matmul, format, x_dtype, ro
         x[0] = 0  # a zero row (w8a8: scale 0) gives the bias alone
     packed = matmul.pack(weight, format)
     assert_close(packed.matmul(x, bias), reference(x, weight, bias, format), x_dtype)
+    # either output dtype from either activation dtype: the same float32 sums, kept or rounded once
+    wide, narrow = packed.matmul(x, bias, torch.float32), packed.matmul(x, bias, torch.bfloat16)
+    assert torch.equal(wide.to(torch.bfloat16), narrow)
+    assert_close(wide, reference(x, weight, bias, format), torch.float32)
     halves = packed.to_halves()  # the [gate; up] layout: same matmul, and SiLU-and-mul fused
     assert_close(halves.matmul(x, bias), reference(x, weight, bias, format), x_dtype)
     gate, up = reference(x, weight, bias, format).chunk(2, dim=-1)

@@ -11,11 +11,18 @@
 
 int gemm_supported(void) { return 1; }
 
-/* A row's two accumulators (+ biases), rounded: stored at c0 and c1, or with silu, silu(c0's
-   values) * c1's values at c0 (silu_mul16_bf16 on the rounded gate and up). */
-INLINE void store_row(int silu, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, bf16* c0, bf16* c1) {
-  const __m256i lo = round16_bf16(_mm512_add_ps(acc0, bias0));
-  const __m256i hi = round16_bf16(_mm512_add_ps(acc1, bias1));
+/* A row's two accumulators (+ biases) stored at c0 and c1: as they are (out_f32), or rounded to
+   bfloat16; with silu (never with out_f32), silu(c0's values) * c1's values at c0 (silu_mul16_bf16
+   on the rounded gate and up). */
+INLINE void store_row(int silu, int out_f32, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, char* c0,
+                      char* c1) {
+  const __m512 v0 = _mm512_add_ps(acc0, bias0), v1 = _mm512_add_ps(acc1, bias1);
+  if (out_f32) {
+    _mm512_storeu_ps(c0, v0);
+    _mm512_storeu_ps(c1, v1);
+    return;
+  }
+  const __m256i lo = round16_bf16(v0), hi = round16_bf16(v1);
   if (silu) {
     _mm256_storeu_si256((__m256i*)c0, silu_mul16_bf16(bf16_to_f32_16(lo), bf16_to_f32_16(hi)));
   } else {
@@ -25,16 +32,16 @@ INLINE void store_row(int silu, __m512 acc0, __m512 acc1, __m512 bias0, __m512 b
 }
 
 /* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
-   lda bytes; the packed weight; out [M, ldc] bfloat16. int8 only: x_scale [M], w_scale [N] and
+   lda bytes; the packed weight; out [M, ldc] bfloat16, or float32 with out_f32. int8 only: x_scale [M], w_scale [N] and
    w_comp [N] = 128 * (column sum of the int8 weight), which undoes the activations' offset. */
 typedef struct {
   const char* x;
   int64_t lda;
   const char* packed;
   const bf16* bias;
-  bf16* out;
+  void* out;
   int64_t ldc;
-  int M, N, K, halves, silu;
+  int out_f32, M, N, K, halves, silu;
   const float *x_scale, *w_scale;
   const int32_t* w_comp;
 } Gemm;
@@ -77,7 +84,8 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
     comp0 = _mm512_loadu_si512(g->w_comp + col0), comp1 = _mm512_loadu_si512(g->w_comp + col1);
     ws0 = _mm512_loadu_ps(g->w_scale + col0), ws1 = _mm512_loadu_ps(g->w_scale + col1);
   }
-  bf16* c = g->out + m0 * g->ldc;
+  const int64_t e = g->out_f32 ? 4 : 2; /* bytes per output */
+  char* c = (char*)g->out + m0 * g->ldc * e;
   for (int r = 0; r < rows; ++r) {
     __m512 v0 = acc[r][0], v1 = acc[r][1];
     if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * x_scale * w_scale */
@@ -87,7 +95,7 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
       v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(xs, ws0));
       v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(xs, ws1));
     }
-    store_row(g->silu, v0, v1, bias0, bias1, c + r * g->ldc + col0, c + r * g->ldc + col1);
+    store_row(g->silu, g->out_f32, v0, v1, bias0, bias1, c + (r * g->ldc + col0) * e, c + (r * g->ldc + col1) * e);
   }
 }
 
@@ -132,10 +140,11 @@ static void run(int int8, const Gemm* g, int threads) {
   }
 }
 
-/* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2]. */
-void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, bf16* out, int64_t ldc,
-               int M, int N, int K, int halves, int silu, int threads) {
-  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+/* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2];
+   out bfloat16, or float32 with out_f32 (not with silu). */
+void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, void* out, int64_t ldc,
+               int out_f32, int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves, silu,
                   NULL, NULL, NULL};
   run(0, &g, threads);
 }
@@ -143,9 +152,9 @@ void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias,
 /* The same for int8: x_q [M, K] uint8 (int8 + 128; row stride lda bytes) with x_scale [M], W packed
    as [N/32, K/4, 32, 4] int8 with w_scale [N] and w_comp [N]. */
 void gemm_int8(const uint8_t* x_q, int64_t lda, const float* x_scale, const int8_t* packed,
-               const float* w_scale, const int32_t* w_comp, const bf16* bias, bf16* out, int64_t ldc,
-               int M, int N, int K, int halves, int silu, int threads) {
-  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, M, N, K, halves, silu,
+               const float* w_scale, const int32_t* w_comp, const bf16* bias, void* out, int64_t ldc,
+               int out_f32, int M, int N, int K, int halves, int silu, int threads) {
+  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves, silu,
                   x_scale, w_scale, w_comp};
   run(1, &g, threads);
 }

@@ -27,7 +27,8 @@ instructions (bfloat16: products exact in float32, summed in float32; int8: uint
 int8 + 128 times int8 weights, summed exactly in int32, the offset undone with 128 x the
 weight's column sums). While a block's tiles walk one panel, they prefetch the thread's next
 panel into L2, a few lines per tile. Results (int8: times the row's and the column's scales;
-plus the bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does.
+plus the bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does, or kept in
+float32 where the caller asks (the LM head's logits).
 
 Used where the CPU has AVX512_BF16 and AVX512_VNNI but not AMX (with AMX, oneDNN's tile kernels
 are far faster), for weights with ``N`` a multiple of 32 and ``K`` even (int8: a multiple of 4),
@@ -87,15 +88,18 @@ class PanelWeight:
         rows = self.data.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
         return PanelWeight(self._gemm, _panels(rows, group, True), True, self.w_scale, self.w_comp)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """``F.linear(x, W, bias)`` for bfloat16 ``x`` ``[..., K]`` (unit stride along ``K``) and
-        bias ``[N]`` or None: a new bfloat16 ``[..., N]``. int8: ``x`` is quantized per row first
+        bias ``[N]`` or None: a new ``[..., N]`` of ``out_dtype``, bfloat16 (the default: rounded
+        once from the float32 sums) or float32 (the sums themselves). int8: ``x`` is quantized per row first
         (symmetric, ``pdserve.layers.cpu_fused_ops.quantize_rows``).
 
         Raises:
-            TypeError: ``x`` is not bfloat16.
+            TypeError: ``x`` is not bfloat16, or ``out_dtype`` is neither bfloat16 nor float32.
         """
-        return self._run(x, bias, silu=False)
+        return self._run(x, bias, silu=False, out_dtype=out_dtype or torch.bfloat16)
 
     def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gate) * up`` of ``[gate | up] = F.linear(x, W, bias)``: ``[..., N / 2]``, rounded as
@@ -107,24 +111,30 @@ class PanelWeight:
         """
         if not self.halves:
             raise ValueError("silu_and_mul needs a weight packed with halves=True")
-        return self._run(x, bias, silu=True)
+        return self._run(x, bias, silu=True, out_dtype=torch.bfloat16)
 
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    def _run(
+        self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool, out_dtype: torch.dtype
+    ) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"the CPU matmul takes bfloat16 activations, got {x.dtype}")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"the CPU matmul writes bfloat16 or float32, not {out_dtype}")
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         n, k, m = self.out_features, self.in_features, rows.shape[0]
         out_features = n // 2 if silu else n
-        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        out = torch.empty(m, out_features, dtype=out_dtype)
         if m:
             bias_ptr = None
             if bias is not None:
                 bias = bias.to(torch.bfloat16).contiguous()
                 bias_ptr = bias.data_ptr()
-            shape_args = (out.data_ptr(), out_features, m, n, k, self.halves, silu, torch.get_num_threads())
+            out_f32 = out_dtype == torch.float32
+            threads = torch.get_num_threads()
+            shape_args = (out.data_ptr(), out_features, out_f32, m, n, k, self.halves, silu, threads)
             if self.int8:
                 q, x_scale = load_fused_ops().quantize_rows(rows)
                 self._gemm.int8_fn(
@@ -143,7 +153,7 @@ class CpuGemm:
 
     def __init__(self, lib: ctypes.CDLL):
         self.bf16_fn, self.int8_fn = lib.gemm_bf16, lib.gemm_int8
-        shape_args = [_P, _I, _C, _C, _C, _C, _C, _C]
+        shape_args = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_f32, M, N, K, halves, silu, threads
         self.bf16_fn.restype, self.bf16_fn.argtypes = None, [_P, _I, _P, _P, *shape_args]
         self.int8_fn.restype, self.int8_fn.argtypes = None, [_P, _I, _P, _P, _P, _P, _P, *shape_args]
 

@@ -190,9 +190,12 @@ class MatmulWeight:
         rows, scale, mins = self._rows()
         return MatmulWeight(self._kernel, self.format, rows, scale, mins, halves=True)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T (+ bias)`` for float32 or bfloat16 ``x`` ``[..., K]``: a new ``[..., N]`` in x's dtype."""
-        return self._run(x, bias, silu=False)
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``x W^T (+ bias)`` for float32 or bfloat16 ``x`` ``[..., K]``: a new ``[..., N]`` of
+        ``out_dtype`` (float32 or bfloat16; default x's dtype)."""
+        return self._run(x, bias, silu=False, out_dtype=out_dtype or x.dtype)
 
     def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gate) * up`` of ``[gate | up] = x W^T (+ bias)``: ``[..., N / 2]`` (``halves`` only).
@@ -202,23 +205,27 @@ class MatmulWeight:
         """
         if not self.halves:
             raise ValueError("silu_and_mul needs a weight packed with halves=True")
-        return self._run(x, bias, silu=True)
+        return self._run(x, bias, silu=True, out_dtype=x.dtype)
 
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"the CPU matmul takes float32 or bfloat16 activations, got {x.dtype}")
+    def _run(
+        self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        for name, dtype in (("activations", x.dtype), ("output", out_dtype)):
+            if dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"the CPU matmul takes float32 or bfloat16 {name}, got {dtype}")
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         n, k, m = self.out_features, self.in_features, rows.shape[0]
         width = n // 2 if silu else n
-        out = torch.empty(m, width, dtype=x.dtype)
+        out = torch.empty(m, width, dtype=out_dtype)
         if m:
             if bias is not None and bias.dtype != torch.float32:
                 bias = bias.float()
             x_bf16 = x.dtype == torch.bfloat16
-            tail = (out.data_ptr(), width, x_bf16, m, n, k, self.halves, silu, torch.get_num_threads())
+            out_bf16 = out_dtype == torch.bfloat16
+            tail = (out.data_ptr(), width, out_bf16, m, n, k, self.halves, silu, torch.get_num_threads())
             bias_ptr = None if bias is None else bias.data_ptr()
             if self.format == "w8a8":
                 self._kernel.w8a8_fn(

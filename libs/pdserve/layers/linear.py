@@ -53,8 +53,12 @@ class OneDNNWeight:
     def __init__(self, weight: torch.Tensor):
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """``F.linear(x, W, bias)``, converted to ``out_dtype`` when given (oneDNN writes bfloat16)."""
+        out = torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 PackedWeight = PanelWeight | OneDNNWeight | MatmulWeight
@@ -83,11 +87,16 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x W^T (+ b)`` for ``x`` ``[..., in]``, through ``packed`` (from ``prepack_weight``) when given."""
+    """``x W^T (+ b)`` for ``x`` ``[..., in]``, through ``packed`` (from ``prepack_weight``) when given.
+
+    ``out_dtype`` (packed only; default x's dtype): float32 keeps the CPU kernels' float32 sums
+    unrounded (oneDNN's bfloat16 result is converted); ``F.linear`` returns x's dtype.
+    """
     if packed is None:
         return F.linear(x, weight, bias)
-    return packed.matmul(x, bias)
+    return packed.matmul(x, bias, out_dtype)
 
 
 class Linear(nn.Module):

@@ -180,8 +180,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. ``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits``
-    turns selected rows into logits ``[N, vocab]`` in the model's dtype (the sampler upcasts when it
-    needs float32), every rank's vocabulary slice gathered under TP. Tied embeddings share one
+    turns selected rows into logits ``[N, vocab]``, every rank's vocabulary slice gathered under TP:
+    float32 from a packed CPU LM head (the kernels' float32 sums: rounded to bfloat16, logits near 16
+    lie 0.0625-0.125 apart, near-ties become ties and greedy decoding takes the lower token id),
+    else in the model's dtype (the sampler upcasts when it needs float32). Tied embeddings share one
     parameter."""
 
     packed_modules_mapping = {
@@ -219,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = head.packed if isinstance(head, Linear) else prepack_weight(head.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.lm_head.weight, None, self.lm_head_packed)
+        logits = linear(hidden, self.lm_head.weight, None, self.lm_head_packed, torch.float32)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[:, : self.config.vocab_size]
