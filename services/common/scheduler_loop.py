@@ -42,7 +42,7 @@ import threadpoolctl
 import torch
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.liveness import Heartbeat
@@ -149,9 +149,10 @@ class SchedulerLoop:
         QueueFull with which ``Scheduler.add_request`` refused it."""
         return self.submit(NewRequest(req))
 
-    def abort(self, rid: str, reason: str) -> None:
-        """Abort ``rid`` at the next step (whatever state it is in; unknown rids are ignored)."""
-        self.submit(Abort(rid, reason))
+    def abort(self, rid: str, reason: str, finish_reason: FinishReason = FinishReason.ABORT) -> None:
+        """Abort ``rid`` at the next step (whatever state it is in; unknown rids are ignored); it
+        counts as ended by ``finish_reason``."""
+        self.submit(Abort(rid, reason, finish_reason))
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Apply ``fn(scheduler, *args)`` at the next step's input point (see :class:`Call`)."""
@@ -176,7 +177,7 @@ class SchedulerLoop:
         return len(self.scheduler.waiting)
 
     def _abort(self, event: Abort) -> bool:
-        return self.scheduler.abort_request(event.rid, event.reason)
+        return self.scheduler.abort_request(event.rid, event.reason, event.finish_reason)
 
     def _call(self, event: Call) -> Any:
         return event.fn(self.scheduler, *event.args)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.distributed import TpGroup
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 
 
 @dataclass(slots=True)
@@ -43,10 +43,11 @@ class NewRequest:
 
 @dataclass(slots=True)
 class Abort:
-    """``Scheduler.abort_request(rid, reason)``, or the role's own abort path."""
+    """``Scheduler.abort_request(rid, reason, finish_reason)``, or the role's own abort path."""
 
     rid: str
     reason: str
+    finish_reason: FinishReason = FinishReason.ABORT
 
 
 @dataclass(slots=True)

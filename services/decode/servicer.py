@@ -185,7 +185,11 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
-        return scheduler_pb2.AbortResponse(found=self.abort(request.rid, request.reason or "aborted"))
+        stop = request.finish_reason == common_pb2.FINISH_REASON_STOP  # a stop string ended it
+        finish_reason = FinishReason.STOP if stop else FinishReason.ABORT
+        return scheduler_pb2.AbortResponse(
+            found=self.abort(request.rid, request.reason or "aborted", finish_reason)
+        )
 
     def busy(self) -> bool:
         """Requests still held (queued for the next step, waiting for KV, running, or ended with their
@@ -194,20 +198,21 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             isinstance(e, NewRequest) for e in self.loop.inputs.pending()
         )
 
-    def abort(self, rid: str, reason: str) -> bool:
-        """Abort ``rid`` at the next step on every rank (``_abort`` also stops its prefill in flight);
-        False if it is neither held nor queued for the next step."""
+    def abort(self, rid: str, reason: str, finish_reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Abort ``rid`` at the next step on every rank (``_abort`` also stops its prefill in flight),
+        counted as ended by ``finish_reason``; False if it is neither held nor queued for the next
+        step."""
         found = rid in self.scheduler.reqs or any(
             isinstance(e, NewRequest) and e.req.rid == rid for e in self.loop.inputs.pending()
         )
-        self.loop.abort(rid, reason)
+        self.loop.abort(rid, reason, finish_reason)
         return found
 
     # ---- inputs: applied on every rank, in rank 0's order ---------------------------------
     def _abort(self, event: Abort) -> bool:
         """Abort the request in the scheduler, and stop its prefill in flight (rank 0)."""
         self._stop_prefill(event.rid, event.reason)
-        return self.scheduler.abort_request(event.rid, event.reason)
+        return self.scheduler.abort_request(event.rid, event.reason, event.finish_reason)
 
     def _stop_prefill(self, rid: str, reason: str) -> None:
         """Stop ``rid``'s prefill task (rank 0). With a Prefill call in flight, the prefill worker is

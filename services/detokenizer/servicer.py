@@ -43,8 +43,9 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
     A rid's state opens on its first TokenIDOutput (which carries gateway and scheduler addresses
     and decode options) and is dropped when it finishes: by the scheduler (EOS, length, abort and
     error pass through with their error text) or by a stop string, in which case this servicer
-    sends the STOP output and calls ``DecodeScheduler.Abort(rid, reason="stop")`` so generation
-    ends within a step. Ids that still arrive for a finished rid are ignored.
+    sends the STOP output and calls ``DecodeScheduler.Abort(rid, reason="stop")`` with finish reason
+    STOP (the scheduler counts it as a stop, not an abort) so generation ends within a step. Ids
+    that still arrive for a finished rid are ignored.
 
     A gateway replica that is gone (its output stream cannot reconnect for ``gateway_dead_after``
     seconds) owns no client any more: every rid routed to it is aborted at its decode-scheduler
@@ -148,7 +149,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             return  # the scheduler has already finished it
         if route.scheduler_address:
-            self._aborter.abort(route.scheduler_address, out.rid, "stop")
+            self._aborter.abort(route.scheduler_address, out.rid, "stop", common_pb2.FINISH_REASON_STOP)
         else:
             logger.warning(
                 "rid %s hit a stop string but carries no scheduler_address to abort",

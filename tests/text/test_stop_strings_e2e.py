@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 
@@ -33,6 +35,18 @@ def ask(stack, stop, stream: bool = False, **extra):
     return deltas, finish[-1], None
 
 
+def finished_by(stack) -> dict[str, float]:
+    """The schedulers' ``pdserve:requests_finished_total`` per finish reason (every worker summed)."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdserve:requests_finished_total":
+                reason = sample.labels["finish_reason"]
+                counts[reason] = counts.get(reason, 0.0) + sample.value
+    return counts
+
+
 def first_stop(text: str, stops: list[str]) -> int:
     return min(text.index(s) for s in stops if s in text)
 
@@ -42,10 +56,16 @@ def test_stop_string_spanning_three_tokens(stack, reference):
     stop = " of France is"
     assert stop in reference
     assert len(tok(stop, add_special_tokens=False)["input_ids"]) == 3
+    before = finished_by(stack)
     (text,), finish, usage = ask(stack, [stop])
     assert text == reference[: reference.index(stop)]
     assert finish == "stop"
     assert usage.completion_tokens < len(tok(reference, add_special_tokens=False)["input_ids"])
+    stack.wait_idle()  # the detokenizer's Abort(finish_reason=STOP) has reached the scheduler
+    after = finished_by(stack)
+    # the scheduler counts it as a stop, as the client saw it, not as an abort
+    assert after.get("stop", 0) - before.get("stop", 0) == 1
+    assert after.get("abort", 0) == before.get("abort", 0)
 
 
 def test_later_listed_stop_that_matches_first_wins(stack, reference):

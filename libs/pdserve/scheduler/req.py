@@ -90,8 +90,9 @@ class Req:
     first_token_time: float = 0.0
     last_token_time: float = 0.0
     finish_time: float = 0.0
-    # set when an abort arrives while the request is inside a running forward
+    # set when an abort arrives while the request is inside a running forward, with what it ends as
     to_abort: str = ""
+    abort_as: FinishReason = FinishReason.ABORT
     # its grammar's matcher, once compiled (None for an unconstrained request)
     grammar: Grammar | None = None
     # overlap bookkeeping (see the class docstring)

@@ -211,8 +211,11 @@ class Scheduler:
         resolves to the compiled grammar or raises ``GrammarError``), or None."""
         return self.grammar_queue.future(rid)
 
-    def abort_request(self, rid: str, reason: str = "aborted") -> bool:
-        """Abort ``rid`` in whatever state it is; pages are released exactly once.
+    def abort_request(
+        self, rid: str, reason: str = "aborted", finish_reason: FinishReason = FinishReason.ABORT
+    ) -> bool:
+        """Abort ``rid`` in whatever state it is; pages are released exactly once. It ends (and is
+        counted) as ``finish_reason``: ABORT, or STOP for a stop string the detokenizer matched.
 
         Returns False when the rid is unknown (already finished). A request inside a scheduled batch
         is aborted when that batch is processed (and scheduled no more meanwhile).
@@ -221,9 +224,10 @@ class Scheduler:
         if req is None:
             return False
         if req.in_batches:
-            req.to_abort = req.to_abort or reason
+            if not req.to_abort:
+                req.to_abort, req.abort_as = reason, finish_reason
             return True
-        self._end(req, FinishReason.ABORT, reason)
+        self._end(req, finish_reason, reason)
         self.aborted_outputs.append(StepOutput(req, finished=True))
         return True
 
@@ -354,7 +358,7 @@ class Scheduler:
                 self._release_deferred(req)
                 continue
             if req.to_abort or i in batch.row_errors:
-                reason = FinishReason.ABORT if req.to_abort else FinishReason.ERROR
+                reason = req.abort_as if req.to_abort else FinishReason.ERROR
                 self._end(req, reason, req.to_abort or batch.row_errors[i])
                 outputs.append(StepOutput(req, finished=True))
                 continue
