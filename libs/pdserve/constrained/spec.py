@@ -13,7 +13,8 @@ class GrammarSpec:
     """One grammar: ``kind`` (one of ``GRAMMAR_KINDS``) and its ``text``.
 
     - ``json_schema``: a JSON Schema (JSON text); the output is one JSON value valid under it,
-      written compactly (no free whitespace, so small models cannot loop on blanks).
+      in one fixed layout (``", "`` and ``": "`` between items, no free whitespace, so small
+      models cannot loop on blanks).
     - ``regex``: the whole output matches this regular expression (ECMAScript-like syntax).
     - ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) syntax whose start rule is ``root``.
     - ``structural_tag``: an xgrammar structural tag (JSON text), e.g. free text with tool calls
