@@ -32,8 +32,9 @@ INLINE void store_row(int silu, int out_f32, __m512 acc0, __m512 acc1, __m512 bi
 }
 
 /* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
-   lda bytes; the packed weight; out [M, ldc] bfloat16, or float32 with out_f32. int8 only: x_scale [M], w_scale [N] and
-   w_comp [N] = 128 * (column sum of the int8 weight), which undoes the activations' offset. */
+   lda bytes; the packed weight; out [M, ldc] bfloat16, or float32 with out_f32. int8 only:
+   x_scale [M], w_scale [N] and w_comp [N] = 128 * (column sum of the int8 weight), which undoes
+   the activations' offset. */
 typedef struct {
   const char* x;
   int64_t lda;
@@ -95,7 +96,8 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
       v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(xs, ws0));
       v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(xs, ws1));
     }
-    store_row(g->silu, g->out_f32, v0, v1, bias0, bias1, c + (r * g->ldc + col0) * e, c + (r * g->ldc + col1) * e);
+    char* row = c + r * g->ldc * e;
+    store_row(g->silu, g->out_f32, v0, v1, bias0, bias1, row + col0 * e, row + col1 * e);
   }
 }
 
@@ -144,8 +146,8 @@ static void run(int int8, const Gemm* g, int threads) {
    out bfloat16, or float32 with out_f32 (not with silu). */
 void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, void* out, int64_t ldc,
                int out_f32, int M, int N, int K, int halves, int silu, int threads) {
-  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves, silu,
-                  NULL, NULL, NULL};
+  const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves,
+                  silu, NULL, NULL, NULL};
   run(0, &g, threads);
 }
 
@@ -154,8 +156,8 @@ void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias,
 void gemm_int8(const uint8_t* x_q, int64_t lda, const float* x_scale, const int8_t* packed,
                const float* w_scale, const int32_t* w_comp, const bf16* bias, void* out, int64_t ldc,
                int out_f32, int M, int N, int K, int halves, int silu, int threads) {
-  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves, silu,
-                  x_scale, w_scale, w_comp};
+  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves,
+                  silu, x_scale, w_scale, w_comp};
   run(1, &g, threads);
 }
 #else
