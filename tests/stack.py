@@ -87,13 +87,14 @@ class Stack:
         )
         return resp.choices[0].message.content
 
-    def metrics(self) -> dict[str, dict[tuple, float]]:
-        """``{metric sample name: {(role, worker): value}}`` from the gateway's /metrics."""
+    def metrics(self, by: tuple[str, ...] = ("role", "worker")) -> dict[str, dict[tuple, float]]:
+        """``{metric sample name: {(role, worker): value}}`` from the gateway's /metrics; ``by``
+        names other labels to key the values by (samples alike in them are summed)."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10, verify=self.verify).text
         out: dict[str, dict[tuple, float]] = defaultdict(dict)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                key = (sample.labels.get("role", ""), sample.labels.get("worker", ""))
+                key = tuple(sample.labels.get(label, "") for label in by)
                 out[sample.name][key] = out[sample.name].get(key, 0.0) + sample.value
         return out
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 
@@ -37,14 +35,8 @@ def ask(stack, stop, stream: bool = False, **extra):
 
 def finished_by(stack) -> dict[str, float]:
     """The schedulers' ``pdserve:requests_finished_total`` per finish reason (every worker summed)."""
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "pdserve:requests_finished_total":
-                reason = sample.labels["finish_reason"]
-                counts[reason] = counts.get(reason, 0.0) + sample.value
-    return counts
+    counts = stack.metrics(by=("finish_reason",)).get("pdserve:requests_finished_total", {})
+    return {reason: value for (reason,), value in counts.items()}
 
 
 def first_stop(text: str, stops: list[str]) -> int:
