@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
+from pdserve.distributed import SINGLE_RANK, TpGroup, destroy_tp_groups, init_tp_group, rendezvous_store
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.layers.native import cpu_description
@@ -127,7 +126,7 @@ def tp_engine_rank(rank: int, size: int, port: int, path: Path, args, prompts: d
         del runner
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    destroy_tp_groups()
 
 
 def run_tp_engine(size: int, path: Path, args, prompts: dict, scratch: Path) -> dict:

@@ -253,6 +253,10 @@ class Supervisor:
             for child, ok in zip(children, graceful, strict=True):
                 if not ok:
                     logger.warning("%s did not stop within %.0f s; killed it", child.name, timeout)
+                elif child.returncode not in (0, -signal.SIGTERM):  # e.g. an abort at interpreter exit
+                    logger.warning(
+                        "%s %s while stopping%s", child.name, describe_exit(child.returncode), _tail(child)
+                    )
 
     def kill_all(self) -> None:
         """SIGKILL every child's process group now (a second Ctrl-C)."""

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import (
     LlamaConfig,
@@ -19,7 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pdserve.distributed import TpGroup, init_tp_group, rendezvous_store
+from pdserve.distributed import TpGroup, destroy_tp_groups, init_tp_group, rendezvous_store
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.sampling.sampling_params import SamplingParams
@@ -69,7 +68,7 @@ def _rank_main(rank: int, size: int, port: int, target, args: tuple, out_dir: Pa
     try:
         torch.save(target(tp, *args), out_dir / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        destroy_tp_groups()
 
 
 def run_ranks(size: int, target, args: tuple, out_dir: Path) -> list:

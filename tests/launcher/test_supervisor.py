@@ -65,6 +65,7 @@ async def test_a_crashed_service_is_restarted_and_everything_stops_at_the_end(ca
         await supervisor.stop_all()
     await supervising
     assert second.returncode == -signal.SIGTERM or second.returncode == 0
+    assert "while stopping" not in caplog.text  # it stopped cleanly, so no warning
     assert not psutil.pid_exists(second.pid) or psutil.Process(second.pid).status() == psutil.STATUS_ZOMBIE
 
 

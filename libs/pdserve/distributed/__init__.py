@@ -1,12 +1,19 @@
 """Tensor parallelism: the rank group of one scheduler and how a tensor is sharded across it."""
 
-from pdserve.distributed.parallel_state import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
+from pdserve.distributed.parallel_state import (
+    SINGLE_RANK,
+    TpGroup,
+    destroy_tp_groups,
+    init_tp_group,
+    rendezvous_store,
+)
 from pdserve.distributed.sharding import HeadShard, head_shard, split_range, vocab_shard
 
 __all__ = [
     "SINGLE_RANK",
     "HeadShard",
     "TpGroup",
+    "destroy_tp_groups",
     "head_shard",
     "init_tp_group",
     "rendezvous_store",

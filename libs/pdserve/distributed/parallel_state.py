@@ -16,6 +16,7 @@ connection closes), one that hangs makes it fail after ``timeout_s`` seconds, ne
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -129,3 +130,18 @@ def init_tp_group(rank: int, size: int, address: str, device: torch.device, time
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     logger.info("TP rank %d of %d joined (%s device group, gloo control group)", rank, size, backend)
     return TpGroup(rank, size, dist.group.WORLD, cpu_group)
+
+
+def destroy_tp_groups() -> None:
+    """Destroy this process's TP process groups (if any) and free them now, while the interpreter is
+    fully alive; call it once the rank is done, after dropping its model (``ModelRunner``).
+
+    A gloo process group that is still referenced when the interpreter finalizes (here: by a dropped
+    ``ModelRunner`` left in a reference cycle, which only a full collection frees) is destroyed inside
+    ``Py_Finalize``, and its worker threads then abort the process ("terminate called without an
+    active exception", SIGABRT, or SIGSEGV): measured on about 1 exit in 5 of a CPU TP rank. So the
+    groups are destroyed and the cycles collected here; the caller's own ``TpGroup`` goes with its frame.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
