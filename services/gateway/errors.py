@@ -8,6 +8,7 @@ become ``GatewayError`` through ``from_rpc_error``.
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 import grpc
@@ -159,7 +160,8 @@ def validation_to_gateway_error(exc: RequestValidationError) -> GatewayError:
     if err["type"] == "missing":
         message = f"'{param}' is required" if param else "request body is required"
     else:
-        message = f"{param}: {msg}" if param and param not in msg else msg
+        named = param and re.search(rf"(?<![\w.]){re.escape(param)}(?![\w.])", msg)  # as a word: "n"
+        message = msg if not param or named else f"{param}: {msg}"
     others = len({_field(e) for e in errors} - {_field(err)})  # a union's members count once
     if others:
         message += f" (and {others} more error{'s' if others > 1 else ''})"

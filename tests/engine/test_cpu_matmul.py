@@ -3,6 +3,10 @@ float64 matmuls of the values the formats store, and the quantizers against what
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,7 @@ from pdserve.layers.cpu_matmul import (
     quantize_int8_grouped,
 )
 from pdserve.layers.linear import prepack_weight
+from pdserve.layers.native import runnable_variants
 
 ROWS = [1, 5, 6, 7, 13, 48, 100]  # one row, partial / full / one-past register tiles, row blocks
 
@@ -150,3 +155,35 @@ def test_bfloat16_linear_packs_here_where_onednn_has_no_bfloat16():
         assert isinstance(packed, MatmulWeight) and packed.format == "bf16"
         x = torch.randn(3, 64).bfloat16()
         assert_close(packed.matmul(x), reference(x, weight, None, "bf16"), torch.bfloat16)
+
+
+OUT_OF_MEMORY = """
+import resource, torch
+from pdserve.layers.cpu_matmul import load_cpu_matmul
+torch.manual_seed(0)
+weights = {f: load_cpu_matmul().pack(torch.randn(16, 4096), f) for f in ("float32", "w8a8", "w4a8")}
+x = torch.randn(32768, 4096, dtype=torch.bfloat16)  # 256 MiB: widened or quantized, 128-512 MiB of scratch
+expected = {f: w.matmul(x) for f, w in weights.items()}  # (also starts OpenMP's threads)
+vm_size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+limits = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (vm_size + (96 << 20), limits[1]))  # 96 MiB more address space
+for f, w in weights.items():
+    try:
+        w.matmul(x)
+        raise AssertionError(f"{f}: the matmul ran without its scratch")
+    except MemoryError as e:
+        assert "no memory for its scratch buffers" in str(e), e
+    assert torch.equal(w.matmul(x[:4]), expected[f][:4])  # small batches still run
+resource.setrlimit(resource.RLIMIT_AS, limits)
+assert all(torch.equal(w.matmul(x), expected[f]) for f, w in weights.items())
+"""
+
+
+@pytest.mark.parametrize("variant", runnable_variants())
+def test_a_matmul_without_memory_for_its_scratch_raises_and_the_next_one_runs(variant):
+    """The kernels' scratch (activations widened to float32 or quantized) comes from malloc; under an
+    address-space limit it fails, and the call raises MemoryError instead of writing through NULL."""
+    env = {**os.environ, "PDSERVE_CPU_KERNELS": variant}
+    code = [sys.executable, "-c", OUT_OF_MEMORY]
+    run = subprocess.run(code, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]

@@ -425,11 +425,12 @@ static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
 /* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
    head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride elements apart
    (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
-   (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. */
-void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
-                      const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
-                      int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, float scale, int num_threads) {
+   (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. Returns 0, or -1
+   when out of memory (out then incomplete). */
+int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
+                     const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
+                     int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
                      page_size, page_stride, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
@@ -439,11 +440,18 @@ void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k,
   const int64_t span = ((max_len + splits - 1) / splits + BLOCK - 1) / BLOCK * BLOCK;
   const int64_t part_size = num_heads * (head_dim + 2);
   float* parts = malloc(sizeof(float) * batch * splits * part_size);
+  if (!parts) return -1;
+  int failed = 0;
   #pragma omp parallel num_threads(num_threads)
   {
     float* scratch = malloc(sizeof(float) * ((group + num_heads) * BLOCK + head_dim));
+    if (!scratch) {
+      #pragma omp atomic write
+      failed = 1;
+    }
     #pragma omp for schedule(dynamic) nowait
     for (int64_t item = 0; item < batch * splits; ++item) {
+      if (!scratch) continue; /* every thread still takes part in the worksharing loops */
       const int64_t b = item / splits, begin = item % splits * span, end = begin + span;
       attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
       if (splits == 1) merge(&P, parts + item * part_size, 1, b, scratch);
@@ -451,9 +459,11 @@ void decode_attention(int dtype, const void* q, int64_t q_stride, const void* k,
     if (splits > 1) {  /* the only barrier, as one waits out any thread the OS has descheduled */
       #pragma omp barrier
       #pragma omp for schedule(static)
-      for (int64_t b = 0; b < batch; ++b) merge(&P, parts + b * splits * part_size, splits, b, scratch);
+      for (int64_t b = 0; b < batch; ++b)
+        if (scratch) merge(&P, parts + b * splits * part_size, splits, b, scratch);
     }
     free(scratch);
   }
   free(parts);
+  return failed ? -1 : 0;
 }

@@ -15,14 +15,14 @@ void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, cons
                  int64_t, int);
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
               int64_t, int);
-void decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
-                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
-void matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
-                  int64_t, int, int, int, int, int, int, int);
-void matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
-                 int, int, int, int, int, int);
-void matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
+int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
+                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+int matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
                  int64_t, int, int, int, int, int, int, int);
+int matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
+                int, int, int, int, int, int);
+int matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
+                int64_t, int, int, int, int, int, int, int);
 
 /* Which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`). */
 enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 };
@@ -50,17 +50,17 @@ typedef struct {
   const int64_t *positions, *loc, *page_table, *seq_lens;
 } Step;
 
-static void linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
-                   int threads) {
+/* Returns 0, or -1 when out of memory. */
+static int linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
+                  int threads) {
   if (w->kernel == LINEAR_W8A8)
-    matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T, w->N,
-                w->K, w->halves, silu, threads);
-  else if (w->kernel == LINEAR_W4A8)
-    matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->planes, w->scale, w->mins, w->bias, out, ldc, bf16, T,
-                w->N, w->K, w->halves, silu, threads);
-  else
-    matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
-                 w->halves, silu, threads);
+    return matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T,
+                       w->N, w->K, w->halves, silu, threads);
+  if (w->kernel == LINEAR_W4A8)
+    return matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->planes, w->scale, w->mins, w->bias, out, ldc,
+                       bf16, T, w->N, w->K, w->halves, silu, threads);
+  return matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
+                      w->halves, silu, threads);
 }
 
 static void norm(const Step* s, const void* x, void* residual, const void* w, void* out) {
@@ -83,6 +83,7 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
     free(normed), free(qkv), free(attn), free(act);
     return -1;
   }
+  int failed = 0;
   for (int i = 0; i < num_layers; ++i) {
     const Layer* L = layers + i;
     if (i == 0) { /* the first layer's residual is its input */
@@ -91,7 +92,7 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
     } else {
       norm(s, hidden, residual, L->input_norm, normed);
     }
-    linear(&L->qkv, normed, s->hidden, qkv, qkv_size, s->bf16, s->T, 0, s->threads);
+    if ((failed = linear(&L->qkv, normed, s->hidden, qkv, qkv_size, s->bf16, s->T, 0, s->threads))) break;
     char *q = qkv, *k = qkv + q_size * e, *v = k + kv_size * e;
     if (s->bf16)
       rotary_bf16((bf16*)q, qkv_size, s->num_heads, (bf16*)k, qkv_size, s->num_kv_heads, D, s->cos_sin,
@@ -101,14 +102,16 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
                  s->positions, T, s->threads);
     store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->page_size,
              s->page_stride * e, s->threads);
-    decode_attention(s->bf16, q, qkv_size, L->k_pages, L->v_pages, attn, s->page_table, s->seq_lens, T,
-                     s->max_pages, s->page_size, s->page_stride, s->num_heads, s->num_kv_heads, D, s->scale,
-                     s->threads);
-    linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads);
+    if ((failed = decode_attention(s->bf16, q, qkv_size, L->k_pages, L->v_pages, attn, s->page_table,
+                                   s->seq_lens, T, s->max_pages, s->page_size, s->page_stride, s->num_heads,
+                                   s->num_kv_heads, D, s->scale, s->threads) ||
+                  linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads)))
+      break;
     norm(s, hidden, residual, L->post_norm, normed);
-    linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads);
-    linear(&L->down, act, s->intermediate, hidden, s->hidden, s->bf16, s->T, 0, s->threads);
+    if ((failed = linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads) ||
+                  linear(&L->down, act, s->intermediate, hidden, s->hidden, s->bf16, s->T, 0, s->threads)))
+      break;
   }
   free(normed), free(qkv), free(attn), free(act);
-  return 0;
+  return failed ? -1 : 0;
 }

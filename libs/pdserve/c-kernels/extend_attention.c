@@ -136,7 +136,8 @@ static void tile_head_128(int64_t ps, int64_t pb, int64_t tb, float scale, const
    cached keys; its queries are rows row_starts[r] + i of q (row stride q_stride elements) and of
    out [T, Hq, D]; k, v: [num_pages, page_size, Hkv, D], pages page_stride elements apart (each
    page's rows contiguous); page_table [R, max_pages]; all bfloat16
-   but the int64 index arrays. Returns 0, or -1 for a head_dim without a tile kernel. */
+   but the int64 index arrays. Returns 0, -1 for a head_dim without a tile kernel, or -2 when out of
+   memory (out then incomplete). */
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* prefix_lens, const int64_t* extend_lens,
                      const int64_t* row_starts, int64_t num_reqs, int64_t max_pages, int64_t page_size,
@@ -146,6 +147,8 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
   int64_t num_items = 0;
   for (int64_t r = 0; r < num_reqs; ++r) num_items += (extend_lens[r] + TILE - 1) / TILE;
   int64_t* items = malloc(sizeof(int64_t) * 2 * num_items); /* (request, first query) */
+  if (!items) return -2;
+  int failed = 0;
   for (int64_t r = 0, i = 0; r < num_reqs; ++r)
     for (int64_t q0 = 0; q0 < extend_lens[r]; q0 += TILE, ++i) items[2 * i] = r, items[2 * i + 1] = q0;
   const int64_t group = num_heads / num_kv_heads, head_bytes = head_dim * 2;
@@ -156,8 +159,14 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
                        aligned_alloc(64, sizeof(float) * BLOCK * TILE),
                        aligned_alloc(64, sizeof(int32_t) * BLOCK / 2 * TILE),
                        aligned_alloc(64, sizeof(float) * TILE * head_dim)};
+    const int ok = B.qt && B.s && B.pairs && B.acc;
+    if (!ok) {
+      #pragma omp atomic write
+      failed = 1;
+    }
     #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < num_items; ++i) {
+      if (!ok) continue; /* every thread still takes part in the worksharing loop */
       const int64_t r = items[2 * i], q0 = items[2 * i + 1];
       const int m = extend_lens[r] - q0 < TILE ? (int)(extend_lens[r] - q0) : TILE;
       const int64_t row = row_starts[r] + q0, base = prefix_lens[r] + q0;
@@ -178,6 +187,6 @@ int extend_attention(const void* q, int64_t q_stride, const void* k, const void*
     free(B.acc);
   }
   free(items);
-  return 0;
+  return failed ? -2 : 0;
 }
 #endif

@@ -265,13 +265,14 @@ static void run_float(const Mat* g, int threads) {
 /* out [M, ldc] (float32 or bfloat16) = x W^T (+ bias), or silu(gate) * up with halves and silu;
    x [M, K] float32 or bfloat16 (x_bf16) with a row stride of lda elements; W packed in `format`
    (see the top of this file); scale / mins as the format needs (int8: float32 [N]; grouped:
-   float16); bias float32 [N] or NULL. */
-void matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void* packed, const void* scale,
+   float16); bias float32 [N] or NULL. Returns 0, or -1 when out of memory (nothing written). */
+int matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void* packed, const void* scale,
                   const void* mins, const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N,
-                  int K, int halves, int silu, int threads) {
+                 int K, int halves, int silu, int threads) {
   float* xf = NULL;
   if (x_bf16) { /* widened once: each row is read by every panel */
     xf = malloc(sizeof(float) * (int64_t)M * K);
+    if (!xf) return -1;
     for (int64_t i = 0; i < M; ++i)
       for (int64_t k = 0; k < K; ++k) xf[i * K + k] = bf16_to_f32(((const bf16*)x)[i * lda + k]);
     lda = K;
@@ -280,6 +281,7 @@ void matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void
                  mins, format == W_I8 ? (const float*)scale : NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
   run_float(&g, threads);
   free(xf);
+  return 0;
 }
 
 /* ---- W8A8: int8 x int8 in int32, exact ---- */
@@ -314,12 +316,17 @@ static void tile_w8a8_rows(int rows, const int16_t* xq, int64_t K, const int8_t*
 #endif
 
 /* out = (xq . wq) * x_scale[row] * w_scale[col] (+ bias) for x [M, K] (float32 or bfloat16, row
-   stride lda elements) quantized per row here, W packed as W8A8 int8 pairs with w_scale [N]. */
-void matmul_w8a8(const void* x, int64_t lda, int x_bf16, const int8_t* packed, const float* w_scale,
-                 const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N, int K, int halves,
-                 int silu, int threads) {
+   stride lda elements) quantized per row here, W packed as W8A8 int8 pairs with w_scale [N]. Returns 0, or
+   -1 when out of memory (nothing written). */
+int matmul_w8a8(const void* x, int64_t lda, int x_bf16, const int8_t* packed, const float* w_scale,
+                const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N, int K, int halves,
+                int silu, int threads) {
   int16_t* xq = malloc(sizeof(int16_t) * (int64_t)M * K);
   float* xs = malloc(sizeof(float) * M);
+  if (!xq || !xs) {
+    free(xq), free(xs);
+    return -1;
+  }
   const int panels = N / NR;
   const Mat g = {NULL, 0, (const char*)packed, W_F32, NULL, NULL, NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
   const int64_t out_bytes = out_bf16 ? 2 : 4;
@@ -363,6 +370,7 @@ void matmul_w8a8(const void* x, int64_t lda, int x_bf16, const int8_t* packed, c
   }
   free(xq);
   free(xs);
+  return 0;
 }
 
 /* ---- W4A8: 4-bit weights x int8 activations, per group of 32 inputs (llama.cpp's Q4_1 x Q8_1) ----
@@ -544,12 +552,16 @@ static void tile_w4a8_rows(int rows, int planes, const W4A8* g, int m0, int n, f
 
 /* out [M, ldc] (float32 or bfloat16) = x W^T (+ bias), or silu(gate) * up with halves and silu, for
    x [M, K] float32 or bfloat16 (row stride lda elements) and W packed in `planes` 4-bit planes
-   (see above). */
-void matmul_w4a8(const void* x, int64_t lda, int x_bf16, const uint8_t* packed, int planes, const void* scale,
-                 const void* mins, const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N, int K,
-                 int halves, int silu, int threads) {
+   (see above). Returns 0, or -1 when out of memory (nothing written). */
+int matmul_w4a8(const void* x, int64_t lda, int x_bf16, const uint8_t* packed, int planes, const void* scale,
+                const void* mins, const float* bias, void* out, int64_t ldc, int out_bf16, int M, int N, int K,
+                int halves, int silu, int threads) {
   int8_t* xq = malloc((int64_t)M * K);
   float* xd = malloc(sizeof(float) * (int64_t)M * (K / GROUP) * 2);
+  if (!xq || !xd) {
+    free(xq), free(xd);
+    return -1;
+  }
   float* xm = xd + (int64_t)M * (K / GROUP);
   const W4A8 w = {xq, xd, xm, packed, scale, mins, K};
   const Mat g = {NULL, 0, NULL, W_I4, NULL, NULL, NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
@@ -578,4 +590,5 @@ void matmul_w4a8(const void* x, int64_t lda, int x_bf16, const uint8_t* packed, 
   }
   free(xq);
   free(xd);
+  return 0;
 }

@@ -194,7 +194,12 @@ class MatmulWeight:
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """``x W^T (+ bias)`` for float32 or bfloat16 ``x`` ``[..., K]``: a new ``[..., N]`` of
-        ``out_dtype`` (float32 or bfloat16; default x's dtype)."""
+        ``out_dtype`` (float32 or bfloat16; default x's dtype).
+
+        Raises:
+            MemoryError: the kernel's scratch buffers (the activations widened or quantized) could not
+                be allocated.
+        """
         return self._run(x, bias, silu=False, out_dtype=out_dtype or x.dtype)
 
     def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,6 +207,7 @@ class MatmulWeight:
 
         Raises:
             ValueError: the weight was not packed with ``halves``.
+            MemoryError: as ``matmul``.
         """
         if not self.halves:
             raise ValueError("silu_and_mul needs a weight packed with halves=True")
@@ -228,21 +234,23 @@ class MatmulWeight:
             tail = (out.data_ptr(), width, out_bf16, m, n, k, self.halves, silu, torch.get_num_threads())
             bias_ptr = None if bias is None else bias.data_ptr()
             if self.format == "w8a8":
-                self._kernel.w8a8_fn(
+                status = self._kernel.w8a8_fn(
                     rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(),
                     self.scale.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
             elif self.format in NIBBLE_PLANES:
-                self._kernel.w4a8_fn(
+                status = self._kernel.w4a8_fn(
                     rows.data_ptr(), rows.stride(0), x_bf16, self.data.data_ptr(), NIBBLE_PLANES[self.format],
                     self.scale.data_ptr(), self.mins.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
             else:
-                self._kernel.float_fn(
+                status = self._kernel.float_fn(
                     rows.data_ptr(), rows.stride(0), x_bf16, FORMATS[self.format], self.data.data_ptr(),
                     None if self.scale is None else self.scale.data_ptr(),
                     None if self.mins is None else self.mins.data_ptr(), bias_ptr, *tail,
                 )  # fmt: skip
+            if status:
+                raise MemoryError(f"CPU matmul ({self.format}, {m} x {k}): no memory for its scratch buffers")
         return out.view(*shape[:-1], width)
 
 
@@ -252,9 +260,9 @@ class CpuMatmul:
     def __init__(self, lib: ctypes.CDLL):
         self.float_fn, self.w8a8_fn, self.w4a8_fn = lib.matmul_float, lib.matmul_w8a8, lib.matmul_w4a8
         tail = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_bf16, M, N, K, halves, silu, threads
-        self.float_fn.restype, self.float_fn.argtypes = None, [_P, _I, _C, _C, _P, _P, _P, _P, *tail]
-        self.w8a8_fn.restype, self.w8a8_fn.argtypes = None, [_P, _I, _C, _P, _P, _P, *tail]
-        self.w4a8_fn.restype, self.w4a8_fn.argtypes = None, [_P, _I, _C, _P, _C, _P, _P, _P, *tail]
+        self.float_fn.restype, self.float_fn.argtypes = _C, [_P, _I, _C, _C, _P, _P, _P, _P, *tail]
+        self.w8a8_fn.restype, self.w8a8_fn.argtypes = _C, [_P, _I, _C, _P, _P, _P, *tail]
+        self.w4a8_fn.restype, self.w4a8_fn.argtypes = _C, [_P, _I, _C, _P, _C, _P, _P, _P, *tail]
 
     @staticmethod
     def supports(weight: torch.Tensor, format: str) -> bool:

@@ -84,9 +84,11 @@ class ClientStreamSender:
                     await self._stream_once(method)
                 except grpc.aio.AioRpcError as e:
                     if not self._closed:
-                        logger.warning(
-                            "stream to %s ended: %s %s; re-opening", self.target, e.code(), e.details()
-                        )
+                        # UNAVAILABLE: the target stopped or restarts (every clean shutdown stops the
+                        # detokenizer's targets first); ``_die`` warns if it stays away
+                        level = logging.INFO if e.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+                        what = (self.target, e.code(), e.details())
+                        logger.log(level, "stream to %s ended: %s %s; re-opening", *what)
         finally:
             await self._channel.close()
 

@@ -58,11 +58,14 @@ class DecodeAttentionKernel:
         scale: softmax scale (usually ``D ** -0.5``).
         num_threads: OpenMP threads (default ``torch.get_num_threads()``).
     Returns ``[B, Hq, D]`` in q's dtype.
+
+    Raises:
+        MemoryError: the kernel's scratch buffers could not be allocated.
     """
 
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.decode_attention
-        self._fn.restype = None
+        self._fn.restype = ctypes.c_int
         self._fn.argtypes = (
             [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 5
@@ -89,7 +92,7 @@ class DecodeAttentionKernel:
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype)
-        self._fn(
+        status = self._fn(
             _DTYPES[q.dtype],
             q.data_ptr(),
             q.stride(0),
@@ -108,6 +111,8 @@ class DecodeAttentionKernel:
             scale,
             num_threads or torch.get_num_threads(),
         )
+        if status:
+            raise MemoryError(f"decode attention (batch {batch}): out of memory for its scratch buffers")
         return out
 
 

@@ -53,6 +53,7 @@ class ExtendAttentionKernel:
 
     Raises:
         ValueError: a head_dim without a tile kernel (``supports`` says which).
+        MemoryError: the kernel's scratch buffers could not be allocated.
     """
 
     def __init__(self, lib: ctypes.CDLL):
@@ -111,8 +112,10 @@ class ExtendAttentionKernel:
             scale,
             torch.get_num_threads(),
         )
-        if status != 0:
+        if status == -1:
             raise ValueError(f"no extend tile kernel for head_dim {head_dim}")
+        if status:
+            raise MemoryError(f"extend attention ({tokens} tokens): out of memory for its scratch buffers")
         return out
 
 
