@@ -162,10 +162,10 @@ def _message_fields(index: int, m: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
 
 
 def _json_field(name: str, text: str) -> Any:
-    """Raises ``GatewayError`` 400 when ``text`` is not JSON."""
+    """Raises ``GatewayError`` 400 when ``text`` is not JSON (or nests too deep to parse)."""
     try:
         return json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
         raise invalid_request(f"'{name}' is not valid JSON: {e}", param=name) from None
 
 

@@ -22,7 +22,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from pdserve.sampling.bounds import INT32_MAX, MAX_N, MAX_TOOLS, MAX_TOOLS_CHARS, MAX_TOP_LOGPROBS
+from pdserve.sampling.bounds import (
+    INT32_MAX,
+    MAX_JSON_DEPTH,
+    MAX_N,
+    MAX_TEMPLATE_KWARGS_CHARS,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    MAX_TOP_LOGPROBS,
+    json_depth,
+)
 from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
 from pdserve.services.gateway.protocol_fields import (
     LogitBias,
@@ -254,13 +263,21 @@ class ChatMessage(BaseModel):
         return out
 
 
+def _check_depth(param: str, value: Any) -> None:
+    """Refuse JSON nested deeper than ``MAX_JSON_DEPTH`` (the chat template recurses per level)."""
+    if (depth := json_depth(value)) > MAX_JSON_DEPTH:
+        raise param_error(param, f"{param} nests {depth} levels deep; at most {MAX_JSON_DEPTH}")
+
+
 class ChatInput(BaseModel):
     """What a chat request hands to the chat template: messages, tools and template options.
 
     /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
     they take the same messages and tools: at least one message (see ``ChatMessage``); at most
     ``MAX_TOOLS`` tools, ``MAX_TOOLS_CHARS`` characters of JSON in all (the gRPC API sends its tools
-    with ``tool_choice='none'``: shown to the template, never parsed); ``continue_final_message``
+    with ``tool_choice='none'``: shown to the template, never parsed); tools and
+    ``chat_template_kwargs`` nested at most ``MAX_JSON_DEPTH`` levels, the kwargs at most
+    ``MAX_TEMPLATE_KWARGS_CHARS`` characters of JSON; ``continue_final_message``
     only with ``add_generation_prompt`` false and an assistant message last (as vLLM; the last user
     turn "continued" would give an empty answer).
     """
@@ -278,9 +295,23 @@ class ChatInput(BaseModel):
     @field_validator("tools")
     @classmethod
     def _tools_within_bounds(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
-        size = len(json.dumps([t.model_dump(exclude_none=True) for t in v])) if v else 0
+        tools = [t.model_dump(exclude_none=True) for t in v] if v else []
+        size = len(json.dumps(tools)) if v else 0
         if size > MAX_TOOLS_CHARS:
             raise param_error("tools", f"the tools have {size} characters as JSON; at most {MAX_TOOLS_CHARS}")
+        _check_depth("tools", tools)
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_within_bounds(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        size = len(json.dumps(v)) if v else 0
+        if size > MAX_TEMPLATE_KWARGS_CHARS:
+            raise param_error(
+                "chat_template_kwargs",
+                f"chat_template_kwargs has {size} characters as JSON; at most {MAX_TEMPLATE_KWARGS_CHARS}",
+            )
+        _check_depth("chat_template_kwargs", v)
         return v
 
     @model_validator(mode="after")

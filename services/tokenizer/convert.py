@@ -19,7 +19,7 @@ def parse_json(field: str, text: str, expected: type) -> Any:
         return None
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep to parse
         raise ValueError(f"{field} is not valid JSON: {e}") from e
     if not isinstance(value, expected):
         raise ValueError(f"{field} must be a JSON {expected.__name__}, got {type(value).__name__}")

@@ -69,6 +69,9 @@ def test_json_schema_is_compact_so_whitespace_cannot_loop(backend):
         ("regex", "(ab", "parenthesis is not closed"),
         ("ebnf", 'root ::= "a" |', "EBNF parser error"),
         ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', "nope"),
+        ("regex", r"[^\s\S]", "matches no text"),  # grammars whose language is empty: no token could
+        ("ebnf", "root ::= root", "matches no text"),  # be sampled under them
+        ("ebnf", r"root ::= [^\x00-\U0010FFFF]", "matches no text"),
     ],
 )
 def test_bad_grammars_fail_with_a_clean_reason(backend, kind, text, reason):

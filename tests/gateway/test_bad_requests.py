@@ -69,6 +69,14 @@ def _json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
 
 
+def _nested(inner: dict | list, levels: int) -> dict | list:
+    """``inner`` inside ``levels`` objects (``{"type": "object", "properties": {"a": ...}}``: two
+    JSON levels each) or, for a list, ``levels`` lists."""
+    for _ in range(levels):
+        inner = [inner] if isinstance(inner, list) else {"type": "object", "properties": {"a": inner}}
+    return inner
+
+
 def _tool(name: str, parameters: dict | None = None) -> dict:
     return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
 
@@ -303,13 +311,17 @@ SIZE_CASES = [
         ),
         "tools",
     ),
+    (ChatCompletionRequest, chat(tools=[_tool("f", _nested({"type": "string"}, 40))]), "tools"),
+    (ChatCompletionRequest, chat(chat_template_kwargs={"x": _nested([], 900)}), "chat_template_kwargs"),
+    (ChatCompletionRequest, chat(chat_template_kwargs={"x": "y" * 70_000}), "chat_template_kwargs"),
 ]
 
 
 @pytest.mark.parametrize(("model", "body", "param"), SIZE_CASES, ids=[c[2] for c in SIZE_CASES])
 def test_grammar_and_tool_sizes_are_bounded(model, body: dict, param: str) -> None:
-    """Grammar text and tools past their size bounds: the 400 HTTP and the gRPC API answer, naming
-    the field (checked on the request models: such bodies are larger than the test gateway takes)."""
+    """Grammar text, tools and template kwargs past their size or nesting bounds: the 400 HTTP and the
+    gRPC API answer, naming the field (checked on the request models: such bodies are larger than the
+    test gateway takes; nested ones would exhaust the chat template's recursion)."""
     with pytest.raises(GatewayError) as info:
         validate_as_body(model, body)
     assert info.value.status == 400

@@ -155,10 +155,25 @@ async def test_generate_refuses_what_http_refuses_with_its_message(
     assert field in err.details()
 
 
-async def test_generate_refuses_tools_json_that_is_not_json(channel) -> None:
-    err = await generate_error(channel, chat_request(tools_json="[{"))
+@pytest.mark.parametrize(
+    ("field", "text", "message"),
+    [
+        ("tools_json", "[{", "'tools_json' is not valid JSON"),
+        ("tools_json", "[" * 100_000 + "]" * 100_000, "'tools_json' is not valid JSON"),  # too deep to parse
+        (
+            "chat_template_kwargs_json",
+            '{"x": ' + "[" * 500 + "]" * 500 + "}",
+            "nests 501 levels deep; at most 64",
+        ),
+    ],
+    ids=["not-json", "too-deep-to-parse", "template-kwargs-too-deep"],
+)
+async def test_generate_refuses_json_fields_that_are_not_json_or_nest_too_deep(
+    channel, field, text, message
+) -> None:
+    err = await generate_error(channel, chat_request(**{field: text}))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'tools_json' is not valid JSON" in err.details()
+    assert message in err.details()
 
 
 async def test_generate_too_long_for_context_names_both_numbers(channel) -> None:

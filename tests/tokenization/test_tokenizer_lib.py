@@ -97,6 +97,11 @@ def test_bad_chat_input_raises(tokenizer: Tokenizer) -> None:
         tokenizer.apply_chat_template(CONVERSATION, template_kwargs={"tokenize": True})
     with pytest.raises(ChatTemplateError, match="assistant message last"):  # CONVERSATION ends with the user
         tokenizer.apply_chat_template(CONVERSATION, continue_final_message=True)
+    deep: list = []
+    for _ in range(2000):  # past the template engine's recursion: a clean error, not a RecursionError
+        deep = [deep]
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        tokenizer.apply_chat_template(CONVERSATION, template_kwargs={"x": deep})
 
 
 def test_token_pieces_are_each_tokens_real_bytes(tokenizer: Tokenizer) -> None:

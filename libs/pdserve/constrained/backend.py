@@ -95,6 +95,8 @@ class GrammarBackend:
             compiled = _compile_with(compiler, spec)
         except _XGRAMMAR_ERRORS as e:
             raise GrammarError(_bad_part(compiler, spec) or f"invalid {spec.kind}: {_reason(e)}") from None
+        if not _allows_a_first_token(compiled, self.vocab_size):  # e.g. regex [^\s\S], ebnf root ::= root
+            raise GrammarError(f"invalid {spec.kind}: it matches no text (no token may start it)")
         logger.debug("compiled a %s in %.3f s", spec.kind, time.perf_counter() - start)
         return compiled
 
@@ -113,6 +115,18 @@ _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar reports
 # A structural tag's parts that are grammars of their own: their type, the key of their text, the kind.
 _TAG_PARTS = {"json_schema": ("json_schema", "json_schema"), "regex": ("pattern", "regex"),
               "grammar": ("grammar", "ebnf")}  # fmt: skip
+
+
+def _allows_a_first_token(compiled: Any, vocab_size: int) -> bool:
+    """Whether a fresh matcher of ``compiled`` allows any token of ``[0, vocab_size)`` (a stop token
+    counts): a grammar whose language is empty allows none, and a request under it could only fail."""
+    import torch
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [words, 32]
+    return bool(bits.flatten()[:vocab_size].any())
 
 
 def _compile_with(compiler, spec: GrammarSpec) -> Any:

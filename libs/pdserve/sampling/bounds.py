@@ -24,6 +24,9 @@ forward step, where one bad value would fail every request of the batch.
   around the client's schemas included (xgrammar compiles on a worker thread, cached, within the
   scheduler's compile timeout). At most 128 tools (OpenAI's limit), 256 KiB characters of them in
   all as JSON; vLLM's ``choice``: at most 256 choices of 1 to 1,024 characters.
+- Free-form JSON the chat template renders (``tools``, ``chat_template_kwargs``) nests at most 64
+  levels (the template engine recurses per level: a few hundred exhaust Python's stack), and
+  ``chat_template_kwargs`` holds at most 64 KiB characters as JSON.
 - A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) is greedy: dividing
   the logits by a near-zero temperature overflows them to inf, and softmax of that is NaN.
 """
@@ -53,6 +56,8 @@ MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 256 * 1024
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
+MAX_JSON_DEPTH = 64
+MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024
 
 
 class BoundError(ValueError):
@@ -126,3 +131,13 @@ def wrap_int64(value: int) -> int:
     """``value`` wrapped into int64 (two's complement): the seed of sample i is ``seed + i``, which
     must stay a valid int64 even for a seed next to the limit."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def json_depth(value: object) -> int:
+    """How deep a parsed JSON value nests: 0 for a scalar, 1 for ``[]`` or ``{"a": 1}``, 2 for
+    ``[[1]]``; walked level by level, without recursion, so any depth is measured."""
+    depth, level = 0, [value]
+    while containers := [v for v in level if isinstance(v, dict | list)]:
+        depth += 1
+        level = [child for v in containers for child in (v.values() if isinstance(v, dict) else v)]
+    return depth

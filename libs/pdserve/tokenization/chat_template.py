@@ -123,7 +123,7 @@ def render_chat(
             tokenize=False,
             **kwargs,
         )
-    except (TemplateError, ValueError, TypeError, KeyError) as e:
+    except (TemplateError, ValueError, TypeError, KeyError, RecursionError) as e:  # Recursion: deep input
         raise ChatTemplateError(f"chat template failed: {e}") from e
     if not isinstance(text, str):
         raise ChatTemplateError(f"chat template returned {type(text).__name__}, expected text")
