@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from pdserve.distributed import TpGroup
 from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
 GRAMMAR_UNDER_TP = "structured outputs are not supported with --tp-size > 1 yet"
@@ -24,24 +27,35 @@ def tp_refusal(params: SamplingParams, tp: TpGroup) -> str:
     return GRAMMAR_UNDER_TP if tp.size > 1 and params.grammar is not None else ""
 
 
-async def grammar_error(scheduler: Scheduler, rid: str) -> str:
-    """Wait (at most the scheduler's grammar compile timeout) for ``rid``'s grammar.
+async def grammar_error(scheduler: Scheduler, req: Req) -> tuple[grpc.StatusCode, str] | None:
+    """Wait (at most the scheduler's grammar compile timeout) for ``req``'s grammar.
 
-    The request already sits in the scheduler's grammar queue, which fails it the same way on its
-    next step; waiting here lets the caller answer INVALID_ARGUMENT (the gateway's 400) instead of
-    acknowledging a request that will only fail.
+    The request was handed to the scheduler, whose grammar queue fails it the same way at a step;
+    waiting here lets the caller answer with an error instead of acknowledging a request that will
+    only fail. A step may have failed it already (a cached failure is known at once): that error.
 
     Returns:
-        "" when the grammar compiled (or the request has none), else why it cannot be used.
+        None when the grammar compiled (or the request has none), else the call's status and why:
+        INVALID_ARGUMENT (the gateway's 400) for a bad grammar or one whose own compile ran past the
+        timeout, RESOURCE_EXHAUSTED (429 with Retry-After, as a full queue) when it only waited behind
+        other requests' compiles.
     """
-    future = scheduler.grammar_future(rid)
-    if future is None:
-        return ""
-    timeout = scheduler.config.grammar_compile_timeout
-    try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
-    except TimeoutError:
-        return f"grammar compilation took longer than {timeout:g} s"
-    except Exception as e:  # GrammarError (a bad grammar), or the compile thread's own failure
-        return str(e) or type(e).__name__
-    return ""
+    future = scheduler.grammar_future(req.rid)
+    if future is not None:
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), scheduler.config.grammar_compile_timeout
+            )
+            return None
+        except TimeoutError:
+            if scheduler.grammar_queue.waiting(req.rid) is not None:
+                return _status(*scheduler.grammar_queue.timeout_reason(req))
+        except Exception as e:  # GrammarError (a bad grammar), or the compile thread's own failure
+            return _status(str(e) or type(e).__name__, False)
+    # unconstrained, or a step took it out of the grammar queue: ready, or failed with its error
+    failed = req.sampling_params.grammar is not None and req.finish_reason == FinishReason.ERROR
+    return _status(req.error, req.retryable) if failed and not req.output_ids else None
+
+
+def _status(reason: str, retryable: bool) -> tuple[grpc.StatusCode, str]:
+    return (grpc.StatusCode.RESOURCE_EXHAUSTED if retryable else grpc.StatusCode.INVALID_ARGUMENT), reason

@@ -178,10 +178,10 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        error = await grammar_error(self.scheduler, req.rid)
+        error = await grammar_error(self.scheduler, req)
         self.loop.wake()  # a compiled grammar moves its request on at the next step
         if error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            await context.abort(*error)
         return scheduler_pb2.GenerateAck(rid=req.rid, queue_position=position)
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:

@@ -201,12 +201,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
                     else grpc.StatusCode.RESOURCE_EXHAUSTED
                 )
                 await context.abort(code, str(e))
-            error = await grammar_error(self.scheduler, req.rid)
+            error = await grammar_error(self.scheduler, req)
             self.loop.wake()  # a compiled grammar moves its request on at the next step
             if error:
                 if waiter.done():
                     waiter.exception()  # the scheduler failed it too: retrieved, not logged
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+                await context.abort(*error)
             return await waiter
         except asyncio.CancelledError:
             self.abort(req.rid, "prefill call cancelled")

@@ -127,6 +127,22 @@ def test_cache_is_bounded_lru():
         backend.close()
 
 
+def test_cache_is_bounded_in_bytes():
+    """Compiled grammars count by their size too: with room for one, a compiled grammar is evicted
+    by the next compile, and the most recent one stays even when larger than the bound."""
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS], cache_bytes=1)
+    try:
+        first, second = GrammarSpec("regex", "b0-bytes"), GrammarSpec("regex", "b1-bytes")
+        assert backend.compile(first)[0].result(timeout=120).memory_size_bytes > 1
+        assert backend.compile(first)[1] is True  # alone in the cache: kept
+        backend.compile(second)[0].result(timeout=120)
+        backend.compile(GrammarSpec("regex", "b2-bytes"))
+        assert backend.compile(second)[1] is False  # evicted once a later compile joined the cache
+        assert backend.compile_started(first) is None  # its start time went with it
+    finally:
+        backend.close()
+
+
 def test_compile_runs_off_the_calling_thread(monkeypatch):
     """compile() hands back a pending future at once; the compile runs on the grammar thread.
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 
+import grpc
 import jsonschema
 import pytest
 
@@ -12,6 +15,7 @@ from pdserve.constrained.backend import GrammarBackend
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from pdserve.services.common.grammar_wait import grammar_error
 from tests.reference import chat_ids, hf_constrained_greedy, hf_greedy, hf_tokenizer
 from tests.scheduler.driver import drive, make_runner
 
@@ -125,16 +129,35 @@ def test_retracted_constrained_requests_keep_their_grammar(big_runner, backend):
 
 
 def test_bad_and_slow_grammars_fail_their_request_only(big_runner, backend):
+    """A bad grammar and one whose own compile runs past the timeout fail their request (not
+    retryable); one that only waited behind that compile fails as retryable (the compiler is busy);
+    an unconstrained request runs."""
     sched = scheduler(big_runner, backend, grammar_compile_timeout=0.0)
     sched.add_request(Req("bad", ask("x"), SamplingParams(temperature=0.0, regex="(ab")))
     sched.grammar_future("bad").exception(timeout=120)
     slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}"}
                                              for i in range(40)}}  # fmt: skip
-    sched.add_request(Req("slow", ask("x"), SamplingParams(temperature=0.0, json_schema=json.dumps(slow))))
+    slow_params = SamplingParams(temperature=0.0, json_schema=json.dumps(slow))
+    sched.add_request(Req("slow", ask("x"), slow_params))
+    while backend.compile_started(slow_params.grammar) is None:  # its compile holds the one worker
+        time.sleep(0.001)
+    sched.add_request(Req("queued", ask("x"), SamplingParams(temperature=0.0, regex="[0-9]{3}-queued")))
     sched.add_request(Req("free", ask("Hi"), SamplingParams(temperature=0.0, max_new_tokens=4)))
+    # what the servicers answer the gateway: 400 for the slow grammar, 429 (retry) for the one queued
+    waiting = {rid: sched.grammar_queue.waiting(rid) for rid in ("slow", "queued")}
+    assert asyncio.run(grammar_error(sched, waiting["slow"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert asyncio.run(grammar_error(sched, waiting["queued"]))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     done = drive(sched)
+    # a step failed them meanwhile: the servicers still answer with that error, not an ack
+    assert asyncio.run(grammar_error(sched, done["bad"])) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        done["bad"].error,
+    )
+    assert asyncio.run(grammar_error(sched, done["queued"]))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert done["bad"].finish_reason == FinishReason.ERROR and "invalid regex" in done["bad"].error
     assert done["slow"].finish_reason == FinishReason.ERROR and "took longer than 0 s" in done["slow"].error
+    assert done["queued"].finish_reason == FinishReason.ERROR and "compiler is busy" in done["queued"].error
+    assert not done["bad"].retryable and not done["slow"].retryable and done["queued"].retryable
     assert done["free"].finish_reason == FinishReason.LENGTH
 
 

@@ -33,7 +33,8 @@ class GrammarError(ValueError):
 
 
 class GrammarBackend:
-    """Compiled grammars of one scheduler, keyed by ``GrammarSpec`` (LRU of ``cache_size``).
+    """Compiled grammars of one scheduler, keyed by ``GrammarSpec`` (LRU of at most ``cache_size``
+    entries and ``cache_bytes`` of compiled grammars: one large regex compiles to over 100 MB).
 
     Args:
         load_tokenizer: returns the model's Hugging Face tokenizer; called once, on the worker
@@ -42,6 +43,8 @@ class GrammarBackend:
         vocab_size: the width of the model's logits (may exceed the tokenizer's vocabulary).
         stop_token_ids: the model's EOS token ids: the tokens that end a complete grammar.
         cache_size: compiled grammars (and compile failures) kept.
+        cache_bytes: bytes of compiled grammars kept (xgrammar's ``memory_size_bytes``); the most
+            recent one stays even if larger.
 
     ``compile`` is meant to be called from one thread (the scheduler loop's).
     """
@@ -52,12 +55,15 @@ class GrammarBackend:
         vocab_size: int,
         stop_token_ids: list[int],
         cache_size: int = 256,
+        cache_bytes: int = 512 << 20,
     ) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._started: dict[GrammarSpec, float] = {}  # when each cached spec's compile began (monotonic)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiler = None
 
@@ -75,9 +81,21 @@ class GrammarBackend:
             return future, True
         future = self._executor.submit(self._compile, spec)
         self._cache[spec] = future
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        while len(self._cache) > 1 and (
+            len(self._cache) > self.cache_size or self._bytes() > self.cache_bytes
+        ):
+            evicted, _ = self._cache.popitem(last=False)
+            self._started.pop(evicted, None)
         return future, False
+
+    def compile_started(self, spec: GrammarSpec) -> float | None:
+        """When ``spec``'s compile began (``time.monotonic()``), or None while it waits for the worker."""
+        return self._started.get(spec)
+
+    def _bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache (compiles still running or failed count 0)."""
+        done = (f for f in self._cache.values() if f.done() and not f.cancelled() and f.exception() is None)
+        return sum(f.result().memory_size_bytes for f in done)
 
     def matcher(self, compiled: Any) -> Grammar:
         """A fresh matcher (at the grammar's start) over a grammar ``compile`` produced."""
@@ -89,6 +107,8 @@ class GrammarBackend:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, spec: GrammarSpec) -> Any:
+        if spec in self._cache:  # (not evicted while it waited for the worker)
+            self._started[spec] = time.monotonic()
         compiler = self._get_compiler()
         start = time.perf_counter()
         try:

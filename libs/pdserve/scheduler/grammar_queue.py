@@ -50,6 +50,11 @@ class GrammarQueue:
         entry = self._pending.get(rid)
         return entry[1] if entry else None
 
+    def waiting(self, rid: str) -> Req | None:
+        """The request ``rid`` if it still waits for its grammar."""
+        entry = self._pending.get(rid)
+        return entry[0] if entry else None
+
     def remove(self, req: Req) -> None:
         self._pending.pop(req.rid, None)
 
@@ -81,5 +86,19 @@ class GrammarQueue:
                     )
             elif now - start > self.timeout_s:
                 del self._pending[rid]
-                failed.append((req, f"grammar compilation took longer than {self.timeout_s:g} s"))
+                reason, req.retryable = self.timeout_reason(req)
+                failed.append((req, reason))
         return ready, failed
+
+    def timeout_reason(self, req: Req) -> tuple[str, bool]:
+        """Why ``req``'s wait for its grammar ran out, and whether the client may retry: its own compile
+        ran past ``timeout_s`` (a grammar too costly to compile: not retryable, a 400), or it waited
+        behind other requests' compiles on the one worker (the compiler is busy: retryable)."""
+        started = self.backend.compile_started(req.sampling_params.grammar)
+        if started is not None and time.monotonic() - started >= self.timeout_s:
+            return f"grammar compilation took longer than {self.timeout_s:g} s", False
+        return (
+            f"the grammar compiler is busy: this request's grammar waited {self.timeout_s:g} s behind "
+            "other requests' grammars; retry later",
+            True,
+        )
