@@ -48,7 +48,7 @@ async def grammar_error(scheduler: Scheduler, req: Req) -> tuple[grpc.StatusCode
             )
             return None
         except TimeoutError:
-            if scheduler.grammar_queue.waiting(req.rid) is not None:
+            if req.grammar is None and req.finish_reason is None:  # still in the grammar queue
                 return _status(*scheduler.grammar_queue.timeout_reason(req))
         except Exception as e:  # GrammarError (a bad grammar), or the compile thread's own failure
             return _status(str(e) or type(e).__name__, False)

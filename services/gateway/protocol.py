@@ -296,22 +296,22 @@ class ChatInput(BaseModel):
     @classmethod
     def _tools_within_bounds(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
         tools = [t.model_dump(exclude_none=True) for t in v] if v else []
-        size = len(json.dumps(tools)) if v else 0
+        _check_depth("tools", tools)  # first: json.dumps recurses per level too
+        size = len(json.dumps(tools))
         if size > MAX_TOOLS_CHARS:
             raise param_error("tools", f"the tools have {size} characters as JSON; at most {MAX_TOOLS_CHARS}")
-        _check_depth("tools", tools)
         return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _kwargs_within_bounds(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        _check_depth("chat_template_kwargs", v)  # first: json.dumps recurses per level too
         size = len(json.dumps(v)) if v else 0
         if size > MAX_TEMPLATE_KWARGS_CHARS:
             raise param_error(
                 "chat_template_kwargs",
                 f"chat_template_kwargs has {size} characters as JSON; at most {MAX_TEMPLATE_KWARGS_CHARS}",
             )
-        _check_depth("chat_template_kwargs", v)
         return v
 
     @model_validator(mode="after")

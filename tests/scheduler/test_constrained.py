@@ -138,13 +138,14 @@ def test_bad_and_slow_grammars_fail_their_request_only(big_runner, backend):
     slow = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}"}
                                              for i in range(40)}}  # fmt: skip
     slow_params = SamplingParams(temperature=0.0, json_schema=json.dumps(slow))
-    sched.add_request(Req("slow", ask("x"), slow_params))
+    waiting = {"slow": Req("slow", ask("x"), slow_params)}
+    sched.add_request(waiting["slow"])
     while backend.compile_started(slow_params.grammar) is None:  # its compile holds the one worker
         time.sleep(0.001)
-    sched.add_request(Req("queued", ask("x"), SamplingParams(temperature=0.0, regex="[0-9]{3}-queued")))
+    waiting["queued"] = Req("queued", ask("x"), SamplingParams(temperature=0.0, regex="[0-9]{3}-queued"))
+    sched.add_request(waiting["queued"])
     sched.add_request(Req("free", ask("Hi"), SamplingParams(temperature=0.0, max_new_tokens=4)))
     # what the servicers answer the gateway: 400 for the slow grammar, 429 (retry) for the one queued
-    waiting = {rid: sched.grammar_queue.waiting(rid) for rid in ("slow", "queued")}
     assert asyncio.run(grammar_error(sched, waiting["slow"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     assert asyncio.run(grammar_error(sched, waiting["queued"]))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     done = drive(sched)

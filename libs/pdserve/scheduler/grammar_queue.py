@@ -50,11 +50,6 @@ class GrammarQueue:
         entry = self._pending.get(rid)
         return entry[1] if entry else None
 
-    def waiting(self, rid: str) -> Req | None:
-        """The request ``rid`` if it still waits for its grammar."""
-        entry = self._pending.get(rid)
-        return entry[0] if entry else None
-
     def remove(self, req: Req) -> None:
         self._pending.pop(req.rid, None)
 
