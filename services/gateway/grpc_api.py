@@ -8,16 +8,21 @@ or passes its gRPC deadline aborts its request in the schedulers. Failures abort
 status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...);
 RESOURCE_EXHAUSTED and UNAVAILABLE carry their retry hint in the trailing metadata (``abort_with``).
 With an API key configured, every method first checks the call's ``authorization`` metadata.
+A request message that does not parse is refused with INVALID_ARGUMENT (``MalformedRequestInterceptor``).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from fastapi.exceptions import RequestValidationError
+from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ValidationError
 
 from pdserve.services.gateway import convert
@@ -176,3 +181,64 @@ def validate_as_body(model: type[_Model], fields: dict[str, Any]) -> _Model:
     except ValidationError as e:
         as_body = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
         raise validation_to_gateway_error(RequestValidationError(as_body)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """Handed to a method in place of a request message that did not parse; ``message`` says why."""
+
+    message: str
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """INVALID_ARGUMENT ("request is not a valid pdserve.v1.GenerateRequest: ...") for a request
+    message that does not parse, on every method with a unary request (stream-request methods pass
+    through unchanged).
+
+    grpcio parses the request before the method runs, and answers a parse failure with UNKNOWN and a
+    logged traceback; here the parse failure becomes a ``_Malformed`` value that the wrapped method
+    refuses before the servicer sees it. Place it after ``ApiKeyInterceptor``, whose refusal then
+    wins over a malformed request's.
+    """
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        name = descriptor_pool.Default().FindMethodByName(f"{service}.{method}").input_type.full_name
+        parse = handler.request_deserializer
+
+        def parse_or_flag(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Malformed(f"request is not a valid {name}: {e}")
+
+        streams = handler.response_streaming
+        make = grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
+        behavior = _refusing_malformed(handler.unary_stream if streams else handler.unary_unary)
+        return make(
+            behavior, request_deserializer=parse_or_flag, response_serializer=handler.response_serializer
+        )
+
+
+def _refusing_malformed(behavior: Callable) -> Callable:
+    """``behavior`` (a coroutine or async-generator method) ending the call with INVALID_ARGUMENT when
+    its request is ``_Malformed``."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def streaming(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in behavior(request, context):
+                yield response
+
+        return streaming
+
+    async def unary(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+
+    return unary

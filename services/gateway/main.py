@@ -38,7 +38,7 @@ from pdserve.services.gateway.auth import ApiKeyInterceptor
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.discovery import DEFAULT_INTERVAL_S, Discovery
-from pdserve.services.gateway.grpc_api import PdServeServicer
+from pdserve.services.gateway.grpc_api import MalformedRequestInterceptor, PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
 from pdserve.services.gateway.reasoning_parser import ReasoningParser
@@ -186,11 +186,12 @@ class Gateway:
         self.metrics = GatewayMetrics(args.model_names[0])
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
-        interceptors = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+        # the API key is checked first: a call without it is UNAUTHENTICATED, however malformed
+        keys = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
         self.grpc = GrpcServer(
             f"{args.host}:{args.grpc_port}",
             PUBLIC_SERVICES,
-            interceptors,
+            [*keys, MalformedRequestInterceptor()],
             credentials=public_tls.grpc_credentials() if public_tls else None,
             health_address=None if args.health_port is None else f"{args.host}:{args.health_port}",
             reuse_port=args.reuse_port,

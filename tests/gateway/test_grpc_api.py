@@ -7,6 +7,8 @@ public port serves no internal service; the internal port serves no public one).
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import httpx
 import pytest
@@ -199,6 +201,51 @@ async def test_abort_of_unknown_rid_is_not_found(channel) -> None:
         api_pb2.PublicAbortRequest(rid="nope"), metadata=AUTH
     )
     assert resp.found is False
+
+
+# (method, how it is called, its request message)
+UNARY_REQUEST_METHODS = [
+    ("/pdserve.v1.PdServe/Generate", "unary_stream", "pdserve.v1.GenerateRequest"),
+    ("/pdserve.v1.PdServe/Abort", "unary_unary", "pdserve.v1.PublicAbortRequest"),
+    ("/pdserve.v1.PdServe/ListModels", "unary_unary", "pdserve.v1.ListModelsRequest"),
+    ("/grpc.health.v1.Health/Check", "unary_unary", "grpc.health.v1.HealthCheckRequest"),
+    ("/grpc.health.v1.Health/Watch", "unary_stream", "grpc.health.v1.HealthCheckRequest"),
+]
+
+
+async def call_with_bytes(
+    channel, method: str, kind: str, data: bytes, metadata=AUTH
+) -> grpc.aio.AioRpcError:
+    """The error of calling ``method`` with ``data`` as its serialized request."""
+    call = getattr(channel, kind)(method, request_serializer=lambda _: data, response_deserializer=bytes)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        if kind == "unary_stream":
+            async for _ in call(None, metadata=metadata, timeout=30):
+                pass
+        else:
+            await call(None, metadata=metadata, timeout=30)
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("method", "kind", "message"), UNARY_REQUEST_METHODS, ids=lambda v: v.rsplit("/")[-1]
+)
+async def test_request_bytes_that_do_not_parse_are_invalid_argument(
+    channel, caplog, method, kind, message
+) -> None:
+    """A request that is not its protobuf message is the client's error, named as such, and logs no
+    traceback (grpcio alone answers UNKNOWN and logs one per call)."""
+    with caplog.at_level(logging.WARNING):
+        err = await call_with_bytes(channel, method, kind, b"\xff\xff\xff")
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    protobufs_reason = f"Error parsing message with type '{message}': Wire format was corrupt"
+    assert err.details() == f"request is not a valid {message}: {protobufs_reason}"
+
+
+async def test_request_bytes_that_do_not_parse_without_the_key_are_unauthenticated(channel) -> None:
+    err = await call_with_bytes(channel, "/pdserve.v1.PdServe/Generate", "unary_stream", b"\xff", metadata=())
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 INTERNAL_CALLS = {
