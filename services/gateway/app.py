@@ -1,7 +1,7 @@
 """The FastAPI application: routes, OpenAI-shaped error handlers, and middlewares.
 
 Middlewares, outermost first: request counting, request id (``X-Request-Id`` in, echoed out), API
-key (401 before the body is read), body-size limit (413). Every error a client can
+key (401 before the body is read), body-size limit (413), body time limit (408). Every error a client can
 cause answers in OpenAI's ``{"error": {...}}`` shape with its status, never 500; unexpected
 exceptions answer 500 in the same shape and the service keeps serving.
 """
@@ -33,7 +33,11 @@ from pdserve.services.gateway.metrics import (
     render_merged,
     scrape_backends,
 )
-from pdserve.services.gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from pdserve.services.gateway.middleware import (
+    BodySizeLimitMiddleware,
+    BodyTimeoutMiddleware,
+    RequestIdMiddleware,
+)
 from pdserve.services.gateway.native_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -71,9 +75,13 @@ class GatewayState:
 
 
 def build_app(
-    state: GatewayState, api_key: str | None = None, max_request_bytes: int | None = None
+    state: GatewayState,
+    api_key: str | None = None,
+    max_request_bytes: int | None = None,
+    request_body_timeout: float | None = None,
 ) -> FastAPI:
-    """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics."""
+    """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics, a body
+    over ``max_request_bytes`` gets 413, one not in full within ``request_body_timeout`` seconds 408."""
     app = FastAPI(title="pdserve gateway", strict_content_type=False, telemetry=tracing.HTTP_TELEMETRY)
     chat = OpenAIServingChat(state.ctx)
     completions = OpenAIServingCompletion(state.ctx)
@@ -123,6 +131,8 @@ def build_app(
 
     _add_error_handlers(app)
     # add_middleware wraps: the last added runs first.
+    if request_body_timeout is not None:
+        app.add_middleware(BodyTimeoutMiddleware, timeout_s=request_body_timeout)
     if max_request_bytes is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:

@@ -26,6 +26,7 @@ from pdserve.cli_args import (
     add_observability_args,
     apply_env_defaults,
     non_negative_int,
+    positive_float,
     positive_int,
     setup_service,
 )
@@ -101,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         "sized from the decode workers' KV pools (the sum of the requests each can run at once and queue)",
     )
     p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger bodies get 413")
+    p.add_argument(
+        "--request-body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds an HTTP request's body may take to arrive in full, from its headers; a slower "
+        "one gets 408 and its connection is closed (a 32 MiB body then needs ~1.1 MB/s)",
+    )
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--default-max-tokens", type=int, default=4096, help="cap of the default max_tokens")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker probes")
@@ -242,7 +250,12 @@ class Gateway:
             metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
             worker_name=self.internal_address,
         )
-        app = build_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+        app = build_app(
+            state,
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+            request_body_timeout=args.request_body_timeout,
+        )
         uv_config = uvicorn.Config(
             app,
             host=args.host,

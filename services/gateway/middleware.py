@@ -1,9 +1,11 @@
-"""ASGI middlewares of the HTTP API: the request id, and the request body size limit.
+"""ASGI middlewares of the HTTP API: the request id, and the request body's size and time limits.
 
-Both answer errors in OpenAI's JSON shape (starlette's own body limit answers plain text).
+They answer errors in OpenAI's JSON shape (starlette's own body limit answers plain text).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
@@ -88,3 +90,46 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, receive_with_limit, send)
+
+
+class BodyTimeout(HTTPException):
+    """Raised from ``receive`` when a body has not fully arrived in time: 408 with ``Connection: close``
+    (the rest of the body, should it come, is not read as a next request)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        message = f"the request body did not arrive in full within {timeout_s:g} seconds"
+        super().__init__(408, message, headers={"Connection": "close"})
+
+
+class BodyTimeoutMiddleware:
+    """408 for a request whose body has not fully arrived ``timeout_s`` seconds after its headers.
+
+    uvicorn waits for a body as long as its client keeps the connection open: a client that declares
+    a length and sends less would hold the connection (and the handler waiting for it) forever. Once
+    the body is complete, ``receive`` (which then waits for the client to disconnect) has no deadline.
+    """
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        body_done = False
+
+        async def receive_by_deadline() -> Message:
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyTimeout(self.timeout_s) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_by_deadline, send)
