@@ -55,7 +55,10 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
     grammars = None  # under TP constrained requests are refused (``grammar_wait.tp_refusal``)
     if tp.size == 1:
         grammars = GrammarBackend(
-            lambda: AutoTokenizer.from_pretrained(model_path), cfg.vocab_size, list(cfg.eos_token_ids)
+            lambda: AutoTokenizer.from_pretrained(model_path),
+            cfg.vocab_size,
+            list(cfg.eos_token_ids),
+            compile_timeout=config.grammar_compile_timeout,
         )
     return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role, model_name), grammars)
 

@@ -42,19 +42,24 @@ async def grammar_error(scheduler: Scheduler, req: Req) -> tuple[grpc.StatusCode
     """
     future = scheduler.grammar_future(req.rid)
     if future is not None:
-        try:
-            await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(future)), scheduler.config.grammar_compile_timeout
-            )
+        waiter = asyncio.wrap_future(future)  # (asyncio.wait leaves it running when the time is up)
+        waiter.add_done_callback(_retrieve)  # a failure after we stopped waiting is the queue's to report
+        done, _ = await asyncio.wait({waiter}, timeout=scheduler.config.grammar_compile_timeout)
+        if done and waiter.exception() is None:
             return None
-        except TimeoutError:
-            if req.grammar is None and req.finish_reason is None:  # still in the grammar queue
-                return _status(*scheduler.grammar_queue.timeout_reason(req))
-        except Exception as e:  # GrammarError (a bad grammar), or the compile thread's own failure
-            return _status(str(e) or type(e).__name__, False)
+        if done:  # GrammarError (a bad grammar), or the compile thread's own failure
+            return _status(str(waiter.exception()) or type(waiter.exception()).__name__, False)
+        if req.grammar is None and req.finish_reason is None:  # still in the grammar queue
+            return _status(*scheduler.grammar_queue.timeout_reason(req))
     # unconstrained, or a step took it out of the grammar queue: ready, or failed with its error
     failed = req.sampling_params.grammar is not None and req.finish_reason == FinishReason.ERROR
     return _status(req.error, req.retryable) if failed and not req.output_ids else None
+
+
+def _retrieve(waiter: asyncio.Future) -> None:
+    """Mark ``waiter``'s exception as seen (asyncio logs a failed future nobody looked at)."""
+    if not waiter.cancelled():
+        waiter.exception()
 
 
 def _status(reason: str, retryable: bool) -> tuple[grpc.StatusCode, str]:

@@ -278,6 +278,7 @@ class SchedulerLoop:
                 await asyncio.wait([in_flight[1]])
             self.inputs.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
+            sched.grammar_queue.close()
 
     def _launch(self, batch: ScheduleBatch) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self.executor, self.scheduler.run_batch, batch)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 
 import pytest
 import torch
 
 from pdserve.constrained import GrammarSpec
-from pdserve.constrained.backend import GrammarBackend, GrammarError
+from pdserve.constrained.backend import GrammarBackend
+from pdserve.constrained.compile import GrammarError
 from pdserve.constrained.grammar import apply_grammars
 from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS, BoundError
 from pdserve.sampling.sampling_params import SamplingParams
@@ -139,6 +141,50 @@ def test_cache_is_bounded_in_bytes():
         backend.compile(GrammarSpec("regex", "b2-bytes"))
         assert backend.compile(second)[1] is False  # evicted once a later compile joined the cache
         assert backend.compile_started(first) is None  # its start time went with it
+    finally:
+        backend.close()
+
+
+def probes() -> set:
+    """The live grammar-probe children of this process."""
+    return {p for p in multiprocessing.active_children() if p.name == "grammar-probe"}
+
+
+def test_a_compile_past_the_timeout_is_killed_and_the_next_one_runs():
+    """xgrammar cannot stop a compile midway: the probe's child running one is killed at the timeout
+    and the grammar fails as too slow; the next grammar compiles in a fresh child. The child's start
+    (~2 s) does not count: the first grammar compiles under a 0.5 s timeout."""
+    before = probes()
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS], compile_timeout=0.5)
+    try:
+        assert compiled(backend, "regex", "[0-9]+-first").memory_size_bytes > 0
+        (first,) = probes() - before
+        future, _ = backend.compile(GrammarSpec("regex", "(a|b)" * 6000))  # ~4 s on a 2-core Zen 4
+        with pytest.raises(GrammarError, match=r"^grammar compilation took longer than 0.5 s$"):
+            future.result(timeout=120)
+        assert not first.is_alive()
+        m = backend.matcher(compiled(backend, "regex", "[0-9]+-next"))
+        assert all(m.accept(t) for t in hf_tokenizer().encode("42-next"))
+        (second,) = probes() - before
+        assert second is not first
+    finally:
+        backend.close()
+    second.join(timeout=10)
+    assert not second.is_alive()  # close() ended it
+
+
+def test_a_compile_past_the_memory_bound_fails_and_the_probe_serves_on():
+    """A compile that needs more address space than the bound (``(a|b)*8000`` compiles to 60 MB)
+    fails its grammar with the bound named; the same child compiles the next grammar."""
+    before = probes()
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS], compile_memory_bytes=16 << 20)
+    try:
+        future, _ = backend.compile(GrammarSpec("regex", "(a|b)" * 8000))
+        with pytest.raises(GrammarError, match=r"^invalid regex: compiling it needs more than 16 MiB$"):
+            future.result(timeout=120)
+        (probe,) = probes() - before
+        assert compiled(backend, "regex", "[0-9]+-after").memory_size_bytes > 0
+        assert probes() - before == {probe}
     finally:
         backend.close()
 

@@ -11,6 +11,7 @@ import time
 from concurrent.futures import Future
 
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.constrained.compile import too_slow
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
 
@@ -53,6 +54,11 @@ class GrammarQueue:
     def remove(self, req: Req) -> None:
         self._pending.pop(req.rid, None)
 
+    def close(self) -> None:
+        """Stop the backend's compiles (its probe process ends); for a scheduler that stops serving."""
+        if self.backend is not None:
+            self.backend.close()
+
     def pop_done(self) -> tuple[list[Req], list[tuple[Req, str]]]:
         """Take out the requests whose wait is over.
 
@@ -91,7 +97,7 @@ class GrammarQueue:
         behind other requests' compiles on the one worker (the compiler is busy: retryable)."""
         started = self.backend.compile_started(req.sampling_params.grammar)
         if started is not None and time.monotonic() - started >= self.timeout_s:
-            return f"grammar compilation took longer than {self.timeout_s:g} s", False
+            return too_slow(self.timeout_s), False
         return (
             f"the grammar compiler is busy: this request's grammar waited {self.timeout_s:g} s behind "
             "other requests' grammars; retry later",

@@ -1,0 +1,112 @@
+"""Compiling one ``GrammarSpec`` with xgrammar, and the checks that make a failure a clean reason.
+
+Used in two processes: the grammar probe's child compiles every new spec first, with all checks
+(``compile_checked``); the scheduler's process compiles only specs the probe passed (``compile_spec``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pdserve.constrained.spec import GrammarSpec
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and may carry a failed check.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar reports bad input
+# A structural tag's parts that are grammars of their own: their type, the key of their text, the kind.
+_TAG_PARTS = {"json_schema": ("json_schema", "json_schema"), "regex": ("pattern", "regex"),
+              "grammar": ("grammar", "ebnf")}  # fmt: skip
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled; the message names the kind and the reason."""
+
+
+def too_slow(timeout_s: float) -> str:
+    """The reason of a grammar whose own compile ran past ``timeout_s`` seconds."""
+    return f"grammar compilation took longer than {timeout_s:g} s"
+
+
+def compile_checked(compiler: Any, spec: GrammarSpec, vocab_size: int) -> Any:
+    """Compile ``spec`` with an ``xgr.GrammarCompiler`` and check that a token may start it.
+
+    Returns:
+        the ``xgr.CompiledGrammar``.
+
+    Raises:
+        GrammarError: xgrammar refused it (for a structural tag, named after the client's failing
+            part), or its language is empty (regex ``[^\\s\\S]``, ebnf ``root ::= root``): a
+            request under it could only fail at its first token.
+        MemoryError: xgrammar ran out of memory (``std::bad_alloc``).
+    """
+    try:
+        compiled = compile_spec(compiler, spec)
+    except XGRAMMAR_ERRORS as e:
+        if "bad_alloc" in str(e):
+            raise MemoryError(str(e)) from None
+        raise GrammarError(_bad_part(compiler, spec) or f"invalid {spec.kind}: {_reason(e)}") from None
+    if not _allows_a_first_token(compiled, vocab_size):
+        raise GrammarError(f"invalid {spec.kind}: it matches no text (no token may start it)")
+    return compiled
+
+
+def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
+    """``spec`` compiled by ``compiler`` (an ``xgr.CompiledGrammar``); raises xgrammar's own errors."""
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.text, any_whitespace=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.text)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.text)
+    return compiler.compile_structural_tag(spec.text)
+
+
+def _allows_a_first_token(compiled: Any, vocab_size: int) -> bool:
+    """Whether a fresh matcher of ``compiled`` allows any token of ``[0, vocab_size)`` (a stop token
+    counts). Plain Python on the 32-bit words: no torch op (its OpenMP team would start threads in
+    the probe's bounded address space)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    words = bitmask[0].tolist()  # bit t % 32 of word t // 32 set when token t is allowed
+    full, rest = divmod(vocab_size, 32)
+    return any(words[:full]) or (rest > 0 and words[full] & ((1 << rest) - 1) != 0)
+
+
+def _bad_part(compiler: Any, spec: GrammarSpec) -> str | None:
+    """Why a structural tag failed, named after the first of its JSON Schema / regex / EBNF parts
+    that fails alone (the part a client sent: a reasoning or tool-call wrapper around it is the
+    gateway's), e.g. ``invalid json_schema: Unsupported type "objec"``; None when none does."""
+    if spec.kind != "structural_tag":
+        return None
+    try:
+        todo = [json.loads(spec.text)]
+    except ValueError:
+        return None
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        key, kind = _TAG_PARTS.get(node.get("type"), (None, None))
+        if kind is not None and key in node:
+            text = node[key] if isinstance(node[key], str) else json.dumps(node[key])
+            try:
+                compile_spec(compiler, GrammarSpec(kind, text))
+            except XGRAMMAR_ERRORS as e:
+                return f"invalid {kind}: {_reason(e)}"
+        else:
+            todo.extend(node.values())
+    return None
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its C++ source location, on one line."""
+    text = str(error).strip()
+    lines = [_CPP_PREFIX.sub("", line).strip() for line in text.splitlines() if line.strip()]
+    return " ".join(lines)[:500] or type(error).__name__
