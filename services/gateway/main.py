@@ -163,6 +163,9 @@ def addresses(value: str) -> list[str]:
 
 
 _HTTP_CLOSE_TIMEOUT_S = 5.0  # after the drain, for responses to flush (every request has ended)
+# uvicorn's h11 parser buffers at most this much of a request head that has not ended (more: a 400 and
+# the connection closed); its httptools parser, picked by default, buffered one 256 MiB header whole.
+MAX_INCOMPLETE_HEAD_BYTES = 64 << 10
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -265,6 +268,8 @@ class Gateway:
             log_config=None,  # uvicorn's lines (and its access log) go through our handler and format
             access_log=args.access_log or args.log_level.lower() == "debug",
             timeout_graceful_shutdown=_HTTP_CLOSE_TIMEOUT_S,
+            http="h11",
+            h11_max_incomplete_event_size=MAX_INCOMPLETE_HEAD_BYTES,
             **(public_tls.uvicorn_options() if public_tls else {}),
         )
         self.http = _EmbeddedUvicorn(uv_config)

@@ -1,7 +1,8 @@
-"""HTTP request bodies that arrive slowly, against the real gateway of ``local_gateway``
+"""HTTP requests that arrive slowly or never end, against the real gateway of ``local_gateway``
 (``--request-body-timeout`` of ``BODY_TIMEOUT_S``), over raw sockets: a body that stops arriving gets
-a 408 in OpenAI's error shape and its connection is closed; one that arrives in time is served; and
-(on the colocated stack) a response that outlasts the limit after its body arrived is not cut."""
+a 408 in OpenAI's error shape and its connection is closed; one that arrives in time is served; a
+request head that grows past ``MAX_INCOMPLETE_HEAD_BYTES`` is refused; and (on the colocated stack) a
+response that outlasts the body limit after its body arrived is not cut."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import h11
 import httpx
 
+from pdserve.services.gateway.main import MAX_INCOMPLETE_HEAD_BYTES
 from tests.gateway.conftest import API_KEY, BODY_TIMEOUT_S, replica_of
 from tests.reference import hf_tokenizer
 
@@ -114,6 +116,24 @@ async def test_a_slow_body_that_arrives_in_time_is_served(local_gateway) -> None
             client.h11.start_next_cycle()
     finally:
         client.close()
+
+
+async def test_a_request_head_that_grows_past_the_bound_is_refused(local_gateway) -> None:
+    """A header line that never ends is not buffered past the bound: uvicorn answers 400 (its own
+    plain-text answer to a request it cannot parse) and closes the connection. (Sent in 8 KiB pieces
+    that stop once past the bound: data the server never read would turn its close into a reset.)"""
+    reader, writer = await asyncio.open_connection("127.0.0.1", local_gateway.gateway.http_port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
+        for _ in range(MAX_INCOMPLETE_HEAD_BYTES // 8192 + 1):
+            writer.write(b"a" * 8192)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        async with asyncio.timeout(10):
+            answer = await reader.read()  # until the server closes
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    finally:
+        writer.close()
 
 
 async def test_responses_that_outlast_the_limit_after_the_body_are_not_cut(colocated) -> None:
