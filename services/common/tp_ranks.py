@@ -39,10 +39,10 @@ import uvloop
 
 from pdserve.cli_args import setup_service
 from pdserve.distributed import SINGLE_RANK, TpGroup, init_tp_group, rendezvous_store
+from pdserve.parent_death import die_with_parent
 from pdserve.rpc import tls
 from pdserve.services.common.bootstrap import rank_device
 from pdserve.services.common.scheduler_loop import SchedulerLoop
-from pdserve.services.launcher.child import die_with_parent
 
 logger = logging.getLogger(__name__)
 

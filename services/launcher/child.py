@@ -10,34 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import signal
 import time
 from collections import deque
 from collections.abc import Callable
 
-PR_SET_PDEATHSIG = 1
+from pdserve.parent_death import die_with_parent
+
 TAIL_LINES = 20
 MAX_LINE_BYTES = 1 << 20
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn`` (runs in the forked child before exec) arming the parent-death signal.
-
-    The death signal survives exec. If the parent already died between fork and prctl, the child
-    has been re-parented and kills itself at once.
-    """
-
-    def arm() -> None:
-        if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return arm
 
 
 def describe_exit(returncode: int) -> str:

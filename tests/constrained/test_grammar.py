@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +191,47 @@ def test_a_compile_past_the_memory_bound_fails_and_the_probe_serves_on():
         assert probes() - before == {probe}
     finally:
         backend.close()
+
+
+PROBE_ORPHAN = """
+import multiprocessing, time
+from pdserve.constrained import GrammarSpec
+from pdserve.constrained.backend import GrammarBackend
+from tests.reference import hf_tokenizer
+backend = GrammarBackend(hf_tokenizer, 49152, [2])
+backend.compile(GrammarSpec("regex", "[0-9]+"))[0].result(timeout=120)
+(probe,) = multiprocessing.active_children()
+backend.compile(GrammarSpec("regex", "(a|b)" * 8000))  # ~8 s of compile in the probe
+print(probe.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_probe_dies_with_its_scheduler_mid_compile():
+    """A scheduler killed by SIGKILL (the OOM killer) takes its probe with it at once, even in the
+    middle of a compile: the kernel's parent-death signal, not the end of the compile."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROBE_ORPHAN], cwd=Path(__file__).parents[2], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        probe_pid = int(proc.stdout.readline())
+        time.sleep(0.5)
+        assert process_state(probe_pid) not in (None, "Z")  # compiling
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 5  # well before the compile could end
+    while process_state(probe_pid) not in (None, "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_state(probe_pid) in (None, "Z")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``Z``: a zombie, dead), None if it is gone (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
 
 
 def test_compile_runs_off_the_calling_thread(monkeypatch):

@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 
 from pdserve.constrained.compile import GrammarError, compile_checked, too_slow
 from pdserve.constrained.spec import GrammarSpec
+from pdserve.parent_death import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class GrammarProbe:
         context = multiprocessing.get_context("spawn")  # a fork of this threaded process could hang
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_serve, args=(child_conn, *self._args), name="grammar-probe", daemon=True
+            target=_serve, args=(child_conn, os.getpid(), *self._args), name="grammar-probe", daemon=True
         )
         self._process.start()
         child_conn.close()
@@ -122,9 +123,13 @@ class GrammarProbe:
         self._process = self._conn = None
 
 
-def _serve(conn: Connection, tokenizer_info: str, vocab_size: int, memory_bytes: int) -> None:
+def _serve(
+    conn: Connection, parent_pid: int, tokenizer_info: str, vocab_size: int, memory_bytes: int
+) -> None:
     """The child: answer each ``(kind, text)`` with None (it compiles) or the reason it does not,
-    until the scheduler's process closes its end."""
+    until the scheduler's process closes its end or dies (mid-compile too: the parent-death signal)."""
+    if sys.platform == "linux":
+        die_with_parent(parent_pid)()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the service, which kills us
     import xgrammar as xgr
 
