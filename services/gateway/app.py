@@ -9,6 +9,7 @@ exceptions answer 500 in the same shape and the service keeps serving.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -76,11 +77,11 @@ class GatewayState:
 
 def build_app(
     state: GatewayState,
-    api_key: str | None = None,
+    api_keys: Sequence[str] = (),
     max_request_bytes: int | None = None,
     request_body_timeout: float | None = None,
 ) -> FastAPI:
-    """The HTTP app over ``state``; ``api_key`` guards every path but /health and /metrics, a body
+    """The HTTP app over ``state``; ``api_keys`` guard every path but /health and /metrics, a body
     over ``max_request_bytes`` gets 413, one not in full within ``request_body_timeout`` seconds 408."""
     app = FastAPI(title="pdserve gateway", strict_content_type=False, telemetry=tracing.HTTP_TELEMETRY)
     chat = OpenAIServingChat(state.ctx)
@@ -135,8 +136,8 @@ def build_app(
         app.add_middleware(BodyTimeoutMiddleware, timeout_s=request_body_timeout)
     if max_request_bytes is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(RequestCountMiddleware, metrics=state.metrics, endpoints=ENDPOINTS)
     return app

@@ -124,7 +124,8 @@ def generation_failed(error: str, retryable: bool = False) -> GatewayError:
 
 
 def duplicate_rid(rid: str) -> GatewayError:
-    return GatewayError(400, f"request id {rid!r} is already in flight", param="rid", code="duplicate_rid")
+    """409 (gRPC ALREADY_EXISTS) for a request whose rid another request in flight holds."""
+    return GatewayError(409, f"request id {rid!r} is already in flight", param="rid", code="duplicate_rid")
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:

@@ -7,7 +7,8 @@ A request is validated by the models of the HTTP API and refused with the same m
 or passes its gRPC deadline aborts its request in the schedulers. Failures abort the call with the
 status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...);
 RESOURCE_EXHAUSTED and UNAVAILABLE carry their retry hint in the trailing metadata (``abort_with``).
-With an API key configured, every method first checks the call's ``authorization`` metadata.
+With API keys configured, every method first checks the call's ``authorization`` metadata, and a
+request can be aborted only with the key it was sent with (any other caller is told ``found=false``).
 A request message that does not parse is refused with INVALID_ARGUMENT (``MalformedRequestInterceptor``).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ValidationError
 
 from pdserve.services.gateway import convert
+from pdserve.services.gateway.auth import grpc_caller
 from pdserve.services.gateway.errors import (
     GatewayError,
     generation_failed,
@@ -47,8 +49,11 @@ DEADLINE_GRACE_S = 0.5
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
-    def __init__(self, ctx: ServingContext) -> None:
+    """``api_keys``: the gateway's API keys (empty: none), whose holders own the requests they send."""
+
+    def __init__(self, ctx: ServingContext, api_keys: Sequence[str] = ()) -> None:
         self.ctx = ctx
+        self.api_keys = api_keys
 
     async def Generate(
         self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -57,7 +62,8 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             obj = self._to_generate_req(request)
             remaining = context.time_remaining()
             timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
-            handle = await self.ctx.manager.submit(obj, timeout=timeout)
+            owner = grpc_caller(context, self.api_keys)
+            handle = await self.ctx.manager.submit(obj, timeout=timeout, owner=owner)
         except GatewayError as e:
             await abort_with(context, e)
         # The handle is closed (and its choices aborted) when the call ends for any reason.
@@ -108,7 +114,8 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
     async def Abort(
         self, request: api_pb2.PublicAbortRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.PublicAbortResponse:
-        return api_pb2.PublicAbortResponse(found=self.ctx.manager.abort(request.rid))
+        found = self.ctx.manager.abort(request.rid, owner=grpc_caller(context, self.api_keys))
+        return api_pb2.PublicAbortResponse(found=found)
 
     async def ListModels(
         self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

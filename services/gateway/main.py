@@ -35,7 +35,7 @@ from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.gateway.app import GatewayState, build_app
-from pdserve.services.gateway.auth import ApiKeyInterceptor
+from pdserve.services.gateway.auth import ApiKeyInterceptor, parse_api_keys
 from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.discovery import DEFAULT_INTERVAL_S, Discovery
@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_INTERVAL_S,
         help="seconds between DNS resolutions of dns:<name>:<port> scheduler addresses",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' (HTTP and gRPC)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' (HTTP and gRPC); several keys comma-separated, one "
+        "per client: a request can be aborted only with the key it was sent with",
+    )
     p.add_argument("--router-policy", default="cache_aware", choices=POLICIES)
     p.add_argument(
         "--max-pending-requests",
@@ -149,6 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{role}-addresses is required")
     if args.workers > 1 and not args.internal_grpc_port:
         parser.error("--workers needs a fixed --internal-grpc-port (worker i listens on it + i)")
+    args.api_keys = parse_api_keys(args.api_key)
     args.identity = tls.identity_from_args(parser, args)
     args.public_tls = public_tls_from_args(parser, args)
     try:
@@ -198,7 +204,7 @@ class Gateway:
         self.registry = RequestRegistry()
         self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
         # the API key is checked first: a call without it is UNAUTHENTICATED, however malformed
-        keys = [ApiKeyInterceptor(args.api_key)] if args.api_key else []
+        keys = [ApiKeyInterceptor(args.api_keys)] if args.api_keys else []
         self.grpc = GrpcServer(
             f"{args.host}:{args.grpc_port}",
             PUBLIC_SERVICES,
@@ -241,7 +247,7 @@ class Gateway:
             TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
             ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
         )
-        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx))
+        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx, args.api_keys))
         self.internal.add(
             output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
         )
@@ -255,7 +261,7 @@ class Gateway:
         )
         app = build_app(
             state,
-            api_key=args.api_key,
+            api_keys=args.api_keys,
             max_request_bytes=args.max_request_bytes,
             request_body_timeout=args.request_body_timeout,
         )

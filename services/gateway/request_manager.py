@@ -112,18 +112,23 @@ class RequestManager:
     async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self.clients.detokenize(self.tokenizers.next().address, ids, skip_special_tokens)
 
-    async def submit(self, obj: GenerateReqInput, timeout: float | None = None) -> RequestHandle:
+    async def submit(
+        self, obj: GenerateReqInput, timeout: float | None = None, owner: str | None = None
+    ) -> RequestHandle:
         """Tokenize, check, route and send every choice of ``obj``; returns the handle to read outputs from.
 
         Args:
             timeout: seconds until the request's deadline (e.g. a gRPC deadline); the shorter of it
                 and ``--request-timeout`` applies.
+            owner: the API key the request was sent with (None without API keys): only it can
+                ``abort`` the request.
 
         Raises:
-            GatewayError: 429 too many requests in flight (``admission``), 400 rid in flight or
-                prompt too long for the context, 503 no healthy worker or the gateway is shutting
-                down, 504 deadline passed, or a backend call's error (429 when a scheduler's queue
-                is full). Choices already sent are aborted before it is raised.
+            GatewayError: 429 too many requests in flight (``admission``), 409 rid in flight (the
+                request in flight goes on), 400 prompt too long for the context, 503 no healthy
+                worker or the gateway is shutting down, 504 deadline passed, or a backend call's
+                error (429 when a scheduler's queue is full). Choices already sent are aborted
+                before it is raised.
         """
         cfg = self.config
         if self.draining:
@@ -139,6 +144,7 @@ class RequestManager:
         budget = min(timeouts) if timeouts else None
         handle = RequestHandle(
             rid=obj.rid,
+            owner=owner,
             registry=self.registry,
             metrics=self.metrics,
             abort_backend=self._abort_choice,
@@ -238,10 +244,12 @@ class RequestManager:
             arrival_unix_s=arrival,
         )
 
-    def abort(self, rid: str, reason: str = "aborted by client") -> bool:
-        """End the request ``rid`` of this replica (every choice, finish_reason "abort"); False if unknown."""
+    def abort(self, rid: str, owner: str | None, reason: str = "aborted by client") -> bool:
+        """End the request ``rid`` of this replica sent with the API key ``owner`` (every choice,
+        finish_reason "abort"); False if there is none: unknown, or another key's (which is not told
+        apart, so that a caller learns nothing of other keys' requests)."""
         handle = self.handles.get(rid)
-        if handle is None:
+        if handle is None or handle.owner != owner:
             return False
         handle.abort(reason)
         return True

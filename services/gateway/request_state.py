@@ -50,7 +50,7 @@ class RequestRegistry:
         return self._states.get(rid)
 
     def add(self, state: ReqState) -> None:
-        """Raises ``GatewayError`` 400 when ``state.rid`` is already in flight."""
+        """Raises ``GatewayError`` 409 when ``state.rid`` is already in flight."""
         if state.rid in self._states:
             raise duplicate_rid(state.rid)
         self._states[state.rid] = state
@@ -69,6 +69,7 @@ class RequestHandle:
 
     Args:
         rid: the client-visible request id.
+        owner: the API key it was sent with (None without API keys).
         registry: where its choices are registered.
         metrics: TTFT / ITL / e2e histograms.
         abort_backend: called with each choice that was sent but not finished when closing.
@@ -77,6 +78,7 @@ class RequestHandle:
     """
 
     rid: str
+    owner: str | None
     registry: RequestRegistry
     metrics: GatewayMetrics
     abort_backend: Callable[[ReqState, str], None]

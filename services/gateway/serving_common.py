@@ -12,6 +12,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pdserve.services.gateway.auth import http_caller
 from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.reasoning_parser import ReasoningParser
@@ -72,13 +73,14 @@ def new_rid() -> str:
 
 
 async def submit(request: Request, manager: RequestManager, obj: GenerateReqInput) -> RequestHandle:
-    """``manager.submit(obj)``, cancelled if the HTTP client goes away first: sending a request's
-    sub-requests takes a while for a batch, and every one already sent is then aborted.
+    """``manager.submit(obj)`` (owned by the request's API key), cancelled if the HTTP client goes away
+    first: sending a request's sub-requests takes a while for a batch, and every one already sent is
+    then aborted.
 
     Raises:
         GatewayError: what ``submit`` raises; 499 when the client disconnected.
     """
-    submitting = asyncio.ensure_future(manager.submit(obj))
+    submitting = asyncio.ensure_future(manager.submit(obj, owner=http_caller(request)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((submitting, gone), return_when=asyncio.FIRST_COMPLETED)

@@ -1,0 +1,114 @@
+"""Who may end or reuse a request in flight, on a gateway with two API keys (one per client) over the
+colocated stack's workers: only the key a request was sent with can abort it (any other key is told
+``found=false``, as for a rid that does not exist), and a rid in flight is refused to a second request,
+whoever sends it (409 / ALREADY_EXISTS), while the first goes on."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+
+from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
+from tests.gateway.conftest import replica_of
+
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def long_request(rid: str, max_new_tokens: int = 400) -> api_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return api_pb2.GenerateRequest(rid=rid, text="Count to a thousand:", sampling_params=sampling)
+
+
+async def rest(call) -> list[api_pb2.GenerateResponse]:
+    """The pieces of a stream that is being ``read()`` until it ends."""
+    pieces = []
+    while (piece := await call.read()) is not grpc.aio.EOF:
+        pieces.append(piece)
+    return pieces
+
+
+@pytest.fixture
+async def gateway(colocated):
+    async with replica_of(colocated, "--api-key", f"{KEY_A},{KEY_B}") as replica:
+        yield replica
+
+
+@pytest.fixture
+async def stub(gateway):
+    async with grpc.aio.insecure_channel(gateway.grpc_address) as channel:
+        yield api_pb2_grpc.PdServeStub(channel)
+
+
+async def test_only_the_key_a_request_was_sent_with_can_abort_it(gateway, stub) -> None:
+    call = stub.Generate(long_request("owned-grpc"), metadata=auth(KEY_A), timeout=120)
+    pieces = [await call.read()]
+    foreign = await stub.Abort(api_pb2.PublicAbortRequest(rid="owned-grpc"), metadata=auth(KEY_B))
+    unknown = await stub.Abort(api_pb2.PublicAbortRequest(rid="no-such-rid"), metadata=auth(KEY_B))
+    assert (foreign.found, unknown.found) == (False, False)
+    while sum(len(p.token_ids) for p in pieces) < 8:  # it goes on
+        pieces.append(await call.read())
+    assert all(p.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for p in pieces)
+    own = await stub.Abort(api_pb2.PublicAbortRequest(rid="owned-grpc"), metadata=auth(KEY_A))
+    assert own.found
+    pieces += await rest(call)
+    assert pieces[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert sum(len(p.token_ids) for p in pieces) < 400
+
+    # a request sent over HTTP is owned by its key the same way
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True}
+    url = f"http://127.0.0.1:{gateway.http_port}"
+    headers = {"Authorization": f"Bearer {KEY_A}", "X-Request-Id": "owned-http"}
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        chunks = []
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunks.append(json.loads(line[6:]))
+            if len(chunks) == 1:
+                foreign = await stub.Abort(api_pb2.PublicAbortRequest(rid="owned-http"), metadata=auth(KEY_B))
+                own = await stub.Abort(api_pb2.PublicAbortRequest(rid="owned-http"), metadata=auth(KEY_A))
+                assert (foreign.found, own.found) == (False, True)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+
+
+async def test_a_rid_in_flight_is_refused_to_another_request_and_the_first_goes_on(gateway, stub) -> None:
+    first = stub.Generate(long_request("dup-1", max_new_tokens=32), metadata=auth(KEY_A), timeout=120)
+    pieces = [await first.read()]
+    message = "request id 'dup-1' is already in flight"
+    url = f"http://127.0.0.1:{gateway.http_port}"
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        for key in (KEY_B, KEY_A):
+            r = await http.post(
+                "/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}", "X-Request-Id": "dup-1"},
+            )
+            assert r.status_code == 409
+            assert r.json() == {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": "rid",
+                    "code": "duplicate_rid",
+                }
+            }
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(long_request("dup-1", 4), metadata=auth(key), timeout=120):
+                    pass
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, message)
+    pieces += await rest(first)
+    assert sum(len(p.token_ids) for p in pieces) == 32
+    assert pieces[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
