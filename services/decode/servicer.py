@@ -25,7 +25,7 @@ from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
-from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
 from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
 from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 PREFILL_TIMEOUT_S = 120.0
 # errors that another prefill worker would return too
-_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED)
+_NOT_RETRYABLE = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.CANCELLED)
 # failures of the prefill pool's state (down, full, slow): the client may retry the request later
 _SERVER_STATE = (
     grpc.StatusCode.UNAVAILABLE,
@@ -174,6 +174,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         tracing.start_request_span(req, self.scheduler.role)  # from arrival; ended when the request ends
         try:
             position = await self.loop.add(req)
+        except DuplicateRid as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

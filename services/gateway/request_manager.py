@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Coroutine
 
@@ -60,6 +61,19 @@ class ManagerConfig:
     log_requests: bool = False
 
 
+def backend_rid(rid: str, index: int, tag: str) -> str:
+    """The rid choice ``index`` of client request ``rid`` carries in the backends: ``{rid}-{index}.{tag}``.
+
+    ``tag`` is the sending replica's (8 random hex digits, drawn at its start). Within a replica the
+    map is one-to-one (``index`` is the digits after the last ``-``, before the fixed-length tag),
+    and replicas' tags differ, so a client-chosen rid never equals another request's in a scheduler
+    or a detokenizer, where equal rids would refuse one, let its cleanup abort the other, or route
+    one's tokens to the other's client. Logs and traces of the backends show it; it starts with
+    ``rid``.
+    """
+    return f"{rid}-{index}.{tag}"
+
+
 class RequestManager:
     """Owns this replica's in-flight requests (rid -> ``RequestHandle``)."""
 
@@ -81,6 +95,7 @@ class RequestManager:
         self.registry = registry
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
+        self.rid_tag = secrets.token_hex(4)  # this replica's, in every rid it sends (``backend_rid``)
         self.pending_choices = 0  # sub-requests of the handles in flight
         self.token_pieces = TokenPieces(lambda ids: clients.token_pieces(self.tokenizers.next().address, ids))
         self._model_info: ModelInfo | None = None
@@ -184,7 +199,6 @@ class RequestManager:
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
             raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
-        multi = obj.num_choices > 1
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
@@ -198,7 +212,7 @@ class RequestManager:
                 seed = None if sp.seed is None else wrap_int64(sp.seed + i)
                 handle.add_choice(
                     ReqState(
-                        rid=f"{obj.rid}-{index}" if multi else obj.rid,
+                        rid=backend_rid(obj.rid, index, self.rid_tag),
                         index=index,
                         input_ids=prompt.input_ids,
                         sampling_params=dataclasses.replace(sp, max_new_tokens=max_new, seed=seed),
@@ -225,6 +239,10 @@ class RequestManager:
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
         try:
             await self._generate(state, arrival, deadline)
+        except GatewayError as e:
+            if e.status == 409:  # the scheduler holds another request of this rid and refused this one:
+                state.sent = False  # an abort by rid would end that other request
+            raise
         finally:
             reason = state.owner.close_reason or state.owner.abort_reason
             if reason:

@@ -72,8 +72,8 @@ class NativeServing:
     def _response(handle: RequestHandle, r: ChoiceResult, return_logprob: bool) -> NativeGenerateResponse:
         state = handle.states[r.index]
         finish = FinishReasonInfo(type=r.finish_reason, matched=r.matched_stop) if r.finish_reason else None
-        meta = MetaInfo(
-            id=state.rid,
+        meta = MetaInfo(  # the rid, or one per choice (SGLang's ids); the backends' rids are tagged
+            id=handle.rid if len(handle.states) == 1 else f"{handle.rid}-{r.index}",
             finish_reason=finish,
             prompt_tokens=len(state.input_ids),
             completion_tokens=r.completion_tokens,

@@ -125,8 +125,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require this key on the HTTP and gRPC APIs (give it as PDSERVE_API_KEY or in --config: "
-        "a command line is visible to every user in ps)",
+        help="require an API key on the HTTP and gRPC APIs: one, or several comma-separated (one per "
+        "client; a request's key owns it). Give them as PDSERVE_API_KEY or in --config: a command line "
+        "is visible to every user in ps",
     )
     p.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds a service may take to become healthy"

@@ -30,7 +30,7 @@ from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransfer, KVTra
 from pdserve.observability import tracing
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
-from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
 from pdserve.services.common.convert import (
     kv_agent_info_to_pb,
     kv_rank_agents_from_pb,
@@ -187,20 +187,19 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if req.rid in self.waiters:
             transfer.cancel()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate rid {req.rid!r}")
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"duplicate rid {req.rid!r}")
         self.opening[req.rid] = transfer
         tracing.start_request_span(req, "prefill")
         waiter = self.waiters[req.rid] = asyncio.get_running_loop().create_future()
         try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
             try:
                 await self.loop.add(req)
-            except (ValueError, QueueFull) as e:
-                code = (
-                    grpc.StatusCode.INVALID_ARGUMENT
-                    if isinstance(e, ValueError)
-                    else grpc.StatusCode.RESOURCE_EXHAUSTED
-                )
-                await context.abort(code, str(e))
+            except DuplicateRid as e:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except QueueFull as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             error = await grammar_error(self.scheduler, req)
             self.loop.wake()  # a compiled grammar moves its request on at the next step
             if error:

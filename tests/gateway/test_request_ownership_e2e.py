@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 from tests.gateway.conftest import replica_of
+from tests.reference import hf_greedy, hf_tokenizer
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 MODEL = "SmolLM2-135M-Instruct"
@@ -112,3 +113,27 @@ async def test_a_rid_in_flight_is_refused_to_another_request_and_the_first_goes_
     pieces += await rest(first)
     assert sum(len(p.token_ids) for p in pieces) == 32
     assert pieces[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_one_rid_in_flight_on_two_replicas_is_two_requests(colocated, stub) -> None:
+    """Replicas share the workers, and each tags the rids it sends (``backend_rid``): a client-chosen
+    rid in flight on two replicas is two requests in the backends. Before, the decode scheduler
+    refused the second and its replica's cleanup abort ended the first (on separate decode workers,
+    a shared detokenizer would have routed one's tokens to the other's client). Each stream is
+    HF's greedy continuation of its own prompt."""
+    prompts = [hf_tokenizer().encode(text) for text in ("The capital of France is", "Rain falls when")]
+    expected = [hf_greedy(ids, 24) for ids in prompts]
+
+    def request(ids: list[int]) -> api_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(max_new_tokens=24, temperature=0.0)
+        return api_pb2.GenerateRequest(rid="shared-rid", input_ids={"ids": ids}, sampling_params=sampling)
+
+    async with grpc.aio.insecure_channel(colocated.grpc_address) as channel:
+        first = api_pb2_grpc.PdServeStub(channel).Generate(request(prompts[0]), timeout=120)
+        pieces = [[await first.read()], []]
+        second = stub.Generate(request(prompts[1]), metadata=auth(KEY_B), timeout=120)
+        pieces[1] = await rest(second)
+        pieces[0] += await rest(first)
+    for got, want in zip(pieces, expected, strict=True):
+        assert [t for p in got for t in p.token_ids] == want
+        assert got[-1].finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 
 from tests.ops.conftest import SERVED_NAMES, OpsStack
@@ -59,7 +60,9 @@ def check_tree(trace: list[Span], rid: str) -> None:
     decode_req = one(trace, "decode", "decode.request")
     # under the Generate server span, whose parent is the gateway's client span under the HTTP span
     assert parent(decode_req) is one(trace, "decode", "/pdserve.v1.DecodeScheduler/Generate")
-    assert decode_req.attributes["pdserve.rid"] == rid
+    assert re.fullmatch(
+        rf"{re.escape(rid)}-0\.[0-9a-f]{{8}}", decode_req.attributes["pdserve.rid"]
+    )  # backend_rid
     prefill_req = one(trace, "prefill", "prefill.request")
     prefill_call = parent(prefill_req)
     assert prefill_call.name == "/pdserve.v1.PrefillScheduler/Prefill"

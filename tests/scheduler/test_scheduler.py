@@ -8,7 +8,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.req import FinishReason, Req, ReqState
-from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.scheduler import DuplicateRid, Scheduler
 from tests.reference import chat_ids, hf_greedy
 from tests.scheduler.driver import PAGE, fresh, ids, make_runner, req
 from tests.scheduler.driver import drive as drive_steps
@@ -191,7 +191,7 @@ def test_bad_requests_are_refused_with_clear_errors(big_runner):
         sched.add_request(req("b", [1, 2], logit_bias={vocab: 1.0}))
     assert not sched.reqs and not sched.waiting
     sched.add_request(req("d", [1, 2]))
-    with pytest.raises(ValueError, match="duplicate rid"):
+    with pytest.raises(DuplicateRid, match="duplicate rid"):  # (the servicers' ALREADY_EXISTS)
         sched.add_request(req("d", [1, 2]))
     sched.abort_request("d")
     drive(sched)

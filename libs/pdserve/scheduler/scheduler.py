@@ -61,6 +61,11 @@ ROLES = ("mixed", "prefill", "decode")
 IN_BATCH_PREFIX_TOKENS = 32  # a shared uncached prefix at least this long is computed once, not twice
 
 
+class DuplicateRid(ValueError):
+    """A request whose rid the scheduler already holds (running, queued, or its KV still draining):
+    nothing was queued, and the request holding the rid goes on."""
+
+
 @dataclass
 class SchedulerConfig:
     """Scheduling knobs (CLI flags of the prefill/decode services).
@@ -173,7 +178,8 @@ class Scheduler:
         tells when).
 
         Raises:
-            ValueError: a duplicate rid, an empty prompt or one with an id outside the vocabulary, a
+            DuplicateRid: (a ValueError) the rid is held by another request.
+            ValueError: an empty prompt or one with an id outside the vocabulary, a
                 prompt that cannot fit the context or the pool, a grammar this scheduler cannot
                 compile (no backend); or (``BoundError``, naming the field) a sampling parameter
                 outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary, stop or bias
@@ -182,7 +188,7 @@ class Scheduler:
         """
         self._check_queue_room()
         if req.rid in self.reqs or req.rid in self.kv_draining:  # draining: its prefill still runs
-            raise ValueError(f"duplicate rid {req.rid!r}")
+            raise DuplicateRid(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
             raise ValueError("input_ids is empty")
         if not 0 <= min(req.origin_input_ids) <= max(req.origin_input_ids) < self.vocab_size:
