@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 
+from pdserve.constrained.compile import CompilerUnavailable
 from pdserve.distributed import TpGroup
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishReason, Req
@@ -38,17 +39,18 @@ async def grammar_error(scheduler: Scheduler, req: Req) -> tuple[grpc.StatusCode
         None when the grammar compiled (or the request has none), else the call's status and why:
         INVALID_ARGUMENT (the gateway's 400) for a bad grammar or one whose own compile ran past the
         timeout, RESOURCE_EXHAUSTED (429 with Retry-After, as a full queue) when it only waited behind
-        other requests' compiles.
+        other requests' compiles or the compiler process was killed from outside meanwhile.
     """
     future = scheduler.grammar_future(req.rid)
     if future is not None:
         waiter = asyncio.wrap_future(future)  # (asyncio.wait leaves it running when the time is up)
         waiter.add_done_callback(_retrieve)  # a failure after we stopped waiting is the queue's to report
-        done, _ = await asyncio.wait({waiter}, timeout=scheduler.config.grammar_compile_timeout)
-        if done and waiter.exception() is None:
-            return None
-        if done:  # GrammarError (a bad grammar), or the compile thread's own failure
-            return _status(str(waiter.exception()) or type(waiter.exception()).__name__, False)
+        await asyncio.wait({waiter}, timeout=scheduler.config.grammar_compile_timeout)
+        if waiter.done():
+            error = waiter.exception()  # GrammarError, CompilerUnavailable, the compile thread's own
+            if error is None:
+                return None
+            return _status(str(error) or type(error).__name__, isinstance(error, CompilerUnavailable))
         if req.grammar is None and req.finish_reason is None:  # still in the grammar queue
             return _status(*scheduler.grammar_queue.timeout_reason(req))
     # unconstrained, or a step took it out of the grammar queue: ready, or failed with its error

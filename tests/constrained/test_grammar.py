@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +17,7 @@ import torch
 
 from pdserve.constrained import GrammarSpec
 from pdserve.constrained.backend import GrammarBackend
-from pdserve.constrained.compile import GrammarError
+from pdserve.constrained.compile import CompilerUnavailable, GrammarError
 from pdserve.constrained.grammar import apply_grammars
 from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS, BoundError
 from pdserve.sampling.sampling_params import SamplingParams
@@ -189,6 +191,27 @@ def test_a_compile_past_the_memory_bound_fails_and_the_probe_serves_on():
         (probe,) = probes() - before
         assert compiled(backend, "regex", "[0-9]+-after").memory_size_bytes > 0
         assert probes() - before == {probe}
+    finally:
+        backend.close()
+
+
+def test_a_probe_killed_from_outside_fails_the_compile_as_retryable_and_uncached():
+    """SIGKILL of the probe mid-compile (the OOM killer, an operator) says nothing about the grammar:
+    ``CompilerUnavailable`` (the servicers' 429), not cached, so the same grammar compiles next time."""
+    before = probes()
+    backend = GrammarBackend(hf_tokenizer, VOCAB, [EOS])
+    try:
+        compiled(backend, "regex", "[0-9]+-warm")
+        (probe,) = probes() - before
+        spec = GrammarSpec("regex", "(a|b)" * 4000)  # ~2 s on a 2-core Zen 4
+        future, _ = backend.compile(spec)
+        while backend.compile_started(spec) is None:
+            time.sleep(0.01)
+        os.kill(probe.pid, signal.SIGKILL)
+        with pytest.raises(CompilerUnavailable, match=r"killed \(SIGKILL\) while compiling it; retry"):
+            future.result(timeout=120)
+        again, hit = backend.compile(spec)
+        assert not hit and again.result(timeout=120).memory_size_bytes > 0
     finally:
         backend.close()
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pdserve.constrained.compile import compile_spec
+from pdserve.constrained.compile import CompilerUnavailable, compile_spec
 from pdserve.constrained.grammar import Grammar
 from pdserve.constrained.probe import GrammarProbe
 from pdserve.constrained.spec import GrammarSpec
@@ -75,11 +75,12 @@ class GrammarBackend:
 
         Returns:
             ``(future, hit)``: the future resolves to an opaque compiled grammar for ``matcher`` or
-            raises ``GrammarError``; ``hit`` tells whether it came from the cache (it may still be
-            compiling for an earlier request).
+            raises ``GrammarError`` (cached like a result) or ``CompilerUnavailable`` (not cached:
+            the next call compiles again); ``hit`` tells whether it came from the cache (it may
+            still be compiling for an earlier request).
         """
         future = self._cache.get(spec)
-        if future is not None and not future.cancelled():
+        if future is not None and not future.cancelled() and not _killed(future):
             self._cache.move_to_end(spec)
             return future, True
         future = self._executor.submit(self._compile, spec)
@@ -141,3 +142,8 @@ class GrammarBackend:
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def _killed(future: Future) -> bool:
+    """Whether ``future``'s compile ended with its compiler process killed from outside."""
+    return future.done() and isinstance(future.exception(), CompilerUnavailable)

@@ -24,6 +24,12 @@ class GrammarError(ValueError):
     """A grammar that cannot be compiled; the message names the kind and the reason."""
 
 
+class CompilerUnavailable(RuntimeError):
+    """The compiler process was killed from outside (SIGKILL or SIGTERM: the OOM killer, an operator,
+    the service stopping) while it compiled a grammar: nothing is known about the grammar, and a
+    retry may succeed."""
+
+
 def too_slow(timeout_s: float) -> str:
     """The reason of a grammar whose own compile ran past ``timeout_s`` seconds."""
     return f"grammar compilation took longer than {timeout_s:g} s"

@@ -21,7 +21,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from pdserve.constrained.compile import GrammarError, compile_checked, too_slow
+from pdserve.constrained.compile import CompilerUnavailable, GrammarError, compile_checked, too_slow
 from pdserve.constrained.spec import GrammarSpec
 from pdserve.parent_death import die_with_parent
 
@@ -82,7 +82,8 @@ class GrammarProbe:
         Raises:
             GrammarError: xgrammar refused ``spec`` or its language is empty (the reason from
                 ``compile_checked``), its compile ran past ``timeout_s`` (the child is killed), needed
-                more than ``memory_bytes``, or ended the child.
+                more than ``memory_bytes``, or crashed the child (a signal of its own, an exit).
+            CompilerUnavailable: the child was killed by SIGKILL or SIGTERM from outside meanwhile.
             RuntimeError: as ``start``.
         """
         self.start()
@@ -96,8 +97,14 @@ class GrammarProbe:
         except (EOFError, OSError):  # the child died (or ``close`` killed it)
             process = self._process
             self._stop()
+            code = process.exitcode
+            if code in (-signal.SIGKILL, -signal.SIGTERM):
+                name = signal.Signals(-code).name
+                raise CompilerUnavailable(
+                    f"the grammar compiler was killed ({name}) while compiling it; retry"
+                ) from None
             raise GrammarError(
-                f"invalid {spec.kind}: the grammar compiler failed on it (exit code {process.exitcode})"
+                f"invalid {spec.kind}: the grammar compiler failed on it (exit code {code})"
             ) from None
         if reason is not None:
             raise GrammarError(reason)

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 
 from pdserve.constrained.backend import GrammarBackend
-from pdserve.constrained.compile import too_slow
+from pdserve.constrained.compile import CompilerUnavailable, too_slow
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
 
@@ -76,7 +76,8 @@ class GrammarQueue:
                 del self._pending[rid]
                 try:
                     req.grammar = self.backend.matcher(future.result())
-                except Exception as e:  # GrammarError, or the compile thread's own failure
+                except Exception as e:  # GrammarError, CompilerUnavailable, the compile thread's own failure
+                    req.retryable = isinstance(e, CompilerUnavailable)
                     failed.append((req, str(e) or type(e).__name__))
                     continue
                 if all(req.grammar.accept(token) for token in req.output_ids):
