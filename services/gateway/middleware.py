@@ -25,7 +25,8 @@ async def _send_error(error: GatewayError, scope: Scope, receive: Receive, send:
 
 
 class RequestIdMiddleware:
-    """The rid of each request: ``X-Request-Id`` (at most 256 characters) or a fresh one; echoed back.
+    """The rid of each request: ``X-Request-Id`` (at most 256 printable ASCII characters) or a fresh
+    one; echoed back.
 
     Stored as ``request.state.rid`` and bound for log lines (``observability.logs``); a handler may
     replace it (native ``rid``) before it responds.
@@ -39,9 +40,16 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = (Headers(scope=scope).get(REQUEST_ID_HEADER) or "").strip()
-        if len(given) > MAX_RID_LENGTH:
-            message = f"{REQUEST_ID_HEADER} is longer than {MAX_RID_LENGTH} characters"
-            await _send_error(GatewayError(400, message, param=REQUEST_ID_HEADER), scope, receive, send)
+        problem = (
+            f"is longer than {MAX_RID_LENGTH} characters"
+            if len(given) > MAX_RID_LENGTH
+            else "must be printable ASCII"  # (other bytes would come back changed: headers are latin-1)
+            if not (given.isascii() and given.isprintable())
+            else None
+        )
+        if problem:
+            error = GatewayError(400, f"{REQUEST_ID_HEADER} {problem}", param=REQUEST_ID_HEADER)
+            await _send_error(error, scope, receive, send)
             return
         state = scope.setdefault("state", {})
         state["rid"] = given or new_rid()
