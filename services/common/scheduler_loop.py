@@ -38,13 +38,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import threadpoolctl
 import torch
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch
-from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
 from pdserve.services.common.liveness import Heartbeat
 from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
 
@@ -88,6 +90,19 @@ class Call:
 
     fn: Callable[..., Any]
     args: tuple
+
+
+def refusal_status(error: ValueError | QueueFull) -> grpc.StatusCode:
+    """The status a servicer answers for a request ``SchedulerLoop.add`` refused: ALREADY_EXISTS for a
+    rid the scheduler holds (``DuplicateRid``), RESOURCE_EXHAUSTED (the gateway's 429) for a full
+    queue, INVALID_ARGUMENT for any other ValueError."""
+    if isinstance(error, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return (
+        grpc.StatusCode.ALREADY_EXISTS
+        if isinstance(error, DuplicateRid)
+        else grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 class SchedulerLoop:
@@ -146,7 +161,7 @@ class SchedulerLoop:
     # ---- step inputs (rank 0's handlers, on the loop's thread) ------------------------------
     def add(self, req: Req) -> asyncio.Future:
         """Queue ``req`` at the next step; the future gets its queue position, or the ValueError /
-        QueueFull with which ``Scheduler.add_request`` refused it."""
+        QueueFull with which ``Scheduler.add_request`` refused it (``refusal_status`` maps them)."""
         return self.submit(NewRequest(req))
 
     def abort(self, rid: str, reason: str, finish_reason: FinishReason = FinishReason.ABORT) -> None:
@@ -273,6 +288,9 @@ class SchedulerLoop:
                         pass
                 elif not self.overlap or in_flight is None:
                     await asyncio.sleep(0)  # let gRPC handlers run between steps
+        except asyncio.CancelledError:  # (``supervise``: the TP group failed, the process exits)
+            in_flight = None  # its forward may wait on a hung rank's collective until gloo's 60 s timeout
+            raise
         finally:
             if in_flight is not None:  # let the last forward end before the executor goes
                 await asyncio.wait([in_flight[1]])

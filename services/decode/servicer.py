@@ -25,10 +25,10 @@ from pdserve.observability import tracing
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S, ClientStreamPool
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
-from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
+from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import TokenIDBatchBuilder, sampling_params_from_pb
 from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
-from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.scheduler_loop import SchedulerLoop, refusal_status
 from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S, PrefillHung, PrefillPeer
@@ -174,12 +174,8 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         tracing.start_request_span(req, self.scheduler.role)  # from arrival; ended when the request ends
         try:
             position = await self.loop.add(req)
-        except DuplicateRid as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (ValueError, QueueFull) as e:
+            await context.abort(refusal_status(e), str(e))
         error = await grammar_error(self.scheduler, req)
         self.loop.wake()  # a compiled grammar moves its request on at the next step
         if error:

@@ -30,7 +30,7 @@ from pdserve.kv_transfer import KVAgentInfo, KVLayoutMismatch, KVTransfer, KVTra
 from pdserve.observability import tracing
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
-from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
+from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.services.common.convert import (
     kv_agent_info_to_pb,
     kv_rank_agents_from_pb,
@@ -38,7 +38,7 @@ from pdserve.services.common.convert import (
     token_logprob_to_pb,
 )
 from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
-from pdserve.services.common.scheduler_loop import SchedulerLoop
+from pdserve.services.common.scheduler_loop import SchedulerLoop, refusal_status
 from pdserve.services.common.step_inputs import Abort, NewRequest
 from pdserve.services.decode.servicer import load_info
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -194,12 +194,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         try:  # a call cancelled while its add is queued still aborts it (the add is applied anyway)
             try:
                 await self.loop.add(req)
-            except DuplicateRid as e:
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except QueueFull as e:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except (ValueError, QueueFull) as e:
+                await context.abort(refusal_status(e), str(e))
             error = await grammar_error(self.scheduler, req)
             self.loop.wake()  # a compiled grammar moves its request on at the next step
             if error:
