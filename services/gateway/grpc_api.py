@@ -208,11 +208,21 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     wins over a malformed request's.
     """
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}  # by method: built once, not per call
+
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        service, _, method = details.method.lstrip("/").rpartition("/")
+        wrapped = self._wrapped.get(details.method)
+        if wrapped is None:
+            wrapped = self._wrapped[details.method] = self._wrap(details.method, handler)
+        return wrapped
+
+    @staticmethod
+    def _wrap(full_method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        service, _, method = full_method.lstrip("/").rpartition("/")
         name = descriptor_pool.Default().FindMethodByName(f"{service}.{method}").input_type.full_name
         parse = handler.request_deserializer
 

@@ -49,7 +49,6 @@ class GrammarProbe:
     def __init__(self, tokenizer_info: str, vocab_size: int, timeout_s: float, memory_bytes: int) -> None:
         self._args = (tokenizer_info, vocab_size, memory_bytes)
         self.timeout_s = timeout_s
-        self.memory_bytes = memory_bytes
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
         self._closed = False
@@ -64,6 +63,8 @@ class GrammarProbe:
             raise RuntimeError("the grammar backend is closed")
         if self._process is not None and self._process.is_alive():
             return
+        if self._process is not None:  # died while idle (killed from outside): reap it, close its pipe
+            self._stop()
         context = multiprocessing.get_context("spawn")  # a fork of this threaded process could hang
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
