@@ -14,10 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.observability import tracing
 from pdserve.observability.logs import bind_rid
+from pdserve.sampling.bounds import MAX_RID_CHARS
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
-
-MAX_RID_LENGTH = 256
 
 
 async def _send_error(error: GatewayError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,8 +40,8 @@ class RequestIdMiddleware:
             return
         given = (Headers(scope=scope).get(REQUEST_ID_HEADER) or "").strip()
         problem = (
-            f"is longer than {MAX_RID_LENGTH} characters"
-            if len(given) > MAX_RID_LENGTH
+            f"is longer than {MAX_RID_CHARS} characters"
+            if len(given) > MAX_RID_CHARS
             else "must be printable ASCII"  # (other bytes would come back changed: headers are latin-1)
             if not (given.isascii() and given.isprintable())
             else None

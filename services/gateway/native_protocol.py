@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.constrained import GRAMMAR_KINDS
-from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
+from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_RID_CHARS, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import SamplingParams
 from pdserve.services.gateway.protocol import ChatMessage
 from pdserve.services.gateway.protocol_fields import (
@@ -105,7 +105,7 @@ class GenerateOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    rid: str | None = Field(None, min_length=1, max_length=256)
+    rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     model: str | None = None

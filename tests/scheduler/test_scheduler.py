@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.sampling.bounds import MAX_SCHEDULER_RID_CHARS
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.req import FinishReason, Req, ReqState
@@ -190,6 +191,9 @@ def test_bad_requests_are_refused_with_clear_errors(big_runner):
     with pytest.raises(ValueError, match=rf"logit_bias names token id {vocab}, outside the vocabulary"):
         sched.add_request(req("b", [1, 2], logit_bias={vocab: 1.0}))
     assert not sched.reqs and not sched.waiting
+    for rid in ("", "r" * (MAX_SCHEDULER_RID_CHARS + 1)):  # (internal callers reach it too)
+        with pytest.raises(ValueError, match=f"rid must have 1 to {MAX_SCHEDULER_RID_CHARS} characters"):
+            sched.add_request(req(rid, [1, 2]))
     sched.add_request(req("d", [1, 2]))
     with pytest.raises(DuplicateRid, match="duplicate rid"):  # (the servicers' ALREADY_EXISTS)
         sched.add_request(req("d", [1, 2]))

@@ -41,6 +41,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # it rounds to a finite float32.
 FLOAT32_MAX = 3.4028235e38
 
+MAX_RID_CHARS = 256  # a client's rid (X-Request-Id, native /generate and gRPC rid)
+# a scheduler's rid: a client's with the gateway's -{index}.{tag} (internal callers are bounded too)
+MAX_SCHEDULER_RID_CHARS = 512
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.sampling.bounds import MAX_SCHEDULER_RID_CHARS
 from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.kv_ledger import KVLedger
@@ -179,14 +180,17 @@ class Scheduler:
 
         Raises:
             DuplicateRid: (a ValueError) the rid is held by another request.
-            ValueError: an empty prompt or one with an id outside the vocabulary, a
-                prompt that cannot fit the context or the pool, a grammar this scheduler cannot
-                compile (no backend); or (``BoundError``, naming the field) a sampling parameter
-                outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary, stop or bias
-                token ids outside it and grammar text over its size included.
+            ValueError: an empty rid or one over ``MAX_SCHEDULER_RID_CHARS``, an empty prompt or one
+                with an id outside the vocabulary, a prompt that cannot fit the context or the pool,
+                a grammar this scheduler cannot compile (no backend); or (``BoundError``, naming
+                the field) a sampling parameter outside ``pdserve.sampling.bounds``, ``top_k`` above
+                the vocabulary, stop or bias token ids outside it and grammar text over its size
+                included.
             QueueFull: the waiting queue (with the grammar queue) is at its bound.
         """
         self._check_queue_room()
+        if not 0 < len(req.rid) <= MAX_SCHEDULER_RID_CHARS:
+            raise ValueError(f"rid must have 1 to {MAX_SCHEDULER_RID_CHARS} characters")
         if req.rid in self.reqs or req.rid in self.kv_draining:  # draining: its prefill still runs
             raise DuplicateRid(f"duplicate rid {req.rid!r}")
         if not req.origin_input_ids:
