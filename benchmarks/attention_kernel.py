@@ -11,11 +11,11 @@ is the lower quartile of ``--reps`` calls (calls stalled by other tenants of a s
 out), best of ``--repeats`` rounds in which the two alternate; ``KV GB/s`` is the K and V bytes the
 kernel must read over its time.
 
-Extends (``--extend-cases``, bfloat16, on CPUs with AVX512_BF16): ``R`` requests of ``N`` new
-tokens each after ``P`` cached ones, the cached pages shared by all requests (a common preamble),
-timed three ways: the tile kernel of ``cpu_extend_kernel``, one decode-kernel row per query, and
-gather + causally masked SDPA. Prints the tables (with the largest output difference from the
-kernel), then as the last line one JSON object.
+Extends (``--extend-cases``, each of ``--dtypes``): ``R`` requests of ``N`` new tokens each after
+``P`` cached ones, the cached pages shared by all requests (a common preamble), timed three ways:
+the tile kernel of ``cpu_extend_kernel`` (bfloat16 on AVX512_BF16: the pair kernel; else the lane
+kernel), one decode-kernel row per query, and gather + causally masked SDPA. Prints the tables
+(with the largest output difference from the kernel), then as the last line one JSON object.
 """
 
 from __future__ import annotations
@@ -105,21 +105,24 @@ def bench_case(args, dtype: torch.dtype, batch: int, seq_len: int, generator: to
     }
 
 
-def bench_extend_case(args, reqs: int, new: int, prefix: int, generator: torch.Generator) -> dict:
+def bench_extend_case(
+    args, dtype: torch.dtype, reqs: int, new: int, prefix: int, generator: torch.Generator
+) -> dict:
     """Times (ms) of the tile kernel, decode-kernel rows and gather + SDPA for ``reqs`` requests of
-    ``new`` tokens after a shared ``prefix``, and the largest differences from the tile kernel."""
+    ``new`` tokens after a shared ``prefix`` in ``dtype``, and the largest differences from the
+    tile kernel."""
     tiles, rows = load_extend_kernel(), load_decode_kernel()
     hq, hkv, d, ps = args.heads, args.kv_heads, args.head_dim, args.page_size
     shared, own = prefix // ps, math.ceil((prefix + new) / ps) - prefix // ps
     num_pages = shared + reqs * own
     shape = (num_pages, ps, hkv, d)
-    k_pages = torch.randn(shape, generator=generator).bfloat16()
-    v_pages = torch.randn(shape, generator=generator).bfloat16()
+    k_pages = torch.randn(shape, generator=generator).to(dtype)
+    v_pages = torch.randn(shape, generator=generator).to(dtype)
     order = torch.randperm(num_pages, generator=generator)
     page_table = torch.cat([order[:shared].expand(reqs, -1), order[shared:].view(reqs, own)], dim=1)
     prefix_lens, extend_lens = torch.full((reqs,), prefix), torch.full((reqs,), new)
     row_starts = torch.arange(reqs) * new
-    q = torch.randn(reqs * new, hq, d, generator=generator).bfloat16()
+    q = torch.randn(reqs * new, hq, d, generator=generator).to(dtype)
     row_table = page_table.repeat_interleave(new, dim=0)
     row_lens = (prefix + torch.arange(new) + 1).repeat(reqs)
     positions = prefix + torch.arange(new)
@@ -195,16 +198,16 @@ def main() -> None:
                     flush=True,
                 )
     cases = [c for c in args.extend_cases.split(",") if c]
-    if cases and load_extend_kernel() is not None:
+    for name in args.dtypes.split(",") if cases else []:
         print(
-            f"\n{'extend (bf16)':>16} {'tiles ms':>9} {'rows ms':>8} {'SDPA ms':>8} {'x rows':>7}"
+            f"\n{'extend ' + name:>16} {'tiles ms':>9} {'rows ms':>8} {'SDPA ms':>8} {'x rows':>7}"
             f" {'x SDPA':>7} {'rows diff':>9} {'SDPA diff':>9}"
         )
         for case in cases:
             shape, prefix = case.split("@")
             reqs, new = map(int, shape.split("x"))
-            r = bench_extend_case(args, reqs, new, int(prefix), generator)
-            results |= {f"extend_{reqs}x{new}_p{prefix}_{k}": v for k, v in r.items()}
+            r = bench_extend_case(args, DTYPES[name], reqs, new, int(prefix), generator)
+            results |= {f"extend_{name}_{reqs}x{new}_p{prefix}_{k}": v for k, v in r.items()}
             print(
                 f"{case:>16} {r['tiles_ms']:>9.3f} {r['rows_ms']:>8.3f} {r['sdpa_ms']:>8.3f}"
                 f" {r['rows_speedup']:>7.2f} {r['sdpa_speedup']:>7.2f} {r['rows_max_diff']:>9.1e}"

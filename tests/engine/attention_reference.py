@@ -32,15 +32,20 @@ def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row
     return {int(row): (expected[i], magnitude[i]) for i, row in enumerate(rows)}
 
 
-def assert_matches(out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """float32: arithmetic-rounding close; bfloat16: within the output's own rounding and that of the
-    attention weights (which the extend kernel rounds to bfloat16 for the weighted sum of V): 2^-8
-    relative each, of the output and of the weights over |V|."""
+def assert_matches(
+    out: torch.Tensor, reference: tuple[torch.Tensor, torch.Tensor], score_bound: float = 0.0
+) -> None:
+    """float32: arithmetic-rounding close (1e-5 relative, 1e-6 absolute), plus, for scores up to
+    ``score_bound`` in magnitude, what rounding them to float32 (2^-24 relative) moves the weights by,
+    over ``|V|`` and the output (float32 SDPA errs as much: ~0.05-0.1 of that term on peaked scores);
+    bfloat16: within the output's own rounding and that of the attention weights (which the extend
+    kernel rounds to bfloat16 for the weighted sum of V): 2^-8 relative each, of the output and of
+    the weights over |V|."""
     expected, magnitude = reference
     assert not out.isnan().any()
+    error = (out.double() - expected).abs()
     if out.dtype == torch.float32:
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+        bound = 1e-6 + 1e-5 * expected.abs() + 2**-24 * score_bound * (expected.abs() + magnitude)
     else:
-        error = (out.double() - expected).abs()
         bound = 2**-8 * (expected.abs() + magnitude) + 1e-5
-        assert bool((error <= bound).all()), f"worst error / bound {float((error / bound).max()):.2f}"
+    assert bool((error <= bound).all()), f"worst error / bound {float((error / bound).max()):.2f}"

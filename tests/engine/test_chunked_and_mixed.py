@@ -83,8 +83,8 @@ def test_decode_kernel_matches_gather_sdpa_path(runner, tokenizer, long_text):
 
 
 def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, tokenizer, long_text):
-    """Extends whose cached prefixes outweigh their new tokens run every token as a C-kernel row;
-    the result equals the gather + SDPA path's."""
+    """Extends after cached prefixes run as tiles of the C extend kernel, reading the prefix in
+    place; the result equals the gather + SDPA path's."""
     kernel_backend = runner.attn_backend
     sdpa_backend = TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     ids = tokenizer(long_text)["input_ids"]
@@ -97,7 +97,7 @@ def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, 
     try:
         batch = driver.prepare([(s, None) for s in seqs])
         kernel_backend.init_forward_metadata(batch)
-        assert kernel_backend.kernel_rows is not None and len(kernel_backend.kernel_rows.seq_lens) == 3 * 37
+        assert kernel_backend.kernel_rows is None and kernel_backend.tiles.extend_lens.tolist() == [37] * 3
         via_kernel = runner.forward_batch_generation(batch)
         runner.attn_backend = sdpa_backend
         via_sdpa = driver.step([(s, None) for s in twins])

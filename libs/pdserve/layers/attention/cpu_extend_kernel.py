@@ -1,11 +1,21 @@
-"""Paged extend attention for CPUs with AVX512-BF16: query tiles of one request, a lane per query.
+"""Paged extend attention on CPU: query tiles of one request, a vector lane per query.
 
 An extend computes ``n`` new tokens of a request after ``p`` cached ones; query ``i`` (position
 ``p + i``) attends keys ``[0, p + i]``. One query at a time (``cpu_decode_kernel``) each key's
 score is a dot product summed across the lanes of a vector, and the horizontal sums cost more than
-the products. Here a work item is a tile of up to 16 queries of one request, one query per lane of
-an AVX-512 float32 vector, so a key's 16 scores come out of one vector (FlashAttention's tiling,
-Dao et al. 2022, laid out for CPU vector lanes):
+the products; gathering the pages for SDPA instead copies every key and builds a mask per layer
+(a fresh 128-token prompt of SmolLM2 on AVX2: ~18% of its prefill step). Here a work item is a
+tile of queries of one request, one query per lane, so a key's scores for the whole tile come out
+of one vector (FlashAttention's tiling, Dao et al. 2022, laid out for CPU vector lanes). Two
+kernels:
+
+- the lane kernel (every variant; float32 or bfloat16 q and KV): tiles of 16 queries (AVX-512) or
+  8 (AVX2) or 4 (portable) and one KV head with all of its query heads; the queries transposed once,
+  each score vector ``sum_d q[., d] * k_t[d]`` by FMAs with the key's element
+  broadcast (eight keys as independent chains), an online softmax per lane, and
+  ``acc[., d] += p_t * v_t[d]`` with eight outputs' accumulators in registers. bfloat16 K/V rows
+  are widened once per block and KV head. Everything float32; the output rounded to the dtype.
+- the pair kernel (bfloat16, head_dim 64 or 128, on AVX512_BF16):
 
 1. the tile's queries of one head are transposed once into pairs ``qt[j] = (q[., 2j], q[., 2j+1])``
    (16 lanes of two bfloat16); the score vector of key ``t`` is ``sum_j qt[j] . k_t[2j:2j+2]`` by
@@ -18,14 +28,13 @@ Dao et al. 2022, laid out for CPU vector lanes):
    ``t``, ``t+1`` interleaved element-wise, once for the few queries whose float32 accumulators
    stay in registers together.
 
-Scores, softmax and accumulation are float32 and the output is rounded to nearest-even bfloat16,
-as in the decode kernel; rounding the probabilities adds an error of at most 2^-8 of the weights
-over ``|V|`` (the tests' bound). Only bfloat16 and head_dim 64 or 128 on CPUs with AVX512_BF16
-(``supports``); other cases use the decode kernel or SDPA.
+   Scores, softmax and accumulation are float32 and the output is rounded to nearest-even
+   bfloat16, as in the decode kernel; rounding the probabilities adds an error of at most 2^-8 of
+   the weights over ``|V|`` (the tests' bound).
 
 Layout as in ``cpu_decode_kernel``: q and out rows ``[T, Hq, D]`` (q rows may be strided), K/V
 ``[num_pages, page_size, Hkv, D]`` (each page contiguous, pages ``stride(0)`` apart) addressed through
-each request's page table.
+each request's page table. head_dim a multiple of 8 up to 512 (``supports``).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from pdserve.layers.native import kernel_library, per_variant
 class ExtendAttentionKernel:
     """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale) -> out``.
 
-    Args (CPU tensors, bfloat16 q and pages):
+    Args (CPU tensors; q, the pages and out all float32 or all bfloat16):
         q: ``[T, Hq, D]``; each row's ``Hq * D`` elements contiguous (rows may be strided).
         k_pages / v_pages: ``[num_pages, page_size, Hkv, D]``, one layer's K and V.
         page_table: int64 ``[R, max_pages]``: each request's KV pages.
@@ -53,6 +62,7 @@ class ExtendAttentionKernel:
 
     Raises:
         ValueError: a head_dim without a tile kernel (``supports`` says which).
+        TypeError: q and the pages of other dtypes, or not all one dtype.
         MemoryError: the kernel's scratch buffers could not be allocated.
     """
 
@@ -63,12 +73,12 @@ class ExtendAttentionKernel:
             [ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 7
             + [ctypes.c_int64] * 7
-            + [ctypes.c_float, ctypes.c_int]
+            + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
 
     @staticmethod
     def supports(dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype == torch.bfloat16 and head_dim in (64, 128)
+        return dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and 0 < head_dim <= 512
 
     def __call__(
         self,
@@ -82,6 +92,9 @@ class ExtendAttentionKernel:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if q.dtype not in (torch.float32, torch.bfloat16) or {k_pages.dtype, v_pages.dtype} != {q.dtype}:
+            kinds = f"{q.dtype}, {k_pages.dtype}"
+            raise TypeError(f"q and the K/V pages must be all float32 or all bfloat16, got {kinds}")
         tokens, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
         page_stride = pool_page_stride(k_pages, v_pages)
@@ -110,6 +123,7 @@ class ExtendAttentionKernel:
             num_kv_heads,
             head_dim,
             scale,
+            q.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
         if status == -1:
@@ -121,7 +135,5 @@ class ExtendAttentionKernel:
 
 @per_variant
 def load_extend_kernel(variant: str) -> ExtendAttentionKernel | None:
-    """The kernel of the selected variant (``pdserve.layers.native``); None when the kernels are off
-    or the variant lacks it (no AVX512_BF16)."""
-    lib = kernel_library(variant)
-    return ExtendAttentionKernel(lib) if hasattr(lib, "extend_attention") else None
+    """The kernel of the selected variant (``pdserve.layers.native``); None when the kernels are off."""
+    return ExtendAttentionKernel(kernel_library(variant))
