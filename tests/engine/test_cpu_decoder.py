@@ -1,6 +1,7 @@
-"""The fused decode step (``CpuDecoder``: every decoder layer in one C call) against the modules' own
-path on the same quantized model: the same kernels in the same order, so the same logits, bit for
-bit, through ragged batches of decodes; batches with extends keep the modules' path."""
+"""The fused step (``CpuDecoder``: every decoder layer in one C call) against the modules' own path on
+the same quantized model: the same kernels in the same order, so the same logits, bit for bit,
+through ragged prefills, decodes and mixed batches; a mixed batch whose decodes do not come last
+keeps the modules' path."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def runner(request, model_path) -> ModelRunner:
     return ModelRunner(model_path, dtype=dtype, max_total_tokens=4096, quantization=method)
 
 
-def decode_logits(
-    runner: ModelRunner, fused: bool, prompts: list[list[int]], steps: int
+def step_logits(
+    runner: ModelRunner, fused: bool, prompts: list[list[int]], steps: int, late: list[int] | None = None
 ) -> list[torch.Tensor]:
-    """Prefill ``prompts`` together, then ``steps`` greedy decode steps; each step's logits."""
+    """Prefill ``prompts`` together, then ``steps`` greedy steps in which ``late`` (if any) is prefilled
+    at the first, in chunks of 7 tokens: its extends first, the others' decodes after them, then one
+    step of decodes first and its last chunk after them; every step's logits."""
     model = runner.model.model
     decoder, model.cpu_decoder = model.cpu_decoder, model.cpu_decoder if fused else None
     logits: list[torch.Tensor] = []
@@ -33,25 +36,50 @@ def decode_logits(
     runner.model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
     driver = Driver(runner)
     seqs = [driver.add(p, SamplingParams(temperature=0.0)) for p in prompts]
+    extra = [] if late is None else [driver.add(late, SamplingParams(temperature=0.0))]
     try:
-        for _ in range(steps + 1):
-            driver.step([(s, None) for s in seqs])
+        driver.step([(s, None) for s in seqs])
+        for _ in range(steps):
+            decodes = [(s, None) for s in seqs]
+            if extra and extra[0].num_computed < len(late) - 7:
+                driver.step([(extra[0], 7), *decodes])
+            elif extra and extra[0].num_computed < len(late):
+                driver.step([*decodes, (extra[0], None)])  # decodes first: not the fused path
+            else:
+                driver.step(decodes + [(s, None) for s in extra])
     finally:
-        driver.release(*seqs)
+        driver.release(*seqs, *extra)
         model.cpu_decoder = decoder
         del runner.model.compute_logits
-    return logits[1:]
+    return logits
 
 
-def test_decode_steps_equal_the_modules_path(runner, monkeypatch):
-    assert isinstance(runner.model.model.cpu_decoder, CpuDecoder)
-    calls = []
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """One entry per ``CpuDecoder`` call."""
+    calls: list[int] = []
     run = CpuDecoder.__call__
     monkeypatch.setattr(CpuDecoder, "__call__", lambda self, *args: calls.append(1) or run(self, *args))
+    return calls
+
+
+def test_prefill_and_decode_steps_equal_the_modules_path(runner, fused_calls):
+    assert isinstance(runner.model.model.cpu_decoder, CpuDecoder)
     prompts = [list(range(100, 100 + n)) for n in (5, 17, 40)]  # ragged lengths, one past a page
-    fused = decode_logits(runner, True, prompts, steps=6)
-    assert len(calls) == 6  # every decode step, not the prefill
-    modules = decode_logits(runner, False, prompts, steps=6)
+    fused = step_logits(runner, True, prompts, steps=6)
+    assert len(fused_calls) == 7  # the prefill and every decode step
+    modules = step_logits(runner, False, prompts, steps=6)
+    assert len(fused_calls) == 7
+    for a, b in zip(fused, modules, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mixed_steps_equal_the_modules_path(runner, fused_calls):
+    prompts = [list(range(100, 100 + n)) for n in (5, 40)]
+    late = list(range(300, 330))  # 30 tokens: chunks of 7 in 4 mixed steps, its last 2 after decodes
+    fused = step_logits(runner, True, prompts, steps=7, late=late)
+    assert len(fused_calls) == 1 + 4 + 2  # the prefill, 4 mixed steps, (not the decodes-first one), 2 decodes
+    modules = step_logits(runner, False, prompts, steps=7, late=late)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)
 

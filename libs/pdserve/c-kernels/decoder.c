@@ -1,7 +1,7 @@
-/* A whole decode step's decoder layers of a Llama-family model in one call (see
+/* A whole step's decoder layers of a Llama-family model in one call (see
    pdserve/layers/cpu_decoder.py): per layer, the same kernels the modules call one by one from
-   Python (add + RMSNorm, the q/k/v matmul, rotary, storing K/V, paged decode attention, the o
-   matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
+   Python (add + RMSNorm, the q/k/v matmul, rotary, storing K/V, paged extend and decode attention,
+   the o matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
    allocation or an argument conversion between them: at batch 1 those cost as much as the
    matmuls' own weight reads. Same kernels, same order, so the same results. */
 #include "common.h"
@@ -17,6 +17,9 @@ void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const in
               int64_t, int);
 int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+int extend_attention(const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
+                     const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     float, int, int);
 int matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
                  int64_t, int, int, int, int, int, int, int);
 int matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
@@ -41,13 +44,17 @@ typedef struct {
   void *k_pages, *v_pages;
 } Layer;
 
-/* The step: T decode tokens (one per request), their positions, KV slots, page tables and lengths. */
+/* The step: T tokens, their positions and KV slots. The first E of them are the new tokens of R
+   extending requests (the extend kernel's arguments: pages, cached and new lengths, first rows);
+   the other T - E are one decode token each (the decode kernel's rows: pages and lengths). */
 typedef struct {
   int T, bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
   int64_t max_pages, page_size, page_stride; /* page_stride: elements between the pool's pages */
   float eps, scale;
   const float* cos_sin;
   const int64_t *positions, *loc, *page_table, *seq_lens;
+  int64_t E, R, ext_max_pages;
+  const int64_t *ext_page_table, *prefix_lens, *extend_lens, *row_starts;
 } Step;
 
 /* Returns 0, or -1 when out of memory. */
@@ -71,7 +78,7 @@ static void norm(const Step* s, const void* x, void* residual, const void* w, vo
 }
 
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written
-   (the running sum the final norm adds). Returns 0, or -1 when out of memory. */
+   (the running sum the final norm adds). Returns 0, or -1 when a kernel failed (out of memory). */
 int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hidden, void* residual) {
   const int64_t e = s->bf16 ? 2 : 4, T = s->T, D = s->head_dim;
   const int64_t q_size = s->num_heads * D, kv_size = s->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
@@ -102,11 +109,17 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
                  s->positions, T, s->threads);
     store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->page_size,
              s->page_stride * e, s->threads);
-    if ((failed = decode_attention(s->bf16, q, qkv_size, L->k_pages, L->v_pages, attn, s->page_table,
-                                   s->seq_lens, T, s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                                   s->num_kv_heads, D, s->scale, s->threads) ||
-                  linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads)))
+    if (s->R && (failed = extend_attention(q, qkv_size, L->k_pages, L->v_pages, attn, s->ext_page_table,
+                                           s->prefix_lens, s->extend_lens, s->row_starts, s->R, s->ext_max_pages,
+                                           s->page_size, s->page_stride, s->num_heads, s->num_kv_heads, D,
+                                           s->scale, s->bf16, s->threads)))
       break;
+    if (T > s->E && (failed = decode_attention(s->bf16, q + s->E * qkv_size * e, qkv_size, L->k_pages, L->v_pages,
+                                               attn + s->E * q_size * e, s->page_table, s->seq_lens, T - s->E,
+                                               s->max_pages, s->page_size, s->page_stride, s->num_heads,
+                                               s->num_kv_heads, D, s->scale, s->threads)))
+      break;
+    if ((failed = linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads))) break;
     norm(s, hidden, residual, L->post_norm, normed);
     if ((failed = linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads) ||
                   linear(&L->down, act, s->intermediate, hidden, s->hidden, s->bf16, s->T, 0, s->threads)))

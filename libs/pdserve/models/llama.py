@@ -160,8 +160,8 @@ class LlamaModel(nn.Module):
         self.cpu_decoder: CpuDecoder | None = None
 
     def process_weights_after_loading(self) -> None:
-        """Where every layer runs on ``cpu_matmul``'s packed weights, decode steps run the layers in
-        one C call (``CpuDecoder``); None otherwise, and under TP (the C call has no collectives)."""
+        """Where every layer runs on ``cpu_matmul``'s packed weights, steps run the layers in one C
+        call (``CpuDecoder``); None otherwise, and under TP (the C call has no collectives)."""
         self.cpu_decoder = CpuDecoder.build(self) if self.tp.size == 1 else None
 
     def forward(
