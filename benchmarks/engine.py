@@ -108,6 +108,7 @@ def build_runner(path: Path, spec: str, args: argparse.Namespace, tp: TpGroup = 
         max_total_tokens=max(batch_sizes) * (args.prompt_len + args.new_tokens + 32),
         max_running_requests=max(batch_sizes),
         tp=tp,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -170,6 +171,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--skip-hf", action="store_true", help="measure only the engine")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of each; the best counts")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="KV pool dtype of every engine (auto: the model's)"
+    )
     parser.add_argument(
         "--tp-size",
         default="1",

@@ -188,6 +188,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(w4a8 for float32 models on CPUs without native bf16, else none)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV pool dtype: auto (the model's), or bfloat16 under a float32 model on CPU (half the KV "
+        "memory and reads; attention then runs as in a bfloat16 model)",
+    )
+    parser.add_argument(
         "--device", type=device_name, default="auto", help="auto (CUDA when there is a GPU), cpu, cuda[:i]"
     )
     parser.add_argument(

@@ -40,6 +40,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         disable_cuda_graph=args.disable_cuda_graph or role == "prefill",  # a prefill worker never decodes
         max_model_len=args.max_model_len,
         tp=tp,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     config = SchedulerConfig(
         role=role,
@@ -102,7 +103,7 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
     cfg = runner.model_config
     layout = KVLayout(
         model=f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:vocab{cfg.vocab_size}",
-        dtype=str(cfg.dtype).removeprefix("torch."),
+        dtype=str(runner.kv_pool.dtype).removeprefix("torch."),
         page_size=scheduler.page_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_local_kv_heads,

@@ -66,6 +66,7 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
     flags = [
         "--dtype", args.dtype,
         "--quantization", args.quantization,
+        "--kv-cache-dtype", args.kv_cache_dtype,
         "--page-size", str(args.page_size),
         "--attention-backend", args.attention_backend,
         "--device", args.device,

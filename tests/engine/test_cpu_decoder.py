@@ -16,11 +16,19 @@ from tests.engine.driver import Driver
 
 @pytest.fixture(
     scope="module",
-    params=["float32+int4_or_int8", "float32+w8a8_int8", "bfloat16+int8_weight_only", "bfloat16+w4a8"],
+    params=[
+        "float32+int4_or_int8",
+        "float32+w8a8_int8",
+        "bfloat16+int8_weight_only",
+        "bfloat16+w4a8",
+        "float32+w4a8+bfloat16",  # a bfloat16 KV pool under float32 activations
+    ],
 )
 def runner(request, model_path) -> ModelRunner:
-    dtype, _, method = request.param.partition("+")
-    return ModelRunner(model_path, dtype=dtype, max_total_tokens=4096, quantization=method)
+    dtype, method, kv_dtype = (request.param + "+auto").split("+")[:3]
+    return ModelRunner(
+        model_path, dtype=dtype, max_total_tokens=4096, quantization=method, kv_cache_dtype=kv_dtype
+    )
 
 
 def step_logits(

@@ -82,20 +82,24 @@ def test_silu_and_mul_matches_torch(ops, dtype):
     assert torch.isfinite(out).all() and abs(float(out[0, 0])) < 1e-20
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "pool_dtype"), [*((d, d) for d in DTYPES), (torch.float32, torch.bfloat16)]
+)
 @pytest.mark.parametrize("rows", [1, 9, 700])  # 700 rows of bfloat16 K/V: enough bytes to go parallel
-def test_store_kv_from_fused_qkv_matches_index_put(ops, dtype, rows):
+def test_store_kv_from_fused_qkv_matches_index_put(ops, dtype, pool_dtype, rows):
+    """Copied, or float32 rows rounded into a bfloat16 pool as ``Tensor.to`` rounds them."""
     gen = torch.Generator().manual_seed(rows)
     q_size, kv_size, slots = 9 * 64, 3 * 64, 2048
     qkv = torch.randn(rows, q_size + 2 * kv_size, generator=gen).to(dtype)
     _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # strided views, as the model passes them
     loc = torch.randperm(slots, generator=gen)[:rows]
     page_size = 16  # layer 1 of a page-major pool of two layers, as KVPool lays it out
-    pool = torch.zeros(slots // page_size, 2, 2, page_size, 3, 64, dtype=dtype)
+    pool = torch.zeros(slots // page_size, 2, 2, page_size, 3, 64, dtype=pool_dtype)
+    assert ops.stores_kv(k, pool_dtype) and not ops.stores_kv(k.bfloat16(), torch.float32)
     ops.store_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], loc)
     expected = torch.zeros_like(pool)
-    expected[loc // page_size, 1, 0, loc % page_size] = k.reshape(rows, 3, 64)
-    expected[loc // page_size, 1, 1, loc % page_size] = v.reshape(rows, 3, 64)
+    expected[loc // page_size, 1, 0, loc % page_size] = k.reshape(rows, 3, 64).to(pool_dtype)
+    expected[loc // page_size, 1, 1, loc % page_size] = v.reshape(rows, 3, 64).to(pool_dtype)
     assert torch.equal(pool, expected)
 
 

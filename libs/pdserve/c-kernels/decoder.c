@@ -14,7 +14,7 @@ void rotary_f32(float*, int64_t, int64_t, float*, int64_t, int64_t, int64_t, con
 void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, const float*, const int64_t*,
                  int64_t, int);
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
-              int64_t, int);
+              int, int64_t, int64_t, int);
 int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 int extend_attention(const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
@@ -46,9 +46,11 @@ typedef struct {
 
 /* The step: T tokens, their positions and KV slots. The first E of them are the new tokens of R
    extending requests (the extend kernel's arguments: pages, cached and new lengths, first rows);
-   the other T - E are one decode token each (the decode kernel's rows: pages and lengths). */
+   the other T - E are one decode token each (the decode kernel's rows: pages and lengths).
+   Activations bfloat16 (bf16) or float32; the KV pool bfloat16 (kv_bf16) or float32, float32 only
+   under float32 activations. */
 typedef struct {
-  int T, bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
+  int T, bf16, kv_bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
   int64_t max_pages, page_size, page_stride; /* page_stride: elements between the pool's pages */
   float eps, scale;
   const float* cos_sin;
@@ -77,17 +79,36 @@ static void norm(const Step* s, const void* x, void* residual, const void* w, vo
     add_rmsnorm_f32(x, s->hidden, residual, w, out, s->T, s->hidden, s->eps, s->threads);
 }
 
+/* Attention of the step's T tokens for layer L: q rows in qkv (row stride qkv_size elements), out
+   [T, num_heads * D] in the kernels' dtype, the pool's. Returns 0, or nonzero when a kernel failed. */
+static int attention(const Layer* L, const Step* s, const char* q, int64_t q_stride, char* out) {
+  const int64_t e = s->kv_bf16 ? 2 : 4, q_size = s->num_heads * s->head_dim;
+  if (s->R && extend_attention(q, q_stride, L->k_pages, L->v_pages, out, s->ext_page_table, s->prefix_lens,
+                               s->extend_lens, s->row_starts, s->R, s->ext_max_pages, s->page_size,
+                               s->page_stride, s->num_heads, s->num_kv_heads, s->head_dim, s->scale, s->kv_bf16,
+                               s->threads))
+    return 1;
+  return s->T > s->E && decode_attention(s->kv_bf16, q + s->E * q_stride * e, q_stride, L->k_pages, L->v_pages,
+                                         out + s->E * q_size * e, s->page_table, s->seq_lens, s->T - s->E,
+                                         s->max_pages, s->page_size, s->page_stride, s->num_heads,
+                                         s->num_kv_heads, s->head_dim, s->scale, s->threads);
+}
+
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written
-   (the running sum the final norm adds). Returns 0, or -1 when a kernel failed (out of memory). */
+   (the running sum the final norm adds). Float32 activations over a bfloat16 pool attend as a
+   bfloat16 model does: the queries rounded to bfloat16, the output widened back. Returns 0, or -1
+   when a kernel failed (out of memory). */
 int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hidden, void* residual) {
   const int64_t e = s->bf16 ? 2 : 4, T = s->T, D = s->head_dim;
   const int64_t q_size = s->num_heads * D, kv_size = s->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  const int narrow = s->kv_bf16 && !s->bf16; /* float32 activations, bfloat16 pool */
   char* normed = malloc(T * s->hidden * e);
   char* qkv = malloc(T * qkv_size * e);
   char* attn = malloc(T * q_size * e);
   char* act = malloc(T * s->intermediate * e);
-  if (!normed || !qkv || !attn || !act) {
-    free(normed), free(qkv), free(attn), free(act);
+  bf16 *q16 = narrow ? malloc(T * q_size * 2) : NULL, *attn16 = narrow ? malloc(T * q_size * 2) : NULL;
+  if (!normed || !qkv || !attn || !act || (narrow && (!q16 || !attn16))) {
+    free(normed), free(qkv), free(attn), free(act), free(q16), free(attn16);
     return -1;
   }
   int failed = 0;
@@ -107,24 +128,22 @@ int decoder_layers(const Layer* layers, int num_layers, const Step* s, void* hid
     else
       rotary_f32((float*)q, qkv_size, s->num_heads, (float*)k, qkv_size, s->num_kv_heads, D, s->cos_sin,
                  s->positions, T, s->threads);
-    store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size * e, s->page_size,
-             s->page_stride * e, s->threads);
-    if (s->R && (failed = extend_attention(q, qkv_size, L->k_pages, L->v_pages, attn, s->ext_page_table,
-                                           s->prefix_lens, s->extend_lens, s->row_starts, s->R, s->ext_max_pages,
-                                           s->page_size, s->page_stride, s->num_heads, s->num_kv_heads, D,
-                                           s->scale, s->bf16, s->threads)))
+    store_kv(k, qkv_size * e, v, qkv_size * e, L->k_pages, L->v_pages, s->loc, T, kv_size, e, narrow,
+             s->page_size, s->page_stride * (s->kv_bf16 ? 2 : 4), s->threads);
+    if (narrow) {
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < q_size; ++j) q16[t * q_size + j] = f32_to_bf16(((const float*)q)[t * qkv_size + j]);
+      if ((failed = attention(L, s, (const char*)q16, q_size, (char*)attn16))) break;
+      for (int64_t j = 0; j < T * q_size; ++j) ((float*)attn)[j] = bf16_to_f32(attn16[j]);
+    } else if ((failed = attention(L, s, q, qkv_size, attn))) {
       break;
-    if (T > s->E && (failed = decode_attention(s->bf16, q + s->E * qkv_size * e, qkv_size, L->k_pages, L->v_pages,
-                                               attn + s->E * q_size * e, s->page_table, s->seq_lens, T - s->E,
-                                               s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                                               s->num_kv_heads, D, s->scale, s->threads)))
-      break;
+    }
     if ((failed = linear(&L->o, attn, q_size, hidden, s->hidden, s->bf16, s->T, 0, s->threads))) break;
     norm(s, hidden, residual, L->post_norm, normed);
     if ((failed = linear(&L->gate_up, normed, s->hidden, act, s->intermediate, s->bf16, s->T, 1, s->threads) ||
                   linear(&L->down, act, s->intermediate, hidden, s->hidden, s->bf16, s->T, 0, s->threads)))
       break;
   }
-  free(normed), free(qkv), free(attn), free(act);
+  free(normed), free(qkv), free(attn), free(act), free(q16), free(attn16);
   return failed ? -1 : 0;
 }

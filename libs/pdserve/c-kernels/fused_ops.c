@@ -109,17 +109,26 @@ static inline int64_t vector_silu_bf16(const uint16_t* gate, const uint16_t* up,
 #endif
 #define VECTOR_SILU_float(gate, up, o, d) 0  /* float32 keeps libm's expf (vectorised by the compiler) */
 
-/* This step's K and V rows into the KV pool: row t of k (v), row_bytes bytes at k + t * k_stride
+/* This step's K and V rows into the KV pool: row t of k (v), elems elements at k + t * k_stride
    (bytes; a view into a fused qkv tensor), goes to token slot loc[t] of k_pool (v_pool): offset
-   loc[t] % page_size rows into page loc[t] / page_size, the pool's pages page_bytes apart. */
+   loc[t] % page_size rows into page loc[t] / page_size, the pool's pages page_bytes apart. Rows and
+   pool of one dtype (elem_bytes each, copied), or float32 rows into a bfloat16 pool (to_bf16:
+   rounded to nearest even). */
 void store_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_pool,
-              char* v_pool, const int64_t* loc, int64_t rows, int64_t row_bytes, int64_t page_size,
-              int64_t page_bytes, int threads) {
+              char* v_pool, const int64_t* loc, int64_t rows, int64_t elems, int64_t elem_bytes, int to_bf16,
+              int64_t page_size, int64_t page_bytes, int threads) {
+  const int64_t row_bytes = elems * (to_bf16 ? 2 : elem_bytes);
   #pragma omp parallel for schedule(static) if(rows * row_bytes >= (1 << 18)) num_threads(threads)
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t at = loc[t] / page_size * page_bytes + loc[t] % page_size * row_bytes;
-    memcpy(k_pool + at, k + t * k_stride, row_bytes);
-    memcpy(v_pool + at, v + t * v_stride, row_bytes);
+    if (to_bf16) {
+      const float *kt = (const float*)(k + t * k_stride), *vt = (const float*)(v + t * v_stride);
+      bf16 *kd = (bf16*)(k_pool + at), *vd = (bf16*)(v_pool + at);
+      for (int64_t i = 0; i < elems; ++i) kd[i] = f32_to_bf16(kt[i]), vd[i] = f32_to_bf16(vt[i]);
+    } else {
+      memcpy(k_pool + at, k + t * k_stride, row_bytes);
+      memcpy(v_pool + at, v + t * v_stride, row_bytes);
+    }
   }
 }
 

@@ -28,6 +28,26 @@ from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 logger = logging.getLogger(__name__)
 
 
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV pool's dtype for ``--kv-cache-dtype``: ``auto`` is the model's; ``bfloat16`` also under
+    a float32 model on CPU (the C kernels attend in bfloat16 there).
+
+    Raises:
+        ValueError: any other choice (another dtype than the model's on CUDA, or float32 KV under a
+            bfloat16 model).
+    """
+    if kv_cache_dtype in ("auto", str(model_dtype).removeprefix("torch.")):
+        return model_dtype
+    if kv_cache_dtype == "bfloat16" and model_dtype == torch.float32 and device.type == "cpu":
+        return torch.bfloat16
+    raise ValueError(
+        f"--kv-cache-dtype {kv_cache_dtype} with a {str(model_dtype).removeprefix('torch.')} model on "
+        f"{device.type}: choose auto (the model's dtype), or bfloat16 under a float32 model on CPU"
+    )
+
+
 class ModelRunner:
     """One model replica (or one TP rank's shard of it) with its KV memory.
 
@@ -48,6 +68,13 @@ class ModelRunner:
             backend supports it; the KV pool then has one extra page for padded rows).
         max_model_len: serve at most this many tokens per request (``--max-model-len``); default
             the model's context.
+        kv_cache_dtype: the KV pool's dtype (``--kv-cache-dtype``): ``auto`` (the model's), or
+            ``bfloat16`` under a float32 model on CPU (half the KV bytes to store and read; the
+            C kernels then attend as in a bfloat16 model: queries rounded to bfloat16, float32
+            sums, the output widened back).
+
+    Raises:
+        ValueError: a ``kv_cache_dtype`` other than the model's outside that case.
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
@@ -69,6 +96,7 @@ class ModelRunner:
         kv_memory_fraction: float = 0.25,
         max_model_len: int | None = None,
         tp: TpGroup = SINGLE_RANK,
+        kv_cache_dtype: str = "auto",
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -76,6 +104,7 @@ class ModelRunner:
             Path(model_path), dtype, self.device, max_model_len, tp.size, tp.rank
         )
         quantization = resolve_quantization(quantization, self.device, cfg.dtype, tp.size)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype, self.device)
         self.model = load_model(
             model_path,
             cfg.hf_config,
@@ -87,7 +116,7 @@ class ModelRunner:
             tp,
         )
         bytes_per_token = KVPool.bytes_per_token(
-            cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, cfg.dtype
+            cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype
         )
         if max_total_tokens is None and kv_cache_memory is None:
             kv_cache_memory = min(
@@ -106,7 +135,7 @@ class ModelRunner:
                 cfg.num_layers,
                 cfg.num_local_kv_heads,
                 cfg.head_dim,
-                cfg.dtype,
+                kv_dtype,
                 self.device,
             )
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -125,7 +154,7 @@ class ModelRunner:
         self.sampler = Sampler()
         logger.info(
             "loaded %s (%s, %s, quantization %s, TP rank %d of %d) on %s: %d KV pages of %d tokens"
-            " (%.1f MiB), backend %s",
+            " (%.1f MiB, %s), backend %s",
             cfg.architecture,
             model_path,
             cfg.dtype,
@@ -136,6 +165,7 @@ class ModelRunner:
             num_pages,
             page_size,
             self.kv_pool.kv_data.nbytes / 2**20,
+            str(kv_dtype).removeprefix("torch."),
             type(self.attn_backend).__name__,
         )
 

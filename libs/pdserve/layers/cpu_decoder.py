@@ -38,12 +38,12 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", _C), ("bf16", _C), ("hidden", _C), ("num_heads", _C), ("num_kv_heads", _C),
-                ("head_dim", _C), ("intermediate", _C), ("threads", _C), ("max_pages", _I), ("page_size", _I),
-                ("page_stride", _I), ("eps", _F), ("scale", _F), ("cos_sin", _P), ("positions", _P),
-                ("loc", _P), ("page_table", _P), ("seq_lens", _P), ("E", _I), ("R", _I),
-                ("ext_max_pages", _I), ("ext_page_table", _P), ("prefix_lens", _P), ("extend_lens", _P),
-                ("row_starts", _P)]  # fmt: skip
+    _fields_ = [("T", _C), ("bf16", _C), ("kv_bf16", _C), ("hidden", _C), ("num_heads", _C),
+                ("num_kv_heads", _C), ("head_dim", _C), ("intermediate", _C), ("threads", _C),
+                ("max_pages", _I), ("page_size", _I), ("page_stride", _I), ("eps", _F), ("scale", _F),
+                ("cos_sin", _P), ("positions", _P), ("loc", _P), ("page_table", _P), ("seq_lens", _P),
+                ("E", _I), ("R", _I), ("ext_max_pages", _I), ("ext_page_table", _P), ("prefix_lens", _P),
+                ("extend_lens", _P), ("row_starts", _P)]  # fmt: skip
 
 
 def _linear(module: Any, keep: list) -> _Linear:
@@ -131,9 +131,10 @@ class CpuDecoder:
         residual = torch.empty_like(hidden)
         positions, loc = positions.contiguous(), fb.out_cache_loc.contiguous()
         step = _Step(
-            hidden.shape[0], hidden.dtype == torch.bfloat16, self.hidden, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.intermediate, torch.get_num_threads(), 0, pool.page_size, pool.page_stride,
-            self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(), positions.data_ptr(), loc.data_ptr(),
+            hidden.shape[0], hidden.dtype == torch.bfloat16, pool.dtype == torch.bfloat16, self.hidden,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, torch.get_num_threads(), 0,
+            pool.page_size, pool.page_stride, self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(),
+            positions.data_ptr(), loc.data_ptr(),
         )  # fmt: skip
         if rows is not None:
             step.max_pages, step.page_table, step.seq_lens = (

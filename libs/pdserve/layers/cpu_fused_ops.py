@@ -53,7 +53,7 @@ class FusedOps:
         self._store_kv = lib.store_kv
         self._store_kv.restype, self._store_kv.argtypes = (
             None,
-            [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _C],
+            [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _C, _I, _I, _C],
         )
 
     @staticmethod
@@ -141,6 +141,12 @@ class FusedOps:
         )
         return out
 
+    @staticmethod
+    def stores_kv(k: torch.Tensor, pool_dtype: torch.dtype) -> bool:
+        """Whether ``store_kv`` takes rows of ``k``'s dtype into a pool of ``pool_dtype``: the same
+        dtype, or float32 rows into a bfloat16 pool."""
+        return k.dtype == pool_dtype or (k.dtype, pool_dtype) == (torch.float32, torch.bfloat16)
+
     def store_kv(
         self,
         k: torch.Tensor,
@@ -153,7 +159,8 @@ class FusedOps:
         qkv tensor, unit stride within a row) to token slot ``loc[t]`` (int64 ``[T]``, contiguous:
         offset ``loc % page_size`` of page ``loc // page_size``) of ``k_pages`` / ``v_pages``
         (``[num_pages, page_size, Hkv, D]``, each page contiguous, pages ``stride(0)`` apart, the same
-        for both), all of one dtype."""
+        for both): rows and pages of one dtype, or float32 rows rounded into bfloat16 pages
+        (``stores_kv``)."""
         size = k.element_size()
         self._store_kv(
             k.data_ptr(),
@@ -164,9 +171,11 @@ class FusedOps:
             v_pages.data_ptr(),
             loc.data_ptr(),
             k.shape[0],
-            k.shape[1] * size,
+            k.shape[1],
+            size,
+            k.dtype != k_pages.dtype,
             k_pages.shape[1],
-            k_pages.stride(0) * size,
+            k_pages.stride(0) * k_pages.element_size(),
             torch.get_num_threads(),
         )
 

@@ -69,7 +69,12 @@ class AttentionBackend(ABC):
         pages; returns that layer's K and V pages, ``[num_pages, page_size, Hkv, D]`` each."""
         pool = forward_batch.token_to_kv_pool
         ops = load_fused_ops()
-        if ops is not None and ops.supports(k) and k.dtype == pool.dtype and k.stride(1) == v.stride(1) == 1:
+        if (
+            ops is not None
+            and ops.supports(k)
+            and ops.stores_kv(k, pool.dtype)
+            and k.stride(1) == v.stride(1) == 1
+        ):
             # one C call, reading k/v in place from the fused qkv output
             ops.store_kv(k, v, *pool.kv_pages(layer.layer_id), forward_batch.out_cache_loc)
         else:

@@ -106,8 +106,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         on_cpu = use_cpu_kernels and runner.device.type == "cpu"
         decode_kernel = load_decode_kernel() if on_cpu else None
         extend_kernel = load_extend_kernel() if on_cpu else None
-        self.decode_kernel = decode_kernel if decode_kernel and decode_kernel.supports(config.dtype) else None
-        supported = extend_kernel and extend_kernel.supports(config.dtype, config.head_dim)
+        kv_dtype = runner.kv_pool.dtype  # the kernels run in the pool's dtype (queries rounded to it)
+        self.decode_kernel = decode_kernel if decode_kernel and decode_kernel.supports(kv_dtype) else None
+        supported = extend_kernel and extend_kernel.supports(kv_dtype, config.head_dim)
         self.extend_kernel = extend_kernel if self.decode_kernel and supported else None
         self.num_heads = config.num_local_heads
         self.num_kv_heads = config.num_local_kv_heads
@@ -210,6 +211,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
+        if k_pages.dtype != q.dtype and self.decode_kernel is not None:
+            # float32 activations over a bfloat16 pool: the C kernels attend as a bfloat16 model does
+            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer.scaling).to(q.dtype)
+        return self._attention(q, k_pages, v_pages, layer.scaling)
+
+    def _attention(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """``[T, Hq * D]`` attention outputs of the batch's queries ``q`` over the stored pages."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if self.tiles is not None:
@@ -223,25 +233,25 @@ class TorchNativeAttnBackend(AttentionBackend):
                 tiles.prefix_lens,
                 tiles.extend_lens,
                 tiles.row_starts,
-                layer.scaling,
+                scaling,
                 out=out,
             )
             if self.kernel_rows is not None:
                 rows = self.kernel_rows
                 queries = q[rows.token_index]
                 out[rows.token_index] = self.decode_kernel(
-                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, layer.scaling
+                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling
                 )
             return out.view(num_tokens, -1)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
-            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, layer.scaling)
+            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling)
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
-            return self._attend(q, k_pages, v_pages, self.groups[0], layer.scaling)
+            return self._attend(q, k_pages, v_pages, self.groups[0], scaling)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
         for group in self.groups:
-            out[group.out_index] = self._attend(q, k_pages, v_pages, group, layer.scaling)
+            out[group.out_index] = self._attend(q, k_pages, v_pages, group, scaling)
         return out
 
     def _attend(
@@ -259,8 +269,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         qg = q[group.query_index].view(rows, max_q, hkv, g, d)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
         pages = group.page_table.view(-1)
-        kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
-        vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
+        kg = (
+            k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        )  # [Bg, Hkv, Lk, D]
+        vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]
