@@ -93,6 +93,16 @@ def test_whole_output(parser: str, text: str, content: str | None, calls: list) 
         assert parsed.content == text
 
 
+def test_a_hermes_call_cut_off_after_whole_ones_is_dropped() -> None:
+    """An output that ran out of tokens in its second call keeps the first (a model repeating its
+    call under tool_choice=required with a small max_tokens); a cut-off first call keeps the text."""
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    parsed = TOOL_PARSERS["hermes"]().parse(whole + '<tool_call>\n{"name": "get_weather", "argu')
+    assert calls_of(parsed) == [("get_weather", {"city": "Paris"})] and parsed.content is None
+    malformed = whole + '<tool_call>\n{"name": "get_time", "argu\n</tool_call>'  # closed: not cut off
+    assert TOOL_PARSERS["hermes"]().parse(malformed).tool_calls == []
+
+
 def stream(parser: ToolParser, text: str, step: int) -> tuple[str, list[tuple[str, str]], int]:
     """Feed ``text`` ``step`` characters at a time: (content, [(name, arguments)], argument pieces)."""
     s = ToolCallStream(parser)

@@ -22,10 +22,20 @@ class HermesParser(ToolParser):
         return partial_marker_len(text, START)
 
     def call_objects(self, calls: str, partial: bool) -> list[Any]:
+        """The blocks' call objects. An unclosed last block counts if its JSON is whole; if not (the
+        output ran out of tokens mid-call) it is dropped after whole calls, so they stand."""
         objects = []
-        for block in calls.split(START)[1:]:
-            body = block.partition(END)[0]  # an unclosed last block counts if its JSON is whole
-            objects += self.partial_objects(body) if partial else [json.loads(body)]
+        blocks = calls.split(START)[1:]
+        for i, block in enumerate(blocks):
+            body, closed, _ = block.partition(END)
+            if partial:
+                objects += self.partial_objects(body)
+                continue
+            try:
+                objects.append(json.loads(body))
+            except ValueError:
+                if closed or i < len(blocks) - 1 or not objects:
+                    raise
         return objects
 
     def call_tag(self, tool: Tool) -> dict[str, Any]:
