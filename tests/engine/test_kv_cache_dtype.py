@@ -1,6 +1,6 @@
-"""``--kv-cache-dtype bfloat16`` under a float32 model on CPU: half the pool's bytes, the C kernels
-attending as a bfloat16 model does (queries rounded, float32 sums), the SDPA path over the same
-pages; what else the flag refuses."""
+"""``--kv-cache-dtype bfloat16`` under a float32 model on CPU: half the pool's bytes, attention as a
+bfloat16 model does it (queries rounded) through the C kernels and through SDPA; what else the
+flag refuses."""
 
 from __future__ import annotations
 

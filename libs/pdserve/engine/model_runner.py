@@ -32,7 +32,7 @@ def resolve_kv_cache_dtype(
     kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
 ) -> torch.dtype:
     """The KV pool's dtype for ``--kv-cache-dtype``: ``auto`` is the model's; ``bfloat16`` also under
-    a float32 model on CPU (the C kernels attend in bfloat16 there).
+    a float32 model on CPU (attention then runs in bfloat16: queries rounded to it).
 
     Raises:
         ValueError: any other choice (another dtype than the model's on CUDA, or float32 KV under a

@@ -211,8 +211,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
-        if k_pages.dtype != q.dtype and self.decode_kernel is not None:
-            # float32 activations over a bfloat16 pool: the C kernels attend as a bfloat16 model does
+        if k_pages.dtype != q.dtype:  # float32 activations over a bfloat16 pool: attend as bfloat16 does
             return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer.scaling).to(q.dtype)
         return self._attention(q, k_pages, v_pages, layer.scaling)
 
@@ -269,10 +268,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         qg = q[group.query_index].view(rows, max_q, hkv, g, d)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
         pages = group.page_table.view(-1)
-        kg = (
-            k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2).to(q.dtype)
-        )  # [Bg, Hkv, Lk, D]
-        vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
+        vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]
