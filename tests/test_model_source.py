@@ -42,3 +42,27 @@ def test_default_gguf_converts_to_float16_equal_to_transformers_float32_dequanti
         assert tensor.dtype == torch.float16, name
         assert torch.equal(tensor, weights[name].to(torch.float16)), name
         assert torch.allclose(tensor.float(), weights[name], rtol=2**-11, atol=2**-24), name
+
+
+def test_fresh_conversion_warns_nothing_and_matches_the_cache(tmp_path, monkeypatch, capfd):
+    """A first conversion (an empty cache) logs no transformers warning (it once warned that a float16
+    load of packed GGUF blocks is slow, about a load that dequantizes) and writes what the shared
+    cache holds: equal tensors (the safetensors header's order of names varies from run to run), the
+    other files byte for byte."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pdserve.model_source import convert_gguf
+
+    cached = resolve_model()
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    fresh = convert_gguf(default_gguf_path())
+    assert fresh.parent == tmp_path and fresh.name == cached.name
+    assert "[transformers]" not in capfd.readouterr().err
+    assert sorted(p.name for p in fresh.iterdir()) == sorted(p.name for p in cached.iterdir())
+    weights, reference = load_file(fresh / "model.safetensors"), load_file(cached / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in reference)
+    for path in cached.iterdir():
+        if path.name != "model.safetensors":
+            assert (fresh / path.name).read_bytes() == path.read_bytes(), path.name

@@ -197,12 +197,19 @@ def convert_gguf(gguf: Path) -> Path:
         if (out / "config.json").exists():
             return out
         from safetensors.torch import save_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
         logger.info("converting %s to a safetensors cache in %s (once)", gguf, out)
         tmp = out.parent / f".{out.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        # dequantize=True says so up front: transformers otherwise plans to keep the blocks packed and
+        # warns that a float16 load of packed weights is slow before it falls back to dequantizing
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=dtype,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+        )
         tmp.mkdir(parents=True)
         # save_pretrained refuses models loaded from GGUF; the dequantized weights are plain tensors.
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
