@@ -169,15 +169,18 @@ class BackendClients:
         )
         return resp.role or role, resp.worker or address, resp.text
 
-    async def is_serving(self, address: str, service: str = "") -> bool:
-        """True when ``address`` answers grpc.health.v1 Check for ``service`` ("" = the server as a
-        whole) with SERVING."""
+    async def serving_status(self, address: str, service: str = "") -> bool | None:
+        """``address``'s grpc.health.v1 answer for ``service`` ("" = the server as a whole): True for
+        SERVING, False for another status or an error it answered with (NOT_FOUND: it does not serve
+        ``service``), None when it did not answer within ``probe_timeout`` (down, hung, or
+        unreachable)."""
         try:
             resp = await self._stub("health", address).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=self.probe_timeout
             )
-        except grpc.aio.AioRpcError:
-            return False
+        except grpc.aio.AioRpcError as e:
+            silent = e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+            return None if silent else False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import secrets
 import time
@@ -61,17 +62,17 @@ class ManagerConfig:
     log_requests: bool = False
 
 
-def backend_rid(rid: str, index: int, tag: str) -> str:
-    """The rid choice ``index`` of client request ``rid`` carries in the backends: ``{rid}-{index}.{tag}``.
+def backend_rid(rid: str, index: int, tag: str, serial: int) -> str:
+    """The rid choice ``index`` of client request ``rid`` carries in the backends:
+    ``{rid}-{index}.{tag}.{serial:x}``.
 
-    ``tag`` is the sending replica's (8 random hex digits, drawn at its start). Within a replica the
-    map is one-to-one (``index`` is the digits after the last ``-``, before the fixed-length tag),
-    and replicas' tags differ, so a client-chosen rid never equals another request's in a scheduler
-    or a detokenizer, where equal rids would refuse one, let its cleanup abort the other, or route
-    one's tokens to the other's client. Logs and traces of the backends show it; it starts with
-    ``rid``.
+    ``tag`` is the sending replica's (8 random hex digits, drawn at its start) and ``serial`` the
+    request's number at that replica, so a client-chosen rid (rids are per API key: two keys may
+    use one at once) never equals another request's in a scheduler or a detokenizer, where equal
+    rids would refuse one, let its cleanup abort the other, or route one's tokens to the other's
+    client. Logs and traces of the backends show it; it starts with ``rid``.
     """
-    return f"{rid}-{index}.{tag}"
+    return f"{rid}-{index}.{tag}.{serial:x}"
 
 
 class RequestManager:
@@ -94,8 +95,9 @@ class RequestManager:
         self.detokenizers = detokenizers
         self.registry = registry
         self.metrics = metrics
-        self.handles: dict[str, RequestHandle] = {}
+        self.handles: dict[tuple[str | None, str], RequestHandle] = {}  # (API key, rid) -> handle
         self.rid_tag = secrets.token_hex(4)  # this replica's, in every rid it sends (``backend_rid``)
+        self._serials = itertools.count()  # the requests' numbers, in every rid it sends
         self.pending_choices = 0  # sub-requests of the handles in flight
         self.token_pieces = TokenPieces(lambda ids: clients.token_pieces(self.tokenizers.next().address, ids))
         self._model_info: ModelInfo | None = None
@@ -139,11 +141,11 @@ class RequestManager:
                 ``abort`` the request.
 
         Raises:
-            GatewayError: 429 too many requests in flight (``admission``), 409 rid in flight (the
-                request in flight goes on), 400 prompt too long for the context, 503 no healthy
-                worker or the gateway is shutting down, 504 deadline passed, or a backend call's
-                error (429 when a scheduler's queue is full). Choices already sent are aborted
-                before it is raised.
+            GatewayError: 429 too many requests in flight (``admission``), 409 rid in flight under
+                the same API key (the request in flight goes on; other keys' rids are their own),
+                400 prompt too long for the context, 503 no healthy worker or the gateway is
+                shutting down, 504 deadline passed, or a backend call's error (429 when a
+                scheduler's queue is full). Choices already sent are aborted before it is raised.
         """
         cfg = self.config
         if self.draining:
@@ -153,7 +155,7 @@ class RequestManager:
                 headers=retry_after(),
             )
         admission.check_pending(obj, self.pending_choices, cfg.max_pending_requests, self.router.decode)
-        if obj.rid in self.handles:
+        if (owner, obj.rid) in self.handles:
             raise duplicate_rid(obj.rid)
         timeouts = [t for t in (timeout, cfg.request_timeout) if t is not None]
         budget = min(timeouts) if timeouts else None
@@ -166,7 +168,7 @@ class RequestManager:
             on_close=lambda h, choices=obj.num_choices: self._closed(h, choices),
             deadline=None if budget is None else time.monotonic() + budget,
         )
-        self.handles[obj.rid] = handle
+        self.handles[owner, obj.rid] = handle
         self.pending_choices += obj.num_choices
         try:
             async with asyncio.timeout(budget):
@@ -182,7 +184,7 @@ class RequestManager:
         return handle
 
     def _closed(self, handle: RequestHandle, choices: int) -> None:
-        if self.handles.pop(handle.rid, None) is None:
+        if self.handles.pop((handle.owner, handle.rid), None) is None:
             return
         self.pending_choices -= choices
         if self.config.log_requests:
@@ -199,6 +201,7 @@ class RequestManager:
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
             raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
+        serial = next(self._serials)
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
@@ -212,7 +215,7 @@ class RequestManager:
                 seed = None if sp.seed is None else wrap_int64(sp.seed + i)
                 handle.add_choice(
                     ReqState(
-                        rid=backend_rid(obj.rid, index, self.rid_tag),
+                        rid=backend_rid(obj.rid, index, self.rid_tag, serial),
                         index=index,
                         input_ids=prompt.input_ids,
                         sampling_params=dataclasses.replace(sp, max_new_tokens=max_new, seed=seed),
@@ -232,18 +235,26 @@ class RequestManager:
 
     async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
         """Send one choice to its decode-scheduler; a choice aborted meanwhile is not sent, or is
-        aborted again once the scheduler has it (its first abort may have arrived before it)."""
+        aborted again once the scheduler has it (its first abort may have arrived before it). A
+        choice the gateway ends while its call is in flight (aborted, or its worker taken out)
+        cancels the call (``RequestHandle``): its end is already in the handle, and the request
+        waits no longer."""
         if state.finished:
             return
         state.output_address = self.detokenizers.next().address
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
+        state.sending = asyncio.ensure_future(self._generate(state, arrival, deadline))
         try:
-            await self._generate(state, arrival, deadline)
+            await state.sending
+        except asyncio.CancelledError:
+            if not state.finished or asyncio.current_task().cancelling():
+                raise  # this task was cancelled, not only the call
         except GatewayError as e:
             if e.status == 409:  # the scheduler holds another request of this rid and refused this one:
                 state.sent = False  # an abort by rid would end that other request
             raise
         finally:
+            state.sending = None
             reason = state.owner.close_reason or state.owner.abort_reason
             if reason:
                 self._abort_choice(state, reason)
@@ -266,8 +277,8 @@ class RequestManager:
         """End the request ``rid`` of this replica sent with the API key ``owner`` (every choice,
         finish_reason "abort"); False if there is none: unknown, or another key's (which is not told
         apart, so that a caller learns nothing of other keys' requests)."""
-        handle = self.handles.get(rid)
-        if handle is None or handle.owner != owner:
+        handle = self.handles.get((owner, rid))
+        if handle is None:
             return False
         handle.abort(reason)
         return True

@@ -35,6 +35,7 @@ class ReqState:
     route: Route | None = None
     output_address: str = ""  # the detokenizer that turns its tokens into text
     sent: bool = False
+    sending: asyncio.Future | None = None  # its DecodeScheduler.Generate call while that is in flight
     finished: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -150,10 +151,19 @@ class RequestHandle:
             self.abort_reason = reason
         for state in self.states if states is None else states:
             if not state.finished:
-                if state.sent:
-                    self.abort_backend(state, reason)
+                self._abort_sent(state, reason)
                 end = ChoiceDelta(state.index, finish_reason=finish_reason, error=reason, retryable=retryable)
                 self.push(state, end)
+
+    def _abort_sent(self, state: ReqState, reason: str) -> None:
+        """The gateway ends ``state``: abort it in its scheduler if sent, and stop waiting for the
+        scheduler's answer to it if that is still in flight (a hung worker taken out must not hold
+        its requests until the call's deadline). An end the scheduler itself sent (an output) leaves
+        the call alone: its answer (e.g. INVALID_ARGUMENT for a bad grammar) is the request's."""
+        if state.sent:
+            self.abort_backend(state, reason)
+        if state.sending is not None:
+            state.sending.cancel()
 
     async def first_output(self) -> None:
         """Wait for the request's first output (a stream's HTTP status is decided by it).
@@ -196,8 +206,7 @@ class RequestHandle:
         self.close_reason = reason
         for state in self.states:
             if not state.finished:
-                if state.sent:
-                    self.abort_backend(state, reason)
+                self._abort_sent(state, reason)
                 self._finish(state)
         self.on_close(self)
         self.queue.put_nowait(None)  # wakes a consumer still iterating

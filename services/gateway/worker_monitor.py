@@ -70,13 +70,17 @@ class WorkerMonitor:
     async def _probe(self, role: str, worker: Worker) -> bool:
         """One probe of ``worker``; True when it takes new requests."""
         service = SCHEDULER_SERVICES.get(role, "")
-        ok = await self.clients.is_serving(worker.address, service)
-        draining = not ok and bool(service) and await self.clients.is_serving(worker.address)
+        answer = await self.clients.serving_status(worker.address, service)
+        # only a worker that answered NOT_SERVING is asked about the server as a whole: one that did
+        # not answer at all (hung) costs one probe timeout, not two, and is not mistaken for draining
+        # when it wakes up between the two calls
+        draining = answer is False and bool(service)
+        draining = draining and bool(await self.clients.serving_status(worker.address))
         if draining != worker.draining:
-            state = "draining: no new requests" if draining else "takes new requests again"
-            logger.warning("%s worker %s is %s", role, worker.address, state)
+            state = "is draining: no new requests" if draining else "takes new requests again"
+            logger.warning("%s worker %s %s", role, worker.address, state)
             worker.draining = draining
-        ok = ok or draining  # alive
+        ok = bool(answer) or draining  # alive
         if ok and role in SCHEDULER_ROLES:
             await self._read_load(role, worker)  # before it is routed to again: a restart ends its requests
         worker.failed_probes = 0 if ok else worker.failed_probes + 1

@@ -1,7 +1,8 @@
 """Who may end or reuse a request in flight, on a gateway with two API keys (one per client) over the
 colocated stack's workers: only the key a request was sent with can abort it (any other key is told
-``found=false``, as for a rid that does not exist), and a rid in flight is refused to a second request,
-whoever sends it (409 / ALREADY_EXISTS), while the first goes on."""
+``found=false``, as for a rid that does not exist), and rids are per key: a rid in flight is refused
+to a second request of the same key (409 / ALREADY_EXISTS) while the first goes on, and is free for
+another key."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def auth(key: str) -> tuple[tuple[str, str], ...]:
 def long_request(rid: str, max_new_tokens: int = 400) -> api_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     return api_pb2.GenerateRequest(rid=rid, text="Count to a thousand:", sampling_params=sampling)
+
+
+def rid_headers(key: str, rid: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", "X-Request-Id": rid}
 
 
 async def rest(call) -> list[api_pb2.GenerateResponse]:
@@ -84,32 +89,33 @@ async def test_only_the_key_a_request_was_sent_with_can_abort_it(gateway, stub) 
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
 
 
-async def test_a_rid_in_flight_is_refused_to_another_request_and_the_first_goes_on(gateway, stub) -> None:
+async def test_a_rid_in_flight_is_refused_to_its_own_key_and_free_for_another(gateway, stub) -> None:
+    """Rids are per API key: the same key gets 409 / ALREADY_EXISTS for a rid it has in flight, while
+    another key's request of that rid is served (it learns nothing of the first, cannot block it,
+    and its Abort ends only its own); the first goes on to its length."""
     first = stub.Generate(long_request("dup-1", max_new_tokens=32), metadata=auth(KEY_A), timeout=120)
     pieces = [await first.read()]
     message = "request id 'dup-1' is already in flight"
     url = f"http://127.0.0.1:{gateway.http_port}"
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
-        for key in (KEY_B, KEY_A):
-            r = await http.post(
-                "/v1/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}", "X-Request-Id": "dup-1"},
-            )
-            assert r.status_code == 409
-            assert r.json() == {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": "rid",
-                    "code": "duplicate_rid",
-                }
-            }
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in stub.Generate(long_request("dup-1", 4), metadata=auth(key), timeout=120):
-                    pass
-            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, message)
+        r = await http.post("/v1/completions", json=body, headers=rid_headers(KEY_A, "dup-1"))
+        assert r.status_code == 409
+        error = {"message": message, "type": "invalid_request_error", "param": "rid", "code": "duplicate_rid"}
+        assert r.json() == {"error": error}
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in stub.Generate(long_request("dup-1", 4), metadata=auth(KEY_A), timeout=120):
+                pass
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.ALREADY_EXISTS, message)
+
+        other = await http.post("/v1/completions", json=body, headers=rid_headers(KEY_B, "dup-1"))
+        assert other.status_code == 200, other.text
+        expected = hf_greedy(hf_tokenizer().encode(body["prompt"]), 4)
+        assert other.json()["choices"][0]["text"] == hf_tokenizer().decode(expected)
+        second = stub.Generate(long_request("dup-1", max_new_tokens=400), metadata=auth(KEY_B), timeout=120)
+        await second.read()
+        assert (await stub.Abort(api_pb2.PublicAbortRequest(rid="dup-1"), metadata=auth(KEY_B))).found
+        assert (await rest(second))[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     pieces += await rest(first)
     assert sum(len(p.token_ids) for p in pieces) == 32
     assert pieces[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -61,7 +61,7 @@ def check_tree(trace: list[Span], rid: str) -> None:
     # under the Generate server span, whose parent is the gateway's client span under the HTTP span
     assert parent(decode_req) is one(trace, "decode", "/pdserve.v1.DecodeScheduler/Generate")
     assert re.fullmatch(
-        rf"{re.escape(rid)}-0\.[0-9a-f]{{8}}", decode_req.attributes["pdserve.rid"]
+        rf"{re.escape(rid)}-0\.[0-9a-f]{{8}}\.[0-9a-f]+", decode_req.attributes["pdserve.rid"]
     )  # backend_rid
     prefill_req = one(trace, "prefill", "prefill.request")
     prefill_call = parent(prefill_req)
