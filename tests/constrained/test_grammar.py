@@ -91,6 +91,46 @@ def test_bad_grammars_fail_with_a_clean_reason(backend, kind, text, reason):
     assert ".cc:" not in message and "Check failed" not in message and "\n" not in message
 
 
+# (schema, a JSON text it forbids with the keyword xgrammar drops, where the refusal points)
+UNENFORCED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "'uniqueItems' at #"),
+    ({"not": {"type": "string"}}, '"abc"', "'not' at #"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, '"a"', "'if' at #"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "'dependentRequired' at #"),
+    ({"allOf": [{"type": "string"}, {"minLength": 2}]}, '"a"', "'allOf' of more than one schema at #"),
+    ({"type": "object", "properties": {"not": {"type": "number", "multipleOf": 0.5}}}, '{"not": 0.3}',
+     "'multipleOf' other than an integer on type integer at #/properties/not"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "breaks_it", "reason"), UNENFORCED)
+def test_a_json_schema_keyword_xgrammar_would_drop_is_refused(backend, schema, breaks_it, reason):
+    """xgrammar compiles these keywords as if they were absent (the text that breaks the schema is
+    accepted by its grammar), so the schema is refused, naming the keyword and where it is."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), breaks_it)
+    future, _ = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    with pytest.raises(GrammarError) as err:
+        future.result(timeout=120)
+    assert str(err.value) == f"invalid json_schema: {reason} is not supported (the output could break it)"
+
+
+def test_keywords_xgrammar_enforces_and_annotations_compile(backend):
+    schema = {
+        "type": "object", "title": "t", "description": "d", "$comment": "c",
+        "properties": {"n": {"type": "integer", "multipleOf": 3, "examples": [3]},
+                       "tags": {"type": "array", "uniqueItems": False, "items": {"enum": ["a", "not"]}},
+                       "if": {"allOf": [{"type": "string", "maxLength": 3}]}},
+        "required": ["n", "tags", "if"], "additionalProperties": False,
+    }  # fmt: skip
+    text = json.dumps(schema)
+    assert matcher_accepts(backend, "json_schema", text, '{"n": 6, "tags": ["a"], "if": "abc"}')
+    assert not matcher_accepts(backend, "json_schema", text, '{"n": 4, "tags": ["a"], "if": "abc"}')
+
+
 @pytest.mark.parametrize(
     ("part", "kind", "reason"),
     [

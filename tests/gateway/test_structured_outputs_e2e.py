@@ -203,6 +203,10 @@ def test_n_logprobs_and_stop_strings(colocated) -> None:
 BAD_TAG = {"type": "structural_tag", "format": {"type": "x"}}
 INVALID = [
     ({"response_format": schema_format({"type": "objec"})}, 'invalid json_schema: Unsupported type "objec"'),
+    (
+        {"response_format": schema_format({"type": "array", "uniqueItems": True})},
+        "invalid json_schema: 'uniqueItems' at # is not supported",
+    ),
     ({"extra_body": {"structured_outputs": {"regex": "(ab"}}}, "invalid regex: Regex parsing error"),
     ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "a" |'}}}, "invalid ebnf: EBNF parser"),
     ({"extra_body": {"structured_outputs": {"structural_tag": BAD_TAG}}}, "invalid structural_tag:"),

@@ -42,11 +42,14 @@ def compile_checked(compiler: Any, spec: GrammarSpec, vocab_size: int) -> Any:
         the ``xgr.CompiledGrammar``.
 
     Raises:
-        GrammarError: xgrammar refused it (for a structural tag, named after the client's failing
-            part), or its language is empty (regex ``[^\\s\\S]``, ebnf ``root ::= root``): a
-            request under it could only fail at its first token.
+        GrammarError: a JSON Schema uses a keyword xgrammar would not enforce
+            (``unenforced_keyword``), xgrammar refused it (for a structural tag, named after the
+            client's failing part), or its language is empty (regex ``[^\\s\\S]``, ebnf
+            ``root ::= root``): a request under it could only fail at its first token.
         MemoryError: xgrammar ran out of memory (``std::bad_alloc``).
     """
+    if spec.kind == "json_schema":
+        _refuse_unenforced(spec.text)
     try:
         compiled = compile_spec(compiler, spec)
     except XGRAMMAR_ERRORS as e:
@@ -56,6 +59,67 @@ def compile_checked(compiler: Any, spec: GrammarSpec, vocab_size: int) -> Any:
     if not _allows_a_first_token(compiled, vocab_size):
         raise GrammarError(f"invalid {spec.kind}: it matches no text (no token may start it)")
     return compiled
+
+
+# Subschemas under a keyword: a map of them, one, or a list of them (JSON Schema 2020-12 and draft 7).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "unevaluatedItems",
+                  "unevaluatedProperties", "contains", "propertyNames")  # fmt: skip
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+# Keywords xgrammar 0.2.9 compiles as if they were absent (checked by the strings it then accepts).
+_UNENFORCED = ("not", "if", "dependentRequired", "dependentSchemas", "dependencies")
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword of JSON Schema ``schema`` that xgrammar would silently not enforce, with
+    where it is (e.g. ``'uniqueItems' at #/properties/tags``); None when every keyword is enforced
+    or is an annotation (``title``, ``description``, ...).
+
+    Not enforced: ``not``, ``if``/``then``/``else``, ``dependentRequired``, ``dependentSchemas``,
+    ``dependencies``, ``uniqueItems: true``, ``allOf`` of more than one subschema, and
+    ``multipleOf`` except an integer one on ``type: integer``. A grammar that drops them would let
+    the output break the schema the client asked for, so such a schema is refused (as OpenAI's
+    strict mode refuses keywords it does not support, and vLLM refuses them for xgrammar).
+    """
+    todo: list[tuple[Any, str]] = [(schema, "#")]
+    while todo:
+        node, path = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        found = [f"'{k}'" for k in _UNENFORCED if k in node]
+        if node.get("uniqueItems") is True:
+            found.append("'uniqueItems'")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.append("'allOf' of more than one schema")
+        if "multipleOf" in node and not _integer_multiple(node):
+            found.append("'multipleOf' other than an integer on type integer")
+        if found:
+            return f"{found[0]} at {path}"
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo += [(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()]
+        todo += [(node[key], f"{path}/{key}") for key in _SCHEMA_VALUES if key in node]
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                todo += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key])]
+    return None
+
+
+def _refuse_unenforced(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return  # not JSON: xgrammar's error names the problem
+    if keyword := unenforced_keyword(schema):
+        raise GrammarError(f"invalid json_schema: {keyword} is not supported (the output could break it)")
+
+
+def _integer_multiple(node: dict) -> bool:
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    step = node["multipleOf"]
+    integral = isinstance(step, int) and not isinstance(step, bool)
+    return integral and "integer" in types and "number" not in types
 
 
 def compile_spec(compiler: Any, spec: GrammarSpec) -> Any:
