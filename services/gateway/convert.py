@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from pdserve.services.gateway.io_struct import (
@@ -34,9 +35,21 @@ def sampling_params_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**fields)
 
 
+# 64-bit integer fields, which protobuf's JSON mapping writes as strings
+_INT64_FIELDS = frozenset(
+    f.name
+    for f in common_pb2.SamplingParams.DESCRIPTOR.fields
+    if f.cpp_type in (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
+)
+
+
 def sampling_params_dict(pb: common_pb2.SamplingParams) -> dict[str, Any]:
-    """The fields set in ``pb`` as a dict keyed by proto field names (unset optionals left out)."""
-    return MessageToDict(pb, preserving_proto_field_name=True)
+    """The fields set in ``pb`` as the JSON body's dict, keyed by proto field names (unset optionals
+    left out); 64-bit integers stay integers (the request models' types are strict)."""
+    fields = MessageToDict(pb, preserving_proto_field_name=True)
+    for name in fields.keys() & _INT64_FIELDS:
+        fields[name] = getattr(pb, name)
+    return fields
 
 
 def tokenize_request(prompt: Prompt, add_special_tokens: bool) -> tokenizer_pb2.TokenizeRequest:

@@ -15,6 +15,7 @@ from pdserve.services.gateway.protocol import ChatMessage
 from pdserve.services.gateway.protocol_fields import (
     LogitBias,
     PositiveFloat32,
+    RequestModel,
     Seed,
     Stop,
     StopTokenIds,
@@ -29,7 +30,7 @@ from pdserve.services.gateway.structured_outputs import GrammarText
 MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: a million ids, more than any context holds
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(RequestModel):
     """``sampling_params`` of /generate; names and meaning as in ``pdserve.v1.SamplingParams``.
 
     Float fields must be finite (NaN and inf are rejected). At most one of ``json_schema`` (JSON
@@ -95,7 +96,7 @@ class NativeSamplingParams(BaseModel):
         )
 
 
-class GenerateOptions(BaseModel):
+class GenerateOptions(RequestModel):
     """Everything but the prompt that /generate and the gRPC API's ``GenerateRequest`` share.
 
     The gRPC servicer validates its request's options through this model, so both check them
@@ -177,7 +178,7 @@ class NativeGenerateResponse(BaseModel):
     index: int = 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """POST /tokenize: ``prompt`` (plain text) or ``messages`` (rendered with the chat template)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -201,7 +202,7 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from pdserve.sampling.bounds import (
     INT32_MAX,
@@ -36,6 +36,7 @@ from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
 from pdserve.services.gateway.protocol_fields import (
     LogitBias,
     PositiveFloat32,
+    RequestModel,
     Seed,
     Stop,
     StopTokenIds,
@@ -54,13 +55,13 @@ from pdserve.services.gateway.structured_outputs import (
 )
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _OpenAIRequest(BaseModel):
+class _OpenAIRequest(RequestModel):
     """Fields shared by completions and chat completions (sampling, stopping, streaming, constraints)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -212,7 +213,7 @@ class CompletionRequest(_OpenAIRequest):
         return list(p)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """One chat message; content is text or a list of ``{"type": "text", "text": ...}`` parts.
 
     An assistant message may carry the ``tool_calls`` it made (then its content may be null), a
@@ -269,7 +270,7 @@ def _check_depth(param: str, value: Any) -> None:
         raise param_error(param, f"{param} nests {depth} levels deep; at most {MAX_JSON_DEPTH}")
 
 
-class ChatInput(BaseModel):
+class ChatInput(RequestModel):
     """What a chat request hands to the chat template: messages, tools and template options.
 
     /v1/chat/completions and the gRPC API's ``chat`` input both validate through this model, so
@@ -295,6 +296,10 @@ class ChatInput(BaseModel):
     @field_validator("tools")
     @classmethod
     def _tools_within_bounds(cls, v: list[ToolDef] | None) -> list[ToolDef] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise param_error("tools", f"two tools are named {twice!r}: a tool call names one")
         tools = [t.model_dump(exclude_none=True) for t in v] if v else []
         _check_depth("tools", tools)  # first: json.dumps recurses per level too
         size = len(json.dumps(tools))

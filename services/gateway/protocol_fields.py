@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 from pdserve.sampling.bounds import (
@@ -26,6 +26,19 @@ from pdserve.sampling.bounds import (
     check_stop_strings,
 )
 
+
+class RequestModel(BaseModel):
+    """Base of every request body model: JSON types are strict, as OpenAI's API checks them
+    (``"max_tokens": "5"`` or ``true`` is a 400 naming the field, not a coerced 5 or 1; an integer
+    field takes no ``5.0``, a boolean no ``1`` or ``"true"``); a float field still takes an integer.
+
+    Raises:
+        pydantic.ValidationError: on validation (the gateway answers it with a 400).
+    """
+
+    model_config = ConfigDict(strict=True)
+
+
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # and <= the vocabulary: RequestManager checks it
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -34,9 +47,10 @@ PositiveFloat32 = Annotated[float, Field(gt=0.0, le=FLOAT32_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
-# OpenAI's logit_bias: token id (a JSON object key, so a string of digits) -> bias in [-100, 100]
+# OpenAI's logit_bias: token id (a JSON object key, so a string of digits: parsed) -> bias in [-100, 100]
+LogitBiasKey = Annotated[int, Field(strict=False, ge=0, le=INT32_MAX)]
 LogitBias = Annotated[
-    dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    dict[LogitBiasKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
     Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
 ]
 

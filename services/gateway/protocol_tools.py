@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from pdserve.sampling.bounds import MAX_GRAMMAR_CHARS
+from pdserve.services.gateway.protocol_fields import RequestModel
 
 ToolName = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(RequestModel):
     """A function the model may call: its name, description and JSON Schema of parameters."""
 
     model_config = ConfigDict(extra="ignore")
@@ -32,20 +33,20 @@ class FunctionDef(BaseModel):
         return v
 
 
-class ToolDef(BaseModel):
+class ToolDef(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
+class FunctionName(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str = ToolName
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     """``{"type": "function", "function": {"name": ...}}``: the model must call that function."""
 
     model_config = ConfigDict(extra="ignore")
@@ -57,14 +58,14 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class CalledFunction(BaseModel):
+class CalledFunction(RequestModel):
     model_config = ConfigDict(extra="ignore")
 
     name: str = Field(min_length=1, max_length=64)
     arguments: str = Field("", max_length=MAX_GRAMMAR_CHARS)
 
 
-class AssistantToolCall(BaseModel):
+class AssistantToolCall(RequestModel):
     """A call an earlier assistant turn made (sent back with the next turn)."""
 
     model_config = ConfigDict(extra="ignore")

@@ -18,10 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from pdserve.sampling.bounds import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS
-from pdserve.services.gateway.protocol_fields import param_error
+from pdserve.services.gateway.protocol_fields import RequestModel, param_error
 
 # Longest run of whitespace a generated JSON part may hold: small models loop on blank lines.
 JSON_MAX_WHITESPACE = 1
@@ -82,7 +82,7 @@ def json_schema_constraint(schema: Any, param: str) -> Constraint:
     return Constraint("json_schema", text)
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(RequestModel):
     """OpenAI's ``response_format.json_schema``: ``{"name", "description", "schema", "strict"}``."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -93,7 +93,7 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -117,7 +117,7 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(RequestModel):
     """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema, as an object or JSON text),
     ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF),
     ``json_object`` (true: any JSON object) and ``structural_tag`` (xgrammar's JSON format)."""
