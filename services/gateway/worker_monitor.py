@@ -71,9 +71,9 @@ class WorkerMonitor:
         """One probe of ``worker``; True when it takes new requests."""
         service = SCHEDULER_SERVICES.get(role, "")
         answer = await self.clients.serving_status(worker.address, service)
-        # only a worker that answered NOT_SERVING is asked about the server as a whole: one that did
-        # not answer at all (hung) costs one probe timeout, not two, and is not mistaken for draining
-        # when it wakes up between the two calls
+        # only a worker that answered (other than SERVING) is asked about the server as a whole: one
+        # that did not answer at all (hung) costs one probe timeout, not two, and is not mistaken for
+        # draining when it wakes up between the two calls
         draining = answer is False and bool(service)
         draining = draining and bool(await self.clients.serving_status(worker.address))
         if draining != worker.draining:
