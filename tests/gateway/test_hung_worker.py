@@ -74,7 +74,7 @@ async def test_a_hung_scheduler_costs_one_probe_timeout_and_is_not_draining(loca
     with hung_port() as hung:
         pools = {"decode": WorkerPool("decode", [hung]), "prefill": WorkerPool("prefill", [])}
         router = Router(pools["decode"], pools["prefill"], "round_robin")
-        clients = BackendClients(probe_timeout=0.5)
+        clients = BackendClients(probe_timeout=1.0)
         downs: list[tuple[str, str]] = []
         monitor = WorkerMonitor(clients, pools, router, on_down=lambda role, a: downs.append((role, a)))
         try:
