@@ -208,7 +208,7 @@ def convert_gguf(gguf: Path) -> Path:
             gguf.parent,
             gguf_file=gguf.name,
             dtype=dtype,
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            quantization_config=GgufConfig(dequantize=True),  # (it takes the file from gguf_file=)
         )
         tmp.mkdir(parents=True)
         # save_pretrained refuses models loaded from GGUF; the dequantized weights are plain tensors.

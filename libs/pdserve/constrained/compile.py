@@ -86,15 +86,8 @@ def unenforced_keyword(schema: Any) -> str | None:
         node, path = todo.pop()
         if not isinstance(node, dict):
             continue
-        found = [f"'{k}'" for k in _UNENFORCED if k in node]
-        if node.get("uniqueItems") is True:
-            found.append("'uniqueItems'")
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            found.append("'allOf' of more than one schema")
-        if "multipleOf" in node and not _integer_multiple(node):
-            found.append("'multipleOf' other than an integer on type integer")
-        if found:
-            return f"{found[0]} at {path}"
+        if found := _unenforced_in(node):
+            return f"{found} at {path}"
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
                 todo += [(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()]
@@ -102,6 +95,19 @@ def unenforced_keyword(schema: Any) -> str | None:
         for key in _SCHEMA_LISTS:
             if isinstance(node.get(key), list):
                 todo += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key])]
+    return None
+
+
+def _unenforced_in(node: dict) -> str | None:
+    """The first keyword of the schema object ``node`` itself (not its subschemas) xgrammar drops."""
+    if keyword := next((k for k in _UNENFORCED if k in node), None):
+        return f"'{keyword}'"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' of more than one schema"
+    if "multipleOf" in node and not _integer_multiple(node):
+        return "'multipleOf' other than an integer on type integer"
     return None
 
 
