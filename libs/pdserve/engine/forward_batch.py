@@ -14,17 +14,25 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 
-if TYPE_CHECKING:
-    from pdserve.layers.attention.base import AttentionBackend
-
 IntSeq = torch.Tensor | Sequence[int]
+
+
+class BatchAttention(Protocol):
+    """What the attention layers of a forward call on the batch's ``attn_backend``: implemented by
+    every ``pdserve.layers.attention.base.AttentionBackend`` (named here, so that the device contract
+    does not import the kernels that consume it)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` of ``layer`` → ``[T, Hq * D]``."""
 
 
 class ForwardMode(enum.Enum):
@@ -68,7 +76,7 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: KVPool
-    attn_backend: AttentionBackend
+    attn_backend: BatchAttention
 
     @classmethod
     def init_new(
