@@ -38,11 +38,12 @@ The interface: what servicers and the scheduler loop use of a ``Scheduler``, and
         fail_batch(batch, error), fail_all(error), pop_aborted(), state_digest(), close(),
         clock (a TP group sets rank 0's reading of each step)
 
-The seams of the next features: the decode stage is where a speculative proposer plugs in
-(``DecodeManager.num_tokens``: a request computes that many tokens a step, its KV slots grown to
-match); a request that resumes elsewhere (migration) comes in as a prompt plus the ids it already
-generated (``Req.output_ids``, as a retracted request is re-admitted); and who is admitted first
-and who is retracted first are the policy's (``SchedulePolicy.order``, ``retraction_order``).
+Where the next features plug in: a speculative proposer beside the decode stage
+(``DecodeManager.num_tokens`` is how many tokens a running request computes in a step, and its KV
+slots are grown for that many; its batch rows already carry per-request token counts); a request
+resumed on another worker arrives as a prompt plus the ids it already generated
+(``Req.output_ids``), the way a retracted request is re-admitted; who is admitted and who is
+retracted first is the policy's (``SchedulePolicy.order``, ``SchedulePolicy.retraction_order``).
 
 The step is schedule → run → process (SGLang's ``event_loop_normal``), and it may overlap (SGLang's
 ``event_loop_overlap``): the next ``schedule()`` may come before the previous batch's

@@ -150,6 +150,9 @@ class Scheduler:
     def pop_kv_requests(self) -> list[Req]:
         return self.prefill.pop_requests()
 
+    def waiting_for_kv(self, rid: str) -> Req | None:
+        return self.prefill.get(rid)
+
     def kv_ready(self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0):
         return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes)
 
@@ -186,7 +189,7 @@ class Scheduler:
         outstanding batch first (``needs_results``).
         """
         self.needs_results = False
-        self._end_overdue()
+        self.reqs.end_overdue()
         decodes = self.decode.schedule(in_flight=bool(self.outstanding))
         if decodes is None:
             self.needs_results = True
@@ -271,17 +274,6 @@ class Scheduler:
         self.queue.remove(req)
         self.decode.remove(req)
         return self.prefill.remove(req)
-
-    def _end_overdue(self) -> None:
-        """End what may wait no longer: requests past their deadline, constrained requests whose
-        grammar failed to compile, requests that waited past ``max_queue_time`` (retryable)."""
-        for req in self.reqs.past_deadline(self.clock()):
-            self.reqs.abort(req.rid, "deadline exceeded")
-        for req, error in self.queue.take_compiled():
-            self.reqs.end_now(req, FinishReason.ERROR, error)
-        for req, error in self.queue.take_overdue(self.clock()):
-            req.retryable = True
-            self.reqs.end_now(req, FinishReason.ERROR, error)
 
     def _first_token(self, req: Req, token: int, logprob) -> StepOutput:
         """Decode role: ``req``'s KV came from a prefill worker, with its first token."""

@@ -132,10 +132,6 @@ class RequestTable(Mapping[str, Req]):
         self.metrics.request_prompt_tokens.observe(len(prompt))
         return len(self.queue.waiting)
 
-    def past_deadline(self, now: float) -> list[Req]:
-        """Requests whose deadline (``time.time()`` s) passed before ``now``, not being aborted yet."""
-        return [r for r in self._reqs.values() if r.deadline and now > r.deadline and not r.to_abort]
-
     # ---- exit ---------------------------------------------------------------------------
     def end(self, req: Req, reason: FinishReason, error: str = "") -> None:
         """``req`` ends (as ``reason``, unless it finished already): out of every queue, its KV
@@ -177,6 +173,19 @@ class RequestTable(Mapping[str, Req]):
             self.end(req, FinishReason.ERROR, error)
             outputs.append(StepOutput(req, finished=True))
         return outputs
+
+    def end_overdue(self) -> None:
+        """End what may wait no longer: requests past their deadline (``time.time()`` s), constrained
+        requests whose grammar failed to compile, requests that waited past the queue's time limit
+        (retryable)."""
+        now = self.clock()
+        for req in [r for r in self._reqs.values() if r.deadline and now > r.deadline and not r.to_abort]:
+            self.abort(req.rid, "deadline exceeded")
+        for req, error in self.queue.take_compiled():
+            self.end_now(req, FinishReason.ERROR, error)
+        for req, error in self.queue.take_overdue(self.clock()):
+            req.retryable = True
+            self.end_now(req, FinishReason.ERROR, error)
 
     def pop_aborted(self) -> list[StepOutput]:
         """Requests ended outside a step (abort, deadline, queue time, bad inputs) since the last call."""
