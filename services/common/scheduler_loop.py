@@ -175,7 +175,7 @@ class SchedulerLoop:
         return event.fn(self.scheduler, *event.args)
 
     async def apply_inputs(self, inputs: StepInputs) -> list[StepOutput]:
-        """Step 1: apply the iteration's events in order; the outputs they produced."""
+        """Apply the iteration's events in order (``take_inputs``); the outputs they produced."""
         outputs: list[StepOutput] = []
         for event, done in zip(inputs.events, inputs.done, strict=True):
             try:
