@@ -11,10 +11,12 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.kv_transfer import KVAgentInfo
 from pdserve.scheduler.req import FinishReason, Req
+
+if TYPE_CHECKING:  # (the NIXL bindings load with pdserve.kv_transfer: only the roles that use them)
+    from pdserve.kv_transfer import KVAgentInfo
 
 # ---- every role: rank 0's gRPC handlers --------------------------------------------------------
 
