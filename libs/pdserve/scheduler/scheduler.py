@@ -32,6 +32,8 @@ from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput, prepare_
 from pdserve.scheduler.table import RequestLimits, RequestTable
 from pdserve.scheduler.waiting import WaitingQueue
 
+Hook = Callable[[Req], None]
+
 
 class Scheduler:
     """One scheduler of one role over one ``ModelRunner``: ``reqs`` (the request table), ``queue``
@@ -120,7 +122,7 @@ class Scheduler:
         False when the rid is unknown (already finished)."""
         return self.reqs.abort(rid, reason, finish_reason)
 
-    def set_hooks(self, on_request_end=None, on_kv_abandoned=None) -> None:
+    def set_hooks(self, on_request_end: Hook | None = None, on_kv_abandoned: Hook | None = None) -> None:
         """Set the hooks given. ``on_request_end(req)``: called as each request ends, its pages
         released. Decode role: ``on_kv_abandoned(req)``, called as a request ends while its prompt KV
         arrives (to stop the transfer); its pages then wait for ``kv_drained``."""
