@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.observability import tracing
 from pdserve.services.gateway.auth import ApiKeyMiddleware
-from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
     http_error,
@@ -39,21 +38,22 @@ from pdserve.services.gateway.middleware import (
     BodyTimeoutMiddleware,
     RequestIdMiddleware,
 )
-from pdserve.services.gateway.native_protocol import (
+from pdserve.services.gateway.openai.native_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     NativeGenerateRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.services.gateway.protocol_responses import ModelCard, ModelList
-from pdserve.services.gateway.router import WorkerPool
-from pdserve.services.gateway.serving_chat import OpenAIServingChat
-from pdserve.services.gateway.serving_common import ServingContext
-from pdserve.services.gateway.serving_completions import OpenAIServingCompletion
-from pdserve.services.gateway.serving_generate import NativeServing
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.openai.protocol_responses import ModelCard, ModelList
+from pdserve.services.gateway.openai.serving_chat import OpenAIServingChat
+from pdserve.services.gateway.openai.serving_common import ServingContext
+from pdserve.services.gateway.openai.serving_completions import OpenAIServingCompletion
+from pdserve.services.gateway.openai.serving_generate import NativeServing
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.services.gateway.reasoning_parser import REASONING_PARSERS
-from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
+from pdserve.services.gateway.openai.reasoning_parser import REASONING_PARSERS
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 
 
 def add_chat_parser_args(p: argparse.ArgumentParser) -> None:

@@ -284,7 +284,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     binds += [(host, base + 3 + i) for i in range(args.gateway_workers)]
     binds += [(h, port + i) for h, port in gateway_binds for i in range(args.gateway_workers)]
     # its internal gRPC server: same event loop, the internal plane's TLS; with --gateway-workers the
-    # gateway's own supervisor watches each worker's (``gateway.workers``)
+    # gateway's own supervisor watches each worker's (``gateway.processes``)
     liveness = f"{host}:{base + 3}" if args.gateway_workers == 1 else ""
     specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds, liveness=liveness))
     return specs

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pdserve.services.gateway.chat_output import ChoiceParser, plan_chat
 from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.protocol import ChatCompletionRequest
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
+from pdserve.services.gateway.openai.chat_output import ChoiceParser, plan_chat
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 HERMES = TOOL_PARSERS["hermes"]()

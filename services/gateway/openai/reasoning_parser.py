@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.services.gateway.structured_outputs import (
+from pdserve.services.gateway.openai.structured_outputs import (
     Constraint,
     st_const,
     st_sequence,
     st_tag,
     structural_tag,
 )
-from pdserve.services.gateway.tool_parsers.base import partial_marker_len
+from pdserve.services.gateway.openai.tool_parsers.base import partial_marker_len
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from partial_json_parser import Allow
 from partial_json_parser import loads as partial_loads
 
-from pdserve.services.gateway.structured_outputs import Constraint, st_json, st_tag, structural_tag
+from pdserve.services.gateway.openai.structured_outputs import Constraint, st_json, st_tag, structural_tag
 
 # partial JSON: containers may be open; an unfinished string, number or literal is left out
 _PARTIAL = Allow.OBJ | Allow.ARR

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.services.gateway.tool_parsers.base import Tool, ToolParser, partial_marker_len
+from pdserve.services.gateway.openai.tool_parsers.base import Tool, ToolParser, partial_marker_len
 
 START, END = "<tool_call>", "</tool_call>"
 

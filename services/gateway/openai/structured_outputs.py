@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from pdserve.sampling.bounds import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS
-from pdserve.services.gateway.protocol_fields import RequestModel, param_error
+from pdserve.services.gateway.openai.protocol_fields import RequestModel, param_error
 
 # Longest run of whitespace a generated JSON part may hold: small models loop on blank lines.
 JSON_MAX_WHITESPACE = 1

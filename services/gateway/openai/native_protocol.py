@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_RID_CHARS, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.io_struct import SamplingParams
-from pdserve.services.gateway.protocol import ChatMessage
-from pdserve.services.gateway.protocol_fields import (
+from pdserve.services.gateway.openai.protocol import ChatMessage
+from pdserve.services.gateway.openai.protocol_fields import (
     LogitBias,
     PositiveFloat32,
     RequestModel,
@@ -25,7 +25,7 @@ from pdserve.services.gateway.protocol_fields import (
     check_stop,
     param_error,
 )
-from pdserve.services.gateway.structured_outputs import GrammarText
+from pdserve.services.gateway.openai.structured_outputs import GrammarText
 
 MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: a million ids, more than any context holds
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.services.gateway.structured_outputs import st_const, st_sequence
-from pdserve.services.gateway.tool_parsers.base import Tool, ToolParser, partial_marker_len
+from pdserve.services.gateway.openai.structured_outputs import st_const, st_sequence
+from pdserve.services.gateway.openai.tool_parsers.base import Tool, ToolParser, partial_marker_len
 
 TOOL_CALLS = "[TOOL_CALLS]"
 

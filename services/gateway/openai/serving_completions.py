@@ -13,15 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
-from pdserve.services.gateway.protocol import CompletionRequest
-from pdserve.services.gateway.protocol_responses import (
+from pdserve.services.gateway.openai.protocol import CompletionRequest
+from pdserve.services.gateway.openai.protocol_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     UsageInfo,
 )
-from pdserve.services.gateway.request_state import RequestHandle
-from pdserve.services.gateway.serving_common import (
+from pdserve.services.gateway.openai.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
@@ -31,7 +30,8 @@ from pdserve.services.gateway.serving_common import (
     submit,
     usage_counts,
 )
-from pdserve.services.gateway.stream_chunks import ChunkEncoder, completion_choice
+from pdserve.services.gateway.openai.stream_chunks import ChunkEncoder, completion_choice
+from pdserve.services.gateway.requests.state import RequestHandle
 
 
 class OpenAIServingCompletion:

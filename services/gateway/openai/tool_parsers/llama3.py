@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.services.gateway.tool_parsers.base import Tool, ToolParser
+from pdserve.services.gateway.openai.tool_parsers.base import Tool, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()

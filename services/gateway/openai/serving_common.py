@@ -15,10 +15,10 @@ from fastapi.responses import StreamingResponse
 from pdserve.services.gateway.auth import http_caller
 from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.request_manager import RequestManager
-from pdserve.services.gateway.request_state import RequestHandle
-from pdserve.services.gateway.tool_parsers import ToolParser
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.tool_parsers import ToolParser
+from pdserve.services.gateway.requests.manager import RequestManager
+from pdserve.services.gateway.requests.state import RequestHandle
 
 REQUEST_ID_HEADER = "X-Request-Id"
 

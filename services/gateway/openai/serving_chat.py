@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.services.gateway.chat_output import ChatPlan, ChoiceParser, plan_chat
 from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
-from pdserve.services.gateway.protocol import ChatCompletionRequest
-from pdserve.services.gateway.protocol_responses import (
+from pdserve.services.gateway.openai.chat_output import ChatPlan, ChoiceParser, plan_chat
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
+from pdserve.services.gateway.openai.protocol_responses import (
     AssistantMessage,
     CalledFunction,
     ChatChoice,
@@ -31,8 +31,7 @@ from pdserve.services.gateway.protocol_responses import (
     TopLogprobEntry,
     UsageInfo,
 )
-from pdserve.services.gateway.request_state import RequestHandle
-from pdserve.services.gateway.serving_common import (
+from pdserve.services.gateway.openai.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
@@ -42,8 +41,9 @@ from pdserve.services.gateway.serving_common import (
     submit,
     usage_counts,
 )
-from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice
-from pdserve.services.gateway.tool_parsers import ToolCallDelta
+from pdserve.services.gateway.openai.stream_chunks import ChunkEncoder, chat_choice
+from pdserve.services.gateway.openai.tool_parsers import ToolCallDelta
+from pdserve.services.gateway.requests.state import RequestHandle
 
 
 class OpenAIServingChat:

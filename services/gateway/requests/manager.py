@@ -5,7 +5,7 @@ detokenizer are separate services here, so this module holds what is left in the
 admission (``admission``: the pending limit in sub-requests, vocabulary bounds, the context and the
 default ``max_new_tokens``), fan-out of ``n`` samples into sub-requests, routing,
 ``DecodeScheduler.Generate``, and ``Abort`` when a request ends early. Outputs arrive through
-``request_state.GatewayOutputServicer``.
+``transport.output_servicer.GatewayOutputServicer``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import time
 from collections.abc import Coroutine
 
 from pdserve.sampling.bounds import wrap_int64
-from pdserve.services.gateway import admission
-from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
     duplicate_rid,
@@ -34,9 +32,12 @@ from pdserve.services.gateway.io_struct import (
     TokenizedPrompt,
 )
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.request_state import ReqState, RequestHandle, RequestRegistry
-from pdserve.services.gateway.router import Router, WorkerPool
-from pdserve.services.gateway.token_pieces import TokenPieces
+from pdserve.services.gateway.requests import admission
+from pdserve.services.gateway.requests.state import ReqState, RequestHandle, RequestRegistry
+from pdserve.services.gateway.requests.token_pieces import TokenPieces
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 
 logger = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ grammar that forces calls (``tool_choice`` "required" or a named function).
 
 from __future__ import annotations
 
-from pdserve.services.gateway.tool_parsers.base import ParsedOutput, Tool, ToolCall, ToolParser
-from pdserve.services.gateway.tool_parsers.hermes import HermesParser
-from pdserve.services.gateway.tool_parsers.llama3 import Llama3Parser
-from pdserve.services.gateway.tool_parsers.mistral import MistralParser
-from pdserve.services.gateway.tool_parsers.streaming import ToolCallDelta, ToolCallStream
+from pdserve.services.gateway.openai.tool_parsers.base import ParsedOutput, Tool, ToolCall, ToolParser
+from pdserve.services.gateway.openai.tool_parsers.hermes import HermesParser
+from pdserve.services.gateway.openai.tool_parsers.llama3 import Llama3Parser
+from pdserve.services.gateway.openai.tool_parsers.mistral import MistralParser
+from pdserve.services.gateway.openai.tool_parsers.streaming import ToolCallDelta, ToolCallStream
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,

@@ -1,9 +1,10 @@
-"""This replica's in-flight requests (rid -> state) and the servicer the detokenizers push outputs into.
+"""This replica's in-flight requests (rid -> state), which the detokenizers' outputs are pushed into.
 
 A client request is one ``RequestHandle`` with one ``ReqState`` per choice (sub-request, its own
-rid). The ``GatewayOutputServicer`` looks each incoming ``StrOutput`` up by rid and pushes it into
-the owning handle's queue; outputs for rids this replica no longer holds (aborted, timed out) are
-dropped. A choice leaves the registry, and its route is released, on its last output or on close.
+rid). The ``GatewayOutputServicer`` (``transport.output_servicer``) looks each incoming output up by
+rid in the ``RequestRegistry`` and pushes it into the owning handle's queue; outputs for rids this
+replica no longer holds (aborted, timed out) are dropped. A choice leaves the registry, and its
+route is released, on its last output or on close.
 """
 
 from __future__ import annotations
@@ -13,14 +14,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import grpc
-
-from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import GatewayError, duplicate_rid, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.services.gateway.router import Route
-from pdserve.v1 import output_pb2, output_pb2_grpc
+from pdserve.services.gateway.routing.router import Route
 
 
 @dataclass(slots=True, eq=False)
@@ -217,34 +214,3 @@ class RequestHandle:
 
     async def __aexit__(self, *exc_info) -> None:
         self.close()
-
-
-class GatewayOutputServicer(output_pb2_grpc.GatewayOutputServicer):
-    """``GatewayOutput.StreamStrOutputs``: one long-lived client stream per detokenizer."""
-
-    def __init__(self, registry: RequestRegistry) -> None:
-        self.registry = registry
-
-    async def StreamStrOutputs(
-        self, request_iterator: AsyncIterator[output_pb2.BatchStrOutput], context: grpc.aio.ServicerContext
-    ) -> output_pb2.StreamAck:
-        async for batch in request_iterator:
-            for out in batch.outputs:
-                state = self.registry.get(out.rid)
-                if state is not None:
-                    state.owner.push(state, convert.choice_delta_from_pb(out, state.index))
-            if batch.rids:
-                self._push_columns(batch)
-        return output_pb2.StreamAck()
-
-    def _push_columns(self, batch: output_pb2.BatchStrOutput) -> None:
-        """The column rows of ``batch`` (text and ids only) to their handles."""
-        ids = list(batch.token_ids)
-        start = 0
-        rows = zip(batch.rids, batch.text_deltas, batch.num_token_ids, batch.completion_tokens, strict=True)
-        for rid, text, n, completion in rows:
-            state = self.registry.get(rid)
-            if state is not None:
-                delta = ChoiceDelta(state.index, text, ids[start : start + n], completion_tokens=completion)
-                state.owner.push(state, delta)
-            start += n

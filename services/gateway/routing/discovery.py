@@ -18,7 +18,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from pdserve.services.gateway.router import Worker, WorkerPool
+from pdserve.services.gateway.routing.workers import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,10 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.services.gateway.backend_clients import SCHEDULER_SERVICES, BackendClients
-from pdserve.services.gateway.router import Router, Worker, WorkerPool
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.workers import Worker, WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
+from pdserve.services.gateway.transport.convert import SCHEDULER_SERVICES
 
 logger = logging.getLogger(__name__)
 

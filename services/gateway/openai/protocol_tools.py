@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from pdserve.sampling.bounds import MAX_GRAMMAR_CHARS
-from pdserve.services.gateway.protocol_fields import RequestModel
+from pdserve.services.gateway.openai.protocol_fields import RequestModel
 
 ToolName = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
 

@@ -32,7 +32,7 @@ from pdserve.services.gateway.errors import (
     retry_after,
 )
 from pdserve.services.gateway.io_struct import GenerateReqInput, SamplingParams
-from pdserve.services.gateway.router import WorkerPool
+from pdserve.services.gateway.routing.workers import WorkerPool
 
 
 def pending_limit(configured: int | None, decode: WorkerPool) -> int | None:

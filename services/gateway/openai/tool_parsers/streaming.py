@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.services.gateway.tool_parsers.base import ToolCall, ToolParser
+from pdserve.services.gateway.openai.tool_parsers.base import ToolCall, ToolParser
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from pdserve.sampling.bounds import (
     json_depth,
 )
 from pdserve.services.gateway.io_struct import ChatPrompt, SamplingParams
-from pdserve.services.gateway.protocol_fields import (
+from pdserve.services.gateway.openai.protocol_fields import (
     LogitBias,
     PositiveFloat32,
     RequestModel,
@@ -46,8 +46,8 @@ from pdserve.services.gateway.protocol_fields import (
     param_error,
     unsupported,
 )
-from pdserve.services.gateway.protocol_tools import AssistantToolCall, ToolChoice, ToolDef
-from pdserve.services.gateway.structured_outputs import (
+from pdserve.services.gateway.openai.protocol_tools import AssistantToolCall, ToolChoice, ToolDef
+from pdserve.services.gateway.openai.structured_outputs import (
     Constraint,
     ResponseFormat,
     StructuredOutputs,

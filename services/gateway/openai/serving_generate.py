@@ -18,7 +18,7 @@ from pdserve.observability import tracing
 from pdserve.observability.logs import bind_rid
 from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import ChatPrompt, GenerateReqInput, TokenLogprob
-from pdserve.services.gateway.native_protocol import (
+from pdserve.services.gateway.openai.native_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     FinishReasonInfo,
@@ -28,14 +28,14 @@ from pdserve.services.gateway.native_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdserve.services.gateway.request_state import RequestHandle
-from pdserve.services.gateway.serving_common import (
+from pdserve.services.gateway.openai.serving_common import (
     ChoiceResult,
     ServingContext,
     collect,
     sse_response,
     submit,
 )
+from pdserve.services.gateway.requests.state import RequestHandle
 
 
 class NativeServing:

@@ -15,10 +15,16 @@ from dataclasses import dataclass
 
 from pdserve.sampling.bounds import MAX_SCHEDULER_GRAMMAR_CHARS
 from pdserve.services.gateway.errors import invalid_request
-from pdserve.services.gateway.protocol import ChatCompletionRequest
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.structured_outputs import Constraint
-from pdserve.services.gateway.tool_parsers import Tool, ToolCall, ToolCallDelta, ToolCallStream, ToolParser
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.structured_outputs import Constraint
+from pdserve.services.gateway.openai.tool_parsers import (
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
-from pdserve.services.gateway import convert
 from pdserve.services.gateway.errors import from_rpc_error
 from pdserve.services.gateway.io_struct import (
     ModelInfo,
@@ -23,14 +22,8 @@ from pdserve.services.gateway.io_struct import (
     TokenPiece,
     WorkerLoad,
 )
-from pdserve.v1 import (
-    common_pb2,
-    output_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from pdserve.services.gateway.transport import convert
+from pdserve.v1 import output_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 # Reconnect to a restarted worker within a second or two (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [
@@ -48,11 +41,6 @@ _STUBS = {
     "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
     "detokenizer": output_pb2_grpc.DetokenizerStub,
     "health": health_pb2_grpc.HealthStub,
-}
-# the gRPC service a scheduler reports NOT_SERVING while it drains (the server as a whole stays SERVING)
-SCHEDULER_SERVICES = {
-    "decode": scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name,
-    "prefill": scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name,
 }
 
 
@@ -93,17 +81,15 @@ class BackendClients:
     async def tokenize_batch(
         self, address: str, prompts: list[Prompt], add_special_tokens: bool
     ) -> list[TokenizedPrompt]:
-        request = tokenizer_pb2.TokenizeBatchRequest(
-            requests=[convert.tokenize_request(p, add_special_tokens) for p in prompts]
-        )
+        request = convert.tokenize_batch_request(prompts, add_special_tokens)
         try:
             resp = await self._stub("tokenizer", address).TokenizeBatch(request, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "tokenizer") from e
-        return [convert.tokenized_prompt_from_pb(r) for r in resp.responses]
+        return convert.tokenized_prompts_from_pb(resp)
 
     async def detokenize(self, address: str, ids: list[int], skip_special_tokens: bool) -> str:
-        request = tokenizer_pb2.DetokenizeRequest(input_ids=ids, skip_special_tokens=skip_special_tokens)
+        request = convert.detokenize_request(ids, skip_special_tokens)
         try:
             resp = await self._stub("tokenizer", address).Detokenize(request, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as e:
@@ -111,17 +97,17 @@ class BackendClients:
         return resp.text
 
     async def token_pieces(self, address: str, ids: list[int]) -> list[TokenPiece]:
-        request = tokenizer_pb2.TokenPiecesRequest(ids=ids)
+        request = convert.token_pieces_request(ids)
         try:
             resp = await self._stub("tokenizer", address).GetTokenPieces(request, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "tokenizer") from e
-        return [TokenPiece(p.text, p.bytes) for p in resp.pieces]
+        return convert.token_pieces_from_pb(resp)
 
     async def model_info(self, address: str) -> ModelInfo:
         try:
             resp = await self._stub("tokenizer", address).GetInfo(
-                tokenizer_pb2.TokenizerInfoRequest(), timeout=self.rpc_timeout
+                convert.tokenizer_info_request(), timeout=self.rpc_timeout
             )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "tokenizer") from e
@@ -148,7 +134,7 @@ class BackendClients:
 
     async def abort(self, address: str, rid: str, reason: str) -> bool:
         """``DecodeScheduler.Abort``; True when the scheduler still held ``rid``."""
-        request = scheduler_pb2.AbortRequest(rid=rid, reason=reason)
+        request = convert.abort_request(rid, reason)
         try:
             resp = await self._stub("decode", address).Abort(request, timeout=self.rpc_timeout)
         except grpc.aio.AioRpcError as e:
@@ -157,17 +143,15 @@ class BackendClients:
 
     async def load(self, role: Literal["decode", "prefill"], address: str) -> WorkerLoad:
         """The scheduler's load, capacity and incarnation (``GetLoad``)."""
-        resp = await self._stub(role, address).GetLoad(
-            scheduler_pb2.LoadRequest(), timeout=self.probe_timeout
-        )
+        resp = await self._stub(role, address).GetLoad(convert.load_request(), timeout=self.probe_timeout)
         return convert.worker_load_from_pb(resp)
 
     async def metrics(self, role: Role, address: str) -> tuple[str, str, str]:
         """``(role, worker, prometheus text)`` of one scheduler or detokenizer (``GetMetrics``)."""
         resp = await self._stub(role, address).GetMetrics(
-            common_pb2.MetricsRequest(), timeout=self.probe_timeout
+            convert.metrics_request(), timeout=self.probe_timeout
         )
-        return resp.role or role, resp.worker or address, resp.text
+        return convert.metrics_from_pb(resp, role, address)
 
     async def serving_status(self, address: str, service: str = "") -> bool | None:
         """``address``'s grpc.health.v1 answer for ``service`` ("" = the server as a whole): True for

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterator
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
+from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
     ChoiceDelta,
@@ -16,6 +19,7 @@ from pdserve.services.gateway.io_struct import (
     SamplingParams,
     TokenizedPrompt,
     TokenLogprob,
+    TokenPiece,
     TopLogprob,
     WorkerLoad,
 )
@@ -28,6 +32,12 @@ _FINISH_FROM_PB = {
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 _FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
+
+# the gRPC service a scheduler reports NOT_SERVING while it drains (the server as a whole stays SERVING)
+SCHEDULER_SERVICES = {
+    "decode": scheduler_pb2.DESCRIPTOR.services_by_name["DecodeScheduler"].full_name,
+    "prefill": scheduler_pb2.DESCRIPTOR.services_by_name["PrefillScheduler"].full_name,
+}
 
 
 def sampling_params_to_pb(sp: SamplingParams) -> common_pb2.SamplingParams:
@@ -66,8 +76,77 @@ def tokenize_request(prompt: Prompt, add_special_tokens: bool) -> tokenizer_pb2.
     return tokenizer_pb2.TokenizeRequest(text=prompt, add_special_tokens=add_special_tokens)
 
 
+def chat_fields(chat: tokenizer_pb2.ChatMessages) -> dict[str, Any]:
+    """``chat`` as the JSON fields of /v1/chat/completions (tools with ``tool_choice='none'``, the
+    only choice this API has: it returns text, never parsed tool calls).
+
+    Raises:
+        GatewayError: 400 when ``tools_json``, ``chat_template_kwargs_json`` or a message's
+            ``tool_calls_json`` is not JSON.
+    """
+    fields: dict[str, Any] = {
+        "messages": [_message_fields(i, m) for i, m in enumerate(chat.messages)],
+        "add_generation_prompt": chat.add_generation_prompt,
+        "continue_final_message": chat.continue_final_message,
+    }
+    for name, text in (("tools", chat.tools_json), ("chat_template_kwargs", chat.chat_template_kwargs_json)):
+        if text:
+            fields[name] = _json_field(f"{name}_json", text)
+    if chat.tools_json:
+        fields["tool_choice"] = "none"  # this API never parses tool calls: tools are shown to the template
+    return fields
+
+
+def _message_fields(index: int, m: tokenizer_pb2.ChatMessage) -> dict[str, Any]:
+    """One ``ChatMessage`` as /v1/chat/completions' JSON (its empty fields left out)."""
+    fields: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        fields["name"] = m.name
+    if m.tool_calls_json:
+        fields["tool_calls"] = _json_field(f"messages[{index}].tool_calls_json", m.tool_calls_json)
+    if m.tool_call_id:
+        fields["tool_call_id"] = m.tool_call_id
+    return fields
+
+
+def _json_field(name: str, text: str) -> Any:
+    """Raises ``GatewayError`` 400 when ``text`` is not JSON (or nests too deep to parse)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
+        raise invalid_request(f"'{name}' is not valid JSON: {e}", param=name) from None
+
+
+def tokenize_batch_request(
+    prompts: list[Prompt], add_special_tokens: bool
+) -> tokenizer_pb2.TokenizeBatchRequest:
+    return tokenizer_pb2.TokenizeBatchRequest(
+        requests=[tokenize_request(p, add_special_tokens) for p in prompts]
+    )
+
+
 def tokenized_prompt_from_pb(pb: tokenizer_pb2.TokenizeResponse) -> TokenizedPrompt:
     return TokenizedPrompt(input_ids=list(pb.input_ids), prompt_text=pb.prompt_text)
+
+
+def tokenized_prompts_from_pb(pb: tokenizer_pb2.TokenizeBatchResponse) -> list[TokenizedPrompt]:
+    return [tokenized_prompt_from_pb(r) for r in pb.responses]
+
+
+def detokenize_request(ids: list[int], skip_special_tokens: bool) -> tokenizer_pb2.DetokenizeRequest:
+    return tokenizer_pb2.DetokenizeRequest(input_ids=ids, skip_special_tokens=skip_special_tokens)
+
+
+def token_pieces_request(ids: list[int]) -> tokenizer_pb2.TokenPiecesRequest:
+    return tokenizer_pb2.TokenPiecesRequest(ids=ids)
+
+
+def token_pieces_from_pb(pb: tokenizer_pb2.TokenPiecesResponse) -> list[TokenPiece]:
+    return [TokenPiece(p.text, p.bytes) for p in pb.pieces]
+
+
+def tokenizer_info_request() -> tokenizer_pb2.TokenizerInfoRequest:
+    return tokenizer_pb2.TokenizerInfoRequest()
 
 
 def model_info_from_pb(pb: tokenizer_pb2.TokenizerInfoResponse) -> ModelInfo:
@@ -105,6 +184,14 @@ def tokenized_req_to_pb(
     )
 
 
+def abort_request(rid: str, reason: str) -> scheduler_pb2.AbortRequest:
+    return scheduler_pb2.AbortRequest(rid=rid, reason=reason)
+
+
+def load_request() -> scheduler_pb2.LoadRequest:
+    return scheduler_pb2.LoadRequest()
+
+
 def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
     """A scheduler's ``LoadInfo`` as the router and admission control use it."""
     bounded = info.max_queued_requests > 0
@@ -113,6 +200,16 @@ def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
         capacity=info.request_capacity + info.max_queued_requests if bounded else 0,
         incarnation=info.incarnation,
     )
+
+
+def metrics_request() -> common_pb2.MetricsRequest:
+    return common_pb2.MetricsRequest()
+
+
+def metrics_from_pb(pb: common_pb2.MetricsResponse, role: str, address: str) -> tuple[str, str, str]:
+    """``(role, worker, prometheus text)`` of a ``GetMetrics`` answer; ``role`` and ``address`` stand
+    in for what it leaves empty."""
+    return pb.role or role, pb.worker or address, pb.text
 
 
 def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
@@ -139,6 +236,19 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         cached_tokens=out.cached_tokens,
         completion_tokens=out.completion_tokens,
     )
+
+
+def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, list[int], int]]:
+    """The column rows of ``batch`` (outputs that carry text and ids only), each as
+    ``(rid, text_delta, token_ids, completion_tokens)``."""
+    if not batch.rids:
+        return
+    ids = list(batch.token_ids)
+    start = 0
+    rows = zip(batch.rids, batch.text_deltas, batch.num_token_ids, batch.completion_tokens, strict=True)
+    for rid, text, n, completion in rows:
+        yield rid, text, ids[start : start + n], completion
+        start += n
 
 
 def generate_response_to_pb(rid: str, delta: ChoiceDelta) -> api_pb2.GenerateResponse:
