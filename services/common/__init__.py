@@ -1,1 +1,2 @@
-"""Pieces shared by the prefill and decode scheduler services."""
+"""What more than one service shares: the scheduler services' loop, ranks and conversions, and the
+gateway's chat-output flags that ``pdserve launch`` passes on."""

@@ -34,9 +34,9 @@ from pdserve.model_source import served_model_names
 from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.common.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor, parse_api_keys
-from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.openai.serving_common import ServingContext

@@ -24,7 +24,7 @@ from pdserve.observability.stats_log import add_stats_args
 from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
-from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
+from pdserve.services.common.chat_parser_args import add_chat_parser_args
 from pdserve.services.launcher import config
 from pdserve.services.launcher.console import Console, ConsoleHandler
 from pdserve.services.launcher.ports import PortReservation

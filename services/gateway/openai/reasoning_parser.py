@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.services.common.chat_parser_args import REASONING_PARSERS
 from pdserve.services.gateway.openai.structured_outputs import (
     Constraint,
     st_const,
@@ -30,7 +31,6 @@ from pdserve.services.gateway.openai.structured_outputs import (
 from pdserve.services.gateway.openai.tool_parsers.base import partial_marker_len
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 _UNDECIDED, _REASONING, _ANSWER = "undecided", "reasoning", "answer"
 
 

@@ -1,11 +1,16 @@
-"""The gateway's chat-output flags, shared with ``pdserve launch`` (which passes them on)."""
+"""The gateway's chat-output flags, which ``pdserve launch`` takes too and passes on.
+
+The names are those of the gateway's formats (``gateway.openai.tool_parsers.TOOL_PARSERS``,
+``gateway.openai.reasoning_parser.ReasoningParser``), listed here so that the launcher checks a
+name at once without importing the gateway.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from pdserve.services.gateway.openai.reasoning_parser import REASONING_PARSERS
-from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
+TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "qwen")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
@@ -13,7 +18,7 @@ def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-parser",
         default=None,
-        choices=sorted(TOOL_PARSERS),
+        choices=TOOL_CALL_PARSERS,
         help="tool-call format to parse from chat outputs (hermes = qwen: <tool_call>; llama3: JSON; "
         "mistral: [TOOL_CALLS]); without it, chat requests may only show tools (tool_choice 'none')",
     )
