@@ -5,9 +5,9 @@ shared public ports with SO_REUSEPORT, so the kernel spreads client connections 
 (vLLM's ``--api-server-count``), and takes the outputs of the requests it owns on its own internal
 server (GatewayOutput, on ``--internal-host``, mutual TLS with ``--tls-*``), port
 ``--internal-grpc-port + i``, which it advertises to the detokenizers with every request. This
-process only supervises them with the launcher's ``Supervisor`` (health: each worker's internal
-server, SERVING once the worker's HTTP side listens): it restarts a worker that dies, and on SIGTERM
-drains every worker as a single gateway would drain.
+process only supervises them, with the ``Supervisor`` of ``pdserve launch`` (health: each worker's
+internal server, SERVING once the worker's HTTP side listens): it restarts a worker that dies, and
+on SIGTERM drains every worker as a single gateway would drain.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import asyncio
 import logging
 
 from pdserve.rpc import tls
-from pdserve.services.launcher.console import Console
-from pdserve.services.launcher.supervisor import Supervisor
-from pdserve.services.launcher.topology import ServiceSpec
+from pdserve.services.common.supervision.console import Console
+from pdserve.services.common.supervision.spec import ServiceSpec
+from pdserve.services.common.supervision.supervisor import Supervisor
 
 logger = logging.getLogger("pdserve.gateway")
 

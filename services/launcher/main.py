@@ -25,11 +25,13 @@ from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
 from pdserve.services.common.chat_parser_args import add_chat_parser_args
+from pdserve.services.common.supervision.console import Console, ConsoleHandler
+from pdserve.services.common.supervision.spec import ServiceSpec
+from pdserve.services.common.supervision.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
 from pdserve.services.launcher import config
-from pdserve.services.launcher.console import Console, ConsoleHandler
+from pdserve.services.launcher.kv_pool_pin import pin_first_pool
 from pdserve.services.launcher.ports import PortReservation
-from pdserve.services.launcher.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
-from pdserve.services.launcher.topology import ServiceSpec, build_topology, visible_gpus
+from pdserve.services.launcher.topology import build_topology, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -218,6 +220,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         drain_timeout=args.drain_timeout,
         http_verify=_https_health_context(args.tls_ca) if args.identity else True,
         liveness_timeout=args.liveness_timeout,
+        on_ready=pin_first_pool,
     )
 
     def on_signal() -> None:

@@ -1,5 +1,5 @@
 """Start services in order, wait for their health checks, restart crashes and hangs, drain and stop
-them all on exit.
+them all on exit (``pdserve launch``'s whole topology, ``pdserve gateway --workers N``'s processes).
 
 A running service is also watched for liveness: its grpc.health.v1 status ("" on ``spec.liveness``)
 must answer SERVING. A process that is stopped, whose event loop is stuck, or whose scheduler step
@@ -16,16 +16,15 @@ import logging
 import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 
-import grpc
 import httpx
 
 from pdserve.rpc.health_watch import watch_address
 from pdserve.rpc.server import wait_for_health
-from pdserve.services.launcher.child import Child, describe_exit
-from pdserve.services.launcher.console import Console
-from pdserve.services.launcher.kv_pool_pin import pin_kv_pool, read_kv_pool_tokens
-from pdserve.services.launcher.topology import ServiceSpec
+from pdserve.services.common.supervision.child import Child, describe_exit
+from pdserve.services.common.supervision.console import Console
+from pdserve.services.common.supervision.spec import ServiceSpec
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -39,10 +38,10 @@ SPINNER = "|/-\\"
 
 
 class Supervisor:
-    """Owns every child process of a ``pdserve launch``.
+    """Owns every child process of a ``pdserve launch`` (or of a ``pdserve gateway --workers N``).
 
     Args:
-        specs: the services (see ``topology.build_topology``).
+        specs: the services (see the launcher's ``topology.build_topology``).
         console: where progress, the children's output and the restart log go.
         startup_timeout: seconds a service may take to become healthy (at start and after a restart).
         drain_timeout: seconds the gateway and the schedulers get, once told to stop, to let
@@ -52,6 +51,8 @@ class Supervisor:
         http_verify: how the gateway's HTTPS health check verifies its certificate (httpx ``verify``).
         liveness_timeout: seconds a running service may leave its liveness check unanswered
             (not SERVING) before it is SIGKILLed and restarted; 0 = never.
+        on_ready: awaited with a service's spec each time it becomes healthy (at start and after
+            every restart), before it counts as ready (the launcher pins a scheduler's KV pool).
 
     Attributes:
         children: name -> the running ``Child``.
@@ -67,6 +68,7 @@ class Supervisor:
         grace: float = 10.0,
         http_verify: ssl.SSLContext | bool = True,
         liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT_S,
+        on_ready: Callable[[ServiceSpec], Awaitable[None]] | None = None,
     ) -> None:
         self.specs = specs
         self.console = console
@@ -76,6 +78,7 @@ class Supervisor:
         self.grace = grace
         self.http_verify = http_verify
         self.liveness_timeout = liveness_timeout
+        self.on_ready = on_ready
         self.children: dict[str, Child] = {}
         self.restarts: dict[str, int] = {}
         self.stopping = False
@@ -132,7 +135,8 @@ class Supervisor:
         async def ready(spec: ServiceSpec, child: Child) -> None:
             nonlocal done
             await self._ready(spec, child)
-            await self._pin_kv_pool(spec)
+            if self.on_ready is not None:
+                await self.on_ready(spec)
             done += 1
             waiting.remove(spec.name)
             elapsed = time.monotonic() - t0
@@ -165,19 +169,6 @@ class Supervisor:
         """Keep every service running (restarting crashed ones with backoff) until ``stop`` is set."""
         self._keepers = [asyncio.ensure_future(self._keep_alive(spec)) for spec in self.specs]
         await stop.wait()
-
-    async def _pin_kv_pool(self, spec: ServiceSpec) -> None:
-        """Restart a scheduler sized from free memory with its first start's pool (``kv_pool_pin``)."""
-        if not spec.pin_kv_pool:
-            return
-        try:
-            tokens = await read_kv_pool_tokens(spec.role, spec.health)
-        except grpc.aio.AioRpcError as e:
-            logger.warning("cannot read the KV pool size of %s (%s): a restart sizes it anew", spec.name, e)
-            return
-        spec.argv = pin_kv_pool(spec.argv, tokens)
-        spec.pin_kv_pool = False
-        logger.info("%s has a KV pool of %d tokens; a restart gets the same", spec.name, tokens)
 
     async def _wait_exit(self, spec: ServiceSpec, child: Child) -> int:
         """Wait for ``child`` to exit, SIGKILLing it first if it fails its liveness check."""
@@ -228,7 +219,8 @@ class Supervisor:
                 child.signal(signal.SIGKILL)
                 continue
             logger.info("%s is back (pid %d, %.1f s after restart)", spec.name, child.pid, child.uptime)
-            await self._pin_kv_pool(spec)
+            if self.on_ready is not None:
+                await self.on_ready(spec)
 
     async def stop_all(self) -> None:
         """Drain and stop everything, in reverse start order.

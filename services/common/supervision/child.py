@@ -1,8 +1,8 @@
-"""One supervised child process: its own process group, killed with the launcher, output relayed by line.
+"""One supervised child process: its own process group, killed with its supervisor, output relayed by line.
 
-Each child is started in a new session (so a terminal's Ctrl-C reaches only the launcher, which then
+Each child is started in a new session (so a terminal's Ctrl-C reaches only the supervisor, which then
 stops the children in order) with ``PR_SET_PDEATHSIG = SIGKILL`` (prctl(2), Linux), so the kernel
-kills it when the launcher dies, even by SIGKILL. Signals go to the child's whole process group, so
+kills it when the supervisor dies, even by SIGKILL. Signals go to the child's whole process group, so
 helpers a service forks die with it.
 """
 

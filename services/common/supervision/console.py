@@ -1,4 +1,4 @@
-"""The launcher's terminal output: its own log lines, its children's output, and a live status line.
+"""A supervisor's terminal output: its own log lines, its children's output, and a live status line.
 
 Everything goes to one stream, one line at a time. On a TTY a status line (start-up progress) stays at
 the bottom and is redrawn in place under the lines printed above it; on anything else (a file, a pipe)
