@@ -124,6 +124,15 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template``: the tokenizer's (``pdserve launch`` passes it on)."""
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, instead of the model's own",
+    )
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)

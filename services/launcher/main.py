@@ -17,7 +17,13 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int
+from pdserve.cli_args import (
+    add_chat_template_arg,
+    add_engine_args,
+    add_model_arg,
+    non_negative_float,
+    positive_int,
+)
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.stats_log import add_stats_args
@@ -93,11 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     add_engine_args(p)
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template file, or the template itself, instead of the model's own",
-    )
+    add_chat_template_arg(p)
     add_stats_args(p)
     p.add_argument(
         "--gpus",
