@@ -1,14 +1,17 @@
 """gRPC channels and typed calls to the backend services (tokenizer, decode, prefill, detokenizer).
 
 One ``grpc.aio`` channel per address, shared by every call. Each method returns ``io_struct`` values
-and raises ``GatewayError`` (mapped from the backend's status code) on failure.
+and raises ``GatewayError`` (mapped from the backend's status code) on failure. Requests are built and
+answers read in ``convert``; this module holds the generated stubs only.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.rpc import tls
@@ -69,48 +72,44 @@ class BackendClients:
             stub = self._stubs[key] = _STUBS[kind](channel)
         return stub
 
+    async def _call(self, method: Callable[..., Awaitable[Any]], request: Message, peer: str) -> Any:
+        """``await method(request)`` within ``rpc_timeout``.
+
+        Raises:
+            GatewayError: mapped from the status code the call failed with (``from_rpc_error``,
+                naming ``peer``).
+        """
+        try:
+            return await method(request, timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, peer) from e
+
     async def tokenize(self, address: str, prompt: Prompt, add_special_tokens: bool) -> TokenizedPrompt:
         """Token ids of a text or chat prompt (chat goes through the model's chat template)."""
-        request = convert.tokenize_request(prompt, add_special_tokens)
-        try:
-            resp = await self._stub("tokenizer", address).Tokenize(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "tokenizer") from e
+        method = self._stub("tokenizer", address).Tokenize
+        resp = await self._call(method, convert.tokenize_request(prompt, add_special_tokens), "tokenizer")
         return convert.tokenized_prompt_from_pb(resp)
 
     async def tokenize_batch(
         self, address: str, prompts: list[Prompt], add_special_tokens: bool
     ) -> list[TokenizedPrompt]:
+        method = self._stub("tokenizer", address).TokenizeBatch
         request = convert.tokenize_batch_request(prompts, add_special_tokens)
-        try:
-            resp = await self._stub("tokenizer", address).TokenizeBatch(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "tokenizer") from e
-        return convert.tokenized_prompts_from_pb(resp)
+        return convert.tokenized_prompts_from_pb(await self._call(method, request, "tokenizer"))
 
     async def detokenize(self, address: str, ids: list[int], skip_special_tokens: bool) -> str:
-        request = convert.detokenize_request(ids, skip_special_tokens)
-        try:
-            resp = await self._stub("tokenizer", address).Detokenize(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "tokenizer") from e
+        method = self._stub("tokenizer", address).Detokenize
+        resp = await self._call(method, convert.detokenize_request(ids, skip_special_tokens), "tokenizer")
         return resp.text
 
     async def token_pieces(self, address: str, ids: list[int]) -> list[TokenPiece]:
-        request = convert.token_pieces_request(ids)
-        try:
-            resp = await self._stub("tokenizer", address).GetTokenPieces(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "tokenizer") from e
+        method = self._stub("tokenizer", address).GetTokenPieces
+        resp = await self._call(method, convert.token_pieces_request(ids), "tokenizer")
         return convert.token_pieces_from_pb(resp)
 
     async def model_info(self, address: str) -> ModelInfo:
-        try:
-            resp = await self._stub("tokenizer", address).GetInfo(
-                convert.tokenizer_info_request(), timeout=self.rpc_timeout
-            )
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, "tokenizer") from e
+        method = self._stub("tokenizer", address).GetInfo
+        resp = await self._call(method, convert.tokenizer_info_request(), "tokenizer")
         return convert.model_info_from_pb(resp)
 
     async def generate(
@@ -127,18 +126,12 @@ class BackendClients:
         deadline_unix_s, arrival_unix_s.
         """
         request = convert.tokenized_req_to_pb(rid, input_ids, sampling_params, **routing)
-        try:
-            await self._stub("decode", address).Generate(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, f"decode-scheduler {address}") from e
+        await self._call(self._stub("decode", address).Generate, request, f"decode-scheduler {address}")
 
     async def abort(self, address: str, rid: str, reason: str) -> bool:
         """``DecodeScheduler.Abort``; True when the scheduler still held ``rid``."""
-        request = convert.abort_request(rid, reason)
-        try:
-            resp = await self._stub("decode", address).Abort(request, timeout=self.rpc_timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, f"decode-scheduler {address}") from e
+        method = self._stub("decode", address).Abort
+        resp = await self._call(method, convert.abort_request(rid, reason), f"decode-scheduler {address}")
         return resp.found
 
     async def load(self, role: Literal["decode", "prefill"], address: str) -> WorkerLoad:
