@@ -39,6 +39,7 @@ from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor, parse_api_keys
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.responses.store import DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, ResponseStore
 from pdserve.services.gateway.openai.serving_common import ServingContext
 from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
@@ -127,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
     add_chat_parser_args(p)
+    p.add_argument(
+        "--responses-store-size",
+        type=non_negative_int,
+        default=DEFAULT_MAX_PER_KEY,
+        help="/v1/responses: stored responses kept per API key (least recently used dropped first; "
+        "0 = none stored, so previous_response_id always 404s)",
+    )
+    p.add_argument(
+        "--responses-ttl",
+        type=positive_float,
+        default=DEFAULT_TTL_S,
+        help="/v1/responses: seconds a stored response is kept after its last use",
+    )
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -259,6 +273,7 @@ class Gateway:
             metrics=self.metrics,
             metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
             worker_name=self.internal_address,
+            responses=ResponseStore(args.responses_store_size, args.responses_ttl),
         )
         app = build_app(
             state,

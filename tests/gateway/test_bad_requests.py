@@ -18,10 +18,9 @@ from transformers import AutoConfig
 
 from pdserve.model_source import resolve_model
 from pdserve.sampling.bounds import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
-from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.errors import GatewayError, validate_as_body
 from pdserve.services.gateway.openai.native_protocol import NativeGenerateRequest
 from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
-from pdserve.services.gateway.transport.public_servicer import validate_as_body
 from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
 from tests.reference import chat_ids, hf_tokenizer
 

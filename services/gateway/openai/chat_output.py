@@ -19,6 +19,7 @@ from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
 from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.openai.structured_outputs import Constraint
 from pdserve.services.gateway.openai.tool_parsers import (
+    HermesParser,
     Tool,
     ToolCall,
     ToolCallDelta,
@@ -52,23 +53,30 @@ def plan_chat(
     reasoning: ReasoningParser | None,
     think_tokens: bool = False,
 ) -> ChatPlan:
-    """The plan of ``body`` on a gateway with these parsers (``--tool-call-parser``,
-    ``--reasoning-parser``) for a model whose vocabulary has ``<think>`` tokens (``think_tokens``)
-    or not.
+    """The plan of ``body`` with these parsers (``ServingContext.chat_parsers``: the flags', else
+    those the model's chat template implies) for a model whose vocabulary has ``<think>`` tokens
+    (``think_tokens``) or not.
+
+    A forced call ("required" or a named function) is held by a grammar in the tool-call format,
+    so it works on any model: where the format is not recognised (``tool_parser`` None), in the
+    hermes format, which the default tool rendering also shows the model.
 
     Raises:
-        GatewayError: 400 when tools are to be called but the gateway has no tool-call parser,
-            ``tool_choice`` names a function not in ``tools``, a forced call meets another
-            constraint or ``ignore_eos``, or the resulting grammar is too large.
+        GatewayError: 400 when ``tool_choice`` is "auto" but the tool-call format is not
+            recognised, ``tool_choice`` names a function not in ``tools``, a forced call meets
+            another constraint or ``ignore_eos``, or the resulting grammar is too large.
     """
     choice = body.tool_choice or ("auto" if body.tools else "none")
     parse_tools = bool(body.tools) and choice != "none"
-    if parse_tools and tool_parser is None:
+    if parse_tools and choice == "auto" and tool_parser is None:
         raise invalid_request(
-            f"tool_choice {_choice_name(choice)!r} needs tool-call parsing: start the server with "
-            "--tool-call-parser (or send tool_choice 'none' to only show the tools)",
+            "tool_choice 'auto' needs the model's tool-call format, which its chat template does not "
+            "show: start the server with --tool-call-parser (or send tool_choice 'required' or a "
+            "named function, whose calls a grammar holds, or 'none' to only show the tools)",
             param="tool_choice",
         )
+    if parse_tools and tool_parser is None:
+        tool_parser = HermesParser()
     constraint = body.constraint
     if choice not in ("none", "auto"):
         constraint = _forced_calls(body, tool_parser, choice, constraint)
@@ -111,10 +119,6 @@ def _forced_calls(
     if forced is not None and forced not in {t.name for t in tools}:
         raise invalid_request(f"tool_choice names function {forced!r}, which is not in tools", "tool_choice")
     return parser.constraint(tools, forced, body.parallel_tool_calls)
-
-
-def _choice_name(choice) -> str:
-    return choice if isinstance(choice, str) else choice.function.name
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,23 +52,14 @@ class OpenAIServingChat:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Serve one chat request. Raises ``GatewayError`` for every failure before streaming starts."""
-        self.ctx.check_model(body.model)
-        rid = request_id(request)
-        log_unknown_fields(rid, body.unknown_fields())
-        reasoning = self.ctx.reasoning_parser
-        think_tokens = reasoning is not None and (await self.ctx.manager.model_info()).think_tokens
-        plan = plan_chat(body, self.ctx.tool_parser, reasoning, think_tokens)
-        sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0, plan.constraint)
-        if plan.tools is not None and not plan.tools.skip_special_tokens:
-            sampling.skip_special_tokens = False  # the call marker is a special token
-        obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
-        handle = await submit(request, self.ctx.manager, obj)
+        plan, handle = await start_chat(self.ctx, body, request, request_id(request))
+        rid = handle.rid
         if body.stream:
             return await sse_response(request, handle, self._chunks(body, plan, handle))
         results = await collect(request, handle)
         prompt_tokens, completion_tokens, cached = usage_counts(handle, results, body.n)
         for r in results:
-            r.text = await self._without_stop_token(plan, r.text, r.matched_stop)
+            r.text = await without_stop_token(self.ctx, plan, r.text, r.matched_stop)
         choices = [await self._choice(body, plan, r) for r in results]
         response = ChatCompletionResponse(
             id=f"chatcmpl-{rid}",
@@ -87,7 +78,7 @@ class OpenAIServingChat:
         return ChatChoice(
             index=r.index,
             message=AssistantMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=calls),
-            logprobs=await self._logprobs(r.logprobs) if body.logprobs else None,
+            logprobs=await chat_logprobs(self.ctx, r.logprobs) if body.logprobs else None,
             finish_reason=_finish_reason(r.finish_reason, bool(calls)),
             matched_stop=r.matched_stop,
         )
@@ -103,7 +94,7 @@ class OpenAIServingChat:
         async for delta in handle:
             result, parser = results[delta.index], parsers[delta.index]
             result.add(delta)
-            text = await self._without_stop_token(plan, delta.text, delta.matched_stop)
+            text = await without_stop_token(self.ctx, plan, delta.text, delta.matched_stop)
             reasoning, content, calls = parser.feed(text)
             if delta.finish_reason is not None:
                 more = parser.finish()
@@ -113,7 +104,7 @@ class OpenAIServingChat:
             choice = chat_choice(
                 delta.index,
                 content or None,
-                logprobs=await self._logprobs(delta.logprobs) if body.logprobs else None,
+                logprobs=await chat_logprobs(self.ctx, delta.logprobs) if body.logprobs else None,
                 finish_reason=_finish_reason(delta.finish_reason, parser.called),
                 matched_stop=delta.matched_stop,
                 reasoning_content=reasoning or None,
@@ -124,37 +115,61 @@ class OpenAIServingChat:
         if body.include_usage:
             yield encoder.encode([], self._usage(handle, results, body))
 
-    async def _without_stop_token(self, plan: ChatPlan, text: str, matched_stop: str | int | None) -> str:
-        """``text`` without the stop token that ended it, where special tokens are kept for the
-        tool-call parser (an EOS such as ``<|eot_id|>`` is not part of the answer)."""
-        if plan.tools is None or plan.tools.skip_special_tokens or not isinstance(matched_stop, int):
-            return text
-        stop_text = (await self.ctx.manager.token_pieces.get([matched_stop]))[matched_stop].text
-        return text.removesuffix(stop_text)
-
     @staticmethod
     def _usage(handle: RequestHandle, results: list[ChoiceResult], body: ChatCompletionRequest) -> UsageInfo:
         return UsageInfo.of(*usage_counts(handle, results, body.n))
 
-    async def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
-        """OpenAI chat logprobs: per token its text, its real bytes (those of its piece: a token that
-        holds part of a UTF-8 character keeps them), logprob and ``top_logprobs`` alternatives."""
-        pieces = await self.ctx.manager.token_pieces.get(
-            [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
+
+async def start_chat(
+    ctx: ServingContext, body: ChatCompletionRequest, request: Request, rid: str
+) -> tuple[ChatPlan, RequestHandle]:
+    """Plan ``body`` (its grammar and output parsers, ``plan_chat``) and submit it as request ``rid``
+    (/v1/chat/completions, and /v1/responses as the chat request it becomes).
+
+    Raises:
+        GatewayError: what ``plan_chat`` and ``submit`` raise; 404 for a model not served.
+    """
+    ctx.check_model(body.model)
+    log_unknown_fields(rid, body.unknown_fields())
+    parsers = await ctx.chat_parsers()
+    plan = plan_chat(body, parsers.tools, parsers.reasoning, parsers.think_tokens)
+    sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0, plan.constraint)
+    if plan.tools is not None and not plan.tools.skip_special_tokens:
+        sampling.skip_special_tokens = False  # the call marker is a special token
+    obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)
+    return plan, await submit(request, ctx.manager, obj)
+
+
+async def without_stop_token(
+    ctx: ServingContext, plan: ChatPlan, text: str, matched_stop: str | int | None
+) -> str:
+    """``text`` without the stop token that ended it, where special tokens are kept for the
+    tool-call parser (an EOS such as ``<|eot_id|>`` is not part of the answer)."""
+    if plan.tools is None or plan.tools.skip_special_tokens or not isinstance(matched_stop, int):
+        return text
+    stop_text = (await ctx.manager.token_pieces.get([matched_stop]))[matched_stop].text
+    return text.removesuffix(stop_text)
+
+
+async def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI chat logprobs: per token its text, its real bytes (those of its piece: a token that
+    holds part of a UTF-8 character keeps them), logprob and ``top_logprobs`` alternatives."""
+    pieces = await ctx.manager.token_pieces.get(
+        [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
+    )
+
+    def entry(token_id: int, logprob: float) -> TopLogprobEntry:
+        piece = pieces[token_id]
+        return TopLogprobEntry(token=piece.text, logprob=logprob, bytes=list(piece.data))
+
+    content = [
+        ChatLogprobEntry(
+            **entry(lp.token_id, lp.logprob).model_dump(),
+            top_logprobs=[entry(t.token_id, t.logprob) for t in lp.top],
         )
-
-        def entry(token_id: int, logprob: float) -> TopLogprobEntry:
-            piece = pieces[token_id]
-            return TopLogprobEntry(token=piece.text, logprob=logprob, bytes=list(piece.data))
-
-        content = [
-            ChatLogprobEntry(
-                **entry(lp.token_id, lp.logprob).model_dump(),
-                top_logprobs=[entry(t.token_id, t.logprob) for t in lp.top],
-            )
-            for lp in logprobs
-        ]
-        return ChatLogprobs(content=content)
+        for lp in logprobs
+    ]
+    return ChatLogprobs(content=content)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

@@ -12,11 +12,12 @@ import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pdserve.services.common.chat_parser_args import REASONING_PARSERS
 from pdserve.services.gateway.auth import http_caller
 from pdserve.services.gateway.errors import GatewayError, generation_failed
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.openai.tool_parsers import ToolParser
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pdserve.services.gateway.requests.manager import RequestManager
 from pdserve.services.gateway.requests.state import RequestHandle
 
@@ -25,9 +26,21 @@ REQUEST_ID_HEADER = "X-Request-Id"
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatParsers:
+    """How chat outputs are read back. ``tools``: the tool-call format (None: not recognised, so
+    ``tool_choice`` "auto" cannot be served); ``reasoning``: the reasoning convention (None: none);
+    ``think_tokens``: the vocabulary has ``<think>`` tokens."""
+
+    tools: ToolParser | None
+    reasoning: ReasoningParser | None
+    think_tokens: bool
+
+
 class ServingContext:
     """What the serving modules share: the manager, the served model names and the chat output
-    parsers (``--tool-call-parser``, ``--reasoning-parser``; None when not configured).
+    parsers that ``--tool-call-parser`` and ``--reasoning-parser`` set (None: the model's own, as
+    its chat template implies: ``chat_parsers``).
 
     ``model_names``: every id a client may send (``--served-model-name``, aliases included); the
     first, ``served_model_name``, is the one responses report.
@@ -45,6 +58,22 @@ class ServingContext:
         self.served_model_name = self.model_names[0]
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+
+    async def chat_parsers(self) -> ChatParsers:
+        """The flags' parsers, else those the tokenizer service reads from the model's chat template
+        (``pdserve.tokenization.chat_formats``).
+
+        Raises:
+            GatewayError: 503 while no tokenizer answers.
+        """
+        info = await self.manager.model_info()
+        tools = self.tool_parser
+        if tools is None and info.tool_call_parser in TOOL_PARSERS:
+            tools = TOOL_PARSERS[info.tool_call_parser]()
+        reasoning = self.reasoning_parser
+        if reasoning is None and info.reasoning_parser in REASONING_PARSERS:
+            reasoning = ReasoningParser(info.reasoning_parser)
+        return ChatParsers(tools, reasoning, info.think_tokens)
 
     def check_model(self, model: str | None, required: bool = True) -> None:
         """Raises ``GatewayError`` 404 unless ``model`` is a served name (or absent where optional)."""
@@ -162,9 +191,14 @@ def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> 
 
 
 async def sse_response(
-    request: Request, handle: RequestHandle, events: AsyncIterator[bytes | str]
+    request: Request,
+    handle: RequestHandle,
+    events: AsyncIterator[bytes | str | tuple[str, bytes]],
+    done: bool = True,
 ) -> StreamingResponse:
-    """Server-sent events ``data: <json>`` from ``events`` (JSON bytes or text), then ``data: [DONE]``.
+    """Server-sent events ``data: <json>`` from ``events`` (JSON bytes or text; an ``(event type,
+    JSON)`` pair is sent as ``event: <type>`` and its data), then ``data: [DONE]`` (unless ``done``
+    is false: the Responses API ends with its last typed event).
 
     The response starts with the request's first output: a request that fails retryably before it
     (overload, a worker gone) or passes its deadline answers 503 / 504 as a whole
@@ -184,11 +218,18 @@ async def sse_response(
         try:
             async with handle:
                 async for event in events:
-                    yield b"data: " + (event if isinstance(event, bytes) else event.encode()) + b"\n\n"
+                    yield _sse(event)
         except GatewayError as e:
             yield b"data: " + orjson.dumps(e.body()) + b"\n\n"
         finally:
             watcher.cancel()
-        yield b"data: [DONE]\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse(event: bytes | str | tuple[str, bytes]) -> bytes:
+    if isinstance(event, tuple):
+        return b"event: " + event[0].encode() + b"\ndata: " + event[1] + b"\n\n"
+    return b"data: " + (event if isinstance(event, bytes) else event.encode()) + b"\n\n"

@@ -156,6 +156,8 @@ def model_info_from_pb(pb: tokenizer_pb2.TokenizerInfoResponse) -> ModelInfo:
         eos_token_ids=tuple(pb.eos_token_ids),
         context_length=pb.context_length,
         think_tokens=pb.think_tokens,
+        tool_call_parser=pb.tool_call_parser,
+        reasoning_parser=pb.reasoning_parser,
     )
 
 

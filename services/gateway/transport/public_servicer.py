@@ -15,18 +15,15 @@ A request message that does not parse is refused with INVALID_ARGUMENT (``interc
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, TypeVar
 
 import grpc
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 
 from pdserve.services.gateway.auth import grpc_caller
 from pdserve.services.gateway.errors import (
     GatewayError,
     generation_failed,
     invalid_request,
-    validation_to_gateway_error,
+    validate_as_body,
 )
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.openai.native_protocol import GenerateOptions
@@ -34,8 +31,6 @@ from pdserve.services.gateway.openai.protocol import ChatInput
 from pdserve.services.gateway.openai.serving_common import ServingContext, new_rid
 from pdserve.services.gateway.transport import convert
 from pdserve.v1 import api_pb2, api_pb2_grpc
-
-_Model = TypeVar("_Model", bound=BaseModel)
 
 # gRPC ends a call at its deadline itself (DEADLINE_EXCEEDED to the client, the handler cancelled);
 # the gateway's own timer for the call runs this much later so that the two never race to end it
@@ -136,12 +131,3 @@ async def abort_with(context: grpc.aio.ServicerContext, error: GatewayError) -> 
         seconds = error.headers["Retry-After"]
         metadata = (("retry-after", seconds), ("grpc-retry-pushback-ms", str(int(float(seconds) * 1000))))
     await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
-
-
-def validate_as_body(model: type[_Model], fields: dict[str, Any]) -> _Model:
-    """``fields`` validated by ``model``; a failure raises the 400 HTTP answers for that JSON body."""
-    try:
-        return model.model_validate(fields)
-    except ValidationError as e:
-        as_body = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-        raise validation_to_gateway_error(RequestValidationError(as_body)) from None

@@ -1,7 +1,8 @@
 """Tool-call formats: parse a model's calls out of its text (whole or streamed) and write the
 grammar that forces calls (``tool_choice`` "required" or a named function).
 
-``--tool-call-parser`` picks one: ``hermes`` (alias ``qwen``), ``llama3``, ``mistral``.
+The model's chat template implies one (``pdserve.tokenization.chat_formats``); ``--tool-call-parser``
+overrides it: ``hermes`` (alias ``qwen``), ``llama3``, ``mistral``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 __all__ = [
     "TOOL_PARSERS",
+    "HermesParser",
     "ParsedOutput",
     "Tool",
     "ToolCall",
