@@ -126,13 +126,6 @@ CASES = [
         chat(response_format={"type": "yaml"}),
         param="response_format.type",
     ),
-    Case(
-        "tools-auto-without-parser",
-        400,
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        param="tool_choice",
-        contains=lambda: ["--tool-call-parser"],
-    ),
     Case("tool-message-without-content", 400, chat(messages=[{"role": "tool", "tool_call_id": "a"}])),
     Case("logit-bias-not-a-token-id", 400, chat(logit_bias={"fifty": 5}), param="logit_bias.fifty"),
     Case(
