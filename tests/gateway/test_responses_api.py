@@ -61,11 +61,6 @@ BAD = [
     ("conversation", body(conversation="conv_1"), "conversation"),
     ("truncation-auto", body(truncation="auto"), "truncation"),
     ("stream-options-without-stream", body(stream_options={"include_obfuscation": False}), "stream_options"),
-    (
-        "tool-result-first",
-        body(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]),
-        None,
-    ),
 ]
 
 
