@@ -20,12 +20,13 @@ def add_chat_parser_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=TOOL_CALL_PARSERS,
         help="tool-call format to parse from chat outputs (hermes = qwen: <tool_call>; llama3: JSON; "
-        "mistral: [TOOL_CALLS]); without it, chat requests may only show tools (tool_choice 'none')",
+        "mistral: [TOOL_CALLS]); default: the one the model's chat template implies (hermes for a "
+        "template that does not render tools: the tokenizer shows them in that format)",
     )
     p.add_argument(
         "--reasoning-parser",
         default=None,
         choices=REASONING_PARSERS,
         help="split <think>...</think> reasoning into reasoning_content (deepseek_r1: the output starts "
-        "reasoning; qwen3: when it begins with <think>)",
+        "reasoning; qwen3: when it begins with <think>); default: the one the chat template implies",
     )
