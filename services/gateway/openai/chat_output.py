@@ -160,6 +160,14 @@ class ChoiceParser:
         content, calls = self._tools.feed(answer) if self._tools else (answer, [])
         return reasoning, content, calls
 
+    def feed_piece(self, text: str, last: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        """``feed`` of a streamed piece, and when it is the ``last``, what ``finish`` adds."""
+        reasoning, content, calls = self.feed(text)
+        if not last:
+            return reasoning, content, calls
+        more = self.finish()
+        return reasoning + more[0], content + more[1], calls + more[2]
+
     def finish(self) -> tuple[str, str, list[ToolCallDelta]]:
         """What a stream still has to send once the output has ended."""
         reasoning, answer = self._reasoning.finish() if self._reasoning else ("", "")

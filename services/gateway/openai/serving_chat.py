@@ -95,10 +95,7 @@ class OpenAIServingChat:
             result, parser = results[delta.index], parsers[delta.index]
             result.add(delta)
             text = await without_stop_token(self.ctx, plan, delta.text, delta.matched_stop)
-            reasoning, content, calls = parser.feed(text)
-            if delta.finish_reason is not None:
-                more = parser.finish()
-                reasoning, content, calls = reasoning + more[0], content + more[1], calls + more[2]
+            reasoning, content, calls = parser.feed_piece(text, delta.finish_reason is not None)
             if not (reasoning or content or calls or delta.finish_reason or delta.logprobs):
                 continue
             choice = chat_choice(

@@ -111,9 +111,9 @@ class ReasoningItem(_Item):
 
 
 def _item_type(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+    """An item's tag: its ``type`` ("message" when left out); None (a 400) when not a string."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
 
 
 Item = Annotated[

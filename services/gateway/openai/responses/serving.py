@@ -114,10 +114,7 @@ class OpenAIServingResponses:
             async for delta in handle:
                 result.add(delta)
                 text = await without_stop_token(self.ctx, plan, delta.text, delta.matched_stop)
-                reasoning, content, calls = parser.feed(text)
-                if delta.finish_reason is not None:
-                    more = parser.finish()
-                    reasoning, content, calls = reasoning + more[0], content + more[1], calls + more[2]
+                reasoning, content, calls = parser.feed_piece(text, delta.finish_reason is not None)
                 logprobs = await self._logprobs(delta.logprobs) if body.logprobs and delta.logprobs else []
                 for event in stream.feed(reasoning, content, calls, logprobs):
                     yield event
