@@ -6,6 +6,7 @@ caching and retraction on top; here every sequence simply owns its pages.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
@@ -15,6 +16,9 @@ from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.sampling.verify import Accepted, VerifyInputs, accept, verify_inputs
+from pdserve.speculative.proposer import DraftRequest, Proposer
+
+_RIDS = itertools.count()
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Seq:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    rid: str = field(default_factory=lambda: f"seq-{next(_RIDS)}")
 
     @property
     def fill_ids(self) -> list[int]:
@@ -156,6 +161,13 @@ class Driver:
             self.runner.token_to_kv_pool_allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
         return accepted
+
+    def speculate(self, seqs: list[Seq], proposer: Proposer, num_drafts: int) -> list[Accepted]:
+        """One speculative step of ``seqs`` (each with an output: prefilled): up to ``num_drafts``
+        drafts from ``proposer``, verified in one forward (``verify``)."""
+        reqs = [DraftRequest(s.rid, s.prompt, s.output_ids, num_drafts, s.params) for s in seqs]
+        drafts = proposer.propose(reqs)
+        return self.verify(list(zip(seqs, drafts.token_ids, strict=True)), drafts.probs)
 
     def generate(self, seqs: list[Seq], max_new_tokens: int) -> None:
         """Extend every sequence in one batch, then decode them together to ``max_new_tokens`` each."""
