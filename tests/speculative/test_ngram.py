@@ -19,12 +19,16 @@ def index_of(tokens: list[int], min_n: int = 1, max_n: int = 4) -> NgramIndex:
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The specification: for n from max_n down to min_n, the last earlier occurrence of the final n
-    tokens (one that ends before the last token), and the k tokens after it."""
+    tokens (one that ends before the last token), and the k tokens after it, the text that followed
+    it going on as it went on (a copy of the tokens drafted so far) once it reaches the present."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                text = list(tokens)
+                for i in range(k):
+                    text.append(text[start + n + i])
+                return text[len(tokens) :]
     return []
 
 
@@ -35,15 +39,17 @@ def test_the_longest_suffix_wins_over_a_later_shorter_one():
     assert index_of(tokens, max_n=1).propose(3) == [2, 5, 6]  # the most recent 7
 
 
-def test_a_continuation_may_run_into_the_suffix_itself():
-    assert index_of([4, 4, 4, 4]).propose(5) == [4]  # after 4 4 4 at 0 comes the last 4
-    assert index_of([1, 2, 1, 2, 1]).propose(4) == [2, 1]
+def test_a_continuation_that_reaches_the_present_repeats_itself():
+    assert index_of([4, 4, 4, 4]).propose(5) == [4] * 5  # after 4 4 4 at 0 came a 4: a loop of 4s
+    assert index_of([1, 2, 1, 2, 1]).propose(5) == [2, 1, 2, 1, 2]
+    assert index_of([7, 1, 2, 3, 9, 1, 2, 3]).propose(6) == [9, 1, 2, 3, 9, 1]
     assert index_of([3]).propose(2) == [] and index_of([]).propose(2) == []
 
 
 def test_no_match_below_min_n():
     assert index_of([1, 2, 3, 9, 2, 3], min_n=3).propose(2) == []
     assert index_of([1, 2, 3, 9, 2, 3], min_n=2).propose(2) == [9, 2]
+    assert index_of([1, 2, 3, 9, 2, 3], min_n=2).propose(4) == [9, 2, 3, 9]
 
 
 @pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (2, 3), (1, 1)])

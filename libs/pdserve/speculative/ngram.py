@@ -3,8 +3,16 @@ current ending occurred in the request's own prompt and output.
 
 As SGLang's NGRAM and vLLM's ``ngram`` proposer (prompt lookup decoding, Saxena 2023) do: take the
 longest suffix of the sequence, of ``max_n`` down to ``min_n`` tokens, that occurred earlier, and
-propose the ``k`` tokens that followed its most recent earlier occurrence. Input-grounded outputs
-(quoting, extracting or editing the prompt; code) repeat long spans, which such drafts get right.
+propose the ``k`` tokens that followed its most recent earlier occurrence, repeating that span when
+it reaches the present. Input-grounded outputs (quoting, extracting or editing the prompt; code)
+repeat long spans, which such drafts get right, and a small model's loops repeat themselves.
+
+Which occurrence and how to continue, replayed on SmolLM2's greedy outputs (float32+w4a8, 32
+prompts each of ``benchmarks.serving_lib.workload``, 64 tokens, 1..4-grams, k = 4; tokens per
+verify step): the most recent occurrence, continued with itself, 2.47 on grounded prompts and 3.40
+on random ones; without continuing 2.39 and 1.91 (a loop ``x x x`` drafted one token); the earliest
+occurrence 2.39-2.40 and 2.99-3.16. Matching from 2-grams drafts in fewer steps, at a higher
+acceptance rate (0.64 vs 0.51 grounded) but fewer tokens a step (2.24).
 
 Each request keeps an index, ``n-gram -> position after its most recent occurrence``, updated with
 the tokens appended since the last step (``max_n - min_n + 1`` dictionary writes per token), so a
@@ -41,13 +49,16 @@ class NgramIndex:
             seq.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
-        that occurred before; none when no suffix of ``min_n`` tokens or more did."""
+        """``k`` tokens that followed the most recent earlier occurrence of the longest suffix that
+        occurred before (none when no suffix of ``min_n`` tokens or more did). A continuation that
+        reaches the sequence's end goes on with itself: the text repeats with the period from that
+        occurrence to now (a loop ``a b a b`` drafts ``a b a b``, not just ``a``)."""
         seq = self.tokens
         for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
             start = self.table.get(tuple(seq[len(seq) - n :]))
             if start is not None:
-                return seq[start : start + k]
+                period = len(seq) - start
+                return [seq[start + i % period] for i in range(k)]
         return []
 
 
