@@ -115,3 +115,17 @@ def test_verify_rows_share_a_step_with_an_extend_and_decodes(case, tokenizer, lo
     for actual, want in zip(rows[1:], expected, strict=True):
         assert_same(actual, want, exact)
     driver.release(*twins, *seqs, late, late_twin)
+
+
+def test_the_hidden_states_of_the_verified_positions_come_with_the_logits(runner, tokenizer, long_text):
+    """What a draft head (EAGLE / MTP) would read: the final hidden state of every logits row, the
+    very rows the LM head turned into the logits."""
+    ids = tokenizer(long_text)["input_ids"]
+    driver = Driver(runner)
+    seqs = [driver.add(ids[:20], GREEDY), driver.add(ids[50:83], GREEDY)]
+    driver.step([(s, None) for s in seqs])
+    fb, _ = driver.prepare_verify([(seqs[0], ids[20:23]), (seqs[1], [])])
+    hidden, logits = runner.forward_hidden_and_logits(fb)
+    assert hidden.shape == (5, runner.model_config.hf_config.hidden_size)
+    assert torch.equal(runner.model.compute_logits(hidden), logits)
+    driver.release(*seqs)
