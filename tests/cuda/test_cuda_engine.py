@@ -224,3 +224,30 @@ def test_cuda_graph_decode_matches_eager(checkpoint):
         torch.testing.assert_close(
             torch.tensor(replayed.logprobs), torch.tensor(eager.logprobs), atol=0.05, rtol=0
         )
+
+
+@pytest.mark.parametrize(("dtype", "backend"), [("float32", "torch_native"), ("bfloat16", "auto")])
+def test_speculative_verify_on_cuda_gives_plain_greedy_tokens(checkpoint, dtype, backend):
+    """The target as its own draft on the GPU: verify steps (SDPA on torch_native, FlashInfer's prefill
+    wrapper under ``auto``; decode steps replayed from CUDA graphs there) keep drafts and give the
+    tokens plain greedy decoding gives, with every page of both pools back at the end."""
+    from pdserve.speculative.draft_model import DraftModelProposer
+
+    args = dict(dtype=dtype, attention_backend=backend, device="cuda", max_total_tokens=8192)
+    runner = ModelRunner(checkpoint, **args)
+    proposer = DraftModelProposer.load(checkpoint, checkpoint, **args)
+    prompts = _prompts()
+    plain = _run_engine(runner, prompts, SamplingParams(temperature=0.0))
+    driver = Driver(runner)
+    seqs = [driver.add(p, SamplingParams(temperature=0.0)) for p in prompts]
+    driver.step([(s, None) for s in seqs])
+    accepted = 0
+    while min(len(s.output_ids) for s in seqs) < NEW_TOKENS:
+        accepted += sum(a.num_accepted_drafts for a in driver.speculate(seqs, proposer, 3))
+    driver.release(*seqs)
+    for seq in seqs:
+        proposer.release(seq.rid)
+    assert [s.output_ids[:NEW_TOKENS] for s in seqs] == [s.output_ids for s in plain]
+    assert accepted >= 4 * len(seqs)  # drafts of the same model stand
+    for pool in (runner.token_to_kv_pool_allocator, proposer.runner.token_to_kv_pool_allocator):
+        assert pool.available_size() == pool.num_pages

@@ -7,8 +7,9 @@ costs were as large as the step's weight reads (~10 ms of a ~25 ms step here). `
 builds every layer's parameters (weight pointers, formats, norms, KV pages) once, so the layers of
 a step are one ``decoder_layers`` call that runs the same kernels in the same order (the same
 results as the modules' path, which the tests check). It serves every batch whose attention the
-backend runs on its C kernels: decodes (decode-kernel rows), extends (extend-kernel tiles), and
-mixed batches whose decoding requests come after the extending ones (the scheduler's order).
+backend runs on its C kernels: decodes and verifying requests (decode-kernel rows), extends
+(extend-kernel tiles), and mixed batches whose decoding and verifying requests come after the
+extending ones (the scheduler's order).
 """
 
 from __future__ import annotations
@@ -110,11 +111,11 @@ class CpuDecoder:
 
     def takes(self, fb: ForwardBatch) -> bool:
         """Whether the backend runs all of ``fb``'s attention on its C kernels, with any decoding
-        requests after the extending ones (their tokens the batch's last rows)."""
+        (or verifying) requests after the extending ones (their tokens the batch's last rows)."""
         backend = fb.attn_backend
         rows, tiles = getattr(backend, "kernel_rows", None), getattr(backend, "tiles", None)
-        if tiles is None:  # decodes only
-            return rows is not None and rows.token_index is None and len(fb.positions) == len(fb.seq_lens)
+        if tiles is None:  # decode-kernel rows only: every token one
+            return rows is not None and rows.token_index is None
         return rows is None or int(rows.token_index[0]) == len(fb.positions) - len(rows.token_index)
 
     def __call__(
