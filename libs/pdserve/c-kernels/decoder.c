@@ -16,10 +16,11 @@ void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, cons
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
               int, int64_t, int64_t, int);
 int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
-                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                     int);
 int extend_attention(const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
                      const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     float, int, int);
+                     int64_t, float, int, int);
 int matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
                  int64_t, int, int, int, int, int, int, int);
 int matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
@@ -37,11 +38,13 @@ typedef struct {
   const float* bias;
 } Linear;
 
-/* One decoder layer: its norms' weights (activation dtype), matmuls, and KV pool pages. */
+/* One decoder layer: its norms' weights (activation dtype), matmuls, KV pool pages, and the keys its
+   attention sees (a sliding window; 0: all). */
 typedef struct {
   const void *input_norm, *post_norm;
   Linear qkv, o, gate_up, down;
   void *k_pages, *v_pages;
+  int64_t window;
 } Layer;
 
 /* The step: T tokens, their positions and KV slots. The first E of them are the new tokens of R
@@ -85,13 +88,13 @@ static int attention(const Layer* L, const Step* s, const char* q, int64_t q_str
   const int64_t e = s->kv_bf16 ? 2 : 4, q_size = s->num_heads * s->head_dim;
   if (s->R && extend_attention(q, q_stride, L->k_pages, L->v_pages, out, s->ext_page_table, s->prefix_lens,
                                s->extend_lens, s->row_starts, s->R, s->ext_max_pages, s->page_size,
-                               s->page_stride, s->num_heads, s->num_kv_heads, s->head_dim, s->scale, s->kv_bf16,
-                               s->threads))
+                               s->page_stride, s->num_heads, s->num_kv_heads, s->head_dim, L->window, s->scale,
+                               s->kv_bf16, s->threads))
     return 1;
   return s->T > s->E && decode_attention(s->kv_bf16, q + s->E * q_stride * e, q_stride, L->k_pages, L->v_pages,
                                          out + s->E * q_size * e, s->page_table, s->seq_lens, s->T - s->E,
                                          s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                                         s->num_kv_heads, s->head_dim, s->scale, s->threads);
+                                         s->num_kv_heads, s->head_dim, L->window, s->scale, s->threads);
 }
 
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written

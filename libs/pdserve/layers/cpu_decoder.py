@@ -34,7 +34,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_pages", _P), ("v_pages", _P)]  # fmt: skip
+                ("down", _Linear), ("k_pages", _P), ("v_pages", _P), ("window", _I)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -86,6 +86,7 @@ class CpuDecoder:
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 _linear(attn.qkv_proj, self._keep), _linear(attn.o_proj, self._keep),
                 _linear(mlp.gate_up_proj, self._keep), _linear(mlp.down_proj, self._keep),
+                window=attn.attn.sliding_window,
             )  # fmt: skip
         self._pool_ptr = None
 
