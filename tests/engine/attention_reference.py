@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def reference(q, k_pages, v_pages, page_table, seq_lens, scale, window=0) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(
+    q, k_pages, v_pages, page_table, seq_lens, scale, window=0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each request's query over its keys (its last ``window`` ones when given),
     in float64, one request at a time, and the same weights over |V| (the scale of rounding the
     weights to bfloat16)."""

@@ -93,13 +93,15 @@ class CpuDecoder:
     @classmethod
     def build(cls, model: Any) -> CpuDecoder | None:
         """The fused decoder of ``model`` (a ``LlamaModel`` whose weights are processed), or None when
-        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, and
-        every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
+        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, a dense
+        MLP, and every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
         variant = selected_variant()
         if variant is None or not len(model.layers):
             return None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(mlp, "gate_up_proj"):  # a mixture-of-experts layer
+                return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.qk_norm or not all(isinstance(m.packed, MatmulWeight) for m in linears):
                 return None

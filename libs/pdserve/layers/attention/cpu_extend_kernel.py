@@ -48,7 +48,8 @@ from pdserve.layers.native import kernel_library, per_variant
 
 
 class ExtendAttentionKernel:
-    """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale, window=0) -> out``.
+    """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale) -> out``
+    (``window=`` for a sliding-window layer).
 
     Args (CPU tensors; q, the pages and out all float32 or all bfloat16):
         q: ``[T, Hq, D]``; each row's ``Hq * D`` elements contiguous (rows may be strided).

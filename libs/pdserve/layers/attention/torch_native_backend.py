@@ -262,7 +262,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             return out.view(num_tokens, -1)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
-            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window)
+            out = self.decode_kernel(
+                q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
+            )
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
             return self._attend(q, k_pages, v_pages, self.groups[0], layer)
@@ -272,7 +274,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, group: _Group, layer: RadixAttention
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        group: _Group,
+        layer: RadixAttention,
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
@@ -280,7 +287,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         if max_q == 1 and self.decode_kernel is not None:
             queries = q[group.query_index[:, 0]]
             out = self.decode_kernel(
-                queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling, window=layer.sliding_window
+                queries,
+                k_pages,
+                v_pages,
+                group.page_table,
+                group.seq_lens,
+                scaling,
+                window=layer.sliding_window,
             )
             return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
