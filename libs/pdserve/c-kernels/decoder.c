@@ -4,7 +4,7 @@
    the o matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
    allocation or an argument conversion between them: at batch 1 those cost as much as the
    matmuls' own weight reads. Same kernels, same order, so the same results. */
-#include "common.h"
+#include "linear.h"
 
 /* The kernels of the other sources. */
 void add_rmsnorm_f32(const float*, int64_t, float*, const float*, float*, int64_t, int64_t, float, int);
@@ -21,22 +21,6 @@ int decode_attention(int, const void*, int64_t, const void*, const void*, void*,
 int extend_attention(const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
                      const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                      int64_t, float, int, int);
-int matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
-                 int64_t, int, int, int, int, int, int, int);
-int matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
-                int, int, int, int, int, int);
-int matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
-                int64_t, int, int, int, int, int, int, int);
-
-/* Which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`). */
-enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 };
-
-/* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
-typedef struct {
-  int kernel, format, planes, N, K, halves;
-  const void *data, *scale, *mins;
-  const float* bias;
-} Linear;
 
 /* One decoder layer: its norms' weights (activation dtype), matmuls, KV pool pages, and the keys its
    attention sees (a sliding window; 0: all). */
@@ -62,18 +46,6 @@ typedef struct {
   const int64_t *ext_page_table, *prefix_lens, *extend_lens, *row_starts;
 } Step;
 
-/* Returns 0, or -1 when out of memory. */
-static int linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
-                  int threads) {
-  if (w->kernel == LINEAR_W8A8)
-    return matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T,
-                       w->N, w->K, w->halves, silu, threads);
-  if (w->kernel == LINEAR_W4A8)
-    return matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->planes, w->scale, w->mins, w->bias, out, ldc,
-                       bf16, T, w->N, w->K, w->halves, silu, threads);
-  return matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
-                      w->halves, silu, threads);
-}
 
 static void norm(const Step* s, const void* x, void* residual, const void* w, void* out) {
   if (s->bf16)

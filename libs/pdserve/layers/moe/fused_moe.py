@@ -5,10 +5,11 @@ A token's ``k`` routed experts are ``k`` slots. The slots are sorted by expert, 
 multiplies its tokens' rows in one GEMM (gate/up, the activation, down), and the weighted rows are
 added into their tokens in expert order: each token's sum runs over its own experts in ascending
 id, as Hugging Face's loop over experts adds them, whatever else is in the batch. On CPU each
-expert's matrices are packed once at load like a ``Linear``'s (bfloat16 for ``cpu_gemm`` / oneDNN,
-or quantized by the model's linear method: int8, int4, w4a8), and SiLU-and-mul runs in the gate/up
-matmul's epilogue where the format has one. On CUDA the GEMMs of all experts are one
-``torch._grouped_mm`` each (CUTLASS grouped GEMM).
+expert's matrices are packed once at load for ``cpu_matmul`` (bfloat16, or quantized by the model's
+linear method: int8, int4, w8a8, w4a8) and every active expert of a step runs in one C call
+(``cpu_experts``), SiLU-and-mul in the gate/up matmul's epilogue; float32 experts (and other
+activations) run one ``F.linear`` pair per expert, as Hugging Face's loop does. On CUDA the GEMMs
+of all experts are one ``torch._grouped_mm`` each (CUTLASS grouped GEMM).
 
 Under tensor parallelism every rank holds a slice of each expert's intermediate channels, under
 expert parallelism whole experts (``pdserve.distributed.expert_parallel``); either way the output
@@ -25,6 +26,7 @@ from torch import nn
 from pdserve.distributed import SINGLE_RANK, TpGroup, expert_shard
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.linear import PackedWeight, checkpoint_shape, linear, prepack_weight
+from pdserve.layers.moe.cpu_experts import CpuExperts, pack_bf16
 
 # The checkpoint shard kinds ``weight_loader`` takes, with an expert id, or None for a stacked tensor
 # of every expert: ``gate`` / ``up`` [I, H] and ``down`` [H, I] per expert (as models ship), or
@@ -78,6 +80,7 @@ class FusedMoE(nn.Module):
         self.quant_method = None
         self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
         self.fused_silu = False
+        self.cpu_experts: CpuExperts | None = None
         self._filled: set[tuple[str, int, str]] = set()
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -153,11 +156,17 @@ class FusedMoE(nn.Module):
         ]
 
     def process_weights_after_loading(self) -> None:
-        """Pack each expert's matrices as a ``Linear`` packs its weight (the model's linear method
-        when quantized, else ``prepack_weight``); gate/up in halves where SiLU-and-mul can run in
-        the matmul's epilogue. Packed, the float weights are dropped."""
+        """Pack each expert's matrices: by the model's linear method when quantized, bfloat16 ones
+        for the grouped kernel (``cpu_experts.pack_bf16``), else as ``prepack_weight`` packs a
+        ``Linear``'s; gate/up in halves where SiLU-and-mul can run in the matmul's epilogue. Packed,
+        the float weights are dropped. float32 experts stay unpacked (``F.linear``, as HF)."""
         w13, w2 = self.gate_up_proj.data, self.down_proj.data
-        pack = self.quant_method.pack if self.quant_method is not None else prepack_weight
+        if self.quant_method is not None:
+            pack = self.quant_method.pack
+        elif w13.dtype == torch.bfloat16 and pack_bf16(w13[0]) is not None:
+            pack = pack_bf16
+        else:
+            pack = prepack_weight
         packed = [(pack(w13[e]), pack(w2[e])) for e in range(len(w13))]
         if any(p13 is None or p2 is None for p13, p2 in packed):
             return  # float32, or a device our packed kernels do not serve
@@ -166,12 +175,21 @@ class FusedMoE(nn.Module):
         )
         self.packed = [(p13.to_halves() if self.fused_silu else p13, p2) for p13, p2 in packed]
         self.gate_up_proj = self.down_proj = None
+        if self.fused_silu:
+            biases = [
+                (_row(self.gate_up_proj_bias, e), _row(self.down_proj_bias, e)) for e in range(len(w13))
+            ]
+            self.cpu_experts = CpuExperts.build(self.packed, biases, self.shard.expert_start)
 
     # ---- compute ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x`` ``[T, H]``, the routed experts ``ids`` (int64, global) and their ``weights``
-        ``[T, k]`` → ``[T, H]`` in x's dtype: the sum over each token's experts held here of
-        ``weight * expert(x)``, rounded to x's dtype per expert before it is added."""
+        ``[T, k]`` → ``[T, H]`` in x's dtype: the sum over each token's experts held here, in
+        ascending id, of ``weight * expert(x)``, each term and each partial sum rounded to x's
+        dtype as Hugging Face's loop of ``index_add_`` calls rounds them (on CUDA the terms are
+        added in one call, in float32, then rounded)."""
+        if self.cpu_experts is not None:
+            return self.cpu_experts(x, ids, weights)
         num_slots = ids.shape[1]
         local = ids.flatten() - self.shard.expert_start
         held = (local >= 0) & (local < self.shard.num_experts)
@@ -183,24 +201,21 @@ class FusedMoE(nn.Module):
         out = torch.zeros_like(x)
         if not len(order):
             return out
-        rows = x[tokens]
-        rows = self._grouped(rows, counts) if x.is_cuda else self._per_expert(rows, counts.tolist())
-        scaled = rows * weights.flatten()[order, None]
-        return out.index_add_(0, tokens, scaled.to(x.dtype))
-
-    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """CPU: one GEMM pair per active expert over its (contiguous, sorted) rows."""
-        out = torch.empty_like(rows)
+        slot_weights = weights.flatten()[order, None]
+        if x.is_cuda:
+            rows = self._grouped(x[tokens], counts) * slot_weights
+            return out.index_add_(0, tokens, rows.to(x.dtype))
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(counts.tolist()):  # CPU: one GEMM pair per active expert
             if count:
-                out[start : start + count] = self._expert(e, rows[start : start + count])
+                span = slice(start, start + count)
+                rows = self._expert(e, x[tokens[span]]) * slot_weights[span]
+                out.index_add_(0, tokens[span], rows.to(x.dtype))
                 start += count
         return out
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
-        b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
+        b13, b2 = _row(self.gate_up_proj_bias, e), _row(self.down_proj_bias, e)
         if self.packed is None:
             return linear(self.activation(linear(x, self.gate_up_proj[e], b13)), self.down_proj[e], b2)
         p13, p2 = self.packed[e]
@@ -223,3 +238,7 @@ def _parameter(*shape: int, loader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = loader
     return param
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]

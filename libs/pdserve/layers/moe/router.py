@@ -15,8 +15,9 @@ import enum
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pdserve.layers.linear import PackedWeight, linear, prepack_weight
 
 
 class Scoring(enum.Enum):
@@ -57,9 +58,15 @@ class TopKRouter(nn.Module):
         self.top_k, self.spec = top_k, spec
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """A packed copy of the gate (bfloat16 on CPU: ``F.linear`` on an unpacked bfloat16 weight
+        reorders it on every call, ~0.6 ms of a 0.1 ms product at 16 tokens x 128 experts)."""
+        self.packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
+        logits = linear(x, self.weight, self.bias, self.packed)
         if self.spec.scoring is Scoring.TOPK_SOFTMAX:
             top, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=1, dtype=top.dtype), ids
