@@ -9,7 +9,7 @@ expert's matrices are packed once at load for ``cpu_matmul`` (bfloat16, or quant
 linear method: int8, int4, w8a8, w4a8) and every active expert of a step runs in one C call
 (``cpu_experts``), SiLU-and-mul in the gate/up matmul's epilogue; float32 experts (and other
 activations) run one ``F.linear`` pair per expert, as Hugging Face's loop does. On CUDA the GEMMs
-of all experts are one ``torch._grouped_mm`` each (CUTLASS grouped GEMM).
+of all bfloat16 experts are one ``torch._grouped_mm`` each (CUTLASS grouped GEMM).
 
 Under tensor parallelism every rank holds a slice of each expert's intermediate channels, under
 expert parallelism whole experts (``pdserve.distributed.expert_parallel``); either way the output
@@ -202,7 +202,7 @@ class FusedMoE(nn.Module):
         if not len(order):
             return out
         slot_weights = weights.flatten()[order, None]
-        if x.is_cuda:
+        if x.is_cuda and x.dtype == torch.bfloat16:  # CUTLASS's grouped GEMM: bfloat16 only
             rows = self._grouped(x[tokens], counts) * slot_weights
             return out.index_add_(0, tokens, rows.to(x.dtype))
         start = 0
