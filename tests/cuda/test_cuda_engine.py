@@ -171,7 +171,7 @@ def test_engine_on_cuda_float32_matches_hf_greedy(checkpoint):
         assert seq.output_ids == ref[0, len(prompt) :].tolist()
 
 
-def _hf_logprobs(model, seqs) -> list[torch.Tensor]:
+def hf_logprobs(model, seqs) -> list[torch.Tensor]:
     """Each sequence's generated tokens' logprobs under ``model``, teacher-forced (float32 log_softmax)."""
     out = []
     for seq in seqs:
@@ -195,7 +195,7 @@ def test_engine_bfloat16_with_flashinfer_is_as_close_to_float32_as_hf_bfloat16(c
     seqs = _run_engine(runner, _prompts(), SamplingParams(temperature=0.0, return_logprob=True))
     ours = [torch.tensor(s.logprobs) for s in seqs]
     fp32, bf16 = (
-        _hf_logprobs(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(CUDA).eval(), seqs)
+        hf_logprobs(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(CUDA).eval(), seqs)
         for dtype in (torch.float32, torch.bfloat16)
     )
     ours_error = max(float((a - b).abs().max()) for a, b in zip(ours, fp32, strict=True))

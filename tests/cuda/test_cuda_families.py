@@ -12,6 +12,7 @@ import torch
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from pdserve.sampling.sampling_params import SamplingParams
+from tests.cuda.test_cuda_engine import hf_logprobs
 from tests.engine.driver import Driver
 from tests.families import FAMILIES, hf_model, make_checkpoint
 
@@ -59,17 +60,6 @@ def test_float32_on_cuda_matches_hf_greedy(family, checkpoints):
         assert seq.output_ids == ref[0, len(seq.prompt) :].tolist()
 
 
-def _hf_logprobs(model, seqs) -> list[torch.Tensor]:
-    out = []
-    for seq in seqs:
-        ids = torch.tensor([seq.prompt + seq.output_ids], device=CUDA)
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(seq.prompt) - 1 : -1].float()
-        chosen = torch.tensor(seq.output_ids, device=CUDA)[:, None]
-        out.append(torch.log_softmax(logits, -1).gather(1, chosen).squeeze(1).cpu())
-    return out
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bfloat16_on_flashinfer_is_as_close_to_float32_as_hf_bfloat16(family, checkpoints):
     path = checkpoints / family
@@ -80,7 +70,7 @@ def test_bfloat16_on_flashinfer_is_as_close_to_float32_as_hf_bfloat16(family, ch
     seqs = _run(runner, SamplingParams(temperature=0.0, return_logprob=True))
     ours = [torch.tensor(s.logprobs) for s in seqs]
     fp32, bf16 = (
-        _hf_logprobs(hf_model(path).to(dtype).to(CUDA), seqs) for dtype in (torch.float32, torch.bfloat16)
+        hf_logprobs(hf_model(path).to(dtype).to(CUDA), seqs) for dtype in (torch.float32, torch.bfloat16)
     )
     ours_error = max(float((a - b).abs().max()) for a, b in zip(ours, fp32, strict=True))
     hf_error = max(float((a - b).abs().max()) for a, b in zip(bf16, fp32, strict=True))

@@ -89,16 +89,19 @@ int moe_experts(const Linear* gate_up, const Linear* down, int64_t first_expert,
         done = next;
         const char* yrow = y + where[next] * row_bytes;
         const float w = weights[next];
-        for (int64_t h = 0; h < hidden; ++h) {
-          if (is_bf16) sum[h] = round_bf16(sum[h] + round_bf16(bf16_to_f32(((const bf16*)yrow)[h]) * w));
-          else sum[h] += ((const float*)yrow)[h] * w;
+        if (is_bf16) {
+          const bf16* yb = (const bf16*)yrow;
+          for (int64_t h = 0; h < hidden; ++h) sum[h] = round_bf16(sum[h] + round_bf16(bf16_to_f32(yb[h]) * w));
+        } else {
+          const float* yf = (const float*)yrow;
+          for (int64_t h = 0; h < hidden; ++h) sum[h] += yf[h] * w;
         }
       }
       char* o = (char*)out + t * row_bytes;
-      for (int64_t h = 0; h < hidden; ++h) {
-        if (is_bf16) ((bf16*)o)[h] = f32_to_bf16(sum[h]);
-        else ((float*)o)[h] = sum[h];
-      }
+      if (is_bf16)
+        for (int64_t h = 0; h < hidden; ++h) ((bf16*)o)[h] = f32_to_bf16(sum[h]);
+      else
+        memcpy(o, sum, row_bytes);
     }
     free(rows), free(act), free(sum);
   }

@@ -15,23 +15,17 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.distributed import TpGroup
 from pdserve.layers.activation import ClampedSwiGLU
 from pdserve.layers.moe.fused_moe import FusedMoE
 from pdserve.layers.moe.router import RouterSpec, Scoring, TopKRouter
 from pdserve.layers.moe.sparse_moe_block import SparseMoeBlock, expert_checkpoint_target
 from pdserve.models.llama import AttentionOptions, LlamaForCausalLM
+from pdserve.models.moe import MoeCausalLM
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
-    has_experts = True
+class GptOssForCausalLM(MoeCausalLM, LlamaForCausalLM):
     checkpoint_target = staticmethod(expert_checkpoint_target)
-
-    def __init__(
-        self, config: Any, max_position: int, tp: TpGroup = SINGLE_RANK, expert_parallel: bool = False
-    ):
-        self.expert_parallel = expert_parallel
-        super().__init__(config, max_position, tp)
 
     @staticmethod
     def attention_options(config: Any) -> AttentionOptions:

@@ -8,24 +8,16 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.distributed import TpGroup
 from pdserve.layers.moe.router import RouterSpec, Scoring
 from pdserve.layers.moe.sparse_moe_block import expert_checkpoint_target
 from pdserve.models.llama import LlamaForCausalLM
-from pdserve.models.moe import swiglu_moe
+from pdserve.models.moe import MoeCausalLM, swiglu_moe
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(MoeCausalLM, LlamaForCausalLM):
     """Module names are transformers 5's (``mlp.gate``, ``mlp.experts``); checkpoints as Mixtral
     ships them (``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``) load as well."""
-
-    has_experts = True
-
-    def __init__(
-        self, config: Any, max_position: int, tp: TpGroup = SINGLE_RANK, expert_parallel: bool = False
-    ):
-        self.expert_parallel = expert_parallel
-        super().__init__(config, max_position, tp)
 
     def make_mlp(self, config: Any, layer_id: int, tp: TpGroup) -> nn.Module:
         spec = RouterSpec(Scoring.SOFTMAX_TOPK, renormalize=True, float32_weights=True)

@@ -1,12 +1,12 @@
-"""What the Llama-family mixture-of-experts models (Mixtral, Qwen3-MoE) share: SwiGLU experts behind a
-softmax top-k router, built per layer by the model's ``make_mlp``, and the checkpoint names of their
-experts."""
+"""What the mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss) share: the expert-parallel switch
+of their constructor, and (Mixtral, Qwen3-MoE) SwiGLU experts behind a softmax top-k router, built
+per layer by the model's ``make_mlp``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdserve.distributed import TpGroup
+from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.moe.fused_moe import FusedMoE
 from pdserve.layers.moe.router import RouterSpec, TopKRouter
@@ -39,3 +39,17 @@ def swiglu_moe(
         expert_parallel=expert_parallel,
     )
     return SparseMoeBlock(router, experts, tp)
+
+
+class MoeCausalLM:
+    """Mixed into a ``LlamaForCausalLM`` subclass whose ``make_mlp`` builds MoE blocks: takes
+    ``expert_parallel`` (whole experts per rank, ``--enable-expert-parallel``) before the layers
+    are built."""
+
+    has_experts = True
+
+    def __init__(
+        self, config: Any, max_position: int, tp: TpGroup = SINGLE_RANK, expert_parallel: bool = False
+    ):
+        self.expert_parallel = expert_parallel
+        super().__init__(config, max_position, tp)

@@ -9,23 +9,16 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.distributed import TpGroup
 from pdserve.layers.moe.router import RouterSpec, Scoring
 from pdserve.layers.moe.sparse_moe_block import expert_checkpoint_target
 from pdserve.models.llama import LlamaMLP
-from pdserve.models.moe import swiglu_moe
+from pdserve.models.moe import MoeCausalLM, swiglu_moe
 from pdserve.models.qwen3 import Qwen3ForCausalLM
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    has_experts = True
+class Qwen3MoeForCausalLM(MoeCausalLM, Qwen3ForCausalLM):
     checkpoint_target = staticmethod(expert_checkpoint_target)
-
-    def __init__(
-        self, config: Any, max_position: int, tp: TpGroup = SINGLE_RANK, expert_parallel: bool = False
-    ):
-        self.expert_parallel = expert_parallel
-        super().__init__(config, max_position, tp)
 
     def make_mlp(self, config: Any, layer_id: int, tp: TpGroup) -> nn.Module:
         sparse = (
