@@ -17,9 +17,9 @@ on CUDA), after the TP=1 rows; their ratios are against the same run's HF number
 
 ``--dense-baseline`` (a mixture-of-experts ``--model``, e.g. ``benchmarks/configs/
 qwen3-30b-a3b-scaled.json``: Qwen3-30B-A3B's proportions at 1/8 of its width and layers) also runs,
-interleaved with the others, a dense Qwen3 of the same shape and equal active parameters (an MLP of
-``num_experts_per_tok x moe_intermediate_size`` channels) in the same format, and reports the MoE
-engine's decode tok/s over the dense one's (``vs dense``).
+step by step with the MoE engine's, a dense Qwen3 of the same shape and equal active parameters (an
+MLP of ``num_experts_per_tok x moe_intermediate_size`` channels) in the same format, and reports the
+MoE engine's decode tok/s over the dense one's (``vs dense``).
 """
 
 from __future__ import annotations
@@ -47,15 +47,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def engine_decode(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s) of our engine (one TP rank of it) for one batch."""
-    driver = Driver(TpModelWorker(runner))
-    seqs = [driver.add(p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens)) for p in prompts]
-    steps = []
+    return interleaved_decode([runner], prompts, new_tokens)[0]
+
+
+def interleaved_decode(
+    runners: list[ModelRunner], prompts: list[list[int]], new_tokens: int
+) -> list[tuple[float, float]]:
+    """``engine_decode`` of each runner, their steps taken in turn (one step of each, then the next),
+    so that a shared machine's load varies alike under every runner's steps."""
+    drivers = [Driver(TpModelWorker(runner)) for runner in runners]
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    batches = [[driver.add(p, params) for p in prompts] for driver in drivers]
+    steps: list[list[float]] = [[] for _ in runners]
     for _ in range(new_tokens):
-        start = time.perf_counter()
-        driver.step([(s, None) for s in seqs])
-        steps.append(time.perf_counter() - start)
-    driver.release(*seqs)
-    return sum(map(len, prompts)) / steps[0], len(prompts) / statistics.median(steps[1:])
+        for driver, seqs, times in zip(drivers, batches, steps, strict=True):
+            start = time.perf_counter()
+            driver.step([(s, None) for s in seqs])
+            times.append(time.perf_counter() - start)
+    for driver, seqs in zip(drivers, batches, strict=True):
+        driver.release(*seqs)
+    return [(sum(map(len, prompts)) / t[0], len(prompts) / statistics.median(t[1:])) for t in steps]
 
 
 class _StepClock:
@@ -240,9 +251,14 @@ def main() -> None:
             prompts[spec, batch] = batch_prompts
             engine_runs, hf_runs, dense_runs = [], [], []
             for _ in range(args.repeats):  # interleaved, best of each: a shared machine's noise hits both
-                engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
-                if dense is not None:
-                    dense_runs.append(engine_decode(dense, batch_prompts, args.new_tokens)[1])
+                if dense is None:
+                    engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
+                else:  # step by step: the MoE / dense ratio is the target, so their noise must match
+                    moe_speeds, dense_speeds = interleaved_decode(
+                        [runner, dense], batch_prompts, args.new_tokens
+                    )
+                    engine_runs.append(moe_speeds)
+                    dense_runs.append(dense_speeds[1])
                 if hf is not None:
                     hf_runs.append(hf_decode(hf, batch_prompts, args.new_tokens))
             hf_tps = hf_by_key[spec, batch] = max(hf_runs, default=None)  # None with --skip-hf: null in JSON
