@@ -19,6 +19,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.engine.driver import Driver
+from tests.engine.test_cpu_decoder import step_logits
 from tests.engine.test_tensor_parallel import run_ranks
 from tests.families import FAMILIES, WINDOW, hf_greedy, hf_model, make_checkpoint
 
@@ -130,3 +131,13 @@ def test_unsupported_config_fields_fail_at_load(fields, named, tmp_path):
 def test_expert_parallel_needs_experts(checkpoints):
     with pytest.raises(ValueError, match="MistralForCausalLM has no mixture-of-experts layers"):
         engine(checkpoints / "mistral", expert_parallel=True)
+
+
+def test_fused_decoder_slides_its_windows(prompts, tmp_path):
+    """A quantized Mistral runs every layer in one C call (``CpuDecoder``), each layer with its window:
+    the same logits, bit for bit, as the modules' path, through prefills, chunks and decodes."""
+    path = make_checkpoint("mistral", tmp_path, vocab_size=304)  # a multiple of 16: the packed LM head
+    runner = ModelRunner(path, dtype="float32", quantization="w4a8", page_size=4, max_total_tokens=2048)
+    assert runner.model.model.cpu_decoder is not None
+    fused, modules = (step_logits(runner, f, prompts[:2], 30, late=prompts[2]) for f in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(fused, modules, strict=True))
