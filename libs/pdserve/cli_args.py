@@ -265,6 +265,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel ranks per scheduler (processes: one GPU each on CUDA, a core share on CPU)",
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: each of the --tp-size ranks holds whole experts (E / tp of them) "
+        "instead of a slice of every expert",
+    )
+    parser.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="run each step's scheduling and result processing between forwards, not beside the next one",

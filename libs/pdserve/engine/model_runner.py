@@ -72,6 +72,8 @@ class ModelRunner:
             ``bfloat16`` under a float32 model on CPU (half the KV bytes to store and read; the
             C kernels then attend as in a bfloat16 model: queries rounded to bfloat16, float32
             sums, the output widened back).
+        expert_parallel: under TP, a mixture-of-experts model's ranks hold whole experts
+            (``--enable-expert-parallel``; ``pdserve.distributed.expert_parallel``).
 
     Raises:
         ValueError: a ``kv_cache_dtype`` other than the model's outside that case.
@@ -97,6 +99,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TpGroup = SINGLE_RANK,
         kv_cache_dtype: str = "auto",
+        expert_parallel: bool = False,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -114,6 +117,7 @@ class ModelRunner:
             self.device,
             quantization,
             tp,
+            expert_parallel,
         )
         bytes_per_token = KVPool.bytes_per_token(
             cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype

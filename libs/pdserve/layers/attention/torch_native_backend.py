@@ -27,6 +27,11 @@ is offset ``p % page_size`` of page ``req_to_token[p] // page_size``), and a boo
 for the query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no
 K/V repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length
 axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+
+Sliding-window layers pass their window to the C kernels (each query's keys start ``window - 1``
+positions back) or get a mask of their own (one per distinct window, built once per batch). Layers
+whose scores the kernels and SDPA cannot modify (Gemma 2's soft-capping, gpt-oss's sinks) run the
+gather path with explicit scores (``score_mods``) for the whole model.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ import torch.nn.functional as F
 from pdserve.layers.attention.base import AttentionBackend
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
+from pdserve.layers.attention.score_mods import attend_with_score_mods, needs_score_mods
+from pdserve.layers.radix_attention import RadixAttention
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
-    from pdserve.layers.radix_attention import RadixAttention
 
 
 @dataclass(slots=True)
@@ -57,8 +63,9 @@ class _Group:
             when that is simply ``0..T-1`` (the group is the whole batch).
         page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
         seq_lens: int64 ``[Bg]``: keys of each request.
-        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key (None for
-            a decode group the C kernel runs).
+        masks: per sliding window of the model's layers (0: full causal), bool ``[Bg, 1, G * Lq,
+            Lk]``: True where the query may attend to the key (empty for a decode group the C
+            kernel runs).
     """
 
     query_index: torch.Tensor
@@ -66,7 +73,7 @@ class _Group:
     out_index: torch.Tensor | None
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    mask: torch.Tensor | None
+    masks: dict[int, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -104,14 +111,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with.
 
     Args:
-        runner: the ``ModelRunner`` (model config, KV pool, device).
+        runner: the ``ModelRunner`` (model config, KV pool, device; its loaded model's attention
+            layers, for their sliding windows and score modifications).
         use_cpu_kernels: on CPU, run attention through the C kernels of ``cpu_decode_kernel`` and
             ``cpu_extend_kernel`` where they build and support the dtype, instead of gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_cpu_kernels: bool = True):
         config = runner.model_config
-        on_cpu = use_cpu_kernels and runner.device.type == "cpu"
+        model = getattr(runner, "model", None)
+        layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
+        self.windows = sorted({layer.sliding_window for layer in layers} | {0})
+        self.score_mods = any(needs_score_mods(layer) for layer in layers)
+        on_cpu = use_cpu_kernels and runner.device.type == "cpu" and not self.score_mods
         decode_kernel = load_decode_kernel() if on_cpu else None
         extend_kernel = load_extend_kernel() if on_cpu else None
         kv_dtype = runner.kv_pool.dtype  # the kernels run in the pool's dtype (queries rounded to it)
@@ -206,20 +218,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
-        mask = None
+        masks = {}
         if max_q > 1 or self.decode_kernel is None:  # the decode kernel needs only the lengths
             k_pos = torch.arange(max_k, device=device)[None, None, :]
-            causal = k_pos <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
+            q_abs = (prefix[:, None] + q_pos)[:, :, None]
+            causal = (k_pos <= q_abs) & (k_pos < seq[:, None, None])  # [Bg, Lq, Lk]
             g = self.num_heads // self.num_kv_heads
-            mask = (causal & (k_pos < seq[:, None, None]))[:, None, None].expand(-1, 1, g, -1, -1)
-            mask = mask.reshape(len(ext), 1, g * max_q, max_k)
+            for window in self.windows:
+                # padding queries keep every causal key, so that no row of the softmax is empty
+                mask = causal & ((k_pos > q_abs - window) | ~query_valid[:, :, None]) if window else causal
+                mask = mask[:, None, None].expand(-1, 1, g, -1, -1)
+                masks[window] = mask.reshape(len(ext), 1, g * max_q, max_k)
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
             out_index=None if rows is None else query_index[query_valid],
             page_table=page_table.contiguous(),
             seq_lens=seq.contiguous(),
-            mask=mask,
+            masks=masks,
         )
 
     def forward(
@@ -232,13 +248,14 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         if k_pages.dtype != q.dtype:  # float32 activations over a bfloat16 pool: attend as bfloat16 does
-            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer.scaling).to(q.dtype)
-        return self._attention(q, k_pages, v_pages, layer.scaling)
+            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer).to(q.dtype)
+        return self._attention(q, k_pages, v_pages, layer)
 
     def _attention(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, scaling: float
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
         """``[T, Hq * D]`` attention outputs of the batch's queries ``q`` over the stored pages."""
+        scaling, window = layer.scaling, layer.sliding_window
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if self.tiles is not None:
@@ -254,33 +271,50 @@ class TorchNativeAttnBackend(AttentionBackend):
                 tiles.row_starts,
                 scaling,
                 out=out,
+                window=window,
             )
             if self.kernel_rows is not None:
                 rows = self.kernel_rows
                 queries = q[rows.token_index]
                 out[rows.token_index] = self.decode_kernel(
-                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling
+                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
                 )
             return out.view(num_tokens, -1)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
-            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling)
+            out = self.decode_kernel(
+                q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
+            )
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
-            return self._attend(q, k_pages, v_pages, self.groups[0], scaling)
+            return self._attend(q, k_pages, v_pages, self.groups[0], layer)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
         for group in self.groups:
-            out[group.out_index] = self._attend(q, k_pages, v_pages, group, scaling)
+            out[group.out_index] = self._attend(q, k_pages, v_pages, group, layer)
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, group: _Group, scaling: float
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        group: _Group,
+        layer: RadixAttention,
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
+        scaling, mask = layer.scaling, group.masks.get(layer.sliding_window)
         if max_q == 1 and self.decode_kernel is not None:
             queries = q[group.query_index[:, 0]]
-            out = self.decode_kernel(queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling)
+            out = self.decode_kernel(
+                queries,
+                k_pages,
+                v_pages,
+                group.page_table,
+                group.seq_lens,
+                scaling,
+                window=layer.sliding_window,
+            )
             return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
@@ -290,6 +324,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         pages = group.page_table.view(-1)
         kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
         vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
+        if self.score_mods:
+            out = attend_with_score_mods(qg, kg, vg, mask, layer, max_q)
+        else:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]
