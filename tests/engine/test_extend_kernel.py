@@ -14,7 +14,7 @@ from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool, slots_for_pages
-from tests.engine.attention_reference import assert_matches, row_reference
+from tests.engine.attention_reference import assert_matches, hide_keys_before, row_reference
 
 # (cached prefix, new tokens): one-token and one-tile extends, tile boundaries (16, 17), a long
 # cached prefix, a fresh 130-token prompt
@@ -109,6 +109,21 @@ def test_ragged_extends_match_reference(kernel, dtype, head_dim, group, page_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 64])
+def test_sliding_window_extends(kernel, dtype, head_dim, window):
+    """Each query attends its own key and the ``window - 1`` before it: tiles whose queries' windows
+    start in different blocks, windows shorter than a tile and longer than a prompt. The keys no
+    query of a request may see (before its first query's window) are NaN and never read."""
+    batch = make_batch(REQUESTS, 6, 2, head_dim, 16, seed=5, dtype=dtype)
+    q, k_pages, v_pages, table, prefix_lens, extend_lens, row_starts = batch
+    hide_keys_before(k_pages, v_pages, table, (prefix_lens + 1 - window).clamp_min(0))
+    out = kernel(*batch, 0.125, window=window)
+    for row, expected in row_reference(*batch, 0.125, window).items():
+        assert_matches(out[row], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peaked_softmax(kernel, dtype):
     """Large scores: the running max moves block to block and one key dominates."""
     batch = make_batch(((40, 50), (0, 20)), 9, 3, 64, 16, seed=3, dtype=dtype)
@@ -120,9 +135,11 @@ def test_peaked_softmax(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_routing_matches_sdpa(kernel, dtype):
+@pytest.mark.parametrize("window", [0, 20])
+def test_mixed_batch_routing_matches_sdpa(kernel, dtype, window):
     """A batch of decodes, cached-prefix extends and a fresh prompt: the backend runs the extends
-    as tiles and the decodes as decode-kernel rows, and one layer's output equals its SDPA path's."""
+    as tiles and the decodes as decode-kernel rows, and one layer's output equals its SDPA path's,
+    with full attention and with a sliding window."""
     num_heads, num_kv_heads, head_dim, page_size = 9, 3, 64, 16
     config = SimpleNamespace(
         dtype=dtype, num_local_heads=num_heads, num_local_kv_heads=num_kv_heads, head_dim=head_dim
@@ -133,6 +150,8 @@ def test_mixed_batch_routing_matches_sdpa(kernel, dtype):
         kv_pool=KVPool(64, page_size, 1, num_kv_heads, head_dim, dtype),
         req_to_token_pool=ReqToTokenPool(8, 1024),
     )
+    layer = RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0, sliding_window=window)
+    runner.model = torch.nn.Sequential(layer)  # the backend reads its layers' windows
     tiles, sdpa = TorchNativeAttnBackend(runner), TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     assert tiles.extend_kernel is not None
     gen = torch.Generator().manual_seed(0)
@@ -146,7 +165,6 @@ def test_mixed_batch_routing_matches_sdpa(kernel, dtype):
             pages, 0, len(pages) * page_size, page_size
         )
     tokens = sum(n for _, n in requests)
-    layer = RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     outs = []

@@ -1,4 +1,4 @@
-"""Each service's own /metrics, scraped directly, against the metrics table of README.md."""
+"""Each service's own /metrics, scraped directly, against the metrics table of docs/operations.md."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ops.conftest import METRICS_OFFSETS, SERVED_NAMES, OpsStack
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPERATIONS_DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,9 @@ class Documented:
 
 
 def documented() -> dict[str, Documented]:
-    """The rows of README.md's metrics table."""
+    """The rows of docs/operations.md's metrics table."""
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in OPERATIONS_DOC.read_text().splitlines():
         if not line.startswith("| `pdserve:"):
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]

@@ -422,20 +422,29 @@ static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
   return want < most ? want : most > 1 ? most : 1;
 }
 
+/* The first key request b attends: its last `window` keys (all with window 0: full attention). */
+static int64_t window_start(const int64_t* seq_lens, int64_t b, int64_t window) {
+  return window && seq_lens[b] > window ? seq_lens[b] - window : 0;
+}
+
 /* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
    head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride elements apart
-   (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
-   (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. Returns 0, or -1
-   when out of memory (out then incomplete). */
+   (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1;
+   window: keys attended, the last ones of each request (a sliding-window layer), 0 for all. dtype:
+   F32 or BF16. A work item (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts
+   for merge. Returns 0, or -1 when out of memory (out then incomplete). */
 int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
                      int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, float scale, int num_threads) {
+                     int64_t head_dim, int64_t window, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
                      page_size, page_stride, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
   int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = seq_lens[b] - window_start(seq_lens, b, window);
+    max_len = len > max_len ? len : max_len;
+  }
   const int64_t splits = num_splits(batch, max_len, num_threads);
   const int64_t span = ((max_len + splits - 1) / splits + BLOCK - 1) / BLOCK * BLOCK;
   const int64_t part_size = num_heads * (head_dim + 2);
@@ -452,7 +461,8 @@ int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, 
     #pragma omp for schedule(dynamic) nowait
     for (int64_t item = 0; item < batch * splits; ++item) {
       if (!scratch) continue; /* every thread still takes part in the worksharing loops */
-      const int64_t b = item / splits, begin = item % splits * span, end = begin + span;
+      const int64_t b = item / splits, begin = window_start(seq_lens, b, window) + item % splits * span;
+      const int64_t end = begin + span;
       attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
       if (splits == 1) merge(&P, parts + item * part_size, 1, b, scratch);
     }

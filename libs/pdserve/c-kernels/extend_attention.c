@@ -53,11 +53,17 @@ INLINE float load_elem(int is_bf16, const char* row, int64_t i) {
    softmax's running max and sum; kv [2, BLOCK, D] a bfloat16 block's K and V rows widened. */
 typedef struct { float *qt, *acc, *s, *max, *sum, *kv; } LaneBuffers;
 
+/* The first key a tile attends: query 0 (position base) sees keys (base - window, base], and the
+   tile's later queries later ones; all keys from 0 with window 0 (full attention). */
+INLINE int64_t first_key(int64_t base, int64_t window) {
+  return window && base >= window ? base - window + 1 : 0;
+}
+
 /* Queries i < m (positions base + i, row i at q + i * q_row_bytes) of the `group` query heads that
-   share one KV head (head g at element g * D of a row) against that head's keys [0, base + m): k, v
-   the pools offset to the KV head, pages of the request page_bytes apart, token_bytes per token. */
+   share one KV head (head g at element g * D of a row) against that head's keys [first_key, base + m):
+   k, v the pools offset to the KV head, pages of the request page_bytes apart, token_bytes per token. */
 INLINE void lane_tile(int is_bf16, const int64_t D, int group, int64_t page_size, int64_t page_bytes,
-                      int64_t token_bytes, float scale, const int64_t* pages, int64_t base, int m, const char* q,
+                      int64_t token_bytes, float scale, int64_t window, const int64_t* pages, int64_t base, int m, const char* q,
                       int64_t q_row_bytes, const char* k, const char* v, char* out, int64_t out_row_bytes,
                       const LaneBuffers* B) {
   lanes_i lane;
@@ -72,7 +78,7 @@ INLINE void lane_tile(int is_bf16, const int64_t D, int group, int64_t page_size
   memset(B->acc, 0, sizeof(float) * group * D * LANES);
   const int64_t end = base + m;
   const float *krow[BLOCK], *vrow[BLOCK];
-  for (int64_t first = 0; first < end; first += BLOCK) {
+  for (int64_t first = first_key(base, window); first < end; first += BLOCK) {
     const int n = end - first < BLOCK ? (int)(end - first) : BLOCK;
     for (int t = 0; t < n; ++t) {
       const int64_t pos = first + t, at = pages[pos / page_size] * page_bytes + pos % page_size * token_bytes;
@@ -88,7 +94,7 @@ INLINE void lane_tile(int is_bf16, const int64_t D, int group, int64_t page_size
       const float* qt = B->qt + g * D * LANES;
       float *acc = B->acc + g * D * LANES, *s = B->s;
       /* 1. scores, KEYS keys at a time (past n: key 0 of the block again, not stored); a key after
-         a query's own position is masked for that query's lane */
+         a query's own position, or outside its window, is masked for that query's lane */
       for (int t0 = 0; t0 < n; t0 += KEYS) {
         lanes_f dots[KEYS];
         const float* keys[KEYS];
@@ -98,13 +104,15 @@ INLINE void lane_tile(int is_bf16, const int64_t D, int group, int64_t page_size
           for (int u = 0; u < KEYS; ++u) dots[u] += qd * lanes_set1(keys[u][d]);
         }
         for (int u = 0; u < KEYS && t0 + u < n; ++u) {
-          const int64_t unseen = first + t0 + u - base; /* queries i < unseen come before this key */
+          /* queries i < unseen come before this key; those from `far` on are a window past it */
+          const int64_t unseen = first + t0 + u - base, far = unseen + window;
           lanes_f score = dots[u] * scale;
           if (unseen > 0) score = lanes_select(lane < (int32_t)unseen, lanes_set1(MASKED), score);
+          if (window && far < LANES) score = lanes_select(lane >= (int32_t)far, lanes_set1(MASKED), score);
           lanes_store(s + (t0 + u) * LANES, score);
         }
       }
-      /* 2. online softmax, lane-wise (every lane sees key 0 in the first block, so its max is real) */
+      /* 2. online softmax, lane-wise (every lane sees a key of the first block, so its max is real) */
       const lanes_f old = lanes_load(B->max + g * LANES);
       lanes_f top = old;
       for (int t = 0; t < n; ++t) top = lanes_max(top, lanes_load(s + t * LANES));
@@ -143,9 +151,10 @@ INLINE void lane_tile(int is_bf16, const int64_t D, int group, int64_t page_size
 
 /* A literal head_dim each for the usual sizes, so the loops over it unroll. */
 #define LANE_TILE_ARGS                                                                                  \
-  int is_bf16, int group, int64_t ps, int64_t pb, int64_t tb, float scale, const int64_t *pages, int64_t base, \
-      int m, const char *q, int64_t qb, const char *k, const char *v, char *out, int64_t ob, const LaneBuffers *B
-#define LANE_TILE_PASS group, ps, pb, tb, scale, pages, base, m, q, qb, k, v, out, ob, B
+  int is_bf16, int group, int64_t ps, int64_t pb, int64_t tb, float scale, int64_t window, const int64_t *pages, \
+      int64_t base, int m, const char *q, int64_t qb, const char *k, const char *v, char *out, int64_t ob,       \
+      const LaneBuffers *B
+#define LANE_TILE_PASS group, ps, pb, tb, scale, window, pages, base, m, q, qb, k, v, out, ob, B
 static void lane_tile_64(LANE_TILE_ARGS) { lane_tile(is_bf16, 64, LANE_TILE_PASS); }
 static void lane_tile_128(LANE_TILE_ARGS) { lane_tile(is_bf16, 128, LANE_TILE_PASS); }
 static void lane_tile_any(int64_t D, LANE_TILE_ARGS) { lane_tile(is_bf16, D, LANE_TILE_PASS); }
@@ -165,7 +174,7 @@ typedef struct { int32_t* qt; float* s; int32_t* pairs; float* acc; } Buffers;
    Pages of the request: pages, page_bytes apart in the pools; token_bytes: one token's K row of all
    KV heads. */
 INLINE void tile_head(int D, int group, int64_t page_size, int64_t page_bytes, int64_t token_bytes, float scale,
-                      const int64_t* pages, int64_t base, int m, const char* q, int64_t q_bytes,
+                      int64_t window, const int64_t* pages, int64_t base, int m, const char* q, int64_t q_bytes,
                       const char* k, const char* v, bf16* out, int64_t out_elems, const Buffers* B) {
   int32_t* qt = B->qt;
   float *s = B->s, *acc = B->acc;
@@ -184,7 +193,7 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t page_bytes, i
   memset(acc, 0, sizeof(float) * TILE * D);
   const int64_t end = base + m;
   int64_t rows[BLOCK];
-  for (int64_t first = 0; first < end; first += BLOCK) {
+  for (int64_t first = first_key(base, window); first < end; first += BLOCK) {
     const int n = end - first < BLOCK ? (int)(end - first) : BLOCK;
     for (int t = 0; t < n; ++t) {
       const int64_t pos = first + t;
@@ -207,11 +216,13 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t page_bytes, i
         }
       }
       for (int u = 0; u < 8; ++u) {
-        const int64_t unseen = first + t0 + u - base; /* queries i < unseen come before this key */
+        /* queries i < unseen come before this key; those from `far` on are a window past it */
+        const int64_t unseen = first + t0 + u - base, far = unseen + window;
+        unsigned masked = unseen > 0 ? (1u << unseen) - 1 : 0;
+        if (window && far < TILE) masked |= 0xFFFFu & ~((1u << far) - 1);
         __m512 scores = _mm512_mul_ps(dots[u], _mm512_set1_ps(scale));
         if (t0 + u >= n) scores = _mm512_set1_ps(MASKED);
-        else if (unseen > 0)
-          scores = _mm512_mask_blend_ps((__mmask16)((1u << unseen) - 1), scores, _mm512_set1_ps(MASKED));
+        else if (masked) scores = _mm512_mask_blend_ps((__mmask16)masked, scores, _mm512_set1_ps(MASKED));
         _mm512_storeu_ps(s + (t0 + u) * TILE, scores);
       }
     }
@@ -270,15 +281,15 @@ INLINE void tile_head(int D, int group, int64_t page_size, int64_t page_bytes, i
 }
 
 /* A literal head_dim (and the queries per register group it allows) each, so the loops unroll. */
-static void tile_head_64(int64_t ps, int64_t pb, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
-                         const char* q, int64_t qb, const char* k, const char* v, bf16* out, int64_t oe,
-                         const Buffers* B) {
-  tile_head(64, 4, ps, pb, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
+static void tile_head_64(int64_t ps, int64_t pb, int64_t tb, float scale, int64_t window, const int64_t* pages,
+                         int64_t base, int m, const char* q, int64_t qb, const char* k, const char* v, bf16* out,
+                         int64_t oe, const Buffers* B) {
+  tile_head(64, 4, ps, pb, tb, scale, window, pages, base, m, q, qb, k, v, out, oe, B);
 }
-static void tile_head_128(int64_t ps, int64_t pb, int64_t tb, float scale, const int64_t* pages, int64_t base, int m,
-                          const char* q, int64_t qb, const char* k, const char* v, bf16* out, int64_t oe,
-                          const Buffers* B) {
-  tile_head(128, 2, ps, pb, tb, scale, pages, base, m, q, qb, k, v, out, oe, B);
+static void tile_head_128(int64_t ps, int64_t pb, int64_t tb, float scale, int64_t window, const int64_t* pages,
+                          int64_t base, int m, const char* q, int64_t qb, const char* k, const char* v, bf16* out,
+                          int64_t oe, const Buffers* B) {
+  tile_head(128, 2, ps, pb, tb, scale, window, pages, base, m, q, qb, k, v, out, oe, B);
 }
 
 #endif
@@ -290,7 +301,7 @@ typedef struct {
   const char *q, *k, *v;
   char* out;
   const int64_t *page_table, *prefix_lens, *extend_lens, *row_starts;
-  int64_t q_stride, num_reqs, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim;
+  int64_t q_stride, num_reqs, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, window;
   float scale;
   int is_bf16, threads;
 } Extend;
@@ -338,14 +349,14 @@ static int run_lane_tiles(const Extend* e) {
       const int64_t* pages = e->page_table + r * e->max_pages;
       const int64_t pb = e->page_stride * esize, qb = e->q_stride * esize;
       if (D == 64)
-        lane_tile_64(e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, pages, base, m, q, qb, k, v, out,
-                     out_row_bytes, &B);
+        lane_tile_64(e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, e->window, pages, base, m, q, qb, k,
+                     v, out, out_row_bytes, &B);
       else if (D == 128)
-        lane_tile_128(e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, pages, base, m, q, qb, k, v, out,
-                      out_row_bytes, &B);
+        lane_tile_128(e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, e->window, pages, base, m, q, qb, k,
+                      v, out, out_row_bytes, &B);
       else
-        lane_tile_any(D, e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, pages, base, m, q, qb, k, v,
-                      out, out_row_bytes, &B);
+        lane_tile_any(D, e->is_bf16, group, e->page_size, pb, token_bytes, e->scale, e->window, pages, base, m, q, qb,
+                      k, v, out, out_row_bytes, &B);
     }
     free(B.qt), free(B.acc), free(B.s), free(B.max), free(B.sum), free(B.kv);
   }
@@ -385,8 +396,8 @@ static int run_pair_tiles(const Extend* e) {
         const int64_t kv = h / group * head_bytes;
         bf16* oh = (bf16*)e->out + row * row_bytes + h * head_dim;
         (head_dim == 64 ? tile_head_64 : tile_head_128)(e->page_size, e->page_stride * 2, token_bytes, e->scale,
-                                                        pages, base, m, qh, e->q_stride * 2, e->k + kv, e->v + kv,
-                                                        oh, row_bytes, &B);
+                                                        e->window, pages, base, m, qh, e->q_stride * 2, e->k + kv,
+                                                        e->v + kv, oh, row_bytes, &B);
       }
     }
     free(B.qt);
@@ -402,7 +413,8 @@ static int run_pair_tiles(const Extend* e) {
 /* Extend attention of R requests: request r computes extend_lens[r] queries after prefix_lens[r]
    cached keys; its queries are rows row_starts[r] + i of q (row stride q_stride elements) and of
    out [T, Hq, D]; k, v: [num_pages, page_size, Hkv, D], pages page_stride elements apart (each
-   page's rows contiguous); page_table [R, max_pages]. q, K/V and out all float32, or all bfloat16
+   page's rows contiguous); page_table [R, max_pages]; window: keys a query attends, its own and
+   the ones before it (a sliding-window layer), 0 for all. q, K/V and out all float32, or all bfloat16
    (is_bf16); the index arrays int64. bfloat16 with head_dim 64 or 128 runs the pair kernel where
    the variant has AVX512_BF16, everything else the lane kernel. Returns 0, -1 for a head_dim
    without a kernel (not a multiple of 8, or over 512), or -2 when out of memory (out then
@@ -410,10 +422,10 @@ static int run_pair_tiles(const Extend* e) {
 int extend_attention(const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* prefix_lens, const int64_t* extend_lens,
                      const int64_t* row_starts, int64_t num_reqs, int64_t max_pages, int64_t page_size,
-                     int64_t page_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                     int is_bf16, int num_threads) {
+                     int64_t page_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t window,
+                     float scale, int is_bf16, int num_threads) {
   const Extend e = {q, k, v, out, page_table, prefix_lens, extend_lens, row_starts, q_stride, num_reqs, max_pages,
-                    page_size, page_stride, num_heads, num_kv_heads, head_dim, scale, is_bf16, num_threads};
+                    page_size, page_stride, num_heads, num_kv_heads, head_dim, window, scale, is_bf16, num_threads};
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (is_bf16 && (head_dim == 64 || head_dim == 128)) return run_pair_tiles(&e);
 #endif

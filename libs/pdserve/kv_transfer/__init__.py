@@ -1,7 +1,7 @@
 """KV transfer between schedulers over NIXL: agents, registration, page WRITEs, notifications.
 
 The prefill scheduler WRITEs a request's KV pages into the decode scheduler's pages (decode-driven PD
-handshake, see ARCHITECTURE.md); both exchange ``KVAgentInfo`` once per peer over gRPC.
+handshake, see docs/design.md); both exchange ``KVAgentInfo`` once per peer over gRPC.
 
 Design (chosen by ``make bench-kv``; numbers below). The pool is page-major,
 ``[page, layer, k/v, slot, head, dim]`` (``KVPool``): one page of every layer is one contiguous byte

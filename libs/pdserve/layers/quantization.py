@@ -162,7 +162,7 @@ def resolve_quantization(
 ) -> str | None:
     """``--quantization`` with ``auto`` resolved: on a CPU without native bfloat16 (no AVX512-BF16 or
     AMX) running a float32 model, ``w4a8`` (``W4A8LinearMethod``: top-1 agreement with HF fp32 as
-    close as ``int8_weight_only``'s, at a fraction of the decode step; see the README for the
+    close as ``int8_weight_only``'s, at a fraction of the decode step; see docs/cpu.md for the
     measurements); else none. Other names are returned as they are (``none`` → None).
     Under tensor parallelism (``tp_size`` > 1) the methods are not supported: ``auto`` is none.
 

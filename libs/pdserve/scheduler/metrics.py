@@ -1,5 +1,5 @@
 """Prometheus metrics of one scheduler process (its ``--metrics-port``, and ``GetMetrics`` for the
-gateway's merged view). Names and their vLLM equivalents: the metrics table of README.md."""
+gateway's merged view). Names and their vLLM equivalents: the metrics table of docs/operations.md."""
 
 from __future__ import annotations
 

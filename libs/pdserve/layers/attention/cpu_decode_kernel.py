@@ -47,7 +47,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's F32 and BF16
 
 
 class DecodeAttentionKernel:
-    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale) -> out``.
+    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale, window=0) -> out``.
 
     Args (tensors on CPU, contiguous, q and pages of one dtype: float32 or bfloat16):
         q: ``[B, Hq, D]``, one query per request; ``Hq`` a multiple of ``Hkv``. Its rows may be
@@ -56,6 +56,8 @@ class DecodeAttentionKernel:
         k_pages / v_pages: ``[num_pages, page_size, Hkv, D]``, one layer's K and V.
         page_table: int64 ``[B, max_pages]``; seq_lens: int64 ``[B]``, each >= 1 (keys ``[0, seq_len)``).
         scale: softmax scale (usually ``D ** -0.5``).
+        window: a sliding-window layer's keys per query (Mistral, Gemma 3's local layers): each
+            request attends its last ``window`` keys only; 0 (default) attends all.
         num_threads: OpenMP threads (default ``torch.get_num_threads()``).
     Returns ``[B, Hq, D]`` in q's dtype.
 
@@ -69,7 +71,7 @@ class DecodeAttentionKernel:
         self._fn.argtypes = (
             [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 5
-            + [ctypes.c_int64] * 7
+            + [ctypes.c_int64] * 8
             + [ctypes.c_float, ctypes.c_int]
         )
 
@@ -85,6 +87,7 @@ class DecodeAttentionKernel:
         seq_lens: torch.Tensor,
         scale: float,
         num_threads: int | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
@@ -108,6 +111,7 @@ class DecodeAttentionKernel:
             num_heads,
             num_kv_heads,
             head_dim,
+            window,
             scale,
             num_threads or torch.get_num_threads(),
         )

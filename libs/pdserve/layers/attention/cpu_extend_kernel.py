@@ -48,7 +48,8 @@ from pdserve.layers.native import kernel_library, per_variant
 
 
 class ExtendAttentionKernel:
-    """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale) -> out``.
+    """``kernel(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale) -> out``
+    (``window=`` for a sliding-window layer).
 
     Args (CPU tensors; q, the pages and out all float32 or all bfloat16):
         q: ``[T, Hq, D]``; each row's ``Hq * D`` elements contiguous (rows may be strided).
@@ -57,6 +58,8 @@ class ExtendAttentionKernel:
         prefix_lens / extend_lens / row_starts: int64 ``[R]``: cached keys, new queries (>= 1) and
             the row of q holding the first of them, per request.
         scale: softmax scale.
+        window: a sliding-window layer's keys per query: the query at position ``p`` attends keys
+            ``(p - window, p]``; 0 (default) attends ``[0, p]``.
         out: ``[T, Hq, D]`` written in the requests' rows (others untouched); allocated when None.
     Returns ``out``.
 
@@ -72,7 +75,7 @@ class ExtendAttentionKernel:
         self._fn.argtypes = (
             [ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 7
-            + [ctypes.c_int64] * 7
+            + [ctypes.c_int64] * 8
             + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         )
 
@@ -91,6 +94,7 @@ class ExtendAttentionKernel:
         row_starts: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         if q.dtype not in (torch.float32, torch.bfloat16) or {k_pages.dtype, v_pages.dtype} != {q.dtype}:
             kinds = f"{q.dtype}, {k_pages.dtype}"
@@ -122,6 +126,7 @@ class ExtendAttentionKernel:
             num_heads,
             num_kv_heads,
             head_dim,
+            window,
             scale,
             q.dtype == torch.bfloat16,
             torch.get_num_threads(),

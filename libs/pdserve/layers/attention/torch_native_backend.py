@@ -9,16 +9,29 @@ prompt of SmolLM2 on AVX2: its whole prefill step 7-9% faster than through gathe
 requests x 31 tokens after a shared 1,008-token prefix in bfloat16 on AVX512_BF16: ~5 vs ~11 ms
 per layer).
 
+A verifying request (speculative decoding: its last token and ``k`` draft tokens, with logits at
+each; ``ForwardBatch.logits_lens`` > 1) runs as decode-kernel rows, one per token, the token at
+position ``p`` attending keys ``[0, p]``: so a verify step computes, bit for bit where the matmuls
+are per row (our CPU matmuls), what decoding those tokens one at a time computes, and greedy
+speculation gives the tokens greedy decoding gives. For the few tokens of a verify this was also
+faster than extend tiles (SmolLM2 float32+w4a8, one thread, 130-token contexts: 12.7 vs 14.3 ms a
+step at batch 1 and k = 2, 81.6 vs 106.6 ms at batch 16; 219.6 vs 231.9 ms at batch 16 and k = 8).
+
 Otherwise (no C kernels, another device, or a head_dim the extend kernel lacks) requests are split
 into at most two groups, decoding ones (one query token; the C decode kernel where it runs) and
-extending ones (a ragged chunk after a cached prefix), so a MIXED batch does not pad its decodes to
-the longest extend. Each extending request's KV pages are gathered into a
-padded batch and attended with one SDPA per layer: queries padded to ``Lq`` (the longest chunk),
-keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a request is offset
-``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask keeps, for the
-query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no K/V
-repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length axis,
-so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+extending ones (a ragged chunk after a cached prefix, verifying requests among them), so a MIXED
+batch does not pad its decodes to the longest extend. Each extending request's KV pages are
+gathered into a padded batch and attended with one SDPA per layer: queries padded to ``Lq`` (the
+longest chunk), keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a request
+is offset ``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask keeps,
+for the query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no
+K/V repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length
+axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+
+Sliding-window layers pass their window to the C kernels (each query's keys start ``window - 1``
+positions back) or get a mask of their own (one per distinct window, built once per batch). Layers
+whose scores the kernels and SDPA cannot modify (Gemma 2's soft-capping, gpt-oss's sinks) run the
+gather path with explicit scores (``score_mods``) for the whole model.
 """
 
 from __future__ import annotations
@@ -32,10 +45,11 @@ import torch.nn.functional as F
 from pdserve.layers.attention.base import AttentionBackend
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
+from pdserve.layers.attention.score_mods import attend_with_score_mods, needs_score_mods
+from pdserve.layers.radix_attention import RadixAttention
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
-    from pdserve.layers.radix_attention import RadixAttention
 
 
 @dataclass(slots=True)
@@ -49,8 +63,9 @@ class _Group:
             when that is simply ``0..T-1`` (the group is the whole batch).
         page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
         seq_lens: int64 ``[Bg]``: keys of each request.
-        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key (None for
-            a decode group the C kernel runs).
+        masks: per sliding window of the model's layers (0: full causal), bool ``[Bg, 1, G * Lq,
+            Lk]``: True where the query may attend to the key (empty for a decode group the C
+            kernel runs).
     """
 
     query_index: torch.Tensor
@@ -58,7 +73,7 @@ class _Group:
     out_index: torch.Tensor | None
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    mask: torch.Tensor | None
+    masks: dict[int, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -96,14 +111,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with.
 
     Args:
-        runner: the ``ModelRunner`` (model config, KV pool, device).
+        runner: the ``ModelRunner`` (model config, KV pool, device; its loaded model's attention
+            layers, for their sliding windows and score modifications).
         use_cpu_kernels: on CPU, run attention through the C kernels of ``cpu_decode_kernel`` and
             ``cpu_extend_kernel`` where they build and support the dtype, instead of gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_cpu_kernels: bool = True):
         config = runner.model_config
-        on_cpu = use_cpu_kernels and runner.device.type == "cpu"
+        model = getattr(runner, "model", None)
+        layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
+        self.windows = sorted({layer.sliding_window for layer in layers} | {0})
+        self.score_mods = any(needs_score_mods(layer) for layer in layers)
+        on_cpu = use_cpu_kernels and runner.device.type == "cpu" and not self.score_mods
         decode_kernel = load_decode_kernel() if on_cpu else None
         extend_kernel = load_extend_kernel() if on_cpu else None
         kv_dtype = runner.kv_pool.dtype  # the kernels run in the pool's dtype (queries rounded to it)
@@ -122,25 +142,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         fb = forward_batch
         self.groups, self.kernel_rows, self.tiles = [], None, None
         extending = fb.extend_seq_lens > 1
+        if self.decode_kernel is not None:  # verifying requests attend as the decodes they stand for
+            extending &= fb.logits_lens == 1
         extend_rows = extending.nonzero().squeeze(1)
         decode_rows = (~extending).nonzero().squeeze(1)
         if self.extend_kernel is not None and len(extend_rows):
             self.tiles = self._tiles(fb, extend_rows)
             if len(decode_rows):
-                self.kernel_rows = self._decode_rows(fb, decode_rows)
+                self.kernel_rows = self._token_rows(fb, decode_rows)
             return
         if len(extend_rows) == 0 and self.decode_kernel is not None:
-            self.kernel_rows = self._kernel_rows(fb)
+            self.kernel_rows = self._token_rows(fb, decode_rows)
             return
         if len(decode_rows) == 0 or len(extend_rows) == 0:
             self.groups = [self._group(fb, None)]
         else:
             self.groups = [self._group(fb, decode_rows), self._group(fb, extend_rows)]
-
-    def _kernel_rows(self, fb: ForwardBatch) -> _KernelRows:
-        """Decode-kernel rows of a batch in which every request decodes one token."""
-        page_table = self._page_table(fb, fb.req_pool_indices, fb.seq_lens)
-        return _KernelRows(page_table.contiguous(), (fb.positions + 1).contiguous())
 
     def _tiles(self, fb: ForwardBatch, rows: torch.Tensor) -> _ExtendTiles:
         """The extending requests ``rows`` for the extend kernel."""
@@ -152,11 +169,26 @@ class TorchNativeAttnBackend(AttentionBackend):
             fb.extend_start_loc[rows].contiguous(),
         )
 
-    def _decode_rows(self, fb: ForwardBatch, rows: torch.Tensor) -> _KernelRows:
-        """Decode-kernel rows of the one-token requests ``rows`` in a batch that also extends."""
-        seq_lens = fb.seq_lens[rows]
-        page_table = self._page_table(fb, fb.req_pool_indices[rows], seq_lens)
-        return _KernelRows(page_table.contiguous(), seq_lens.contiguous(), fb.extend_start_loc[rows])
+    def _token_rows(self, fb: ForwardBatch, rows: torch.Tensor) -> _KernelRows:
+        """Decode-kernel rows of every token of the requests ``rows``: decodes (one token), and
+        verifying requests, whose token at position ``p`` attends keys ``[0, p]`` as a decode of
+        that position does, so a verify step computes what decoding its tokens one at a time
+        computes (the extend kernel's reduction order differs from the decode kernel's)."""
+        lens = fb.extend_seq_lens[rows]
+        page_table = self._page_table(fb, fb.req_pool_indices[rows], fb.seq_lens[rows])
+        starts = fb.extend_start_loc[rows]
+        if len(rows) == int(lens.sum()):  # one token each
+            tokens = starts
+        else:
+            page_table = page_table.repeat_interleave(lens, dim=0)
+            first = torch.cumsum(lens, 0) - lens
+            tokens = torch.arange(int(lens.sum()), device=lens.device) + torch.repeat_interleave(
+                starts - first, lens
+            )
+        every = len(tokens) == len(fb.positions)  # rows are all requests, so tokens are 0 .. T - 1
+        return _KernelRows(
+            page_table.contiguous(), (fb.positions[tokens] + 1).contiguous(), None if every else tokens
+        )
 
     def _page_table(self, fb: ForwardBatch, pool_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, max_pages]``: the KV pages of requests ``pool_rows`` (``req_to_token`` rows)
@@ -186,20 +218,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
-        mask = None
+        masks = {}
         if max_q > 1 or self.decode_kernel is None:  # the decode kernel needs only the lengths
             k_pos = torch.arange(max_k, device=device)[None, None, :]
-            causal = k_pos <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
+            q_abs = (prefix[:, None] + q_pos)[:, :, None]
+            causal = (k_pos <= q_abs) & (k_pos < seq[:, None, None])  # [Bg, Lq, Lk]
             g = self.num_heads // self.num_kv_heads
-            mask = (causal & (k_pos < seq[:, None, None]))[:, None, None].expand(-1, 1, g, -1, -1)
-            mask = mask.reshape(len(ext), 1, g * max_q, max_k)
+            for window in self.windows:
+                # padding queries keep every causal key, so that no row of the softmax is empty
+                mask = causal & ((k_pos > q_abs - window) | ~query_valid[:, :, None]) if window else causal
+                mask = mask[:, None, None].expand(-1, 1, g, -1, -1)
+                masks[window] = mask.reshape(len(ext), 1, g * max_q, max_k)
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
             out_index=None if rows is None else query_index[query_valid],
             page_table=page_table.contiguous(),
             seq_lens=seq.contiguous(),
-            mask=mask,
+            masks=masks,
         )
 
     def forward(
@@ -212,13 +248,14 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         if k_pages.dtype != q.dtype:  # float32 activations over a bfloat16 pool: attend as bfloat16 does
-            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer.scaling).to(q.dtype)
-        return self._attention(q, k_pages, v_pages, layer.scaling)
+            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer).to(q.dtype)
+        return self._attention(q, k_pages, v_pages, layer)
 
     def _attention(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, scaling: float
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
         """``[T, Hq * D]`` attention outputs of the batch's queries ``q`` over the stored pages."""
+        scaling, window = layer.scaling, layer.sliding_window
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if self.tiles is not None:
@@ -234,33 +271,50 @@ class TorchNativeAttnBackend(AttentionBackend):
                 tiles.row_starts,
                 scaling,
                 out=out,
+                window=window,
             )
             if self.kernel_rows is not None:
                 rows = self.kernel_rows
                 queries = q[rows.token_index]
                 out[rows.token_index] = self.decode_kernel(
-                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling
+                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
                 )
             return out.view(num_tokens, -1)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
-            out = self.decode_kernel(q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling)
+            out = self.decode_kernel(
+                q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
+            )
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
-            return self._attend(q, k_pages, v_pages, self.groups[0], scaling)
+            return self._attend(q, k_pages, v_pages, self.groups[0], layer)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
         for group in self.groups:
-            out[group.out_index] = self._attend(q, k_pages, v_pages, group, scaling)
+            out[group.out_index] = self._attend(q, k_pages, v_pages, group, layer)
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, group: _Group, scaling: float
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        group: _Group,
+        layer: RadixAttention,
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
+        scaling, mask = layer.scaling, group.masks.get(layer.sliding_window)
         if max_q == 1 and self.decode_kernel is not None:
             queries = q[group.query_index[:, 0]]
-            out = self.decode_kernel(queries, k_pages, v_pages, group.page_table, group.seq_lens, scaling)
+            out = self.decode_kernel(
+                queries,
+                k_pages,
+                v_pages,
+                group.page_table,
+                group.seq_lens,
+                scaling,
+                window=layer.sliding_window,
+            )
             return out.view(rows, -1)
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
@@ -270,6 +324,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         pages = group.page_table.view(-1)
         kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
         vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
+        if self.score_mods:
+            out = attend_with_score_mods(qg, kg, vg, mask, layer, max_q)
+        else:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]
