@@ -9,7 +9,6 @@ from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToToke
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.req import Req
-from pdserve.speculative.kv_rollback import rollback
 
 PAGE = 4
 POOL = 32
@@ -33,7 +32,7 @@ def verify_step(kv: KVLedger, req: Req, drafts: list[int], kept: list[int]) -> N
     req.num_computed += 1 + len(drafts)
     num_valid = req.seq_len + len(kept) - 1  # the last token and the accepted drafts have valid KV
     req.output_ids += kept
-    rollback(kv, req, num_valid)
+    kv.truncate(req, num_valid)
 
 
 def cached_tokens(kv: KVLedger) -> list[tuple[int, ...]]:
@@ -86,7 +85,7 @@ def test_a_rollback_beyond_the_computed_tokens_or_into_the_cached_prefix_is_refu
     req = running(kv, list(range(100, 110)), 7)
     assert req.num_prefix_pages == 2
     with pytest.raises(ValueError, match="cannot keep 12 tokens of KV: 10 computed"):
-        rollback(kv, req, 12)
+        kv.truncate(req, 12)
     with pytest.raises(ValueError, match="8 in the radix-cache prefix"):
-        rollback(kv, req, 7)
-    assert rollback(kv, req, 9) == [] and req.num_computed == 9
+        kv.truncate(req, 7)
+    assert kv.truncate(req, 9) == [] and req.num_computed == 9
