@@ -6,9 +6,12 @@ holding verified tokens only."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from pdserve.constrained.backend import GrammarBackend
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
@@ -16,7 +19,7 @@ from pdserve.scheduler.req import Req, ReqState
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.speculative.draft_model import DraftModelProposer
 from pdserve.speculative.ngram import NgramProposer
-from tests.reference import chat_ids, hf_greedy
+from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.scheduler.driver import PAGE, drive, make_runner
 
 NEW = 32
@@ -173,3 +176,41 @@ def test_the_target_as_its_own_draft_model_accepts_every_greedy_draft(prompts):
     drafts, drafted, accepted = counts(sched)
     assert drafts > 0 and accepted == drafted
     assert draft.kv.pages_in_use() == 0 and not draft.kv.seqs  # its own pool emptied as requests end
+
+
+def test_structured_output_under_speculation_is_the_plain_one(runner):
+    """A JSON-schema request whose drafts the grammar cuts: the same tokens as without speculation,
+    and valid JSON of the schema."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        },
+        "required": ["name", "city"],
+        "additionalProperties": False,
+    }
+    prompt = chat_ids([{"role": "user", "content": "Give a person as JSON: name Ada Lovelace, city Rome."}])
+    backend = GrammarBackend(hf_tokenizer, 49152, [2])
+    outputs = []
+    try:
+        for proposer in (NgramProposer(), None):
+            sched = Scheduler(
+                runner,
+                SchedulerConfig(speculative_policy="always"),
+                grammar_backend=backend,
+                proposer=proposer,
+            )
+            sched.ledger.tree.reset()
+            r = greedy("j", prompt, max_new=48, json_schema=json.dumps(schema))
+            sched.add_request(r)
+            sched.grammar_future("j").exception(timeout=120)
+            drive(sched, overlap=True)
+            outputs.append(r.output_ids)
+            if proposer is not None:
+                assert counts(sched)[1] > 0  # drafts were verified under the grammar
+    finally:
+        backend.close()
+    assert outputs[0] == outputs[1]
+    value = json.loads(hf_tokenizer().decode(outputs[0], skip_special_tokens=True))
+    assert value["city"] in ("Paris", "Rome", "Oslo")
