@@ -214,3 +214,17 @@ def test_structured_output_under_speculation_is_the_plain_one(runner):
     assert outputs[0] == outputs[1]
     value = json.loads(hf_tokenizer().decode(outputs[0], skip_special_tokens=True))
     assert value["city"] in ("Paris", "Rome", "Oslo")
+
+
+def test_seeded_sampling_under_ngram_speculation_gives_the_plain_tokens(runner, prompts):
+    """Deterministic drafts: each position samples with its own step seed as without speculation, and
+    the rejection rule with a point-mass ``q`` keeps the samples up to the first that differs, so a
+    seeded request's tokens are its non-speculative ones."""
+    subset = {k: prompts[k] for k in ("repeat", "colors")}
+    params = dict(temperature=0.7, top_p=0.9, seed=1234)
+    sched = scheduler(runner, NgramProposer(), speculative_policy="always")
+    spec = run(sched, subset, overlap=False, **params)
+    plain = run(scheduler(runner), subset, overlap=False, **params)
+    for rid in subset:
+        assert spec[rid].output_ids == plain[rid].output_ids, rid
+    assert counts(sched)[2] > 0

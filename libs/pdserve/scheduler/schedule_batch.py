@@ -67,7 +67,6 @@ class ScheduleBatch:
     row_errors: dict[int, str] = field(default_factory=dict)
     drafts: list[list[int]] = field(default_factory=list)
     draft_probs: list | None = None
-    forward_seconds: float = 0.0  # how long its forward took (set by ``Scheduler.run_batch``)
     # (flat token indices, rows of prev): int64 [len(pending)] each, on the device
     _pending_index: tuple[torch.Tensor, torch.Tensor] | None = None
 

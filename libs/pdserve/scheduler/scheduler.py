@@ -80,6 +80,7 @@ class Scheduler:
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
+        self._last_decode_done: float | None = None  # when the latest decode-only step was processed
         self.needs_results = False
         clock = lambda: self.clock()  # (a TP loop replaces ``self.clock``)
 
@@ -229,10 +230,7 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch):
         """Run the forward of ``batch`` (thread-safe with respect to the request queues); returns its
         result. A forward that raises fails only the requests responsible (``batch_runner``)."""
-        start = time.perf_counter()
-        result = run_batch(self.runner, batch).result
-        batch.forward_seconds = time.perf_counter() - start
-        return result
+        return run_batch(self.runner, batch).result
 
     def process_result(self, batch: ScheduleBatch, result=None) -> list[StepOutput]:
         """Apply the sampled tokens of ``batch`` (the oldest outstanding one); finish, hand on or
@@ -244,8 +242,7 @@ class Scheduler:
         outputs: list[StepOutput] = []
         generated = 0
         kept = batch.accepted() if batch.verifies and not batch.row_errors else None
-        if self.speculator is not None and batch.num_extend == 0 and batch.forward_seconds:
-            self.speculator.observe_step(sum(batch.extend_lens), batch.forward_seconds)
+        self._time_step(batch)
         for i, req in enumerate(batch.reqs):
             req.in_batches -= 1
             req.num_pending -= batch.samples[i]
@@ -307,6 +304,15 @@ class Scheduler:
         self.metrics.generation_tokens.inc()
         self.decode.start(req)
         return self._check_finished(req, [token])
+
+    def _time_step(self, batch: ScheduleBatch) -> None:
+        """Tell the speculator how long a decode step took, from the previous decode step's processing
+        to this one's (the wall clock of the loop, which a speculative step pays in full)."""
+        now, last = time.perf_counter(), self._last_decode_done
+        decoding = batch.num_extend == 0 and not batch.row_errors
+        self._last_decode_done = now if decoding else None
+        if self.speculator is not None and decoding and last is not None:
+            self.speculator.observe_step(sum(batch.extend_lens), now - last, batch.verifies)
 
     def _verified(self, req: Req, drafts: list[int], kept: Accepted, now: float) -> StepOutput:
         """A verify step's result for ``req``: its KV kept for its last token and the accepted drafts

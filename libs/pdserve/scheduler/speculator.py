@@ -11,14 +11,18 @@ its grammar (before the first token it refuses: ``Grammar.masks_along``). A requ
 computes ``1 + k`` tokens in the step (``DecodeManager.num_tokens``); the verify step's result
 tells ``observe`` how many stood.
 
-The step time the policy weighs drafts against is fitted to the forwards this scheduler ran
-(``LinearStepTime`` over the latest decode and verify steps, starting from a prior measured on the
-reference CPU) plus, for a draft model, the proposer's own time per draft token.
+The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward:
+a speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives
+up (it waits for the previous step's tokens), so two ``LinearStepTime`` fits are kept, of the
+periods between processed decode steps without drafts (by batch size) and with them (by tokens
+computed), each from a prior until steps of its kind were seen. A step speculates when the plan's
+expected throughput ``(B + gains) / t_spec(T)`` beats a plain step's ``B / t_plain(B)``; one step in
+``EXPLORE_EVERY`` that the comparison refuses speculates anyway, so that the fit of speculative steps
+(and each request's acceptance) follows the machine's load.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -29,8 +33,12 @@ from pdserve.speculative.policy import AcceptanceTracker, LinearStepTime, plan_d
 from pdserve.speculative.proposer import DraftRequest, Proposer
 
 # ``make bench-spec`` on one core of the reference CPU (SmolLM2 float32+w4a8): 10.7 ms for one
-# decode, 22.4 ms for 1 + 8 tokens; the prior until this scheduler has timed steps of its own
+# decode, 22.4 ms for 1 + 8 tokens; the priors until this scheduler has timed steps of its own (a
+# speculative step: the same forward, not overlapped with the ~2 ms of scheduling around it)
 PRIOR_STEP_TIME = LinearStepTime(intercept=9.2e-3, slope=1.5e-3)
+PRIOR_SPEC_STEP_TIME = LinearStepTime(intercept=11.2e-3, slope=1.5e-3)
+EXPLORE_EVERY = 32  # a refused speculative plan runs anyway once in this many steps
+REFIT_EVERY = 16  # steps of a kind between refits of its step time
 
 
 class Speculator:
@@ -63,10 +71,14 @@ class Speculator:
         self.proposer, self.k, self.policy = proposer, num_draft_tokens, policy
         self.metrics, self.vocab_size = metrics, vocab_size
         self.tracker = AcceptanceTracker()
-        self.step_time = PRIOR_STEP_TIME
-        self._steps: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens, seconds) of recent forwards
-        self._num_steps = 0
-        self._draft_cost = 0.0  # seconds of proposing per draft token (a draft model's forwards)
+        # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
+        self.step_time = {False: PRIOR_STEP_TIME, True: PRIOR_SPEC_STEP_TIME}
+        self._periods: dict[bool, deque[tuple[int, float]]] = {
+            False: deque(maxlen=128),
+            True: deque(maxlen=128),
+        }
+        self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
+        self._exploring = False
 
     # ---- deciding ---------------------------------------------------------------------------
     def limit(self, req: Req, max_req_tokens: int) -> int:
@@ -80,10 +92,20 @@ class Speculator:
         return max(0, min(cap, self.k, room))
 
     def wants(self, reqs: Sequence[Req], max_req_tokens: int) -> bool:
-        """Whether any of ``reqs`` (this step's decodes) may verify drafts: the policy's plan with
-        each request's estimated acceptance and its ``limit``, before drafting."""
+        """Whether this step (``reqs``: its decodes) speculates: the policy's plan with each
+        request's estimated acceptance and its ``limit``, before drafting."""
+        self._exploring = False
         limits = [self.limit(req, max_req_tokens) for req in reqs]
-        return any(self._plan(reqs, limits))
+        if self.policy == "always" or not any(limits):
+            return any(limits)
+        plan = self._plan(reqs, limits)
+        if not any(plan):
+            return False
+        if self._pays(reqs, plan):
+            return True
+        self._refused += 1
+        self._exploring = self._refused % EXPLORE_EVERY == 0
+        return self._exploring
 
     def draft(self, reqs: Sequence[Req], max_req_tokens: int) -> None:
         """Set ``req.drafts`` (and ``req.draft_probs``) of each of ``reqs``, whose token ids are all
@@ -94,20 +116,17 @@ class Speculator:
             req.drafts, req.draft_probs = [], None
         if not asked:
             return
-        start = time.perf_counter()
         proposals = self.proposer.propose(
             [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, n, r.sampling_params) for r, n in asked]
         )
         offered = [
             self._grammar_cut(r, list(d)) for (r, _), d in zip(asked, proposals.token_ids, strict=True)
         ]
-        drafted = sum(map(len, offered))
-        if drafted:
-            seconds = (time.perf_counter() - start) / drafted
-            self._draft_cost = seconds if not self._draft_cost else 0.8 * self._draft_cost + 0.2 * seconds
-        # the plan weighs every decode of the step (those without drafts cost a token each too)
         lens = {r.rid: len(d) for (r, _), d in zip(asked, offered, strict=True)}
-        plan = self._plan(reqs, [lens.get(r.rid, 0) for r in reqs])
+        limits = [lens.get(r.rid, 0) for r in reqs]
+        plan = limits if self.policy == "always" else self._plan(reqs, limits)
+        if self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan):
+            return  # what was offered does not pay after all: a plain step
         index = {r.rid: i for i, (r, _) in enumerate(asked)}
         for req, n in zip(reqs, plan, strict=True):
             if n:
@@ -117,11 +136,19 @@ class Speculator:
                 req.draft_probs = None if probs is None else probs[:n]
 
     def _plan(self, reqs: Sequence[Req], limits: list[int]) -> list[int]:
-        if self.policy == "always":
-            return limits
-        batch, cost, fitted = len(reqs), self._draft_cost, self.step_time
-        rates = [self.tracker.rate(r.rid) for r in reqs]
-        return plan_drafts(rates, limits, lambda tokens: fitted(tokens) + cost * (tokens - batch))
+        """``plan_drafts`` over the speculative steps' time."""
+        return plan_drafts([self.tracker.rate(r.rid) for r in reqs], limits, self.step_time[True])
+
+    def _pays(self, reqs: Sequence[Req], plan: list[int]) -> bool:
+        """Whether ``plan`` is expected to yield more tokens per second than a plain step."""
+        batch, tokens = len(reqs), len(reqs) + sum(plan)
+        if tokens == batch:
+            return False
+        gains = sum(
+            sum(a**j for j in range(1, n + 1))
+            for a, n in zip((self.tracker.rate(r.rid) for r in reqs), plan, strict=True)
+        )
+        return (batch + gains) / self.step_time[True](tokens) > batch / self.step_time[False](batch)
 
     def _grammar_cut(self, req: Req, drafts: list[int]) -> list[int]:
         """``drafts`` up to the first token ``req``'s grammar refuses (and none after one ending it)."""
@@ -137,13 +164,20 @@ class Speculator:
         self.metrics.spec_decode_num_draft_tokens.inc(num_drafts)
         self.metrics.spec_decode_num_accepted_tokens.inc(num_accepted)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode or verify forward of ``tokens`` tokens took ``seconds``: refit the step time
-        every 32 steps, once steps of two token counts or more were seen."""
-        self._steps.append((tokens, seconds))
-        self._num_steps += 1
-        if self._num_steps % 32 == 0 and len({t for t, _ in self._steps}) > 1:
-            self.step_time = LinearStepTime.fit(list(self._steps))
+    def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
+        """A decode step (``speculative``: with drafts) of ``tokens`` tokens took ``seconds`` of wall
+        clock from the previous step's processing to its own: refit that kind's step time every
+        ``REFIT_EVERY`` such steps (through the prior's slope while one token count was seen)."""
+        periods = self._periods[speculative]
+        periods.append((tokens, seconds))
+        if len(periods) % REFIT_EVERY == 0 or len(periods) == periods.maxlen:
+            samples = list(periods)
+            if len({t for t, _ in samples}) > 1:
+                self.step_time[speculative] = LinearStepTime.fit(samples)
+            else:
+                slope = self.step_time[speculative].slope
+                mean = sum(s for _, s in samples) / len(samples)
+                self.step_time[speculative] = LinearStepTime(mean - slope * samples[0][0], slope)
 
     def release(self, rid: str) -> None:
         """``rid`` ended: forget its proposer state and acceptance."""
