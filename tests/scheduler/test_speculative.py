@@ -20,7 +20,7 @@ from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.speculative.draft_model import DraftModelProposer
 from pdserve.speculative.ngram import NgramProposer
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.scheduler.driver import PAGE, drive, make_runner
+from tests.scheduler.driver import PAGE, cached_sequences, drive, make_runner
 
 NEW = 32
 PASSAGE = (
@@ -67,22 +67,10 @@ def run(sched: Scheduler, prompts: dict[str, list[int]], overlap: bool, **params
     return done
 
 
-def cached_sequences(sched: Scheduler) -> list[tuple[int, ...]]:
-    """Every token sequence the radix tree holds, root to each node."""
-    out, stack = [], [(sched.ledger.tree.root, ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            key = prefix + tuple(child.key)
-            out.append(key)
-            stack.append((child, key))
-    return out
-
-
 def assert_cache_verified(sched: Scheduler, done: dict[str, Req]) -> None:
     """Each sequence the radix tree holds is a prefix of some request's verified tokens."""
     verified = [r.origin_input_ids + r.output_ids for r in done.values()]
-    for key in cached_sequences(sched):
+    for key in cached_sequences(sched.ledger.tree):
         assert any(list(key) == seq[: len(key)] for seq in verified), key
 
 
