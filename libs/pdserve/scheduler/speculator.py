@@ -1,24 +1,29 @@
 """``Speculator``: speculative decoding beside the decode stage (Leviathan et al. 2023; Chen et al.
 2023): which running requests verify draft tokens this step, and how many.
 
-Each step the decode stage asks ``wants`` whether speculation may pay for its running requests
-(``plan_drafts`` on each request's estimated acceptance, before anything is drafted); if so it asks
-``draft`` for their drafts, which the proposer makes from their verified tokens (so a step that
-speculates needs the previous step's token ids: the overlap loop then runs one step at a time) and
-``plan_drafts`` cuts again, now knowing what each proposal holds. A request's drafts are also cut
-by what its ``max_tokens`` and the context leave (the step keeps at most ``k + 1`` tokens) and by
-its grammar (before the first token it refuses: ``Grammar.masks_along``). A request with drafts
-computes ``1 + k`` tokens in the step (``DecodeManager.num_tokens``); the verify step's result
-tells ``observe`` how many stood.
+Each step the decode stage asks ``wants`` whether this step speculates (before anything is drafted);
+if so it asks ``draft`` for the requests' drafts, which the proposer makes from their verified
+tokens (so a step that speculates needs the previous step's token ids: the overlap loop then runs
+one step at a time). A request's drafts are cut by what its ``max_tokens`` and the context leave
+(the step keeps at most ``k + 1`` tokens), its own cap (``speculative_num_draft_tokens``; 0 opts
+out) and its grammar (before the first token it refuses: ``Grammar.masks_along``). A request with
+drafts computes ``1 + k`` tokens in the step (``DecodeManager.num_tokens``); the verify step's
+result tells ``observe`` how many stood.
 
 The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward:
 a speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives
 up (it waits for the previous step's tokens), so two ``LinearStepTime`` fits are kept, of the
 periods between processed decode steps without drafts (by batch size) and with them (by tokens
-computed), each from a prior until steps of its kind were seen. A step speculates when the plan's
-expected throughput ``(B + gains) / t_spec(T)`` beats a plain step's ``B / t_plain(B)``; one step in
-``EXPLORE_EVERY`` that the comparison refuses speculates anyway, so that the fit of speculative steps
-(and each request's acceptance) follows the machine's load.
+computed), each from a prior until steps of its kind were seen. The decision is per step: every
+request whose drafts stand often enough (``AcceptanceTracker``, at least ``MIN_ACCEPTANCE``) verifies
+all it may, and the step speculates when that plan's expected throughput ``(B + gains) / t_spec(T)``
+(a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et al. 2023)
+beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
+speculates anyway, every request drafting, so that the fit of speculative steps and each request's
+acceptance follow the machine's load and the text. (Cutting drafts per request by their marginal
+gain, ``policy.plan_drafts`` over the engine's step time, drafted ~2 per request at batch 16 and ran
+0.84x of plain decoding there while drafting all of them ran 1.27x: a step's fixed costs make its
+last drafts cheaper than the forward's slope says.)
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Sequence
 from pdserve.scheduler.config import SPECULATIVE_POLICIES
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
-from pdserve.speculative.policy import AcceptanceTracker, LinearStepTime, plan_drafts
+from pdserve.speculative.policy import AcceptanceTracker, LinearStepTime
 from pdserve.speculative.proposer import DraftRequest, Proposer
 
 # ``make bench-spec`` on one core of the reference CPU (SmolLM2 float32+w4a8): 10.7 ms for one
@@ -38,6 +43,7 @@ from pdserve.speculative.proposer import DraftRequest, Proposer
 PRIOR_STEP_TIME = LinearStepTime(intercept=9.2e-3, slope=1.5e-3)
 PRIOR_SPEC_STEP_TIME = LinearStepTime(intercept=11.2e-3, slope=1.5e-3)
 EXPLORE_EVERY = 32  # a refused speculative plan runs anyway once in this many steps
+MIN_ACCEPTANCE = 0.3  # a request whose drafts stand less often drafts only in exploring steps
 REFIT_EVERY = 16  # steps of a kind between refits of its step time
 
 
@@ -47,8 +53,8 @@ class Speculator:
     Args:
         proposer: makes the drafts (``pdserve.speculative``: n-gram, draft model).
         num_draft_tokens: ``k``, the most drafts a request verifies in a step (>= 1).
-        policy: ``adaptive`` (drafts only where ``plan_drafts`` expects them to raise the step's
-            throughput) or ``always`` (every request verifies what the proposer offers, up to ``k``).
+        policy: ``adaptive`` (speculates in the steps where it is expected to raise the throughput)
+            or ``always`` (every request verifies what the proposer offers, up to ``k``).
         metrics: the spec_decode counters.
         vocab_size: the logits' width (a grammar's masks).
 
@@ -92,16 +98,12 @@ class Speculator:
         return max(0, min(cap, self.k, room))
 
     def wants(self, reqs: Sequence[Req], max_req_tokens: int) -> bool:
-        """Whether this step (``reqs``: its decodes) speculates: the policy's plan with each
-        request's estimated acceptance and its ``limit``, before drafting."""
+        """Whether this step (``reqs``: its decodes) speculates, decided before drafting."""
         self._exploring = False
         limits = [self.limit(req, max_req_tokens) for req in reqs]
         if self.policy == "always" or not any(limits):
             return any(limits)
-        plan = self._plan(reqs, limits)
-        if not any(plan):
-            return False
-        if self._pays(reqs, plan):
+        if self._pays(reqs, self._plan(reqs, limits)):
             return True
         self._refused += 1
         self._exploring = self._refused % EXPLORE_EVERY == 0
@@ -124,7 +126,7 @@ class Speculator:
         ]
         lens = {r.rid: len(d) for (r, _), d in zip(asked, offered, strict=True)}
         limits = [lens.get(r.rid, 0) for r in reqs]
-        plan = limits if self.policy == "always" else self._plan(reqs, limits)
+        plan = limits if self.policy == "always" or self._exploring else self._plan(reqs, limits)
         if self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan):
             return  # what was offered does not pay after all: a plain step
         index = {r.rid: i for i, (r, _) in enumerate(asked)}
@@ -136,8 +138,9 @@ class Speculator:
                 req.draft_probs = None if probs is None else probs[:n]
 
     def _plan(self, reqs: Sequence[Req], limits: list[int]) -> list[int]:
-        """``plan_drafts`` over the speculative steps' time."""
-        return plan_drafts([self.tracker.rate(r.rid) for r in reqs], limits, self.step_time[True])
+        """Each request's drafts: all it may where its drafts stand often enough, else none."""
+        rates = (self.tracker.rate(r.rid) for r in reqs)
+        return [n if a >= MIN_ACCEPTANCE else 0 for a, n in zip(rates, limits, strict=True)]
 
     def _pays(self, reqs: Sequence[Req], plan: list[int]) -> bool:
         """Whether ``plan`` is expected to yield more tokens per second than a plain step."""
