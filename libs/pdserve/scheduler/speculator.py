@@ -44,7 +44,8 @@ PRIOR_STEP_TIME = LinearStepTime(intercept=9.2e-3, slope=1.5e-3)
 PRIOR_SPEC_STEP_TIME = LinearStepTime(intercept=11.2e-3, slope=1.5e-3)
 EXPLORE_EVERY = 32  # a refused speculative plan runs anyway once in this many steps
 MIN_ACCEPTANCE = 0.3  # a request whose drafts stand less often drafts only in exploring steps
-REFIT_EVERY = 16  # steps of a kind between refits of its step time
+REFIT_EVERY = 8  # steps of a kind between refits of its step time
+WINDOW = 64  # the latest steps of a kind its step time is fitted to
 
 
 class Speculator:
@@ -79,10 +80,8 @@ class Speculator:
         self.tracker = AcceptanceTracker()
         # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
         self.step_time = {False: PRIOR_STEP_TIME, True: PRIOR_SPEC_STEP_TIME}
-        self._periods: dict[bool, deque[tuple[int, float]]] = {
-            False: deque(maxlen=128),
-            True: deque(maxlen=128),
-        }
+        self._periods: dict[bool, deque[tuple[int, float]]] = {k: deque(maxlen=WINDOW) for k in (False, True)}
+        self._seen = {False: 0, True: 0}
         self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
         self._exploring = False
 
@@ -170,17 +169,22 @@ class Speculator:
     def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
         """A decode step (``speculative``: with drafts) of ``tokens`` tokens took ``seconds`` of wall
         clock from the previous step's processing to its own: refit that kind's step time every
-        ``REFIT_EVERY`` such steps (through the prior's slope while one token count was seen)."""
+        ``REFIT_EVERY`` such steps, over the latest ``WINDOW`` of them without outliers (a period
+        above three times their median: a first forward of its shape, a stall of the machine), and
+        through the prior's slope while one token count was seen."""
         periods = self._periods[speculative]
         periods.append((tokens, seconds))
-        if len(periods) % REFIT_EVERY == 0 or len(periods) == periods.maxlen:
-            samples = list(periods)
-            if len({t for t, _ in samples}) > 1:
-                self.step_time[speculative] = LinearStepTime.fit(samples)
-            else:
-                slope = self.step_time[speculative].slope
-                mean = sum(s for _, s in samples) / len(samples)
-                self.step_time[speculative] = LinearStepTime(mean - slope * samples[0][0], slope)
+        self._seen[speculative] += 1
+        if self._seen[speculative] % REFIT_EVERY:
+            return
+        median = sorted(s for _, s in periods)[len(periods) // 2]
+        samples = [(t, s) for t, s in periods if s <= 3 * median]
+        if len({t for t, _ in samples}) > 1:
+            self.step_time[speculative] = LinearStepTime.fit(samples)
+        else:
+            slope = self.step_time[speculative].slope
+            mean = sum(s for _, s in samples) / len(samples)
+            self.step_time[speculative] = LinearStepTime(mean - slope * samples[0][0], slope)
 
     def release(self, rid: str) -> None:
         """``rid`` ended: forget its proposer state and acceptance."""
