@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import openai
@@ -31,6 +32,7 @@ from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
 from benchmarks.serving_lib.load import LoadMode, run_level
 from benchmarks.serving_lib.report import json_line, plot, table
+from benchmarks.serving_lib.spec_metrics import spec_counters, spec_summary
 from benchmarks.serving_lib.stats import LevelResult, RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
 from benchmarks.serving_lib.workload import PromptSource, WorkloadKind
@@ -90,15 +92,22 @@ async def bench_server(
                 cfg.workload, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word
             )
             target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
-            results = await sweep(target, counter, source, cfg, label)
+            root = base_url.removesuffix("/v1")
+            results = await sweep(target, counter, source, cfg, label, lambda: spec_counters(root, api_key))
     run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
     return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
 
 
 async def sweep(
-    target: CompletionTarget, counter: TokenCounter, source: PromptSource, cfg: BenchConfig, label: str
+    target: CompletionTarget,
+    counter: TokenCounter,
+    source: PromptSource,
+    cfg: BenchConfig,
+    label: str,
+    read_spec: Callable[[], Awaitable[dict[str, float]]] | None = None,
 ) -> list[LevelResult]:
-    """``cfg.warmup`` uncounted requests, then each level of ``cfg`` in turn with fresh prompts."""
+    """``cfg.warmup`` uncounted requests, then each level of ``cfg`` in turn with fresh prompts;
+    ``read_spec`` reads the server's speculative decoding counters around each level."""
 
     async def send(item: tuple[str, int]) -> RequestRecord:
         return await stream_completion(target, *item)
@@ -113,8 +122,11 @@ async def sweep(
     for i, level in enumerate(cfg.levels):
         desc = f"{label} {cfg.mode}={level:g}"
         items = await prompts(cfg.requests_at(level))
+        before = await read_spec() if read_spec else {}
         records = await run_level(send, items, cfg.mode, level, seed=cfg.seed + i, desc=desc)
         results.append(summarize(label, cfg.mode, level, records))
+        if read_spec:
+            results[-1].spec = spec_summary(before, await read_spec())
         log.info("%s: %.1f out tok/s, %d errors", desc, results[-1].output_throughput, results[-1].errors)
     return results
 
@@ -129,7 +141,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (default $OPENAI_API_KEY)"
     )
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    p.add_argument(
+        "--workload",
+        choices=["random", "shared-prefix", "grounded"],
+        default="random",
+        help="grounded: answers that copy spans of the prompt (where speculative drafts stand)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=128, help="random workload: prompt length in tokens")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix workload: preamble tokens")
     p.add_argument("--output-tokens", type=int, help="tokens per request (default 64; shared-prefix 32)")

@@ -60,6 +60,10 @@ def table(results: Sequence[LevelResult]) -> str:
     for metric in ("TTFT", "ITL", "E2E"):
         headers += [f"{metric} p50", f"{metric} p90", f"{metric} p99"]
         floatfmt += [".1f"] * 3
+    speculates = any(r.spec for r in results)
+    if speculates:  # speculative decoding: acceptance rate and mean accepted length per drafting step
+        headers += ["accept", "acc len"]
+        floatfmt += [".2f", ".2f"]
     rows = []
     for r in sorted(results, key=lambda r: (r.mode, r.level, labels.index(r.label))):
         row = [r.label, r.mode, r.level, r.completed, r.errors, r.request_throughput, r.output_throughput]
@@ -67,6 +71,8 @@ def table(results: Sequence[LevelResult]) -> str:
             row.append(ratios.get((r.label, r.mode, r.level)))
         for pcts in (r.ttft_ms, r.itl_ms, r.e2e_ms):
             row += [pcts["p50"], pcts["p90"], pcts["p99"]]
+        if speculates:
+            row += [r.spec.get("acceptance_rate"), r.spec.get("mean_accepted_len")]
         rows.append(row)
     return tabulate(rows, headers=headers, floatfmt=floatfmt, missingval="-")
 

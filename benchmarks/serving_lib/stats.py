@@ -93,6 +93,8 @@ class LevelResult:
     tpot_ms: dict[str, float | None]
     e2e_ms: dict[str, float | None]
     error_samples: list[str]
+    # speculative decoding over the level (``spec_metrics.spec_summary``; empty without drafts)
+    spec: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -259,6 +259,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     parser.add_argument(
+        "--speculative-algorithm",
+        default="none",
+        choices=["none", "ngram", "draft"],
+        help="speculative decoding on the workers that decode (colocated, PD decode): ngram (prompt "
+        "lookup over each request's own tokens) or draft (--speculative-draft-model-path)",
+    )
+    parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=positive_int,
+        default=4,
+        help="the most draft tokens a request verifies per step (1-16)",
+    )
+    parser.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="--speculative-algorithm draft: a smaller checkpoint with the target's tokenizer (refused "
+        "at start-up otherwise)",
+    )
+    parser.add_argument(
+        "--speculative-policy",
+        default="adaptive",
+        choices=["adaptive", "always"],
+        help="adaptive: draft only where the per-step policy expects a gain (batch size, recent "
+        "acceptance); always: verify every draft offered",
+    )
+    parser.add_argument(
         "--tp-size",
         type=positive_int,
         default=1,

@@ -19,6 +19,8 @@ from pdserve.kv_transfer.net_devices import restrict_ucx_to
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from pdserve.speculative.draft_model import DraftModelProposer
+from pdserve.speculative.ngram import NgramProposer
 
 
 def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RANK) -> Scheduler:
@@ -51,6 +53,8 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         disable_radix_cache=args.disable_radix_cache,
         max_queued_requests=args.max_queued_requests,
         max_queue_time=args.max_queue_time,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+        speculative_policy=args.speculative_policy,
     )
     model_name = served_model_names(args.model, args.served_model_name)[0]
     cfg = runner.model_config
@@ -62,7 +66,39 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
             list(cfg.eos_token_ids),
             compile_timeout=config.grammar_compile_timeout,
         )
-    return Scheduler(TpModelWorker(runner), config, SchedulerMetrics(role, model_name), grammars)
+    proposer = build_proposer(args, role, tp, model_path, runner) if role != "prefill" else None
+    metrics = SchedulerMetrics(role, model_name)
+    return Scheduler(TpModelWorker(runner), config, metrics, grammars, proposer)
+
+
+def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path, runner: ModelRunner):
+    """The drafter of ``--speculative-algorithm`` (None for ``none``): an n-gram index, or a draft
+    model in a ``ModelRunner`` of its own in this worker, in the target's dtype and quantization, with
+    a KV pool as large as the target's.
+
+    Raises:
+        ValueError: speculation under TP (not supported yet), ``draft`` without a draft model path,
+            or a draft model whose tokenizer or vocabulary differs from the target's (both named).
+    """
+    if args.speculative_algorithm == "none":
+        return None
+    if tp.size > 1:
+        raise ValueError("--speculative-algorithm is not supported with --tp-size > 1 yet")
+    if args.speculative_algorithm == "ngram":
+        return NgramProposer()
+    if not args.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path")
+    draft_path = resolve_model(args.speculative_draft_model_path)
+    return DraftModelProposer.load(
+        draft_path,
+        model_path,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        page_size=args.page_size,
+        max_total_tokens=runner.token_to_kv_pool_allocator.num_pages * args.page_size,
+        max_running_requests=args.max_running_requests,
+        device=str(runner.device),
+    )
 
 
 def rank_device(device: str, tp: TpGroup) -> str:

@@ -33,6 +33,7 @@ _OPTIONAL_FIELDS = (
     "min_new_tokens",
     "seed",
     "skip_special_tokens",
+    "speculative_num_draft_tokens",
     *GRAMMAR_KINDS,
 )
 _PLAIN_FIELDS = (

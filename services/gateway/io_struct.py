@@ -45,6 +45,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    speculative_num_draft_tokens: int | None = None
 
 
 @dataclass(slots=True)

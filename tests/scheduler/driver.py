@@ -86,3 +86,15 @@ def drive(sched: Scheduler, overlap: bool = False, max_steps: int = 2000, on_ste
     assert not sched.has_work(), "scheduler did not drain"
     assert sched.ledger.used_pages() == 0
     return done
+
+
+def cached_sequences(tree: RadixCache) -> list[tuple[int, ...]]:
+    """Every token sequence ``tree`` holds, from the root to each node."""
+    out, stack = [], [(tree.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        for child in node.children.values():
+            key = prefix + tuple(child.key)
+            out.append(key)
+            stack.append((child, key))
+    return out

@@ -66,6 +66,11 @@ OUT_OF_BOUNDS = {
     "max_new_tokens-zero": ("max_new_tokens", lambda v: {"max_new_tokens": 0}),
     "min_new_tokens-above-max": ("min_new_tokens", lambda v: {"max_new_tokens": 4, "min_new_tokens": 5}),
     "top_logprobs_num": ("top_logprobs_num", lambda v: {"top_logprobs_num": bounds.MAX_TOP_LOGPROBS + 1}),
+    "speculative-above": (
+        "speculative_num_draft_tokens",
+        lambda v: {"speculative_num_draft_tokens": bounds.MAX_SPECULATIVE_DRAFT_TOKENS + 1},
+    ),
+    "speculative-negative": ("speculative_num_draft_tokens", lambda v: {"speculative_num_draft_tokens": -1}),
     "temperature-inf": ("temperature", lambda v: {"temperature": float("inf")}),
     "temperature-nan": ("temperature", lambda v: {"temperature": float("nan")}),
     "top_p-zero": ("top_p", lambda v: {"top_p": 0.0}),
@@ -96,9 +101,10 @@ def test_add_request_takes_every_field_at_its_bound(sched, vocab) -> None:
         stop=["x" * per] * (bounds.MAX_STOP_TOTAL_CHARS // per),
         seed=INT64 - 1,
         top_logprobs_num=bounds.MAX_TOP_LOGPROBS,
+        speculative_num_draft_tokens=bounds.MAX_SPECULATIVE_DRAFT_TOKENS,
     )
     sched.add_request(at_bounds)
-    sched.add_request(req("edge-low", [1], max_new=2, top_k=-1, seed=-INT64))
+    sched.add_request(req("edge-low", [1], max_new=2, top_k=-1, seed=-INT64, speculative_num_draft_tokens=0))
     assert sched.abort_request("edge") and sched.abort_request("edge-low")
     assert len(sched.pop_aborted()) == 2
     sched.check_invariants()

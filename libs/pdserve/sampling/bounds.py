@@ -9,6 +9,8 @@ forward step, where one bad value would fail every request of the batch.
   int64; float fields are finite and within float32 (what protobuf carries).
 - ``top_k`` is -1 or 0 (disabled) or in [1, vocab]; token ids (prompt, ``stop_token_ids``,
   ``logit_bias`` keys, /detokenize) are in [0, vocab).
+- ``speculative_num_draft_tokens`` (a request's cap on its drafts per step) is in [0, 16]: a verify
+  step computes ``1 + k`` tokens for the request.
 - ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits; ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
 - Counts no real client reaches, which bound one request's work per step: at most 64 stop strings
@@ -45,6 +47,7 @@ MAX_RID_CHARS = 256  # a client's rid (X-Request-Id, native /generate and gRPC r
 # a scheduler's rid: a client's with the gateway's -{index}.{tag} (internal callers are bounded too)
 MAX_SCHEDULER_RID_CHARS = 512
 MAX_N = 128
+MAX_SPECULATIVE_DRAFT_TOKENS = 16  # draft tokens a request verifies per step (speculative decoding)
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024

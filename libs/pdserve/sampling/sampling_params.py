@@ -14,6 +14,7 @@ from pdserve.sampling.bounds import (
     INT64_MIN,
     MAX_LOGIT_BIAS,
     MAX_N,
+    MAX_SPECULATIVE_DRAFT_TOKENS,
     MAX_TOP_LOGPROBS,
     BoundError,
     check_grammars,
@@ -54,6 +55,10 @@ class SamplingParams:
         json_schema / regex / ebnf / structural_tag: at most one grammar the output is held to
             (``pdserve.constrained.GrammarSpec`` says what each kind means); EOS is allowed only
             where the grammar is complete, and logprobs are those of the masked distribution.
+        speculative_num_draft_tokens: the most draft tokens this request verifies per step when the
+            server speculates (``--speculative-algorithm``): 0 opts out, None takes the server's
+            ``--speculative-num-draft-tokens``; it never raises the server's. What the request
+            generates does not depend on it (greedy: the same tokens; sampled: the same distribution).
     """
 
     temperature: float = 1.0
@@ -80,6 +85,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    speculative_num_draft_tokens: int | None = None
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -175,6 +181,13 @@ class SamplingParams:
                 self.seed is None or integer(self.seed, INT64_MIN, INT64_MAX),
                 "seed",
                 f"must be an int64 or None, got {self.seed!r}",
+            ),
+            (
+                self.speculative_num_draft_tokens is None
+                or integer(self.speculative_num_draft_tokens, 0, MAX_SPECULATIVE_DRAFT_TOKENS),
+                "speculative_num_draft_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_DRAFT_TOKENS}] or unset, "
+                f"got {self.speculative_num_draft_tokens!r}",
             ),
             (
                 all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),

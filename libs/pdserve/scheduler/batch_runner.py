@@ -8,7 +8,8 @@ request exactly as the whole batch would (each row's logits depend only on its o
 and ``SamplingBatchInfo.select`` keeps each row's parameters and seed), and re-running a forward
 rewrites the same KV slots with the same values, so batch-mates keep their exact outputs. A
 failure costs at most ``2 * B - 1`` extra forwards for a batch of ``B``; one that every request
-causes alone (a broken device) fails them all.
+causes alone (a broken device) fails them all. A batch that verifies speculative drafts is not
+bisected (its sampling rows are per position): its failure fails its requests.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run_batch(runner, batch: ScheduleBatch) -> ScheduleBatch:
     except Exception as e:  # any error of the forward is isolated, then reported per row
         if not isolate:
             raise
-        if len(batch.reqs) == 1:
+        if len(batch.reqs) == 1 or batch.verifies:  # (a verify batch's rows are not bisected yet)
             _fail_all(batch, e)
             return batch
         logger.warning(

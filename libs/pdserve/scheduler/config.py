@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.sampling.bounds import MAX_SPECULATIVE_DRAFT_TOKENS
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
+
+SPECULATIVE_POLICIES = ("adaptive", "always")
 
 # mixed: prefills and decodes (colocated); prefill: a PD prefill worker; decode: a PD decode worker
 ROLES = ("mixed", "prefill", "decode")
@@ -26,6 +29,10 @@ class SchedulerConfig:
     grammar_compile_timeout: float = 20.0  # seconds a constrained request may wait for its grammar
     max_queued_requests: int | None = None  # waiting-queue bound; None = auto, 0 = none (see overload.py)
     max_queue_time: float = DEFAULT_MAX_QUEUE_TIME_S  # seconds a request may wait unadmitted; 0 = no limit
+    # speculative decoding (when the scheduler has a proposer): the most drafts a request verifies per
+    # step, and whether the per-step policy decides (adaptive) or every offered draft is verified (always)
+    speculative_num_draft_tokens: int = 4
+    speculative_policy: str = "adaptive"
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -36,5 +43,9 @@ class SchedulerConfig:
             raise ValueError("chunked_prefill_size must be >= 16 tokens")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0 (0 = no bound)")
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_DRAFT_TOKENS:
+            raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_SPECULATIVE_DRAFT_TOKENS}]")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}")
         if self.max_queue_time < 0:
             raise ValueError("max_queue_time must be >= 0 (0 = no limit)")

@@ -193,6 +193,33 @@ class KVLedger:
         self.in_use[req] = len(req.pages) - full
         self._write_req_to_token([(req, 0, full)])
 
+    def truncate(self, req: Req, num_valid: int) -> list[int]:
+        """Keep ``req``'s KV for positions ``[0, num_valid)`` only: after a speculative verify step,
+        the last token and the accepted drafts. Sets ``req.num_computed`` to it (the radix cache
+        takes its keys from there, so it never holds an unverified token) and frees the pages it owns
+        wholly beyond, in the same step; rejected slots inside the kept last page are written again
+        by the next step (``req_to_token`` past ``num_valid`` stays stale: nothing reads beyond a
+        length). Returns the freed pages.
+
+        Call it when the verify step's result is processed, before anything caches ``req``'s KV, and
+        only while no other scheduled batch holds ``req``.
+
+        Raises:
+            ValueError: ``num_valid`` beyond the computed tokens, or inside the radix-cache prefix.
+        """
+        if not req.num_prefix_pages * self.page_size <= num_valid <= req.num_computed:
+            raise ValueError(
+                f"rid {req.rid}: cannot keep {num_valid} tokens of KV: {req.num_computed} computed, "
+                f"{req.num_prefix_pages * self.page_size} in the radix-cache prefix"
+            )
+        freed = req.pages[self.pages_for(num_valid) :]
+        if freed:
+            self.allocator.free(freed)
+            del req.pages[len(req.pages) - len(freed) :]
+            self.in_use[req] -= len(freed)
+        req.num_computed = num_valid
+        return freed
+
     # ---- release ------------------------------------------------------------------
     def release_when_idle(self, req: Req, cache: bool) -> None:
         """``release`` an ended ``req`` now or, while a scheduled forward still reads and writes its

@@ -74,6 +74,16 @@ class SchedulerMetrics:
             buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
+        # speculative decoding (vLLM's names): verify rows with drafts, their drafts, the drafts kept
+        self.spec_decode_num_drafts = Counter(
+            "pdserve:spec_decode_num_drafts", "Speculative verify steps of a request with drafts", registry=r
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "pdserve:spec_decode_num_draft_tokens", "Draft tokens verified", registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted by verification", registry=r
+        )
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated", registry=r)
         self.prefix_cache_queries = Counter(

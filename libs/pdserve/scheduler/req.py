@@ -102,6 +102,10 @@ class Req:
     in_batches: int = 0
     last_row: int = -1
     release_cache: bool | None = None  # a release deferred until in_batches drops to 0: cache its KV?
+    # speculative decoding: the draft tokens its latest scheduled step verifies after its last token
+    # (and, where the proposer sampled them, their distributions ``q``: float32 [len(drafts), V])
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
+from pdserve.sampling.verify import Accepted, accept, verify_inputs
 from pdserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,13 @@ class ScheduleBatch:
     ones after them. ``samples[i]`` says whether row ``i``'s sampled token counts (a decode, or the
     last chunk of a prompt) or is discarded (a non-final chunk).
 
+    Speculative decoding: ``drafts[i]`` are the draft tokens decoding request ``i`` verifies after
+    its last token (``extend_lens[i] == 1 + len(drafts[i])``; ``draft_probs[i]`` their ``q`` where
+    sampled). A batch with drafts has logits at every token of a verifying request, sampled under
+    ``pdserve.sampling.verify``'s rows, and its result per request is ``accepted()``. Such a batch
+    is never followed by one scheduled before its result is processed (no request of it is
+    *pending* in the next one).
+
     A batch may be scheduled before the result of the batch just before it (``prev``) is known (the
     overlap loop): then a decoding request's input token is the token ``prev`` samples for it, and
     ``pending`` lists ``(flat token index here, row of prev)`` pairs filled in by :meth:`resolve` on
@@ -57,6 +65,8 @@ class ScheduleBatch:
     ready: torch.cuda.Event | None = None  # on CUDA: recorded once ``forward_batch`` is built
     result: GenerationBatchResult | None = None
     row_errors: dict[int, str] = field(default_factory=dict)
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_probs: list | None = None
     # (flat token indices, rows of prev): int64 [len(pending)] each, on the device
     _pending_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -70,7 +80,22 @@ class ScheduleBatch:
             ]
 
     @property
+    def verifies(self) -> bool:
+        """Whether some request of the batch verifies draft tokens."""
+        return any(self.drafts)
+
+    def accepted(self) -> list[Accepted]:
+        """Per request, the tokens it keeps from ``result``: one sampled token, or for a verifying
+        request its accepted drafts and the token after them, with their logprobs."""
+        return accept(self.result, self.drafts or [[] for _ in self.reqs])
+
+    def row_drafts(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
+
+    @property
     def forward_mode(self) -> ForwardMode:
+        if self.verifies:
+            return ForwardMode.MIXED if self.num_extend else ForwardMode.TARGET_VERIFY
         if self.num_extend == len(self.reqs):
             return ForwardMode.EXTEND
         if self.num_extend == 0:
@@ -128,8 +153,10 @@ class ScheduleBatch:
         self.prev = prev
         input_ids: list[int] = []
         self.pending = []
-        for req, start, n in zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True):
-            if req.num_pending:  # a decode whose input is still being sampled by ``prev``
+        for i, (req, start, n) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens, strict=True)):
+            if self.row_drafts(i):  # its last token (never pending), then the drafts it verifies
+                input_ids += [req.output_ids[-1], *self.drafts[i]]
+            elif req.num_pending:  # a decode whose input is still being sampled by ``prev``
                 self.pending.append((len(input_ids), req.last_row))
                 input_ids.append(0)
             elif start + n <= len(req.origin_input_ids):
@@ -143,8 +170,7 @@ class ScheduleBatch:
         pending = torch.tensor(self.pending, dtype=torch.int64, device=runner.device)
         self._pending_index = pending.reshape(-1, 2).T.unbind(0)  # unpacked here, not on the forward thread
         params = [r.sampling_params for r in self.reqs]
-        sampling_info = SamplingBatchInfo.build(
-            params,
+        rows = dict(
             output_ids=[r.output_ids for r in self.reqs],
             prompt_ids=[r.origin_input_ids for r in self.reqs],
             eos_token_ids=runner.model_config.eos_token_ids,
@@ -153,6 +179,15 @@ class ScheduleBatch:
             grammars=[r.grammar for r in self.reqs],
             output_lens=[r.num_generated for r in self.reqs],
         )
+        logits_lens, draft_rows, top_logprobs_nums = None, None, [p.top_logprobs_num or 0 for p in params]
+        if self.verifies:  # a sampling row per position of each verifying request
+            inputs = verify_inputs(params, drafts=self.drafts, draft_probs=self.draft_probs, **rows)
+            if inputs.drafts != self.drafts:
+                raise RuntimeError("a grammar cut drafts after their KV slots were given")
+            sampling_info, logits_lens = inputs.sampling_info, inputs.logits_lens
+            draft_rows, top_logprobs_nums = inputs.draft_rows, inputs.top_logprobs_nums
+        else:
+            sampling_info = SamplingBatchInfo.build(params, **rows)
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(self.extend_lens, dtype=torch.int64)
         self.forward_batch = ForwardBatch.init_new(
@@ -164,7 +199,9 @@ class ScheduleBatch:
             extend_seq_lens=extend,
             sampling_info=sampling_info,
             return_logprob=any(p.return_logprob for p in params),
-            top_logprobs_nums=[p.top_logprobs_num or 0 for p in params],
+            top_logprobs_nums=top_logprobs_nums,
+            logits_lens=logits_lens,
+            draft_rows=draft_rows,
             runner=runner,
         )
 
@@ -202,14 +239,13 @@ def prepare_batch(
     keep, failed = [], []
     for i, req in enumerate(batch.reqs):
         try:
-            ScheduleBatch([req], [batch.extend_lens[i]], int(i < batch.num_extend)).prepare(runner, prev)
+            _subset(batch, [i]).prepare(runner, prev)
             keep.append(i)
         except Exception as e:  # this request's inputs are the cause
             failed.append((req, f"invalid sampling inputs: {type(e).__name__}: {e}"))
     if not keep:
         return None, failed
-    num_extend = sum(i < batch.num_extend for i in keep)
-    rest = ScheduleBatch([batch.reqs[i] for i in keep], [batch.extend_lens[i] for i in keep], num_extend)
+    rest = _subset(batch, keep)
     try:
         rest.prepare(runner, prev)
     except Exception as e:  # no single request is the cause: fail the step's requests
@@ -217,6 +253,19 @@ def prepare_batch(
         error = f"building the batch failed: {type(e).__name__}: {e}"
         return None, failed + [(req, error) for req in rest.reqs]
     return rest, failed
+
+
+def _subset(batch: ScheduleBatch, rows: list[int]) -> ScheduleBatch:
+    """A batch of ``rows`` of ``batch`` (in order), with their drafts."""
+    sub = ScheduleBatch(
+        [batch.reqs[i] for i in rows],
+        [batch.extend_lens[i] for i in rows],
+        sum(i < batch.num_extend for i in rows),
+        drafts=[batch.drafts[i] for i in rows] if batch.drafts else [],
+    )
+    if batch.draft_probs is not None:
+        sub.draft_probs = [batch.draft_probs[i] for i in rows]
+    return sub
 
 
 @cache

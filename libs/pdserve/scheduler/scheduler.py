@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.sampling.verify import Accepted
 from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.config import SchedulerConfig
@@ -29,6 +30,7 @@ from pdserve.scheduler.prefill import PrefillManager
 from pdserve.scheduler.remote_prefill import RemotePrefill
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput, prepare_batch
+from pdserve.scheduler.speculator import Speculator
 from pdserve.scheduler.table import RequestLimits, RequestTable
 from pdserve.scheduler.waiting import WaitingQueue
 
@@ -46,6 +48,8 @@ class Scheduler:
         metrics: Prometheus metrics of this process; a private registry when omitted.
         grammar_backend: compiles the grammars of constrained requests; without one, such
             requests are refused.
+        proposer: drafts tokens for speculative decoding (``pdserve.speculative``) in the roles that
+            decode (mixed, decode); None decodes one token per request and step.
 
     Attributes:
         clock: the time of every scheduling decision (deadlines, admission order, lpm starvation),
@@ -59,6 +63,7 @@ class Scheduler:
         config: SchedulerConfig,
         metrics: SchedulerMetrics | None = None,
         grammar_backend: GrammarBackend | None = None,
+        proposer=None,
     ) -> None:
         config.validate()
         self.clock: Callable[[], float] = time.time
@@ -75,6 +80,7 @@ class Scheduler:
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
+        self._last_decode_done: float | None = None  # when the latest decode-only step was processed
         self.needs_results = False
         clock = lambda: self.clock()  # (a TP loop replaces ``self.clock``)
 
@@ -87,10 +93,14 @@ class Scheduler:
         self.queue = WaitingQueue(
             policy, grammars, bound, 0.0 if hands_on else config.max_queue_time, metrics
         )
+        self.speculator = None
+        if proposer is not None and not hands_on:
+            k, spec_policy = config.speculative_num_draft_tokens, config.speculative_policy
+            self.speculator = Speculator(proposer, k, spec_policy, metrics, model.vocab_size)
         self.decode: DecodeManager | HandOff = (
             HandOff()
             if hands_on
-            else DecodeManager(self.ledger, self.queue, policy, metrics, self.max_req_tokens)
+            else DecodeManager(self.ledger, self.queue, policy, metrics, self.max_req_tokens, self.speculator)
         )
         limits = RequestLimits(
             model.vocab_size, model.context_length, self.decode.prompt_room, self.usable_pages, self.page_size
@@ -192,6 +202,9 @@ class Scheduler:
         """
         self.needs_results = False
         self.reqs.end_overdue()
+        if any(b.verifies for b in self.outstanding):  # how many tokens it keeps moves every position
+            self.needs_results = True
+            return None
         decodes = self.decode.schedule(in_flight=bool(self.outstanding))
         if decodes is None:
             self.needs_results = True
@@ -201,6 +214,9 @@ class Scheduler:
         if not extends[0] and not decodes[0]:
             return None
         batch = ScheduleBatch(extends[0] + decodes[0], extends[1] + decodes[1], len(extends[0]))
+        if any(req.drafts for req in decodes[0]):
+            batch.drafts = [[] for _ in extends[0]] + [list(req.drafts) for req in decodes[0]]
+            batch.draft_probs = [None] * len(extends[0]) + [req.draft_probs for req in decodes[0]]
         batch, failed = prepare_batch(batch, self.runner, self.outstanding[-1] if self.outstanding else None)
         for req, error in failed:
             self.reqs.end_now(req, FinishReason.ERROR, error)
@@ -225,6 +241,8 @@ class Scheduler:
         now = self.clock()
         outputs: list[StepOutput] = []
         generated = 0
+        kept = batch.accepted() if batch.verifies and not batch.row_errors else None
+        self._time_step(batch)
         for i, req in enumerate(batch.reqs):
             req.in_batches -= 1
             req.num_pending -= batch.samples[i]
@@ -236,9 +254,12 @@ class Scheduler:
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
                 self.ledger.cache_unfinished(req)
+            elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
+                generated += len(kept[i].token_ids)
+                outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
-                token = batch.result.next_token_ids[i]
-                self._append_token(req, token, batch.token_logprob(i), now)
+                token, logprob = _row_token(batch, kept, i)
+                self._append_token(req, token, logprob, now)
                 generated += 1
                 if i < batch.num_extend:
                     self.ledger.cache_unfinished(req)
@@ -284,6 +305,31 @@ class Scheduler:
         self.decode.start(req)
         return self._check_finished(req, [token])
 
+    def _time_step(self, batch: ScheduleBatch) -> None:
+        """Tell the speculator how long a decode step took, from the previous decode step's processing
+        to this one's (the wall clock of the loop, which a speculative step pays in full)."""
+        now, last = time.perf_counter(), self._last_decode_done
+        decoding = batch.num_extend == 0 and not batch.row_errors
+        self._last_decode_done = now if decoding else None
+        if self.speculator is not None and decoding and last is not None:
+            self.speculator.observe_step(sum(batch.extend_lens), now - last, batch.verifies)
+
+    def _verified(self, req: Req, drafts: list[int], kept: Accepted, now: float) -> StepOutput:
+        """A verify step's result for ``req``: its KV kept for its last token and the accepted drafts
+        only (``KVLedger.truncate``, before anything caches it), then the kept tokens appended one by
+        one until one finishes it (EOS, stop token, length, its grammar's end)."""
+        self.ledger.truncate(req, len(req.fill_ids) + kept.num_accepted_drafts)
+        self.speculator.observe(req, len(drafts), kept.num_accepted_drafts)
+        new: list[int] = []
+        for j, token in enumerate(kept.token_ids):
+            self._append_token(req, token, _logprob(kept, j), now)
+            new.append(token)
+            req.check_finished(self.eos_token_ids, self.max_req_tokens)
+            if req.state.done:
+                self.reqs.end(req, req.finish_reason)
+                break
+        return StepOutput(req, new, finished=req.state.done)
+
     def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
         self.metrics.observe_token(req, now)
         req.append_token(token, logprob, now)
@@ -317,3 +363,18 @@ class Scheduler:
         kv = self.ledger
         h.update(repr((kv.free_pages(), kv.cached_pages(), kv.used_pages())).encode())
         return h.hexdigest()
+
+
+def _logprob(kept: Accepted, j: int) -> tuple[float, list[tuple[int, float]]] | None:
+    """The logprob and top logprobs of ``kept``'s ``j``-th token, when the batch computed them."""
+    if kept.logprobs is None:
+        return None
+    return kept.logprobs[j], kept.top_logprobs[j] if kept.top_logprobs else []
+
+
+def _row_token(batch: ScheduleBatch, kept: list[Accepted] | None, i: int):
+    """Row ``i``'s sampled token and its logprob (``kept``: the batch's ``accepted()`` when it verifies
+    drafts, whose result then has a row per position)."""
+    if kept is None:
+        return batch.result.next_token_ids[i], batch.token_logprob(i)
+    return kept[i].token_ids[0], _logprob(kept[i], 0)

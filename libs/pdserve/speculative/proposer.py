@@ -7,7 +7,7 @@ step's input):
 1. the scheduler asks the proposer for up to ``k`` draft tokens ``d_0 .. d_{k-1}`` (``propose``);
 2. the target runs its last token and the drafts in one forward (``ForwardMode.TARGET_VERIFY``)
    and the sampler keeps ``d_0 .. d_{a-1}`` plus one token of its own (``pdserve.sampling.verify``);
-3. the scheduler gives back the KV slots of the rejected positions (``pdserve.speculative.kv_rollback``).
+3. the scheduler gives back the KV slots of the rejected positions (``KVLedger.truncate``).
 
 A proposer holds no target KV: it reads the request's token ids (and, for a draft head, the target's
 hidden states), keeps whatever state of its own it needs under the request's ``rid`` (an n-gram

@@ -9,7 +9,14 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.constrained import GRAMMAR_KINDS
-from pdserve.sampling.bounds import FLOAT32_MAX, INT32_MAX, MAX_N, MAX_RID_CHARS, MAX_TOP_LOGPROBS
+from pdserve.sampling.bounds import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    MAX_N,
+    MAX_RID_CHARS,
+    MAX_SPECULATIVE_DRAFT_TOKENS,
+    MAX_TOP_LOGPROBS,
+)
 from pdserve.services.gateway.io_struct import SamplingParams
 from pdserve.services.gateway.openai.protocol import ChatMessage
 from pdserve.services.gateway.openai.protocol_fields import (
@@ -63,6 +70,8 @@ class NativeSamplingParams(RequestModel):
     regex: str | None = GrammarText
     ebnf: str | None = GrammarText
     structural_tag: str | None = GrammarText
+    # speculative decoding: the most drafts verified per step (0 opts out; unset: the server's)
+    speculative_num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_DRAFT_TOKENS)
 
     @field_validator("stop")
     @classmethod

@@ -26,6 +26,7 @@ from pdserve.sampling.bounds import (
     INT32_MAX,
     MAX_JSON_DEPTH,
     MAX_N,
+    MAX_SPECULATIVE_DRAFT_TOKENS,
     MAX_TEMPLATE_KWARGS_CHARS,
     MAX_TOOLS,
     MAX_TOOLS_CHARS,
@@ -92,6 +93,8 @@ class _OpenAIRequest(RequestModel):
     # constrained decoding (OpenAI's and vLLM's forms)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # speculative decoding: the most drafts verified per step (0 opts out; unset: the server's)
+    speculative_num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_DRAFT_TOKENS)
     # OpenAI fields that do not change the output: accepted and ignored.
     prompt_cache_key: str | None = Field(None, max_length=1024)
     safety_identifier: str | None = Field(None, max_length=1024)
@@ -162,6 +165,7 @@ class _OpenAIRequest(RequestModel):
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             logit_bias=dict(self.logit_bias or {}),
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             **grammar,
         )
 

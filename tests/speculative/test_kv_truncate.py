@@ -9,7 +9,7 @@ from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToToke
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.req import Req
-from pdserve.speculative.kv_rollback import rollback
+from tests.scheduler.driver import cached_sequences
 
 PAGE = 4
 POOL = 32
@@ -33,19 +33,7 @@ def verify_step(kv: KVLedger, req: Req, drafts: list[int], kept: list[int]) -> N
     req.num_computed += 1 + len(drafts)
     num_valid = req.seq_len + len(kept) - 1  # the last token and the accepted drafts have valid KV
     req.output_ids += kept
-    rollback(kv, req, num_valid)
-
-
-def cached_tokens(kv: KVLedger) -> list[tuple[int, ...]]:
-    """Every token sequence the radix tree holds, root to each node."""
-    out, stack = [], [(kv.tree.root, ())]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            key = prefix + tuple(child.key)
-            out.append(key)
-            stack.append((child, key))
-    return out
+    kv.truncate(req, num_valid)
 
 
 def test_rejected_pages_go_back_in_the_same_step():
@@ -72,9 +60,11 @@ def test_the_radix_cache_gets_verified_tokens_only():
     verify_step(kv, req, drafts=[1, 2, 3], kept=[1, 2, 50])  # 50 replaces draft 3 at position 9
     kv.cache_unfinished(req)
     assert req.num_computed == 9
-    assert cached_tokens(kv) == [tuple(prompt + [7, 1])]  # 2 full pages of verified KV; not position 9
+    # 2 full pages of verified KV; not position 9
+    assert cached_sequences(kv.tree) == [tuple(prompt + [7, 1])]
     kv.release(req, cache=True)
-    assert all(len(key) <= 9 and list(key) == (prompt + [7, 1, 2])[: len(key)] for key in cached_tokens(kv))
+    verified = prompt + [7, 1, 2]
+    assert all(len(key) <= 9 and list(key) == verified[: len(key)] for key in cached_sequences(kv.tree))
     kv.check_conservation(POOL)
 
 
@@ -86,7 +76,7 @@ def test_a_rollback_beyond_the_computed_tokens_or_into_the_cached_prefix_is_refu
     req = running(kv, list(range(100, 110)), 7)
     assert req.num_prefix_pages == 2
     with pytest.raises(ValueError, match="cannot keep 12 tokens of KV: 10 computed"):
-        rollback(kv, req, 12)
+        kv.truncate(req, 12)
     with pytest.raises(ValueError, match="8 in the radix-cache prefix"):
-        rollback(kv, req, 7)
-    assert rollback(kv, req, 9) == [] and req.num_computed == 9
+        kv.truncate(req, 7)
+    assert kv.truncate(req, 9) == [] and req.num_computed == 9

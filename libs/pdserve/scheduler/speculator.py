@@ -1,0 +1,192 @@
+"""``Speculator``: speculative decoding beside the decode stage (Leviathan et al. 2023; Chen et al.
+2023): which running requests verify draft tokens this step, and how many.
+
+Each step the decode stage asks ``wants`` whether this step speculates (before anything is drafted);
+if so it asks ``draft`` for the requests' drafts, which the proposer makes from their verified
+tokens (so a step that speculates needs the previous step's token ids: the overlap loop then runs
+one step at a time). A request's drafts are cut by what its ``max_tokens`` and the context leave
+(the step keeps at most ``k + 1`` tokens), its own cap (``speculative_num_draft_tokens``; 0 opts
+out) and its grammar (before the first token it refuses: ``Grammar.masks_along``). A request with
+drafts computes ``1 + k`` tokens in the step (``DecodeManager.num_tokens``); the verify step's
+result tells ``observe`` how many stood.
+
+The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward:
+a speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives
+up (it waits for the previous step's tokens), so two ``LinearStepTime`` fits are kept, of the
+periods between processed decode steps without drafts (by batch size) and with them (by tokens
+computed), each from a prior until steps of its kind were seen. The decision is per step: every
+request whose drafts stand often enough (``AcceptanceTracker``, at least ``MIN_ACCEPTANCE``) verifies
+all it may, and the step speculates when that plan's expected throughput ``(B + gains) / t_spec(T)``
+(a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et al. 2023)
+beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
+speculates anyway, every request drafting, so that the fit of speculative steps and each request's
+acceptance follow the machine's load and the text. (Cutting drafts per request by their marginal
+gain, ``policy.plan_drafts`` over the engine's step time, drafted ~2 per request at batch 16 and ran
+0.84x of plain decoding there while drafting all of them ran 1.27x: a step's fixed costs make its
+last drafts cheaper than the forward's slope says.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from pdserve.scheduler.config import SPECULATIVE_POLICIES
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.req import Req
+from pdserve.speculative.policy import AcceptanceTracker, LinearStepTime
+from pdserve.speculative.proposer import DraftRequest, Proposer
+
+# ``make bench-spec`` on one core of the reference CPU (SmolLM2 float32+w4a8): 10.7 ms for one
+# decode, 22.4 ms for 1 + 8 tokens; the priors until this scheduler has timed steps of its own (a
+# speculative step: the same forward, not overlapped with the ~2 ms of scheduling around it)
+PRIOR_STEP_TIME = LinearStepTime(intercept=9.2e-3, slope=1.5e-3)
+PRIOR_SPEC_STEP_TIME = LinearStepTime(intercept=11.2e-3, slope=1.5e-3)
+EXPLORE_EVERY = 32  # a refused speculative plan runs anyway once in this many steps
+MIN_ACCEPTANCE = 0.3  # a request whose drafts stand less often drafts only in exploring steps
+REFIT_EVERY = 8  # steps of a kind between refits of its step time
+WINDOW = 64  # the latest steps of a kind its step time is fitted to
+
+
+class Speculator:
+    """Drafts for the running requests of one scheduler.
+
+    Args:
+        proposer: makes the drafts (``pdserve.speculative``: n-gram, draft model).
+        num_draft_tokens: ``k``, the most drafts a request verifies in a step (>= 1).
+        policy: ``adaptive`` (speculates in the steps where it is expected to raise the throughput)
+            or ``always`` (every request verifies what the proposer offers, up to ``k``).
+        metrics: the spec_decode counters.
+        vocab_size: the logits' width (a grammar's masks).
+
+    Raises:
+        ValueError: ``num_draft_tokens < 1``, an unknown policy.
+    """
+
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_draft_tokens: int,
+        policy: str,
+        metrics: SchedulerMetrics,
+        vocab_size: int,
+    ) -> None:
+        if num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative policy must be one of {SPECULATIVE_POLICIES}, got {policy!r}")
+        self.proposer, self.k, self.policy = proposer, num_draft_tokens, policy
+        self.metrics, self.vocab_size = metrics, vocab_size
+        self.tracker = AcceptanceTracker()
+        # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
+        self.step_time = {False: PRIOR_STEP_TIME, True: PRIOR_SPEC_STEP_TIME}
+        self._periods: dict[bool, deque[tuple[int, float]]] = {k: deque(maxlen=WINDOW) for k in (False, True)}
+        self._seen = {False: 0, True: 0}
+        self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
+        self._exploring = False
+
+    # ---- deciding ---------------------------------------------------------------------------
+    def limit(self, req: Req, max_req_tokens: int) -> int:
+        """The most drafts ``req`` may verify now: ``k``, within what its ``max_tokens`` and the
+        context leave after the step's own token; 0 for a request that opted out."""
+        params = req.sampling_params
+        if params.speculative_num_draft_tokens == 0:
+            return 0
+        room = min(params.max_new_tokens - req.num_generated, max_req_tokens - req.seq_len) - 1
+        cap = self.k if params.speculative_num_draft_tokens is None else params.speculative_num_draft_tokens
+        return max(0, min(cap, self.k, room))
+
+    def wants(self, reqs: Sequence[Req], max_req_tokens: int) -> bool:
+        """Whether this step (``reqs``: its decodes) speculates, decided before drafting."""
+        self._exploring = False
+        limits = [self.limit(req, max_req_tokens) for req in reqs]
+        if self.policy == "always" or not any(limits):
+            return any(limits)
+        if self._pays(reqs, self._plan(reqs, limits)):
+            return True
+        self._refused += 1
+        self._exploring = self._refused % EXPLORE_EVERY == 0
+        return self._exploring
+
+    def draft(self, reqs: Sequence[Req], max_req_tokens: int) -> None:
+        """Set ``req.drafts`` (and ``req.draft_probs``) of each of ``reqs``, whose token ids are all
+        known (none pending): the proposer's drafts, cut by the limits and the policy."""
+        limits = [self.limit(req, max_req_tokens) for req in reqs]
+        asked = [(req, n) for req, n in zip(reqs, limits, strict=True) if n > 0]
+        for req in reqs:
+            req.drafts, req.draft_probs = [], None
+        if not asked:
+            return
+        proposals = self.proposer.propose(
+            [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, n, r.sampling_params) for r, n in asked]
+        )
+        offered = [
+            self._grammar_cut(r, list(d)) for (r, _), d in zip(asked, proposals.token_ids, strict=True)
+        ]
+        lens = {r.rid: len(d) for (r, _), d in zip(asked, offered, strict=True)}
+        limits = [lens.get(r.rid, 0) for r in reqs]
+        plan = limits if self.policy == "always" or self._exploring else self._plan(reqs, limits)
+        if self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan):
+            return  # what was offered does not pay after all: a plain step
+        index = {r.rid: i for i, (r, _) in enumerate(asked)}
+        for req, n in zip(reqs, plan, strict=True):
+            if n:
+                i = index[req.rid]
+                req.drafts = offered[i][:n]
+                probs = proposals.probs[i] if proposals.probs is not None else None
+                req.draft_probs = None if probs is None else probs[:n]
+
+    def _plan(self, reqs: Sequence[Req], limits: list[int]) -> list[int]:
+        """Each request's drafts: all it may where its drafts stand often enough, else none."""
+        rates = (self.tracker.rate(r.rid) for r in reqs)
+        return [n if a >= MIN_ACCEPTANCE else 0 for a, n in zip(rates, limits, strict=True)]
+
+    def _pays(self, reqs: Sequence[Req], plan: list[int]) -> bool:
+        """Whether ``plan`` is expected to yield more tokens per second than a plain step."""
+        batch, tokens = len(reqs), len(reqs) + sum(plan)
+        if tokens == batch:
+            return False
+        gains = sum(
+            sum(a**j for j in range(1, n + 1))
+            for a, n in zip((self.tracker.rate(r.rid) for r in reqs), plan, strict=True)
+        )
+        return (batch + gains) / self.step_time[True](tokens) > batch / self.step_time[False](batch)
+
+    def _grammar_cut(self, req: Req, drafts: list[int]) -> list[int]:
+        """``drafts`` up to the first token ``req``'s grammar refuses (and none after one ending it)."""
+        if req.grammar is None or not drafts:
+            return drafts
+        return drafts[: len(req.grammar.masks_along(drafts, self.vocab_size)) - 1]
+
+    # ---- learning -----------------------------------------------------------------------------
+    def observe(self, req: Req, num_drafts: int, num_accepted: int) -> None:
+        """A verify step of ``req`` kept ``num_accepted`` of its ``num_drafts`` drafts."""
+        self.tracker.observe(req.rid, num_drafts, num_accepted)
+        self.metrics.spec_decode_num_drafts.inc()
+        self.metrics.spec_decode_num_draft_tokens.inc(num_drafts)
+        self.metrics.spec_decode_num_accepted_tokens.inc(num_accepted)
+
+    def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
+        """A decode step (``speculative``: with drafts) of ``tokens`` tokens took ``seconds`` of wall
+        clock from the previous step's processing to its own: refit that kind's step time every
+        ``REFIT_EVERY`` such steps, over the latest ``WINDOW`` of them without outliers (a period
+        above three times their median: a first forward of its shape, a stall of the machine), and
+        through the prior's slope while one token count was seen."""
+        periods = self._periods[speculative]
+        periods.append((tokens, seconds))
+        self._seen[speculative] += 1
+        if self._seen[speculative] % REFIT_EVERY:
+            return
+        median = sorted(s for _, s in periods)[len(periods) // 2]
+        samples = [(t, s) for t, s in periods if s <= 3 * median]
+        if len({t for t, _ in samples}) > 1:
+            self.step_time[speculative] = LinearStepTime.fit(samples)
+        else:
+            slope = self.step_time[speculative].slope
+            mean = sum(s for _, s in samples) / len(samples)
+            self.step_time[speculative] = LinearStepTime(mean - slope * samples[0][0], slope)
+
+    def release(self, rid: str) -> None:
+        """``rid`` ended: forget its proposer state and acceptance."""
+        self.proposer.release(rid)
+        self.tracker.release(rid)

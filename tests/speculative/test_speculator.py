@@ -1,0 +1,64 @@
+"""The scheduler's ``Speculator`` without a model: which requests draft, how many, and when the
+adaptive policy steps aside (a speculative step slower per token than a plain one), exploring once in
+``EXPLORE_EVERY`` refusals; drafts cut by ``max_tokens``, the per-request cap and opt-out."""
+
+from __future__ import annotations
+
+from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.req import Req
+from pdserve.scheduler.speculator import EXPLORE_EVERY, Speculator
+from pdserve.speculative.ngram import NgramProposer
+from pdserve.speculative.policy import LinearStepTime
+
+LOOP = [5, 6, 7, 8] * 6  # a prompt that repeats: n-gram drafts continue the loop
+
+
+def running(rid: str, max_new: int = 64, **params) -> Req:
+    req = Req(rid, list(LOOP), SamplingParams(temperature=0.0, max_new_tokens=max_new, **params))
+    req.output_ids = [5]
+    return req
+
+
+def speculator(policy: str = "adaptive") -> Speculator:
+    return Speculator(NgramProposer(), 4, policy, SchedulerMetrics("mixed"), vocab_size=100)
+
+
+def test_drafts_are_cut_by_max_tokens_the_cap_and_the_opt_out():
+    spec = speculator("always")
+    reqs = [running("a"), running("b", max_new=3), running("c", speculative_num_draft_tokens=2)]
+    reqs.append(running("d", speculative_num_draft_tokens=0))
+    assert spec.wants(reqs, max_req_tokens=4096)
+    spec.draft(reqs, max_req_tokens=4096)
+    assert [r.drafts for r in reqs] == [[6, 7, 8, 5], [6], [6, 7], []]
+    spec.draft([running("e")], max_req_tokens=len(LOOP) + 3)  # the context leaves room for 1 draft
+    assert not spec.wants([running("d", speculative_num_draft_tokens=0)], 4096)
+
+
+def test_adaptive_speculates_where_steps_pay_and_explores_where_they_do_not():
+    spec = speculator()
+    reqs = [running("a")]
+    for _ in range(3):  # every draft stood so far
+        spec.tracker.observe("a", 4, 4)
+    assert spec.wants(reqs, 4096)
+    spec.draft(reqs, 4096)
+    assert reqs[0].drafts == [6, 7, 8, 5]
+    # speculative steps measured 10x slower than plain ones: a plan no longer pays
+    spec.step_time[True] = LinearStepTime(0.1, 0.01)
+    spec.step_time[False] = LinearStepTime(0.01, 0.001)
+    decisions = [spec.wants(reqs, 4096) for _ in range(2 * EXPLORE_EVERY)]
+    assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY - 1]
+    assert not spec.wants(reqs, 4096)
+    spec.draft(reqs, 4096)  # (had the loop drafted after all:) a plan that does not pay drafts nothing
+    assert reqs[0].drafts == []
+
+
+def test_step_times_are_refit_from_the_periods_seen():
+    spec = speculator()
+    spec.observe_step(8, 5.0, speculative=True)  # a first forward of its shape: left out of the fit
+    for i in range(15):
+        spec.observe_step(8 + i % 4, 0.02 + 0.001 * (8 + i % 4), speculative=True)
+        spec.observe_step(4, 0.05, speculative=False)
+    spec.observe_step(4, 0.05, speculative=False)
+    assert abs(spec.step_time[True](10) - 0.03) < 1e-9 and abs(spec.step_time[True].slope - 0.001) < 1e-9
+    assert abs(spec.step_time[False](4) - 0.05) < 1e-9  # one batch size seen: the prior's slope, shifted
