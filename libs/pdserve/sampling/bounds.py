@@ -9,7 +9,8 @@ forward step, where one bad value would fail every request of the batch.
   int64; float fields are finite and within float32 (what protobuf carries).
 - ``top_k`` is -1 or 0 (disabled) or in [1, vocab]; token ids (prompt, ``stop_token_ids``,
   ``logit_bias`` keys, /detokenize) are in [0, vocab).
-- ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits; ``logit_bias`` values are in
+- ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits (``prompt_logprobs`` too, on a
+  prompt of at most 4,096 tokens); ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
 - Counts no real client reaches, which bound one request's work per step: at most 64 stop strings
   of at most 256 characters each and 1,024 in all (the detokenizer searches every stop string in
@@ -46,6 +47,9 @@ MAX_RID_CHARS = 256  # a client's rid (X-Request-Id, native /generate and gRPC r
 MAX_SCHEDULER_RID_CHARS = 512
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+# prompt logprobs (echo + logprobs, prompt_logprobs): a prompt of at most this many tokens (each
+# position returns up to MAX_TOP_LOGPROBS + 1 entries, computed as [chunk, vocab] float32 logits)
+MAX_PROMPT_LOGPROB_TOKENS = 4096
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64

@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.sampling.prompt_logprobs import PromptLogprob, PromptLogprobRows, chunk_targets
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.scheduler.req import Req
@@ -100,6 +101,11 @@ class ScheduleBatch:
         top = result.top_logprobs[i] if result.top_logprobs is not None else []
         return result.next_token_logprobs[i], top
 
+    def prompt_logprobs(self, i: int) -> list[PromptLogprob]:
+        """The prompt tokens row ``i``'s chunk scored (empty unless its request asked for them)."""
+        scored = self.result.prompt_logprobs
+        return scored[i] if scored is not None else []
+
     def is_last_chunk(self, i: int) -> bool:
         """True when step ``i`` completes the request's fill, so its sampled token counts."""
         return self.samples[i]
@@ -153,6 +159,7 @@ class ScheduleBatch:
             grammars=[r.grammar for r in self.reqs],
             output_lens=[r.num_generated for r in self.reqs],
         )
+        prompt_rows = self._prompt_logprob_rows()
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(self.extend_lens, dtype=torch.int64)
         self.forward_batch = ForwardBatch.init_new(
@@ -166,7 +173,25 @@ class ScheduleBatch:
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num or 0 for p in params],
             runner=runner,
+            logits_lens=None if prompt_rows is None else prompt_rows.logits_lens,
+            prompt_logprobs=prompt_rows,
         )
+
+    def _prompt_logprob_rows(self) -> PromptLogprobRows | None:
+        """Logits at every position of the chunks whose requests score their prompt; None when none
+        of the batch does (``pdserve.sampling.prompt_logprobs``)."""
+        scoring = [i for i, req in enumerate(self.reqs[: self.num_extend]) if req.scores_prompt]
+        if not scoring:
+            return None
+        lens = [1] * len(self.reqs)
+        targets: list[list[int]] = [[] for _ in self.reqs]
+        tops = [0] * len(self.reqs)
+        for i in scoring:
+            req = self.reqs[i]
+            lens[i] = self.extend_lens[i]
+            targets[i] = chunk_targets(req.origin_input_ids, self.prefix_lens[i], self.extend_lens[i])
+            tops[i] = req.sampling_params.prompt_logprobs
+        return PromptLogprobRows(lens, targets, tops)
 
     def resolve(self) -> None:
         """Fill the pending input ids from ``prev``'s sampled tokens (on the forward thread, once

@@ -100,7 +100,15 @@ class Scheduler:
         self.reqs = RequestTable(limits, self.queue, self.ledger, metrics, clock, self._leave, held, counts)
         running = lambda: self.decode.running
         admission = Admission(
-            self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active, running
+            self.queue,
+            self.ledger,
+            metrics,
+            clock,
+            config,
+            self.max_req_tokens,
+            self._num_active,
+            running,
+            scores_prompts=config.role != "decode",
         )
         self.prefill: PrefillManager | RemotePrefill = (
             RemotePrefill(admission, self._first_token, self.reqs.end)
@@ -155,8 +163,12 @@ class Scheduler:
     def waiting_for_kv(self, rid: str) -> Req | None:
         return self.prefill.get(rid)
 
-    def kv_ready(self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0):
-        return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes)
+    def kv_ready(
+        self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0, prompt_logprobs=()
+    ):
+        return self.prefill.kv_ready(
+            rid, first_token_id, logprob, cached_tokens, transferred_bytes, prompt_logprobs
+        )
 
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         return self.prefill.kv_failed(rid, error, retryable)
@@ -235,8 +247,10 @@ class Scheduler:
                 self.reqs.end(req, reason, req.to_abort or batch.row_errors[i])
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
+                req.prompt_logprobs += batch.prompt_logprobs(i)
                 self.ledger.cache_unfinished(req)
             else:
+                req.prompt_logprobs += batch.prompt_logprobs(i)
                 token = batch.result.next_token_ids[i]
                 self._append_token(req, token, batch.token_logprob(i), now)
                 generated += 1
