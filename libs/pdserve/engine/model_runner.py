@@ -212,7 +212,8 @@ class ModelRunner:
         if fb.prompt_logprobs is not None:
             prompt = fb.prompt_logprobs.compute(logits)
             logits = logits[fb.prompt_logprobs.sample_rows(logits.device)]
-        result = self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums, fb.draft_rows)
+        info, tops = fb.sampling_info, fb.top_logprobs_nums
+        result = self.sampler(logits, info, fb.return_logprob, tops, fb.draft_rows)
         result.prompt_logprobs = prompt
         return result
 

@@ -48,9 +48,8 @@ class PromptLogprobRows:
 
     def select(self, rows: list[int]) -> PromptLogprobRows:
         """The rows of the requests ``rows`` alone (a sub-batch, in that order)."""
-        return PromptLogprobRows(
-            [self.logits_lens[r] for r in rows], [self.targets[r] for r in rows], [self.top_nums[r] for r in rows]
-        )
+        lens, targets, tops = self.logits_lens, self.targets, self.top_nums
+        return PromptLogprobRows([lens[r] for r in rows], [targets[r] for r in rows], [tops[r] for r in rows])
 
     def compute(self, logits: torch.Tensor) -> list[list[PromptLogprob]]:
         """Each request's prompt logprobs from the batch's logits (``[N, V]``, ``N = sum(logits_lens)``,
