@@ -165,7 +165,7 @@ class Scheduler:
 
     def kv_ready(
         self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0, prompt=()
-    ):  # noqa: E501
+    ):
         return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes, prompt)
 
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
