@@ -27,7 +27,8 @@ FLAGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--chunked-prefill-
 
 @pytest.fixture(scope="module", params=["colocated", "pd"])
 def served(request) -> Stack:
-    topology = ("--colocated",) if request.param == "colocated" else ("--num-prefill", "1", "--num-decode", "1")
+    pd = ("--num-prefill", "1", "--num-decode", "1")
+    topology = ("--colocated",) if request.param == "colocated" else pd
     stack = launch_stack(*topology, *FLAGS, log_name=f"scoring-{request.param}")
     stack.extra["topology"] = request.param
     yield stack
