@@ -17,29 +17,24 @@ from tests.stack import SERVED_MODEL
 DATA = Path(__file__).parent / "data"
 TOL = 1e-4
 
-MULTIPLE_CHOICE = """task: pdserve_multiple_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/multiple_choice.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
+
+def task_yaml(name: str, data: str, rest: str) -> str:
+    """An lm-eval task ``name`` over the JSONL file ``data`` of tests/scoring/data (its test split)."""
+    head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {DATA / data}\n"
+    return head + "test_split: test\n" + rest
+
+
+MULTIPLE_CHOICE = """output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
 metric_list:
   - metric: acc
 """
 
-GENERATE = """task: pdserve_generate
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}/generate.jsonl
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
+GENERATE = """output_type: generate_until
+doc_to_text: "{{prompt}}"
+doc_to_target: "{{target}}"
 generation_kwargs:
   until: ["\\n", "."]
   max_gen_toks: 12
@@ -55,8 +50,8 @@ def task_manager(tmp_path_factory):
     from lm_eval.tasks import TaskManager
 
     tasks = tmp_path_factory.mktemp("lm_eval_tasks")
-    (tasks / "multiple_choice.yaml").write_text(MULTIPLE_CHOICE.format(data=DATA))
-    (tasks / "generate.yaml").write_text(GENERATE.format(data=DATA))
+    (tasks / "multiple_choice.yaml").write_text(task_yaml(TASKS[0], "multiple_choice.jsonl", MULTIPLE_CHOICE))
+    (tasks / "generate.yaml").write_text(task_yaml(TASKS[1], "generate.jsonl", GENERATE))
     return TaskManager(include_path=str(tasks), include_defaults=False)
 
 

@@ -4,14 +4,13 @@ use), and under forward-failure bisection; pages are conserved after each (``dri
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.sampling.prompt_logprobs import PromptLogprobRows
 from pdserve.scheduler.req import Req
-from tests.reference import hf_model
+from tests.reference import hf_prompt_logprobs
 from tests.scheduler.driver import drive, fresh, ids, make_runner, req
 
 TOL = 1e-4
@@ -26,18 +25,10 @@ def runner() -> ModelRunner:
     return make_runner(max_total_tokens=4096)
 
 
-@functools.cache
-def hf_logprobs(prompt: tuple[int, ...]) -> torch.Tensor:
-    """float32 ``[L - 1, V]``: HF's log_softmax at positions 0..L-2 (scoring tokens 1..L-1)."""
-    with torch.no_grad():
-        logits = hf_model()(torch.tensor([list(prompt)])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[:-1]
-
-
 def check(r: Req, top: int) -> None:
     """``r``'s prompt logprobs (tokens 1..L-1, each with its ``top`` alternatives) equal HF's."""
     prompt = r.origin_input_ids
-    ref = hf_logprobs(tuple(prompt))
+    ref = hf_prompt_logprobs(tuple(prompt))
     assert [t for t, _, _ in r.prompt_logprobs] == prompt[1:]
     for pos, (token, logprob, alternatives) in enumerate(r.prompt_logprobs):
         assert abs(logprob - float(ref[pos, token])) < TOL, (pos, logprob, float(ref[pos, token]))
@@ -103,3 +94,20 @@ def test_prompt_logprobs_are_bounded_in_add_request(runner):
         sched.add_request(req("x", [1, 2, 3], prompt_logprobs=21))
     with pytest.raises(ValueError, match="prompt_logprobs needs a prompt of at most 4096"):
         sched.add_request(req("y", [1] * 4097, prompt_logprobs=0))
+
+
+def test_rows_of_a_request_that_does_not_score_are_all_sampled():
+    """A scoring request samples from its last row only; another request's rows (a verify's k + 1)
+    all go to the sampler; the scored rows are log_softmax of the raw logits."""
+    rows = PromptLogprobRows([4, 3, 1], [[7, 8, 9], [], []], [2, None, None])
+    assert rows.sample_rows(torch.device("cpu")).tolist() == [3, 4, 5, 6, 7]
+    assert rows.num_prompt_only_rows == 3
+    logits = torch.randn(8, 10)
+    scored, other, last = rows.compute(logits)
+    ref = logits[:3].log_softmax(-1)
+    assert [t for t, _, _ in scored] == [7, 8, 9] and other == last == []
+    for pos, (token, logprob, top) in enumerate(scored):
+        assert logprob == pytest.approx(float(ref[pos, token]), abs=1e-6)
+        assert [t for t, _ in top] == ref[pos].topk(2).indices.tolist()
+    sub = rows.select([1, 0])
+    assert sub.sample_rows(torch.device("cpu")).tolist() == [0, 1, 2, 6]

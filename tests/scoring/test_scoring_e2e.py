@@ -6,7 +6,6 @@ log_softmax within 1e-4, also when the prompt is in the radix cache; bad values 
 
 from __future__ import annotations
 
-import functools
 import json
 
 import httpx
@@ -14,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.reference import chat_ids, hf_model, hf_tokenizer
+from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
 
 TOL = 1e-4
@@ -45,14 +44,6 @@ def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
 
-@functools.cache
-def hf_logprobs(prompt: tuple[int, ...]) -> torch.Tensor:
-    """float32 ``[L - 1, V]``: HF's log_softmax scoring prompt tokens 1..L-1."""
-    with torch.no_grad():
-        logits = hf_model()(torch.tensor([list(prompt)])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)[:-1]
-
-
 def prompt_ids() -> list[int]:
     ids = hf_tokenizer()(TEXT)["input_ids"]
     assert len(ids) > 32  # more than one chunk
@@ -61,7 +52,7 @@ def prompt_ids() -> list[int]:
 
 def check_echo(logprobs, prompt: list[int], top: int) -> None:
     """The legacy logprobs of an echoed ``prompt`` equal HF's; ``top`` alternatives per token."""
-    ref = hf_logprobs(tuple(prompt))
+    ref = hf_prompt_logprobs(tuple(prompt))
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert logprobs.text_offset[0] == 0
     assert logprobs.text_offset == sorted(logprobs.text_offset)
@@ -129,7 +120,7 @@ def test_streamed_echo_with_logprobs_gives_the_same_tokens(stack):
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(stack):
     prompt = prompt_ids()
-    ref = hf_logprobs(tuple(prompt))
+    ref = hf_prompt_logprobs(tuple(prompt))
     body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
     out = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=120).json()
     scored = out["choices"][0]["prompt_logprobs"]
@@ -142,7 +133,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(stack):
 
     messages = [{"role": "user", "content": "Name a colour."}]
     chat_prompt = chat_ids(messages)
-    chat_ref = hf_logprobs(tuple(chat_prompt))
+    chat_ref = hf_prompt_logprobs(tuple(chat_prompt))
     body = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 0}
     out = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120).json()
     scored = out["prompt_logprobs"]

@@ -103,9 +103,10 @@ class ForwardBatch:
 
     @property
     def num_sample_rows(self) -> int:
-        """Rows the sampler samples: one per logits row, but one per request where logits rows
-        score prompt tokens."""
-        return self.batch_size if self.prompt_logprobs is not None else len(self.logits_index)
+        """Rows the sampler samples: one per logits row, less the rows that only score prompt
+        tokens (``PromptLogprobRows.sample_rows``)."""
+        scoring = self.prompt_logprobs
+        return len(self.logits_index) - (scoring.num_prompt_only_rows if scoring is not None else 0)
 
     @classmethod
     def init_new(

@@ -7,7 +7,8 @@ is its extend length, so ``logits_index`` covers the chunk), not only at its las
 position ``p`` score prompt token ``p + 1``: a chunk of positions ``[s, s + n)`` scores the tokens
 ``[s + 1, s + n]`` that are prompt tokens, so a prompt's chunks together score tokens
 ``1 .. L - 1`` (token 0 has nothing before it), and a last chunk's last position samples the first
-output token as always. Each request samples from its last logits row only (``sample_rows``).
+output token as always. A scoring request samples from its last logits row only; any other request
+from its rows as it would without scoring requests beside it (``sample_rows``).
 """
 
 from __future__ import annotations
@@ -31,20 +32,32 @@ class PromptLogprobRows:
     """Which logits rows of a batch score which prompt tokens, per request of the batch.
 
     Attributes:
-        logits_lens: ``[B]``: logits rows of each request (its extend length where it scores its
-            prompt, else 1: ``ForwardBatch.logits_lens``).
+        logits_lens: ``[B]``: logits rows of each request (``ForwardBatch.logits_lens``): its extend
+            length where it scores its prompt; else what it has anyway (1, or ``k + 1`` for a
+            request verifying ``k`` draft tokens).
         targets: ``[B]`` lists: the prompt tokens request ``b``'s first ``len(targets[b])`` logits
             rows score (empty for a request that scores none).
-        top_nums: ``[B]``: the top alternatives each request wants per prompt token (0..20).
+        top_nums: ``[B]``: the top alternatives a scoring request wants per prompt token (0..20);
+            None for a request that does not score its prompt.
     """
 
     logits_lens: list[int]
     targets: list[list[int]]
-    top_nums: list[int]
+    top_nums: list[int | None]
+
+    @property
+    def num_prompt_only_rows(self) -> int:
+        """Logits rows that only score the prompt: a scoring request's rows but its last."""
+        return sum(n - 1 for n, top in zip(self.logits_lens, self.top_nums, strict=True) if top is not None)
 
     def sample_rows(self, device: torch.device) -> torch.Tensor:
-        """int64 ``[B]``: each request's last logits row, the one its next token is sampled from."""
-        return torch.tensor(self.logits_lens, dtype=torch.int64, device=device).cumsum(0) - 1
+        """int64: the logits rows the sampler reads: a scoring request's last row (its next token),
+        every row of any other request."""
+        rows, start = [], 0
+        for n, top in zip(self.logits_lens, self.top_nums, strict=True):
+            rows.extend([start + n - 1] if top is not None else range(start, start + n))
+            start += n
+        return torch.tensor(rows, dtype=torch.int64, device=device)
 
     def select(self, rows: list[int]) -> PromptLogprobRows:
         """The rows of the requests ``rows`` alone (a sub-batch, in that order)."""
@@ -69,7 +82,7 @@ class PromptLogprobRows:
         logprobs = torch.log_softmax(logits[torch.tensor(index, device=device)].float(), dim=-1)
         ids = torch.tensor([t for ts in self.targets for t in ts], dtype=torch.int64, device=device)
         chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
-        k = min(max(self.top_nums), logprobs.shape[-1])
+        k = min(max(top or 0 for top in self.top_nums), logprobs.shape[-1])
         tops: list[list[tuple[int, float]]] = [[] for _ in index]
         if k:
             values, indices = logprobs.topk(k, dim=-1)
@@ -80,6 +93,6 @@ class PromptLogprobRows:
         flat = 0
         for b, targets in enumerate(self.targets):
             for token in targets:
-                out[b].append((token, chosen[flat], tops[flat][: self.top_nums[b]]))
+                out[b].append((token, chosen[flat], tops[flat][: self.top_nums[b] or 0]))
                 flat += 1
         return out

@@ -185,7 +185,7 @@ class ScheduleBatch:
             return None
         lens = [1] * len(self.reqs)
         targets: list[list[int]] = [[] for _ in self.reqs]
-        tops = [0] * len(self.reqs)
+        tops: list[int | None] = [None] * len(self.reqs)
         for i in scoring:
             req = self.reqs[i]
             lens[i] = self.extend_lens[i]
