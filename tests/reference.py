@@ -21,6 +21,15 @@ def hf_model():
 
 
 @functools.cache
+def hf_prompt_logprobs(prompt: tuple[int, ...]) -> torch.Tensor:
+    """float32 ``[L - 1, V]``: HF's log_softmax at positions 0..L-2 of ``prompt``, scoring its tokens
+    1..L-1 (what prompt logprobs and ``echo`` with ``logprobs`` return)."""
+    with torch.no_grad():
+        logits = hf_model()(torch.tensor([list(prompt)])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+@functools.cache
 def context_length() -> int:
     """``max_position_embeddings`` of the default model's config.json."""
     from transformers import AutoConfig

@@ -34,6 +34,7 @@ _OPTIONAL_FIELDS = (
     "seed",
     "skip_special_tokens",
     "speculative_num_draft_tokens",
+    "prompt_logprobs",
     *GRAMMAR_KINDS,
 )
 _PLAIN_FIELDS = (
@@ -140,6 +141,7 @@ def prefill_response_to_pb(req: Req, transferred_bytes: int) -> scheduler_pb2.Pr
     if req.output_logprobs:
         token, logprob, top = req.output_logprobs[-1]
         response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
+    response.prompt_logprobs.extend(token_logprob_to_pb(*lp) for lp in req.prompt_logprobs)
     return response
 
 
@@ -149,7 +151,8 @@ def kv_ready_from_pb(rid: str, pb: scheduler_pb2.PrefillResponse) -> KVReady:
     if pb.HasField("first_logprob"):
         lp = pb.first_logprob
         logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-    return KVReady(rid, pb.first_token_id, logprob, pb.cached_tokens, pb.transferred_bytes)
+    prompt = [token_logprob_from_pb(lp) for lp in pb.prompt_logprobs]
+    return KVReady(rid, pb.first_token_id, logprob, pb.cached_tokens, pb.transferred_bytes, prompt)
 
 
 def finish_reason_from_pb(value: int) -> FinishReason:
@@ -176,6 +179,10 @@ def token_logprob_to_pb(token: int, logprob: float, top: list[tuple[int, float]]
         logprob=logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
     )
+
+
+def token_logprob_from_pb(pb: common_pb2.TokenLogprob) -> tuple[int, float, list[tuple[int, float]]]:
+    return pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top]
 
 
 _FINISH = {
@@ -216,6 +223,7 @@ def token_output_to_pb(
         out.include_stop_str_in_output = bool(params.include_stop_str_in_output)
         out.min_new_tokens = params.min_new_tokens or 0
         out.traceparent = tracing.traceparent(req)
+        out.prompt_logprobs.extend(token_logprob_to_pb(*lp) for lp in req.prompt_logprobs)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.scheduler.req import FinishReason, Req
@@ -89,6 +89,8 @@ class KVReady:
     logprob: tuple[float, list[tuple[int, float]]] | None
     cached_tokens: int
     transferred_bytes: int
+    # the prompt logprobs prefill computed, when asked (``Req.prompt_logprobs``)
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -83,7 +83,12 @@ class PrefillCoordinator:
     def _ready(self, event: KVReady) -> list:
         """Every rank's KV shard landed (rank 0 saw each rank's receive complete)."""
         out = self.scheduler.kv_ready(
-            event.rid, event.first_token_id, event.logprob, event.cached_tokens, event.transferred_bytes
+            event.rid,
+            event.first_token_id,
+            event.logprob,
+            event.cached_tokens,
+            event.transferred_bytes,
+            event.prompt_logprobs,
         )
         return [out] if out is not None else []  # (none: it ended meanwhile)
 

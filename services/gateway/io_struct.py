@@ -40,6 +40,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    prompt_logprobs: int | None = None  # None: none; else prompt tokens' logprobs with this many top
     logit_bias: dict[int, float] = field(default_factory=dict)
     json_schema: str | None = None
     regex: str | None = None
@@ -115,13 +116,15 @@ class ChoiceDelta:
 
     ``text`` and ``token_ids`` are deltas; the token counts are totals so far. ``finish_reason`` is
     set on the last piece of a choice only; ``prompt_tokens`` is the gateway's own count of the ids
-    it sent.
+    it sent. ``prompt_logprobs`` (on a choice's first piece, when asked) score prompt tokens 1.. in
+    order (token 0 has none).
     """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str = ""

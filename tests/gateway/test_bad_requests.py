@@ -167,11 +167,24 @@ CASES = [
     ),
     Case("completion-logprobs-21", 400, completion(logprobs=21), path="/v1/completions", param="logprobs"),
     Case(
-        "completion-echo-logprobs",
+        "completion-max-tokens-0-without-echo",
         400,
-        completion(echo=True, logprobs=1),
+        completion(max_tokens=0),
         path="/v1/completions",
-        param="echo",
+        param="max_tokens",
+    ),
+    Case(
+        "completion-prompt-logprobs-21",
+        400,
+        completion(prompt_logprobs=21),
+        path="/v1/completions",
+        param="prompt_logprobs",
+    ),
+    Case(
+        "chat-prompt-logprobs-streamed",
+        400,
+        chat(prompt_logprobs=1, stream=True),
+        param="prompt_logprobs",
     ),
     Case("completion-empty-prompt", 400, completion(prompt=[]), path="/v1/completions", param="prompt"),
     Case(

@@ -20,6 +20,7 @@ import torch
 
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from pdserve.sampling.draft_rows import DraftRows
+from pdserve.sampling.prompt_logprobs import PromptLogprobRows
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 
 IntSeq = torch.Tensor | Sequence[int]
@@ -66,13 +67,17 @@ class ForwardBatch:
         extend_seq_lens: int64 ``[B]``: tokens computed this step (1 for a decoding request).
         extend_start_loc: int64 ``[B]``: flat index of each request's first token this step.
         logits_lens: int64 ``[B]``: logits are computed at each request's last ``logits_lens[b]``
-            positions (``k + 1`` for a request verifying ``k`` draft tokens, else 1).
+            positions (``k + 1`` for a request verifying ``k`` draft tokens, its extend length for
+            one scoring its prompt, else 1).
         logits_index: int64 ``[N]``, ``N = sum(logits_lens)``: the flat token indices whose logits
             are computed, request by request (``N = B``: each request's last token, without drafts).
         sampling_info: sampling tensors of the ``N`` logits rows (one per request without drafts),
             or None for greedy.
         return_logprob / top_logprobs_nums: what logprobs to return (per logits row for the top ones).
         draft_rows: the draft token each logits row checks (a batch that verifies drafts), else None.
+        prompt_logprobs: which logits rows score prompt tokens (requests that asked for prompt
+            logprobs have logits at every position of their chunk, and sample from the last), else
+            None (``pdserve.sampling.prompt_logprobs``).
     """
 
     forward_mode: ForwardMode
@@ -94,6 +99,14 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: KVPool
     attn_backend: BatchAttention
+    prompt_logprobs: PromptLogprobRows | None = None
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows the sampler samples: one per logits row, less the rows that only score prompt
+        tokens (``PromptLogprobRows.sample_rows``)."""
+        scoring = self.prompt_logprobs
+        return len(self.logits_index) - (scoring.num_prompt_only_rows if scoring is not None else 0)
 
     @classmethod
     def init_new(
@@ -112,6 +125,7 @@ class ForwardBatch:
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
         draft_rows: DraftRows | None = None,
+        prompt_logprobs: PromptLogprobRows | None = None,
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
@@ -212,4 +226,5 @@ class ForwardBatch:
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -204,9 +204,18 @@ class ModelRunner:
     def sample(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:
         """One token per row of ``logits`` (``forward_logits``) under the batch's sampling info: a
         next token per request, or per logits row of a verify batch (what each position samples;
-        ``pdserve.sampling.verify`` turns them into accepted tokens)."""
+        ``pdserve.sampling.verify`` turns them into accepted tokens). Where the batch scores prompt
+        tokens (``fb.prompt_logprobs``), their logprobs come from their rows first, and each request
+        samples from its last row."""
         fb = forward_batch
-        return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums, fb.draft_rows)
+        prompt = None
+        if fb.prompt_logprobs is not None:
+            prompt = fb.prompt_logprobs.compute(logits)
+            logits = logits[fb.prompt_logprobs.sample_rows(logits.device)]
+        info, tops = fb.sampling_info, fb.top_logprobs_nums
+        result = self.sampler(logits, info, fb.return_logprob, tops, fb.draft_rows)
+        result.prompt_logprobs = prompt
+        return result
 
 
 def resolve_device(name: str) -> torch.device:

@@ -71,8 +71,8 @@ class TpModelWorker:
         """Rank 0's result on every rank, as one float64 ``[N, 1 (+1 + 2k)]`` tensor (a row per logits
         row: per request, or per position of a verify batch): ids, then the sampled token's logprob
         and the top-``k`` ids and logprobs when asked for (float64 holds token ids and float32
-        logprobs exactly)."""
-        num_rows = len(fb.logits_index)
+        logprobs exactly). Prompt logprobs are rank 0's alone: only rank 0 emits outputs."""
+        num_rows = fb.num_sample_rows
         top_nums = fb.top_logprobs_nums or [0] * num_rows
         k = max(top_nums, default=0)
         with_logprobs = fb.return_logprob or k > 0

@@ -11,7 +11,8 @@ forward step, where one bad value would fail every request of the batch.
   ``logit_bias`` keys, /detokenize) are in [0, vocab).
 - ``speculative_num_draft_tokens`` (a request's cap on its drafts per step) is in [0, 16]: a verify
   step computes ``1 + k`` tokens for the request.
-- ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits; ``logit_bias`` values are in
+- ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits (``prompt_logprobs`` too, on a
+  prompt of at most 4,096 tokens); ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
 - Counts no real client reaches, which bound one request's work per step: at most 64 stop strings
   of at most 256 characters each and 1,024 in all (the detokenizer searches every stop string in
@@ -49,6 +50,9 @@ MAX_SCHEDULER_RID_CHARS = 512
 MAX_N = 128
 MAX_SPECULATIVE_DRAFT_TOKENS = 16  # draft tokens a request verifies per step (speculative decoding)
 MAX_TOP_LOGPROBS = 20
+# prompt logprobs (echo + logprobs, prompt_logprobs): a prompt of at most this many tokens (each
+# position returns up to MAX_TOP_LOGPROBS + 1 entries, computed as [chunk, vocab] float32 logits)
+MAX_PROMPT_LOGPROB_TOKENS = 4096
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64

@@ -33,12 +33,15 @@ class GenerationBatchResult:
         top_logprobs: per request, up to ``top_logprobs_num`` most likely ``(token_id, logprob)``
             pairs (empty where it asked for none; tokens its grammar forbids are left out); None
             when no request asked for any.
+        prompt_logprobs: per request, the prompt tokens its chunk scored (token id, logprob, top
+            pairs; ``pdserve.sampling.prompt_logprobs``); None when no request of the batch asked.
     """
 
     next_token_ids: list[int]
     next_token_tensor: torch.Tensor | None = None
     next_token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[int, float, list[tuple[int, float]]]]] | None = None
 
 
 class Sampler:

@@ -49,6 +49,9 @@ class SamplingParams:
         n: number of choices (fanned out before scheduling).
         return_logprob: return the chosen token's logprob.
         top_logprobs_num: also return this many most likely tokens with logprobs (0..20).
+        prompt_logprobs: None, or return each prompt token's logprob (but the first's) with this
+            many most likely alternatives (0..20; vLLM's ``prompt_logprobs``), computed during
+            prefill (``pdserve.sampling.prompt_logprobs``).
         logit_bias: token id -> value in [-100, 100] added to that token's logit before penalties'
             bias, bans and sampling (OpenAI semantics: -100 bans a token, +100 all but forces it);
             logprobs stay those of the unbiased distribution.
@@ -80,6 +83,7 @@ class SamplingParams:
     n: int = 1
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     json_schema: str | None = None
     regex: str | None = None
@@ -176,6 +180,11 @@ class SamplingParams:
                 integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
                 "top_logprobs_num",
                 f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
+            ),
+            (
+                self.prompt_logprobs is None or integer(self.prompt_logprobs, 0, MAX_TOP_LOGPROBS),
+                "prompt_logprobs",
+                f"must be None or in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
             ),
             (
                 self.seed is None or integer(self.seed, INT64_MIN, INT64_MAX),

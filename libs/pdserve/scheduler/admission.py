@@ -10,6 +10,12 @@ In-batch prefix sharing (SGLang's in-batch prefix caching): a request that share
 prefix of at least ``IN_BATCH_PREFIX_TOKENS`` with a request whose prompt KV is being made right now
 waits for that KV to enter the radix cache, then extends (or in PD, transfers) only its own suffix,
 instead of both computing, and both shipping, the shared part side by side.
+
+A request that wants prompt logprobs (``Req.scores_prompt``) matches nothing where its prompt is
+computed (``scores_prompts``: the mixed and prefill roles), because a cached prefix would skip the
+very positions whose logits it asks for (vLLM skips the prefix cache for such requests too); its KV
+enters the cache afterwards as any other's. A PD decode worker matches as usual: its prefill
+worker computes the whole prompt, and only the pages decode lacks are written.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class Admission:
         max_req_tokens: no request grows beyond this many tokens.
         active: how many requests are admitted and not ended (nor handed on).
         running: the requests whose next tokens' reserve admission must leave room for.
+        scores_prompts: prompts are computed here, so a request that wants prompt logprobs bypasses
+            the radix cache.
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class Admission:
         max_req_tokens: int,
         active: Callable[[], int],
         running: Callable[[], list[Req]],
+        scores_prompts: bool = True,
     ) -> None:
         self.queue, self.ledger, self.metrics, self.clock = queue, ledger, metrics, clock
         self.max_running_requests = config.max_running_requests
@@ -57,6 +66,7 @@ class Admission:
         self.share_prefixes = not config.disable_radix_cache
         self.max_req_tokens = max_req_tokens
         self.active, self.running = active, running
+        self.scores_prompts = scores_prompts
 
     def admit(
         self, in_flight: Callable[[], list[Req]], more: Callable[[], bool] = lambda: True
@@ -79,7 +89,7 @@ class Admission:
 
     def _admit(self, req: Req) -> bool:
         """Match the radix cache, lock the match and allocate pages for the whole fill."""
-        prefix = self.ledger.match(req)
+        prefix = self.ledger.match(req, use_cache=not self._computes_whole_prompt(req))
         if not self._fits(req) or not self.ledger.admit(req, req.seq_len):
             self.ledger.unmatch(req)
             return False
@@ -104,8 +114,11 @@ class Admission:
         tokens = req.seq_len + max(0, min(remaining, self.new_token_reserve))
         return max(0, self.ledger.pages_for(min(tokens, self.max_req_tokens)) - len(req.pages))
 
+    def _computes_whole_prompt(self, req: Req) -> bool:
+        return self.scores_prompts and req.scores_prompt
+
     def _waits_for_shared_prefix(self, req: Req, in_flight: list[Req]) -> bool:
-        if not self.share_prefixes or not in_flight:
+        if not self.share_prefixes or not in_flight or self._computes_whole_prompt(req):
             return False
         shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in in_flight)
         if shared < IN_BATCH_PREFIX_TOKENS:

@@ -112,6 +112,8 @@ def _select(fb: ForwardBatch, rows: list[int], runner) -> ForwardBatch:
         return_logprob=fb.return_logprob,
         top_logprobs_nums=None if fb.top_logprobs_nums is None else [fb.top_logprobs_nums[i] for i in rows],
         runner=runner,
+        logits_lens=None if fb.prompt_logprobs is None else fb.logits_lens[idx],
+        prompt_logprobs=None if fb.prompt_logprobs is None else fb.prompt_logprobs.select(rows),
     )
 
 
@@ -123,7 +125,10 @@ def _merge(
     ids = [0] * n
     logprobs: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
+    prompts = [[] for _ in range(n)] if batch.forward_batch.prompt_logprobs is not None else None
     for row, (result, j) in results.items():
+        if prompts is not None:
+            prompts[row] = result.prompt_logprobs[j]
         ids[row] = result.next_token_ids[j]
         if result.next_token_logprobs is not None:
             logprobs = logprobs or [0.0] * n
@@ -132,7 +137,8 @@ def _merge(
             tops = tops or [[] for _ in range(n)]
             tops[row] = result.top_logprobs[j]
     device = batch.forward_batch.input_ids.device
-    return GenerationBatchResult(ids, torch.tensor(ids, dtype=torch.int64, device=device), logprobs, tops)
+    ids_tensor = torch.tensor(ids, dtype=torch.int64, device=device)
+    return GenerationBatchResult(ids, ids_tensor, logprobs, tops, prompts)
 
 
 def _fail_all(batch: ScheduleBatch, error: Exception) -> None:

@@ -83,12 +83,13 @@ class KVLedger:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
         return self.tree.match_prefix(req.fill_ids[:-1]).num_tokens
 
-    def match(self, req: Req) -> int:
-        """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match.
+    def match(self, req: Req, use_cache: bool = True) -> int:
+        """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
+        with ``use_cache`` False nothing is matched (a request whose whole prompt must be computed).
 
         Returns the number of prefix tokens found (a multiple of page_size).
         """
-        key = req.fill_ids[:-1]
+        key = req.fill_ids[:-1] if use_cache else []
         result = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node

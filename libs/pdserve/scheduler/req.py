@@ -78,6 +78,8 @@ class Req:
     # accounting
     cached_tokens: int = 0
     output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # prompt tokens 1.. scored so far (``sampling_params.prompt_logprobs``), sent with the first output
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     error: str = ""
@@ -111,6 +113,12 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Prompt plus generated tokens: what a (re-)extend must have KV for."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's extend must return prompt logprobs: asked for, and not yet computed (a
+        request retracted after its first token extends again without them)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def seq_len(self) -> int:

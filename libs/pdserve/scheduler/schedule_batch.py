@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.sampling.prompt_logprobs import PromptLogprob, PromptLogprobRows, chunk_targets
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.sampling.verify import Accepted, accept, verify_inputs
@@ -125,6 +126,11 @@ class ScheduleBatch:
         top = result.top_logprobs[i] if result.top_logprobs is not None else []
         return result.next_token_logprobs[i], top
 
+    def prompt_logprobs(self, i: int) -> list[PromptLogprob]:
+        """The prompt tokens row ``i``'s chunk scored (empty unless its request asked for them)."""
+        scored = self.result.prompt_logprobs
+        return scored[i] if scored is not None else []
+
     def is_last_chunk(self, i: int) -> bool:
         """True when step ``i`` completes the request's fill, so its sampled token counts."""
         return self.samples[i]
@@ -188,6 +194,7 @@ class ScheduleBatch:
             draft_rows, top_logprobs_nums = inputs.draft_rows, inputs.top_logprobs_nums
         else:
             sampling_info = SamplingBatchInfo.build(params, **rows)
+        prompt_rows = self._prompt_logprob_rows(logits_lens)
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(self.extend_lens, dtype=torch.int64)
         self.forward_batch = ForwardBatch.init_new(
@@ -200,10 +207,28 @@ class ScheduleBatch:
             sampling_info=sampling_info,
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=top_logprobs_nums,
-            logits_lens=logits_lens,
+            logits_lens=logits_lens if prompt_rows is None else prompt_rows.logits_lens,
             draft_rows=draft_rows,
             runner=runner,
+            prompt_logprobs=prompt_rows,
         )
+
+    def _prompt_logprob_rows(self, logits_lens: list[int] | None) -> PromptLogprobRows | None:
+        """Logits at every position of the chunks whose requests score their prompt, beside the
+        other requests' rows (``logits_lens``: a verifying request's ``k + 1``; None: one each); None
+        when none of the batch scores its prompt (``pdserve.sampling.prompt_logprobs``)."""
+        scoring = [i for i, req in enumerate(self.reqs[: self.num_extend]) if req.scores_prompt]
+        if not scoring:
+            return None
+        lens = list(logits_lens) if logits_lens is not None else [1] * len(self.reqs)
+        targets: list[list[int]] = [[] for _ in self.reqs]
+        tops: list[int | None] = [None] * len(self.reqs)
+        for i in scoring:
+            req = self.reqs[i]
+            lens[i] = self.extend_lens[i]
+            targets[i] = chunk_targets(req.origin_input_ids, self.prefix_lens[i], self.extend_lens[i])
+            tops[i] = req.sampling_params.prompt_logprobs
+        return PromptLogprobRows(lens, targets, tops)
 
     def resolve(self) -> None:
         """Fill the pending input ids from ``prev``'s sampled tokens (on the forward thread, once

@@ -110,7 +110,15 @@ class Scheduler:
         self.reqs = RequestTable(limits, self.queue, self.ledger, metrics, clock, self._leave, held, counts)
         running = lambda: self.decode.running
         admission = Admission(
-            self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active, running
+            self.queue,
+            self.ledger,
+            metrics,
+            clock,
+            config,
+            self.max_req_tokens,
+            self._num_active,
+            running,
+            scores_prompts=config.role != "decode",
         )
         self.prefill: PrefillManager | RemotePrefill = (
             RemotePrefill(admission, self._first_token, self.reqs.end)
@@ -165,8 +173,10 @@ class Scheduler:
     def waiting_for_kv(self, rid: str) -> Req | None:
         return self.prefill.get(rid)
 
-    def kv_ready(self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0):
-        return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes)
+    def kv_ready(
+        self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0, prompt=()
+    ):
+        return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes, prompt)
 
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         return self.prefill.kv_failed(rid, error, retryable)
@@ -253,11 +263,13 @@ class Scheduler:
                 self.reqs.end(req, reason, req.to_abort or batch.row_errors[i])
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
+                req.prompt_logprobs += batch.prompt_logprobs(i)
                 self.ledger.cache_unfinished(req)
             elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
                 generated += len(kept[i].token_ids)
                 outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
+                req.prompt_logprobs += batch.prompt_logprobs(i)
                 token, logprob = _row_token(batch, kept, i)
                 self._append_token(req, token, logprob, now)
                 generated += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from pdserve.sampling.bounds import MAX_SCHEDULER_RID_CHARS
+from pdserve.sampling.bounds import MAX_PROMPT_LOGPROB_TOKENS, MAX_SCHEDULER_RID_CHARS, BoundError
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import FinishReason, Req
@@ -105,7 +105,8 @@ class RequestTable(Mapping[str, Req]):
                 with an id outside the vocabulary, a prompt that cannot fit the context or the pool,
                 a grammar and no grammar backend; or (``BoundError``, naming the field) a sampling
                 parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary,
-                stop or bias token ids outside it and grammar text over its size included.
+                stop or bias token ids outside it, grammar text over its size and prompt logprobs of
+                a prompt over ``MAX_PROMPT_LOGPROB_TOKENS`` included.
         """
         self.queue.check_room()
         lim = self.limits
@@ -119,6 +120,11 @@ class RequestTable(Mapping[str, Req]):
         if not 0 <= min(prompt) <= max(prompt) < lim.vocab_size:
             raise ValueError(f"input_ids must be token ids in [0, {lim.vocab_size})")
         req.sampling_params.validate(lim.vocab_size)
+        if req.sampling_params.prompt_logprobs is not None and len(prompt) > MAX_PROMPT_LOGPROB_TOKENS:
+            raise BoundError(
+                "prompt_logprobs",
+                f"needs a prompt of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens, got {len(prompt)}",
+            )
         if len(prompt) + lim.prompt_room > lim.context_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; context length is {lim.context_len}")
         if -(-(len(prompt) + 1) // lim.page_size) > lim.usable_pages:

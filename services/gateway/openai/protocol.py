@@ -95,6 +95,8 @@ class _OpenAIRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None
     # speculative decoding: the most drafts verified per step (0 opts out; unset: the server's)
     speculative_num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_DRAFT_TOKENS)
+    # vLLM's prompt logprobs: each prompt token's logprob (but the first's) and this many top ones
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # OpenAI fields that do not change the output: accepted and ignored.
     prompt_cache_key: str | None = Field(None, max_length=1024)
     safety_identifier: str | None = Field(None, max_length=1024)
@@ -109,6 +111,8 @@ class _OpenAIRequest(RequestModel):
     def _check_shared(self):
         if self.stream_options is not None and not self.stream:
             raise param_error("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise param_error("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true")
         limit = self.max_new_tokens
         if limit is not None and self.min_tokens > limit:
             raise param_error("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
@@ -138,6 +142,11 @@ class _OpenAIRequest(RequestModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top prompt logprobs the runtime computes (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
     def sampling_params(
         self, return_logprob: bool, top_logprobs_num: int, constraint: Constraint | None = None
     ) -> SamplingParams:
@@ -164,6 +173,7 @@ class _OpenAIRequest(RequestModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
+            prompt_logprobs=self.engine_prompt_logprobs,
             logit_bias=dict(self.logit_bias or {}),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
             **grammar,
@@ -173,11 +183,17 @@ class _OpenAIRequest(RequestModel):
 class CompletionRequest(_OpenAIRequest):
     """POST /v1/completions. ``prompt``: a string, a list of strings (a batch), token ids, or a
     list of token-id lists. Choice ``j * n + i`` is sample i of prompt j. Token ids are checked
-    against the vocabulary by the ``RequestManager`` (negative ones included)."""
+    against the vocabulary by the ``RequestManager`` (negative ones included).
+
+    ``echo`` with ``logprobs`` scores the prompt too (OpenAI's legacy form, which evaluation
+    harnesses read): the runtime computes prompt logprobs with ``logprobs`` top alternatives.
+    ``max_tokens`` 0 is accepted with ``echo`` only: the prompt alone comes back (one token is
+    generated and dropped)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
@@ -201,11 +217,29 @@ class CompletionRequest(_OpenAIRequest):
     def _check_completion(self):
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", "best_of must be unset or equal to n")
-        if self.echo and self.logprobs is not None:
-            raise unsupported(
-                "echo", "echo with logprobs needs prompt logprobs, which the runtime does not return"
-            )
+        if self.max_tokens == 0 and not self.echo:
+            raise param_error("max_tokens", "'max_tokens' 0 needs 'echo' true (the prompt alone is returned)")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """``max_tokens`` 0: the response holds the echoed prompt and nothing generated."""
+        return self.max_tokens == 0
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.max_tokens
+
+    @property
+    def scores_echo(self) -> bool:
+        """``echo`` with ``logprobs``: the echoed prompt tokens carry logprobs."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        if not self.scores_echo:
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch: strings or token-id lists."""

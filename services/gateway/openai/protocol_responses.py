@@ -79,6 +79,19 @@ class ChatChoice(BaseModel):
     matched_stop: str | int | None = None
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's ``Logprob`` of one token at one prompt position; ``rank`` (1 = most likely) is null
+    for a prompt token outside the position's top alternatives."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: null for the first prompt token, then token id -> entry per position
+PromptLogprobs = list[dict[str, PromptLogprobEntry] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -86,6 +99,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunction(BaseModel):
@@ -130,9 +144,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs; an echoed prompt's first token has null ``token_logprobs`` and
+    ``top_logprobs`` (nothing precedes it)."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -142,6 +159,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

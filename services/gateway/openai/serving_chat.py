@@ -5,7 +5,8 @@ gives the request its grammar (``response_format``, ``structured_outputs``, a fo
 and how its text is read back: ``reasoning_content``, ``content`` and ``tool_calls``
 (``ChoiceParser``). Streams send, per choice, a first chunk with the assistant role, then deltas
 of those three, and a last chunk with ``finish_reason`` ("tool_calls" when the choice called
-tools); with ``stream_options.include_usage`` a final chunk carries the usage.
+tools); with ``stream_options.include_usage`` a final chunk carries the usage. vLLM's
+``prompt_logprobs`` (not streamed) come back beside the choices, as vLLM puts them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
 from pdserve.services.gateway.openai.chat_output import ChatPlan, ChoiceParser, plan_chat
+from pdserve.services.gateway.openai.prompt_logprobs import vllm_prompt_logprobs
 from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
 from pdserve.services.gateway.openai.protocol_responses import (
     AssistantMessage,
@@ -61,11 +63,17 @@ class OpenAIServingChat:
         for r in results:
             r.text = await without_stop_token(self.ctx, plan, r.text, r.matched_stop)
         choices = [await self._choice(body, plan, r) for r in results]
+        scored = None
+        if body.prompt_logprobs is not None:  # every choice has the same prompt: the first's
+            pieces, prompt_ids = self.ctx.manager.token_pieces, handle.states[0].input_ids
+            first = results[0].prompt_logprobs
+            scored = await vllm_prompt_logprobs(pieces, prompt_ids, first, body.prompt_logprobs)
         response = ChatCompletionResponse(
             id=f"chatcmpl-{rid}",
             model=self.ctx.served_model_name,
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens, cached),
+            prompt_logprobs=scored,
         )
         return JSONResponse(response.model_dump())
 

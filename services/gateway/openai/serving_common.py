@@ -151,6 +151,7 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     completion_tokens: int = 0
@@ -163,6 +164,7 @@ class ChoiceResult:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
         self.completion_tokens = max(delta.completion_tokens, len(self.token_ids))
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None:

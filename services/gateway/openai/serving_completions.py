@@ -1,8 +1,10 @@
 """POST /v1/completions: OpenAI text completions, for one prompt or a batch, streamed or not.
 
 Choice ``j * n + i`` is sample i of prompt j. ``echo`` prepends the prompt text (decoded by the
-tokenizer service for token-id prompts); ``echo`` with ``logprobs`` is refused with 400 because the
-runtime does not compute prompt logprobs.
+tokenizer service for token-id prompts); ``echo`` with ``logprobs`` also scores the prompt: its tokens
+lead the choice's legacy logprobs (``prompt_logprobs.echo_logprobs``), which is how evaluation
+harnesses score a model. ``max_tokens`` 0 (with ``echo``) returns the prompt alone. vLLM's
+``prompt_logprobs`` come back in each choice (not streamed).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.services.gateway.io_struct import GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.openai.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from pdserve.services.gateway.openai.protocol import CompletionRequest
 from pdserve.services.gateway.openai.protocol_responses import (
     CompletionChoice,
@@ -50,10 +53,23 @@ class OpenAIServingCompletion:
         if body.stream:
             return await sse_response(request, handle, self._chunks(body, handle, echoes))
         results = await collect(request, handle)
+        pieces = self.ctx.manager.token_pieces
         choices = []
         for r in results:
+            if body.prompt_only:
+                _drop_generated(r)
             prefix = echoes[r.index // body.n] if echoes else ""
-            logprobs = await self._logprobs(r.logprobs, 0) if body.logprobs is not None else None
+            prompt_ids = handle.states[r.index].input_ids
+            logprobs, offset = None, 0
+            if body.scores_echo:
+                logprobs, offset = await echo_logprobs(pieces, prompt_ids, r.prompt_logprobs, body.logprobs)
+            if body.logprobs is not None:
+                generated = await self._logprobs(r.logprobs, offset)
+                logprobs = _joined(logprobs, generated)
+            scored = None
+            if body.prompt_logprobs is not None:
+                top = body.prompt_logprobs
+                scored = await vllm_prompt_logprobs(pieces, prompt_ids, r.prompt_logprobs, top)
             choices.append(
                 CompletionChoice(
                     index=r.index,
@@ -61,6 +77,7 @@ class OpenAIServingCompletion:
                     logprobs=logprobs,
                     finish_reason=r.finish_reason,
                     matched_stop=r.matched_stop,
+                    prompt_logprobs=scored,
                 )
             )
         response = CompletionResponse(
@@ -84,11 +101,23 @@ class OpenAIServingCompletion:
         encoder = ChunkEncoder("text_completion", f"cmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
         offsets = [0] * len(results)  # text_offset of each choice's next token
-        if echoes:
+        if echoes and not body.scores_echo:
             for r in results:
                 yield encoder.encode([completion_choice(r.index, echoes[r.index // body.n])])
+        echoed = [False] * len(results)
         async for delta in handle:
+            if body.prompt_only:
+                _drop_generated(delta)
             results[delta.index].add(delta)
+            if body.scores_echo and not echoed[delta.index]:  # its first output: the scored prompt
+                echoed[delta.index] = True
+                prompt_ids = handle.states[delta.index].input_ids
+                pieces = self.ctx.manager.token_pieces
+                logprobs, offsets[delta.index] = await echo_logprobs(
+                    pieces, prompt_ids, delta.prompt_logprobs, body.logprobs
+                )
+                echo = echoes[delta.index // body.n]
+                yield encoder.encode([completion_choice(delta.index, echo, logprobs)])
             if not (delta.text or delta.finish_reason or delta.logprobs):
                 continue
             logprobs = None
@@ -117,3 +146,22 @@ class OpenAIServingCompletion:
             out.text_offset.append(offset)
             offset += len(pieces[lp.token_id].text)
         return out
+
+
+def _drop_generated(out: ChoiceResult | ChoiceDelta) -> None:
+    """``max_tokens`` 0: the one token the runtime generated is not the client's."""
+    out.text, out.token_ids, out.logprobs, out.completion_tokens = "", [], [], 0
+    if out.finish_reason is not None and out.finish_reason != "error":
+        out.finish_reason, out.matched_stop = "length", None
+
+
+def _joined(prompt: CompletionLogprobs | None, generated: CompletionLogprobs) -> CompletionLogprobs:
+    """The echoed prompt's legacy logprobs followed by the generated tokens'."""
+    if prompt is None:
+        return generated
+    return CompletionLogprobs(
+        tokens=prompt.tokens + generated.tokens,
+        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
+        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
+        text_offset=prompt.text_offset + generated.text_offset,
+    )

@@ -2,8 +2,9 @@
 
 The pending limit counted in sub-requests (prompts × n), the vocabulary bounds of ``top_k`` and of
 stop and bias token ids (``pdserve.sampling.bounds``: the request models bound everything the
-vocabulary does not decide), each prompt's ids, and the context length, which also sets the default
-``max_new_tokens``. Every failure is a ``GatewayError`` naming the field.
+vocabulary does not decide), each prompt's ids (and their number, where the request asks for
+prompt logprobs), and the context length, which also sets the default ``max_new_tokens``. Every
+failure is a ``GatewayError`` naming the field.
 
 The pending limit: ``--max-pending-requests N`` sets it; 0 means none; unset (the default) sizes it
 from the KV pools of the decode workers, as each reports in ``GetLoad``::
@@ -24,7 +25,7 @@ the excess.
 
 from __future__ import annotations
 
-from pdserve.sampling.bounds import BoundError, check_vocab_fields
+from pdserve.sampling.bounds import MAX_PROMPT_LOGPROB_TOKENS, BoundError, check_vocab_fields
 from pdserve.services.gateway.errors import (
     GatewayError,
     context_length_exceeded,
@@ -95,6 +96,17 @@ def check_ids(input_ids: list[int], vocab_size: int) -> None:
     if bad < 0 or (vocab_size and bad >= vocab_size):
         vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
         raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")
+
+
+def check_prompt_logprobs(obj: GenerateReqInput, prompt_len: int, param: str) -> None:
+    """400 naming ``param`` when the request asks for prompt logprobs of a prompt over
+    ``MAX_PROMPT_LOGPROB_TOKENS`` tokens (each position returns up to 21 logprobs)."""
+    if obj.sampling_params.prompt_logprobs is not None and prompt_len > MAX_PROMPT_LOGPROB_TOKENS:
+        raise invalid_request(
+            f"prompt logprobs are returned for prompts of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens; "
+            f"this prompt has {prompt_len}",
+            param=param,
+        )
 
 
 def max_new_tokens(

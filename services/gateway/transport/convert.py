@@ -245,10 +245,8 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         index=index,
         text=out.text_delta,
         token_ids=list(out.token_ids),
-        logprobs=[
-            TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top])
-            for lp in out.logprobs
-        ],
+        logprobs=[_token_logprob(lp) for lp in out.logprobs],
+        prompt_logprobs=[_token_logprob(lp) for lp in out.prompt_logprobs],
         finish_reason=_FINISH_FROM_PB.get(out.finish_reason),
         matched_stop=matched,
         error=out.error,
@@ -257,6 +255,10 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         cached_tokens=out.cached_tokens,
         completion_tokens=out.completion_tokens,
     )
+
+
+def _token_logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top])
 
 
 def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, list[int], int]]:
