@@ -187,7 +187,7 @@ static void tile_w4a8_rows(int rows, int planes, const W4A8* g, int m0, int n, f
 #endif
 
 #ifdef __AMX_TILE__
-#define W4A8_AMX_ROWS 8 /* from this many rows on, the AMX path (the same sums: see amx.c) */
+#define W4A8_AMX_ROWS 16 /* from this many rows on, the AMX path (the same sums: see amx.c) */
 
 /* The AMX path's finished block (panel n, rows m0..m0+15) into out, as the vector path stores it. */
 typedef struct {
