@@ -38,9 +38,8 @@ def assert_matches(
     """float32: arithmetic-rounding close (1e-5 relative, 1e-6 absolute), plus, for scores up to
     ``score_bound`` in magnitude, what rounding them to float32 (2^-24 relative) moves the weights by,
     over ``|V|`` and the output (float32 SDPA errs as much: ~0.05-0.1 of that term on peaked scores);
-    bfloat16: within the output's own rounding and that of the attention weights (which the extend
-    kernel rounds to bfloat16 for the weighted sum of V): 2^-8 relative each, of the output and of
-    the weights over |V|."""
+    bfloat16: within the output's own rounding and that of the attention weights: 2^-8 relative
+    each, of the output and of the weights over |V|."""
     expected, magnitude = reference
     assert not out.isnan().any()
     error = (out.double() - expected).abs()

@@ -49,7 +49,7 @@ def test_each_library_is_the_variant_its_name_says():
         assert native.kernel_library(name).kernels_variant().decode() == name
     if X86:
         bf16 = ctypes.CDLL(str(native.library_path("avx512bf16")))
-        assert hasattr(bf16, "gemm_bf16") and hasattr(bf16, "extend_attention")
+        assert hasattr(bf16, "gemm_bf16") and hasattr(bf16, "decode_attention")
         amx = ctypes.CDLL(str(native.library_path("amx")))
         assert hasattr(amx, "amx_w4a8_panels") and not hasattr(bf16, "amx_w4a8_panels")
 

@@ -319,7 +319,7 @@ typedef struct {
   Steps steps;
   const char *q, *k, *v;
   void* out;
-  const int64_t *page_table, *seq_lens;
+  const int64_t *page_table, *row_req, *seq_lens;
   int64_t q_stride, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group, elem_size;
   float scale;
   int dtype;
@@ -361,8 +361,8 @@ static void token_rows(const Problem* P, const int64_t* pages, int64_t first, in
   }
 }
 
-/* Attention of request b over positions [begin, end), all heads, unnormalised: part = acc [Hq, D],
-   m [Hq], l [Hq]. scratch: (G + Hq) * BLOCK floats. */
+/* Attention of row b over positions [begin, end) of its request, all heads, unnormalised: part = acc
+   [Hq, D], m [Hq], l [Hq]. scratch: (G + Hq) * BLOCK floats. */
 static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, float* part, float* scratch) {
   const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads;
   const int64_t head_bytes = head_dim * P->elem_size;
@@ -371,7 +371,7 @@ static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, floa
   for (int64_t h = 0; h < num_heads; ++h) m[h] = -FLT_MAX;
   memset(acc, 0, sizeof(float) * num_heads * head_dim);
   memset(lanes, 0, sizeof(float) * num_heads * BLOCK);
-  const int64_t* pages = P->page_table + b * P->max_pages;
+  const int64_t* pages = P->page_table + (P->row_req ? P->row_req[b] : b) * P->max_pages;
   const char* q = P->q + b * P->q_stride * P->elem_size;
   int64_t rows[BLOCK], ahead[BLOCK];
   for (int64_t pos = begin; pos < end; pos += BLOCK) {
@@ -393,7 +393,7 @@ static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, floa
   }
 }
 
-/* Merge request b's splits (their parts) and write its output rows. scratch: D floats. */
+/* Merge row b's splits (their parts, in order) and write its output rows. scratch: D floats. */
 static void merge(const Problem* P, const float* parts, int64_t splits, int64_t b, float* scratch) {
   const int64_t num_heads = P->num_heads, head_dim = P->head_dim, part_size = num_heads * (head_dim + 2);
   for (int64_t h = 0; h < num_heads; ++h) {
@@ -414,33 +414,42 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
   }
 }
 
-/* Splits per request: enough work items that dynamic scheduling evens out ragged lengths across
-   threads (8 per thread), each split at least MIN_SPLIT keys. */
-static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
-  if (num_threads <= 1 || batch >= 8 * num_threads) return 1;
-  const int64_t want = (8 * num_threads + batch - 1) / batch, most = max_len / MIN_SPLIT;
-  return want < most ? want : most > 1 ? most : 1;
-}
+/* q: [rows, num_heads * head_dim] with a row stride of q_stride elements, one query each; out: [rows,
+   num_heads, head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride
+   elements apart (each page's rows contiguous); page_table: [requests, max_pages]; row_req: [rows],
+   the request (page_table row) of each row, or NULL for row i = request i; seq_lens: [rows], each >=
+   1: row i attends to keys [0, seq_lens[i]) of its request (a decoding token: its position + 1; a
+   token of an extend the same, so a prefill, a chunk or a decode step all compute a token alike).
+   dtype: F32 or BF16.
 
-/* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
-   head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride elements apart
-   (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1. dtype: F32 or BF16. A work item
-   (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts for merge. Returns 0, or -1
-   when out of memory (out then incomplete). */
+   Every row runs the same steps in the same order, whatever the other rows: its keys in splits of
+   SPLIT_KEYS (the splits of one row in parallel, a long sequence's work shared by the threads),
+   blocks of BLOCK keys from each split's start, the splits' parts merged in order. The result of a
+   row depends on its query and keys alone (not on the batch, its place in it, the thread count or
+   how its request's prompt was chunked). Returns 0, or -1 when out of memory (out then
+   incomplete). */
 int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
-                     const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
-                     int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, float scale, int num_threads) {
+                     const int64_t* page_table, const int64_t* row_req, const int64_t* seq_lens, int64_t rows,
+                     int64_t max_pages, int64_t page_size, int64_t page_stride, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
-                     page_size, page_stride, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-  const int64_t splits = num_splits(batch, max_len, num_threads);
-  const int64_t span = ((max_len + splits - 1) / splits + BLOCK - 1) / BLOCK * BLOCK;
-  const int64_t part_size = num_heads * (head_dim + 2);
-  float* parts = malloc(sizeof(float) * batch * splits * part_size);
-  if (!parts) return -1;
+  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, row_req, seq_lens, q_stride,
+                     max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group,
+                     dtype == F32 ? 4 : 2, scale, dtype};
+  /* first[b]: row b's first work item (one per split); first[rows]: all of them */
+  int64_t* first = malloc(sizeof(int64_t) * (rows + 1));
+  if (!first) return -1;
+  first[0] = 0;
+  for (int64_t b = 0; b < rows; ++b) first[b + 1] = first[b] + (seq_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS;
+  const int64_t items = first[rows], part_size = num_heads * (head_dim + 2);
+  float* parts = malloc(sizeof(float) * (items ? items : 1) * part_size);
+  int64_t* item_row = malloc(sizeof(int64_t) * (items ? items : 1));
+  if (!parts || !item_row) {
+    free(first), free(parts), free(item_row);
+    return -1;
+  }
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t i = first[b]; i < first[b + 1]; ++i) item_row[i] = b;
   int failed = 0;
   #pragma omp parallel num_threads(num_threads)
   {
@@ -449,21 +458,17 @@ int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, 
       #pragma omp atomic write
       failed = 1;
     }
-    #pragma omp for schedule(dynamic) nowait
-    for (int64_t item = 0; item < batch * splits; ++item) {
+    #pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
       if (!scratch) continue; /* every thread still takes part in the worksharing loops */
-      const int64_t b = item / splits, begin = item % splits * span, end = begin + span;
+      const int64_t b = item_row[item], begin = (item - first[b]) * SPLIT_KEYS, end = begin + SPLIT_KEYS;
       attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
-      if (splits == 1) merge(&P, parts + item * part_size, 1, b, scratch);
     }
-    if (splits > 1) {  /* the only barrier, as one waits out any thread the OS has descheduled */
-      #pragma omp barrier
-      #pragma omp for schedule(static)
-      for (int64_t b = 0; b < batch; ++b)
-        if (scratch) merge(&P, parts + b * splits * part_size, splits, b, scratch);
-    }
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < rows; ++b)
+      if (scratch) merge(&P, parts + first[b] * part_size, first[b + 1] - first[b], b, scratch);
     free(scratch);
   }
-  free(parts);
+  free(first), free(parts), free(item_row);
   return failed ? -1 : 0;
 }
