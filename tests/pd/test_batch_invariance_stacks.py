@@ -6,37 +6,12 @@ disaggregated (its prompt prefilled by another process, its KV shipped over NIXL
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import httpx
 import pytest
 
-from tests.reference import chat_ids
+from tests.batch_invariance import PROBES, assert_invariant, generate
 from tests.stack import Stack, launch_stack
 
 DEFAULTS = ("--max-total-tokens", "16384")  # no --dtype / --quantization: the CPU's defaults
-PROBES = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain in two sentences how a bicycle stays upright while it moves forward.",
-]
-OTHERS = [
-    "Hi",
-    "Name a colour.",
-    "List five fruits and say which is the sweetest one of them.",
-    "Tell me a story about a dragon who lived under a mountain and collected old clocks.",
-    "What is 17 times 23?",
-    "Describe a city at night. " * 6,
-    "Translate 'good morning' into French, German and Spanish.",
-    "Why is the sky blue? Answer like a physicist who is also a poet.",
-    "Write a limerick about a cat.",
-    "Summarize: the quick brown fox jumps over the lazy dog. " * 10,
-    "Give me three tips for learning to play the piano as an adult.",
-    "What are the primary colours?",
-    "Explain recursion to a child.",
-    "Compose a short email declining an invitation to a meeting.",
-    "Count from one to twenty in words.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -50,35 +25,7 @@ def stacks() -> dict[str, Stack]:
         stack.stop()
 
 
-def generate(stack: Stack, question: str, max_tokens: int = 24) -> tuple:
-    """The greedy output ids, their logprobs and top-2 logprobs of a chat question via /generate."""
-    body = {
-        "input_ids": chat_ids([{"role": "user", "content": question}]),
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-    }
-    resp = httpx.post(f"{stack.base_url}/generate", json=body, timeout=600)
-    assert resp.status_code == 200, resp.text
-    out = resp.json()
-    meta = out["meta_info"]
-    return out["output_ids"], meta["output_token_logprobs"], meta["output_top_logprobs"]
-
-
-def batched(stack: Stack, questions: list[str]) -> list[tuple]:
-    """All ``questions`` sent at once (other lengths and output lengths: a changing batch)."""
-    lengths = [24 if q in PROBES else 8 + 3 * i for i, q in enumerate(questions)]
-    with ThreadPoolExecutor(len(questions)) as pool:
-        return list(pool.map(lambda args: generate(stack, *args), zip(questions, lengths, strict=True)))
-
-
 def test_greedy_outputs_and_logprobs_are_the_same_alone_batched_cached_colocated_and_pd(stacks):
     alone = {q: generate(stacks["colocated"], q) for q in PROBES}
-    for name, stack in stacks.items():
-        mixed = [*OTHERS[:7], PROBES[0], *OTHERS[7:12], PROBES[1], *OTHERS[12:], PROBES[2]]
-        results = dict(zip(mixed, batched(stack, mixed), strict=True))
-        for q in PROBES:
-            assert results[q] == alone[q], (name, "batched", q)
-            assert generate(stack, q) == alone[q], (name, "alone or cached", q)
-        stack.wait_idle()
-        stack.check_kv_conservation()
+    for stack in stacks.values():  # the PD stack against the colocated one's outputs too
+        assert_invariant(stack, alone)

@@ -1,5 +1,5 @@
 /* AMX tile kernels (Intel Sapphire Rapids and later; the `amx` variant only): the block sums of
-   the bfloat16 panel matmul (gemm.c) and of the W4A8 matmul (matmul.c), which their callers finish
+   the bfloat16 panel matmul (gemm.c) and of the W4A8 matmul (w4a8.c), which their callers finish
    with the same epilogues as their vector kernels.
 
    Determinism: every output element is one row of A against one column of B, and AMX computes
@@ -10,7 +10,7 @@
        one 32-input chunk), so a bfloat16 matmul whose K allows tiles runs here for every M;
      - W4A8: TDPBSUD gives each group's integer sum exactly, the same integer VPDPBUSD gives, and
        the float epilogue is the vector kernel's, instruction for instruction, so the sums are
-       bit-identical to matmul.c's VNNI tiles and the caller may pick either by M.
+       bit-identical to w4a8.c's VNNI tiles and the caller may pick either by M.
 
    Linux gives a process the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
    (amx_enable); each thread loads its tile configuration on entry (amx_configure) and releases the
@@ -74,7 +74,7 @@ void amx_bf16_block(const bf16* x, int64_t lda, const bf16* panel, int64_t K, fl
 
 /* ---- W4A8 */
 
-/* The B tiles of one panel (matmul.c's W4A8 layout, `planes` 4-bit planes) for every group:
+/* The B tiles of one panel (w4a8.c's layout, `planes` 4-bit planes) for every group:
    b [K / 32, 8, 64] bytes, row 2v + h of a group holding inputs 8v + 4h .. 8v + 4h + 3 of each
    of the 16 columns as unsigned bytes (q in 0..15, or q + 128 from two planes). */
 static void amx_w4a8_unpack(const uint8_t* panel, int planes, int64_t K, uint8_t* b) {
@@ -106,10 +106,10 @@ static void amx_w4a8_unpack(const uint8_t* panel, int planes, int64_t K, uint8_t
     _tile_stored(c, next_isum + (g) * 256, 64);                              \
   } while (0)
 
-/* The AMX path of the W4A8 matmul for panels lo..hi (matmul.c's layout, `planes` 4-bit planes,
+/* The AMX path of the W4A8 matmul for panels lo..hi (w4a8.c's layout, `planes` 4-bit planes,
    float16 scales / minimums [N / 16, K / 32, 16]): the quantized activations xq [M padded to 16
    rows, K] with d and d * sum q per group (xd, xm [., K / 32]). Work items are (panel, block of
-   16 rows), in order; while item i's epilogue runs group by group (matmul.c's float steps in its
+   16 rows), in order; while item i's epilogue runs group by group (w4a8.c's float steps in its
    order, accumulators in registers), the tiles compute item i + 1's integer sums, so neither
    waits for the other. emit(ctx, n, m0, sums) takes each finished item. Returns 0, or -1 when out
    of memory. */
@@ -152,7 +152,7 @@ int amx_w4a8_panels(const int8_t* xq, const float* xd, const float* xm, int64_t 
       else if (more) W4A8_ISSUE(0, 4, 6, g);
       const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256((const void*)(s + g * 16)));
       const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const void*)(mn + g * 16)));
-      for (int r = 0; r < 16; ++r) { /* matmul.c's tile_w4a8 float steps, in its order */
+      for (int r = 0; r < 16; ++r) { /* w4a8.c's tile_w4a8 float steps, in its order */
         const int64_t at = (m0 + r) * groups + g;
         const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(cur + g * 256 + r * 16));
         acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, _mm512_set1_ps(xd[at])), acc[r]);

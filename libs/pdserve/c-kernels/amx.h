@@ -1,4 +1,4 @@
-/* The AMX tile kernels of amx.c, for gemm.c and matmul.c (declared in the `amx` variant only,
+/* The AMX tile kernels of amx.c, for gemm.c and w4a8.c (declared in the `amx` variant only,
    whose compiler flags define __AMX_TILE__). */
 #ifndef PDSERVE_AMX_H
 #define PDSERVE_AMX_H

@@ -361,35 +361,34 @@ static void token_rows(const Problem* P, const int64_t* pages, int64_t first, in
   }
 }
 
-/* Attention of row b over positions [begin, end) of its request, all heads, unnormalised: part = acc
-   [Hq, D], m [Hq], l [Hq]. scratch: (G + Hq) * BLOCK floats. */
-static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, float* part, float* scratch) {
-  const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads;
+/* Attention of row b's query heads of KV head hk over positions [begin, end) of its request,
+   unnormalised, into part = acc [Hq, D], m [Hq], l [Hq] (those heads' entries). scratch: (G + Hq) *
+   BLOCK floats. */
+static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, int64_t hk, float* part,
+                   float* scratch) {
+  const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads, h = hk * group;
   const int64_t head_bytes = head_dim * P->elem_size;
-  float *acc = part, *m = acc + num_heads * head_dim, *l = m + num_heads;
-  float *s = scratch, *lanes = s + group * BLOCK; /* lanes: per-lane sums, [Hq, BLOCK] */
-  for (int64_t h = 0; h < num_heads; ++h) m[h] = -FLT_MAX;
-  memset(acc, 0, sizeof(float) * num_heads * head_dim);
-  memset(lanes, 0, sizeof(float) * num_heads * BLOCK);
+  float *acc = part + h * head_dim, *m = part + num_heads * head_dim + h, *l = m + num_heads;
+  float *s = scratch, *lanes = s + group * BLOCK; /* lanes: per-lane sums, [G, BLOCK] */
+  for (int64_t g = 0; g < group; ++g) m[g] = -FLT_MAX;
+  memset(acc, 0, sizeof(float) * group * head_dim);
+  memset(lanes, 0, sizeof(float) * group * BLOCK);
   const int64_t* pages = P->page_table + (P->row_req ? P->row_req[b] : b) * P->max_pages;
-  const char* q = P->q + b * P->q_stride * P->elem_size;
+  const char* q = P->q + b * P->q_stride * P->elem_size + h * head_bytes;
+  const char *k = P->k + hk * head_bytes, *v = P->v + hk * head_bytes;
   int64_t rows[BLOCK], ahead[BLOCK];
   for (int64_t pos = begin; pos < end; pos += BLOCK) {
     const int n = end - pos < BLOCK ? (int)(end - pos) : BLOCK;
     const int n_ahead = end - pos - n < BLOCK ? (int)(end - pos - n) : BLOCK;
     token_rows(P, pages, pos, n, rows);
     token_rows(P, pages, pos + n, n_ahead, ahead);
-    for (int64_t hk = 0; hk < P->num_kv_heads; ++hk) {
-      const char *k = P->k + hk * head_bytes, *v = P->v + hk * head_bytes;
-      const int64_t h = hk * group;
-      P->steps.scores(q + h * head_bytes, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
-      softmax_step(s, group, head_dim, m + h, lanes + h * BLOCK, acc + h * head_dim);
-      P->steps.values(s, v, rows, n, group, head_dim, acc + h * head_dim, ahead, n_ahead);
-    }
+    P->steps.scores(q, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
+    softmax_step(s, group, head_dim, m, lanes, acc);
+    P->steps.values(s, v, rows, n, group, head_dim, acc, ahead, n_ahead);
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    l[h] = 0.f;
-    for (int t = 0; t < BLOCK; ++t) l[h] += lanes[h * BLOCK + t];
+  for (int64_t g = 0; g < group; ++g) {
+    l[g] = 0.f;
+    for (int t = 0; t < BLOCK; ++t) l[g] += lanes[g * BLOCK + t];
   }
 }
 
@@ -423,7 +422,7 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
    dtype: F32 or BF16.
 
    Every row runs the same steps in the same order, whatever the other rows: its keys in splits of
-   SPLIT_KEYS (the splits of one row in parallel, a long sequence's work shared by the threads),
+   SPLIT_KEYS, each split and KV head a work item (so even one row's work is shared by the threads),
    blocks of BLOCK keys from each split's start, the splits' parts merged in order. The result of a
    row depends on its query and keys alone (not on the batch, its place in it, the thread count or
    how its request's prompt was chunked). Returns 0, or -1 when out of memory (out then
@@ -453,16 +452,17 @@ int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, 
   int failed = 0;
   #pragma omp parallel num_threads(num_threads)
   {
-    float* scratch = malloc(sizeof(float) * ((group + num_heads) * BLOCK + head_dim));
+    float* scratch = malloc(sizeof(float) * (2 * group * BLOCK + head_dim));
     if (!scratch) {
       #pragma omp atomic write
       failed = 1;
     }
     #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < items; ++item) {
+    for (int64_t work = 0; work < items * num_kv_heads; ++work) { /* (split, KV head) */
       if (!scratch) continue; /* every thread still takes part in the worksharing loops */
+      const int64_t item = work / num_kv_heads, hk = work % num_kv_heads;
       const int64_t b = item_row[item], begin = (item - first[b]) * SPLIT_KEYS, end = begin + SPLIT_KEYS;
-      attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
+      attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], hk, parts + item * part_size, scratch);
     }
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < rows; ++b)

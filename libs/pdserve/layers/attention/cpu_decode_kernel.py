@@ -20,12 +20,12 @@ elements each) are one contiguous run, and pages lie ``k_pages.stride(0)`` eleme
 belongs to request ``row_req[t]``.
 
 Algorithm. A work item is a range of 512 of a row's keys (flash-decoding's split-K at fixed
-positions, so a long row's work is shared by the threads the same way in any batch); a last pass
-merges each row's splits in order. An item walks its positions in blocks of 16 keys (any page
-size); while it computes one, it prefetches the next block's rows into L2, one per row computed (a
-steady stream keeps the memory busy). For each KV head, its ``G = Hq / Hkv`` query heads are done
-together, with AVX-512 in register tiles of up to 3 heads that load each 64-byte chunk of a K or V
-row once:
+positions, so a long row's work is shared by the threads the same way in any batch) for one KV
+head and its ``G = Hq / Hkv`` query heads; a last pass merges each row's splits in order. An item
+walks its positions in blocks of 16 keys (any page size); while it computes one, it prefetches the
+next block's rows into L2, one per row computed (a steady stream keeps the memory busy). The ``G``
+query heads are done together, with AVX-512 in register tiles of up to 3 heads that load each
+64-byte chunk of a K or V row once:
 
 1. scores ``s[g, t] = scale * q_g . k_t``: one vector of partial products per (head, key), the 16
    keys' vectors then summed into one vector of 16 scores by a transpose-and-add tree; bfloat16
