@@ -10,7 +10,7 @@ GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -69,6 +69,10 @@ bench: install
 
 bench-engine: install
 	$(PYTHON) -m benchmarks.engine $(ARGS)
+
+# speculative decoding at the engine: verify-step times by batch and draft count, n-gram acceptance
+bench-spec: install
+	$(PYTHON) -m benchmarks.speculative $(ARGS)
 
 # llama.cpp's server (built once from the llama-cpp-python sdist into the cache) beside pdserve
 bench-llama: install

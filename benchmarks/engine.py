@@ -14,6 +14,12 @@ checkpoint is not at hand, ``--model CONFIG.json`` benchmarks random weights of 
 ``--tp-size 1,2`` adds tensor-parallel engines: each size above 1 runs the same prompts on that
 many rank processes (gloo on CPU, each rank ``--threads / N`` threads; NCCL with one GPU per rank
 on CUDA), after the TP=1 rows; their ratios are against the same run's HF numbers.
+
+``--dense-baseline`` (a mixture-of-experts ``--model``, e.g. ``benchmarks/configs/
+qwen3-30b-a3b-scaled.json``: Qwen3-30B-A3B's proportions at 1/8 of its width and layers) also runs,
+step by step with the MoE engine's, a dense Qwen3 of the same shape and equal active parameters (an
+MLP of ``num_experts_per_tok x moe_intermediate_size`` channels) in the same format, and reports the
+MoE engine's decode tok/s over the dense one's (``vs dense``).
 """
 
 from __future__ import annotations
@@ -41,15 +47,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def engine_decode(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s) of our engine (one TP rank of it) for one batch."""
-    driver = Driver(TpModelWorker(runner))
-    seqs = [driver.add(p, SamplingParams(temperature=0.0, max_new_tokens=new_tokens)) for p in prompts]
-    steps = []
+    return interleaved_decode([runner], prompts, new_tokens)[0]
+
+
+def interleaved_decode(
+    runners: list[ModelRunner], prompts: list[list[int]], new_tokens: int
+) -> list[tuple[float, float]]:
+    """``engine_decode`` of each runner, their steps taken in turn (one step of each, then the next),
+    so that a shared machine's load varies alike under every runner's steps."""
+    drivers = [Driver(TpModelWorker(runner)) for runner in runners]
+    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    batches = [[driver.add(p, params) for p in prompts] for driver in drivers]
+    steps: list[list[float]] = [[] for _ in runners]
     for _ in range(new_tokens):
-        start = time.perf_counter()
-        driver.step([(s, None) for s in seqs])
-        steps.append(time.perf_counter() - start)
-    driver.release(*seqs)
-    return sum(map(len, prompts)) / steps[0], len(prompts) / statistics.median(steps[1:])
+        for driver, seqs, times in zip(drivers, batches, steps, strict=True):
+            start = time.perf_counter()
+            driver.step([(s, None) for s in seqs])
+            times.append(time.perf_counter() - start)
+    for driver, seqs in zip(drivers, batches, strict=True):
+        driver.release(*seqs)
+    return [(sum(map(len, prompts)) / t[0], len(prompts) / statistics.median(t[1:])) for t in steps]
 
 
 class _StepClock:
@@ -91,6 +108,26 @@ def random_checkpoint(config_json: Path, directory: Path) -> Path:
     config = AutoConfig.from_pretrained(config_json)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
     return directory
+
+
+def dense_twin(moe_path: Path, directory: Path) -> Path:
+    """A random-weight dense Qwen3 checkpoint under ``directory`` shaped as the MoE checkpoint at
+    ``moe_path`` (attention, layers, vocabulary) with equal active parameters per token."""
+    from transformers import AutoConfig, Qwen3Config
+
+    moe = AutoConfig.from_pretrained(moe_path)
+    fields = (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "vocab_size",
+    )  # fmt: skip
+    dense = Qwen3Config(
+        **{f: getattr(moe, f) for f in fields},
+        intermediate_size=moe.num_experts_per_tok * moe.moe_intermediate_size,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    config_json = directory / "dense-config" / "config.json"
+    dense.save_pretrained(config_json.parent)
+    return random_checkpoint(config_json, directory / "dense")
 
 
 def build_runner(path: Path, spec: str, args: argparse.Namespace, tp: TpGroup = SINGLE_RANK) -> ModelRunner:
@@ -179,14 +216,20 @@ def main() -> None:
         default="1",
         help="comma-separated TP sizes to run the engine at, e.g. 1,2 (rank processes)",
     )
+    parser.add_argument(
+        "--dense-baseline",
+        action="store_true",
+        help="MoE --model: also run a dense model of equal active parameters and report MoE / dense",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     scratch = tempfile.TemporaryDirectory(prefix="pdserve-bench-")
     if args.model and args.model.endswith(".json"):
-        path = random_checkpoint(Path(args.model), Path(scratch.name))
+        path = random_checkpoint(Path(args.model), Path(scratch.name) / "model")
     else:
         path = resolve_model(args.model)
+    dense_path = dense_twin(path, Path(scratch.name)) if args.dense_baseline else None
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     generator = torch.Generator().manual_seed(0)
     results: dict[str, float | None] = {}
@@ -196,6 +239,7 @@ def main() -> None:
     for spec in args.dtypes.split(","):
         dtype = spec.partition("+")[0]
         runner = build_runner(path, spec, args)
+        dense = build_runner(dense_path, spec, args) if dense_path else None
         hf = None
         if not args.skip_hf:
             from transformers import AutoModelForCausalLM
@@ -205,19 +249,30 @@ def main() -> None:
         for batch in batch_sizes:
             batch_prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=generator).tolist()
             prompts[spec, batch] = batch_prompts
-            engine_runs, hf_runs = [], []
+            engine_runs, hf_runs, dense_runs = [], [], []
             for _ in range(args.repeats):  # interleaved, best of each: a shared machine's noise hits both
-                engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
+                if dense is None:
+                    engine_runs.append(engine_decode(runner, batch_prompts, args.new_tokens))
+                else:  # step by step: the MoE / dense ratio is the target, so their noise must match
+                    moe_speeds, dense_speeds = interleaved_decode(
+                        [runner, dense], batch_prompts, args.new_tokens
+                    )
+                    engine_runs.append(moe_speeds)
+                    dense_runs.append(dense_speeds[1])
                 if hf is not None:
                     hf_runs.append(hf_decode(hf, batch_prompts, args.new_tokens))
             hf_tps = hf_by_key[spec, batch] = max(hf_runs, default=None)  # None with --skip-hf: null in JSON
             results[f"{spec.replace('+', '_')}_b{batch}_hf_tok_s"] = hf_tps
             speeds = (max(r[0] for r in engine_runs), max(r[1] for r in engine_runs))
             record(results, rows, 1, spec, batch, speeds, hf_tps)
+            if dense_runs:
+                key = f"{spec.replace('+', '_')}_b{batch}"
+                results[f"{key}_dense_tok_s"] = max(dense_runs)
+                results[f"{key}_vs_dense"] = speeds[1] / max(dense_runs)
         backend_name = type(runner.attn_backend).__name__ + (
             " + CUDA graphs" if runner.cuda_graph_runner else ""
         )
-        del runner, hf
+        del runner, dense, hf
     for size in (int(t) for t in args.tp_size.split(",")):
         if size == 1:
             continue
@@ -231,7 +286,10 @@ def main() -> None:
     )
     for size, dtype, batch, prefill_tps, decode_tps, hf_tps, ratio in rows:
         hf_cells = f"{'-':>9} {'-':>6}" if hf_tps is None else f"{hf_tps:>9.1f} {ratio:>6.2f}"
-        print(f"{size:>3} {dtype:>18} {batch:>5} {prefill_tps:>14.0f} {decode_tps:>13.1f} {hf_cells}")
+        dense = results.get(f"{dtype.replace('+', '_')}_b{batch}_dense_tok_s") if size == 1 else None
+        dense_cells = "" if dense is None else f"  dense {dense:.1f} tok/s, vs dense {decode_tps / dense:.2f}"
+        engine_cells = f"{prefill_tps:>14.0f} {decode_tps:>13.1f}"
+        print(f"{size:>3} {dtype:>18} {batch:>5} {engine_cells} {hf_cells}{dense_cells}")
     summary = {"device": args.device, "cpu": cpu, "attention_backend": backend_name}
     print(json.dumps(summary | {k: None if v is None else round(v, 3) for k, v in results.items()}))
 

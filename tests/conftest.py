@@ -9,12 +9,9 @@ import pytest
 from tests.stack import Stack, launch_stack
 
 # fp32 so greedy outputs equal the HF reference; a modest KV pool per scheduler (16k tokens, 0.7 GiB in
-# fp32); chat outputs parsed for Hermes tool calls and Qwen3-style <think> reasoning (neither changes an
-# output that has none)
-COMMON = (
-    "--dtype", "float32", "--max-total-tokens", "16384",
-    "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-)  # fmt: skip
+# fp32); no chat-parser flags, as under `make run`: SmolLM2's tool calls are hermes (the default tool
+# rendering), read from its chat template
+COMMON = ("--dtype", "float32", "--max-total-tokens", "16384")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,5 @@
-"""Deterministic prompt workloads: ``random`` (prompts of about N tokens) and ``shared-prefix``.
+"""Deterministic prompt workloads: ``random`` (prompts of about N tokens), ``shared-prefix`` and
+``grounded`` (answers that copy spans of the prompt: ``grounded.py``).
 
 Prompts are built from common English words that BPE vocabularies (SmolLM2, Llama, Qwen, GPT-2)
 hold as a single token with their leading space, so a prompt of ``n`` words is about ``n`` tokens;
@@ -13,7 +14,9 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-WorkloadKind = Literal["random", "shared-prefix"]
+from benchmarks.serving_lib.grounded import TASKS, grounded_prompt
+
+WorkloadKind = Literal["random", "shared-prefix", "grounded"]
 
 _WORD_TEXT = """
 time year people way day man thing woman life child world school state family student group country problem
@@ -48,8 +51,9 @@ class PromptSource:
     built with the same arguments yield identical sequences, which keeps ``--compare`` runs fair.
 
     Args:
-        kind: ``"random"`` or ``"shared-prefix"``.
-        prompt_tokens: target length of a random prompt, in tokens.
+        kind: ``"random"``, ``"shared-prefix"`` or ``"grounded"`` (the tasks of ``grounded.TASKS``
+            in turn, their grounding text about ``prompt_tokens`` long).
+        prompt_tokens: target length of a random prompt (a grounded prompt's text), in tokens.
         prefix_tokens: target length of the shared preamble, in tokens (shared-prefix only).
         seed: seed of the word choices.
         tokens_per_word: the served tokenizer's tokens per word of :data:`WORDS` (1.0 if unknown).
@@ -66,7 +70,7 @@ class PromptSource:
         seed: int,
         tokens_per_word: float = 1.0,
     ) -> None:
-        if kind not in ("random", "shared-prefix"):
+        if kind not in ("random", "shared-prefix", "grounded"):
             raise ValueError(f"unknown workload {kind!r}")
         if prompt_tokens < 1 or prefix_tokens < 1 or tokens_per_word <= 0:
             raise ValueError("prompt_tokens, prefix_tokens and tokens_per_word must be positive")
@@ -87,6 +91,9 @@ class PromptSource:
         self._taken += 1
         if self.kind == "random":
             return random_words(self._rng, self._prompt_words)
+        if self.kind == "grounded":
+            task = TASKS[(self._taken - 1) % len(TASKS)]
+            return grounded_prompt(self._rng, WORDS, task, self._prompt_words)
         a, b = self._rng.sample(WORDS, 2)
         question = f"Question {self._taken}: what do the notes say about the {a} and the {b}?"
         return f"{self.preamble}{QUESTION_SEP}{question}"

@@ -124,6 +124,15 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template``: the tokenizer's (``pdserve launch`` passes it on)."""
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file, or the template itself, instead of the model's own",
+    )
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)
@@ -254,6 +263,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         help="tensor-parallel ranks per scheduler (processes: one GPU each on CUDA, a core share on CPU)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models: each of the --tp-size ranks holds whole experts (E / tp of them) "
+        "instead of a slice of every expert",
     )
     parser.add_argument(
         "--disable-overlap-schedule",

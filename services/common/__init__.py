@@ -1,1 +1,3 @@
-"""Pieces shared by the prefill and decode scheduler services."""
+"""What more than one service shares: the scheduler services' loop, ranks and conversions, the
+gateway's chat-output flags that ``pdserve launch`` passes on, and the supervision of service
+processes (``supervision``)."""

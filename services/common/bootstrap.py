@@ -41,6 +41,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         max_model_len=args.max_model_len,
         tp=tp,
         kv_cache_dtype=args.kv_cache_dtype,
+        expert_parallel=args.enable_expert_parallel,
     )
     config = SchedulerConfig(
         role=role,

@@ -1,15 +1,25 @@
-"""Conversions between protobuf messages and the transport-free domain objects."""
+"""Conversions between the scheduler services' protobuf messages and the transport-free domain
+objects: the only module of services/common, prefill and decode (beside their servicers) that
+touches generated code."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+import uuid
 
 from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
 from pdserve.observability import tracing
 from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.metrics import SchedulerLoad
 from pdserve.scheduler.req import FinishReason, Req
+from pdserve.scheduler.route import Route
+from pdserve.services.common.events import KVReady
 from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2
+
+# the process's identity in GetLoad: the gateway fails what it routed to an earlier incarnation
+INCARNATION = uuid.uuid4().hex
 
 _OPTIONAL_FIELDS = (
     "temperature",
@@ -52,6 +62,113 @@ def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**{k: v for k, v in dataclasses.asdict(p).items() if v is not None})
 
 
+def generate_req_from_pb(pb: scheduler_pb2.TokenizedGenerateReqInput, scheduler_address: str) -> Req:
+    """A decode (or mixed) worker's request, routed as the gateway says; ``scheduler_address`` is
+    this worker's own (the detokenizer aborts there on a stop string).
+
+    Raises:
+        TypeError: a sampling parameter the engine does not take (``sampling_params_from_pb``).
+    """
+    route = Route(
+        prefill_address=pb.prefill_address,
+        fallback_prefill_addresses=tuple(pb.fallback_prefill_addresses),
+        output_address=pb.output_address,
+        gateway_address=pb.gateway_address,
+        scheduler_address=scheduler_address,
+    )
+    return Req(
+        rid=pb.rid,
+        origin_input_ids=list(pb.input_ids),
+        sampling_params=sampling_params_from_pb(pb.sampling_params),
+        deadline=pb.deadline_unix_s,
+        arrival_time=pb.arrival_unix_s or time.time(),
+        route=route,
+    )
+
+
+def prefill_req_from_pb(pb: scheduler_pb2.PrefillRequest) -> Req:
+    """A prefill worker's request: the decode worker's prompt (its last ``num_output_ids`` ids were
+    generated already, by a request retracted there) and where its KV goes.
+
+    Raises:
+        TypeError: a sampling parameter the engine does not take (``sampling_params_from_pb``).
+    """
+    ids = list(pb.input_ids)
+    generated = min(max(pb.num_output_ids, 0), max(len(ids) - 1, 0))
+    route = Route(
+        kv_dst_agent=pb.dst_agent_name,
+        kv_dst_pages=tuple(pb.dst_page_indices),
+        kv_dst_start_page=pb.dst_start_page,
+        kv_transfer_id=(pb.kv_transfer_id or pb.rid).encode(),
+    )
+    return Req(
+        rid=pb.rid,
+        origin_input_ids=ids[: len(ids) - generated],
+        output_ids=ids[len(ids) - generated :],
+        sampling_params=sampling_params_from_pb(pb.sampling_params),
+        deadline=pb.deadline_unix_s,
+        route=route,
+    )
+
+
+def prefill_request_to_pb(req: Req, tid: bytes, dst: KVAgentInfo) -> scheduler_pb2.PrefillRequest:
+    """Ask a prefill worker for ``req``'s prompt KV, written as transfer ``tid`` into the pages of
+    ``req`` the radix cache did not give (agent ``dst``'s pool)."""
+    return scheduler_pb2.PrefillRequest(
+        rid=req.rid,
+        input_ids=req.fill_ids,
+        sampling_params=sampling_params_to_pb(req.sampling_params),
+        dst_agent_name=dst.agent_name,
+        dst_incarnation=dst.incarnation,
+        dst_page_indices=req.pages[req.num_prefix_pages :],
+        dst_start_page=req.num_prefix_pages,
+        deadline_unix_s=req.deadline,
+        num_output_ids=len(req.output_ids),
+        kv_transfer_id=tid.decode(),
+    )
+
+
+def prefill_response_to_pb(req: Req, transferred_bytes: int) -> scheduler_pb2.PrefillResponse:
+    """A prefilled request's first token (its last output id) and its logprob, if asked for."""
+    response = scheduler_pb2.PrefillResponse(
+        rid=req.rid,
+        first_token_id=req.output_ids[-1],
+        cached_tokens=req.cached_tokens,
+        transferred_bytes=transferred_bytes,
+    )
+    if req.output_logprobs:
+        token, logprob, top = req.output_logprobs[-1]
+        response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
+    return response
+
+
+def kv_ready_from_pb(rid: str, pb: scheduler_pb2.PrefillResponse) -> KVReady:
+    """The prefill worker's answer for ``rid``: its first token, once its KV is written."""
+    logprob = None
+    if pb.HasField("first_logprob"):
+        lp = pb.first_logprob
+        logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+    return KVReady(rid, pb.first_token_id, logprob, pb.cached_tokens, pb.transferred_bytes)
+
+
+def finish_reason_from_pb(value: int) -> FinishReason:
+    """The finish an Abort asks for: STOP for a stop string the detokenizer matched, else ABORT."""
+    return FinishReason.STOP if value == common_pb2.FINISH_REASON_STOP else FinishReason.ABORT
+
+
+def load_to_pb(load: SchedulerLoad) -> common_pb2.LoadInfo:
+    """The scheduler's load and limits, with this process's incarnation (``GetLoad``)."""
+    return common_pb2.LoadInfo(**dataclasses.asdict(load), incarnation=INCARNATION)
+
+
+def abort_request_to_pb(rid: str, reason: str) -> scheduler_pb2.AbortRequest:
+    return scheduler_pb2.AbortRequest(rid=rid, reason=reason)
+
+
+def metrics_to_pb(role: str, worker: str, text: str) -> common_pb2.MetricsResponse:
+    return common_pb2.MetricsResponse(role=role, worker=worker, text=text)
+
+
 def token_logprob_to_pb(token: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=token,
@@ -83,7 +200,6 @@ def token_output_to_pb(
         prompt_tokens=len(req.origin_input_ids),
         cached_tokens=req.cached_tokens,
         completion_tokens=len(req.output_ids),
-        index=req.meta.get("index", 0),
     )
     if finished and req.matched_stop_token is not None:
         out.matched_stop_token = req.matched_stop_token
@@ -91,8 +207,8 @@ def token_output_to_pb(
         for token, logprob, top in req.output_logprobs[-len(new_token_ids) :]:
             out.logprobs.append(token_logprob_to_pb(token, logprob, top))
     if first:
-        out.gateway_address = req.meta.get("gateway_address", "")
-        out.scheduler_address = req.meta.get("scheduler_address", "")
+        out.gateway_address = req.route.gateway_address
+        out.scheduler_address = req.route.scheduler_address
         out.skip_special_tokens = params.skip_special_tokens is not False
         out.spaces_between_special_tokens = bool(params.spaces_between_special_tokens)
         out.stop.extend(params.stop or [])
@@ -155,6 +271,13 @@ def kv_agent_info_from_pb(pb: scheduler_pb2.KVAgentInfo) -> KVAgentInfo:
     fields["layout"] = layout
     del fields["tp_rank_agents"]  # the handshake's other ranks: ``kv_rank_agents_from_pb``
     return KVAgentInfo(**fields)
+
+
+def kv_rank_agents_to_pb(infos: list[KVAgentInfo]) -> scheduler_pb2.KVAgentInfo:
+    """A handshake message: rank 0's agent, with the other ranks' (rank order) in ``tp_rank_agents``."""
+    pb = kv_agent_info_to_pb(infos[0])
+    pb.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in infos[1:])
+    return pb
 
 
 def kv_rank_agents_from_pb(pb: scheduler_pb2.KVAgentInfo) -> list[KVAgentInfo]:

@@ -57,13 +57,13 @@ async def drain(server: GrpcServer, servicer: Drainable, timeout: float) -> None
     aborts had ``_ABORT_FLUSH_S`` to go out."""
     servicer.draining = True
     await server.set_draining()
-    held = len(servicer.scheduler.reqs)
+    held = len(servicer.scheduler.held_rids())
     logger.info("draining: new requests refused, %d held get up to %.0f s to finish", held, timeout)
     start = time.monotonic()
     while servicer.busy() and time.monotonic() - start < timeout:
         await asyncio.sleep(0.05)
     if servicer.busy():
-        left = list(servicer.scheduler.reqs)
+        left = servicer.scheduler.held_rids()
         logger.warning("drain timeout (%.0f s): aborting %d requests", timeout, len(left))
         for rid in left:
             servicer.abort(rid, f"worker shutting down: not finished within its {timeout:g} s drain")

@@ -52,7 +52,7 @@ async def grammar_error(scheduler: Scheduler, req: Req) -> tuple[grpc.StatusCode
                 return None
             return _status(str(error) or type(error).__name__, isinstance(error, CompilerUnavailable))
         if req.grammar is None and req.finish_reason is None:  # still in the grammar queue
-            return _status(*scheduler.grammar_queue.timeout_reason(req))
+            return _status(*scheduler.grammar_timeout_reason(req))
     # unconstrained, or a step took it out of the grammar queue: ready, or failed with its error
     failed = req.sampling_params.grammar is not None and req.finish_reason == FinishReason.ERROR
     return _status(req.error, req.retryable) if failed and not req.output_ids else None

@@ -19,27 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.services.common.events import RankCall, RankResult
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RankCall:
-    """Run ``functions[name](*args)`` on every rank; each reports a ``RankResult``."""
-
-    call_id: int
-    name: str
-    args: tuple
-
-
-@dataclass(slots=True)
-class RankResult:
-    """Rank ``rank``'s result of call ``call_id`` (picklable)."""
-
-    call_id: int
-    rank: int
-    result: Any
 
 
 class RankCalls:

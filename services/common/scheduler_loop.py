@@ -1,54 +1,51 @@
 """Drive a ``Scheduler`` from an asyncio loop, overlapping each step's CPU work with the next forward.
 
 The event loop thread owns all scheduler state; only forwards run, one after another, on the single
-forward thread. With overlap (the default; SGLang's ``event_loop_overlap``), while the forward of
-step N runs the loop thread processes step N-1's results, sends them, takes new requests and aborts,
-and schedules step N+1, whose decode inputs are step N's sampled ids, filled in on the forward
-thread (``ScheduleBatch.resolve``). Without overlap (``--disable-overlap-schedule``) every step is
-schedule → forward → process.
+forward thread. Two loops, one iteration each:
 
-One iteration:
+    normal_loop   (``--disable-overlap-schedule``; SGLang's ``event_loop_normal``)
+        take_inputs → schedule step N → launch it → process its result → emit
+    overlap_loop  (the default; SGLang's ``event_loop_overlap``)
+        take_inputs → schedule step N+1 → launch it → process step N's result → emit
 
-    1. inputs   apply this step's inputs, in the order they arrived (the seam below)
-    2. schedule step N+1 (if it needs step N's token ids first: process step N, then schedule)
-    3. launch   queue step N+1 on the forward thread (it starts when step N's forward ends)
-    4. process  await step N's result, apply it (without overlap: step N+1's, right away)
-    5. emit     hand the step's outputs (tokens, finishes, aborts, failures) to ``on_outputs``
+With overlap, while the forward of step N+1 runs the loop thread processes step N's results, sends
+them, and takes new requests and aborts; step N+1's decode inputs are step N's sampled ids, filled
+in on the forward thread (``ScheduleBatch.resolve``). A step that needs step N's token ids first
+(``Scheduler.needs_results``) processes step N before it schedules again.
 
 The step-input seam: gRPC handlers never touch the scheduler. They submit *events* (:meth:`add`,
-:meth:`abort`, :meth:`call`, or a role's own events through ``inputs``), and step 1 applies every
-event at one point per iteration, in arrival order, before scheduling
+:meth:`abort`, :meth:`call`, or a role's own events, every type defined in ``events``), and
+``take_inputs`` applies every event at one point per iteration, in arrival order, before scheduling
 (``pdserve.services.common.step_inputs``). Under tensor parallelism that point is where rank 0's
 events reach every rank (one all-gather over the gloo control group, with rank 0's clock reading
 and each rank's reports and state digest), so every rank applies the same list there and runs the
 same steps; only rank 0 emits outputs. Collectives stay in the same order on every rank: the
-exchange is the only control-group collective, once per iteration at step 1, and the forwards
-(whose all-reduces use the device group) run one after another on the forward thread, the same
-batches in the same order. A failed collective, or states that diverged, fail the whole rank group
-(the loop raises): a rank that skipped a step could never meet the others in their collectives again.
+exchange is the only control-group collective, once per iteration, and the forwards (whose
+all-reduces use the device group) run one after another on the forward thread, the same batches in
+the same order. A failed collective, or states that diverged, fail the whole rank group (the loop
+raises): a rank that skipped a step could never meet the others in their collectives again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import threadpoolctl
 import torch
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import FinishReason, Req
-from pdserve.scheduler.schedule_batch import ScheduleBatch
-from pdserve.scheduler.scheduler import DuplicateRid, Scheduler, StepOutput
+from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.services.common.events import Abort, Call, NewRequest
 from pdserve.services.common.liveness import Heartbeat
-from pdserve.services.common.step_inputs import Abort, InputSync, NewRequest, StepInputs
+from pdserve.services.common.step_inputs import InputSync, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,28 +78,6 @@ def openmp_off_this_thread() -> threadpoolctl.threadpool_limits:
 class TpGroupFailure(RuntimeError):
     """The ranks of a tensor-parallel scheduler can no longer run in step (a rank died, hung, failed
     a forward, or their states diverged); the whole group must restart."""
-
-
-@dataclass(slots=True)
-class Call:
-    """``fn(scheduler, *args)`` at the seam; ``fn`` is a module-level function or a ``Scheduler``
-    method (it travels to every rank by name)."""
-
-    fn: Callable[..., Any]
-    args: tuple
-
-
-def refusal_status(error: ValueError | QueueFull) -> grpc.StatusCode:
-    """The status a servicer answers for a request ``SchedulerLoop.add`` refused: ALREADY_EXISTS for a
-    rid the scheduler holds (``DuplicateRid``), RESOURCE_EXHAUSTED (the gateway's 429) for a full
-    queue, INVALID_ARGUMENT for any other ValueError."""
-    if isinstance(error, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return (
-        grpc.StatusCode.ALREADY_EXISTS
-        if isinstance(error, DuplicateRid)
-        else grpc.StatusCode.INVALID_ARGUMENT
-    )
 
 
 class SchedulerLoop:
@@ -154,6 +129,9 @@ class SchedulerLoop:
         self._wakeup = asyncio.Event()
         self.heartbeat = Heartbeat()
         self._digest: str | None = None
+        self._in_flight: tuple[ScheduleBatch, asyncio.Future] | None = (
+            None  # overlap: launched, not processed
+        )
         if tp.size > 1:
             self._now = 0.0
             scheduler.clock = lambda: self._now  # rank 0's reading of this step, on every rank
@@ -188,8 +166,7 @@ class SchedulerLoop:
     # ---- default handlers (every rank) ------------------------------------------------------
     def add_request(self, event: NewRequest) -> int:
         """``Scheduler.add_request``; the queue position (raises as it does)."""
-        self.scheduler.add_request(event.req)
-        return len(self.scheduler.waiting)
+        return self.scheduler.add_request(event.req)
 
     def _abort(self, event: Abort) -> bool:
         return self.scheduler.abort_request(event.rid, event.reason, event.finish_reason)
@@ -198,7 +175,7 @@ class SchedulerLoop:
         return event.fn(self.scheduler, *event.args)
 
     async def apply_inputs(self, inputs: StepInputs) -> list[StepOutput]:
-        """Step 1: apply the iteration's events in order; the outputs they produced."""
+        """Apply the iteration's events in order (``take_inputs``); the outputs they produced."""
         outputs: list[StepOutput] = []
         for event, done in zip(inputs.events, inputs.done, strict=True):
             try:
@@ -238,75 +215,104 @@ class SchedulerLoop:
                 self.scheduler.metrics.tp_state_checks.inc()
         return inputs
 
-    # ---- the loop -------------------------------------------------------------------------
+    # ---- the loops ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Run the loop on this thread, without an OpenMP team (:func:`openmp_off_this_thread`).
+        """Run ``overlap_loop`` (or ``normal_loop``) on this thread, without an OpenMP team
+        (:func:`openmp_off_this_thread`), until ``stop``.
 
         Raises:
             TpGroupFailure: (TP only) the rank group cannot go on.
         """
         with openmp_off_this_thread():
-            await self._run(stop)
+            try:
+                await (self.overlap_loop(stop) if self.overlap else self.normal_loop(stop))
+            except asyncio.CancelledError:  # (``supervise``: the TP group failed, the process exits)
+                self._in_flight = None  # its forward may wait on a hung rank's collective (gloo's 60 s)
+                raise
+            finally:
+                if self._in_flight is not None:  # let the last forward end before the executor goes
+                    await asyncio.wait([self._in_flight[1]])
+                self.inputs.close()
+                self.executor.shutdown(wait=False, cancel_futures=True)
+                self.scheduler.close()
 
-    async def _run(self, stop: asyncio.Event) -> None:
-        sched = self.scheduler
-        in_flight: tuple[ScheduleBatch, asyncio.Future] | None = None
-        try:
-            while True:
-                self.heartbeat.beat()
-                self._wakeup.clear()
-                inputs = await self.collect_inputs(stop)
-                if inputs.stop:
-                    break
-                applied = await self.apply_inputs(inputs)
-                if applied:  # sent before the step's: one output batch holds a rid once
-                    self.on_outputs(applied)
-                outputs: list[StepOutput] = []
-                batch = sched.schedule()
-                if batch is None and sched.needs_results and in_flight is not None:
-                    outputs += await self._process(*in_flight)
-                    in_flight = None
-                    batch = sched.schedule()
-                self.after_schedule()
-                launched = None if batch is None else (batch, self._launch(batch))
-                if in_flight is not None:  # step N's results while step N+1 runs
-                    outputs += await self._process(*in_flight)
-                in_flight = launched
-                if in_flight is not None and not self.overlap:
-                    outputs += await self._process(*in_flight)
-                    in_flight = None
-                outputs += sched.pop_aborted()
-                if self.tp.size > 1:
-                    self._digest = sched.state_digest()
-                if outputs:
-                    self.on_outputs(outputs)
-                idle = batch is None and in_flight is None and not self.inputs.pending()
-                if idle and self.tp.is_driver:  # the other ranks wait in the next exchange
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
-                    except TimeoutError:
-                        pass
-                elif not self.overlap or in_flight is None:
-                    await asyncio.sleep(0)  # let gRPC handlers run between steps
-        except asyncio.CancelledError:  # (``supervise``: the TP group failed, the process exits)
-            in_flight = None  # its forward may wait on a hung rank's collective until gloo's 60 s timeout
-            raise
-        finally:
-            if in_flight is not None:  # let the last forward end before the executor goes
-                await asyncio.wait([in_flight[1]])
-            self.inputs.close()
-            self.executor.shutdown(wait=False, cancel_futures=True)
-            sched.grammar_queue.close()
+    async def normal_loop(self, stop: asyncio.Event) -> None:
+        """One step at a time: schedule step N, run it, process its result."""
+        while await self.take_inputs(stop):
+            batch = self.schedule()
+            outputs = [] if batch is None else await self.process(batch, self.launch(batch))
+            self.emit(outputs)
+            await self.pause(idle=batch is None)
 
-    def _launch(self, batch: ScheduleBatch) -> asyncio.Future:
+    async def overlap_loop(self, stop: asyncio.Event) -> None:
+        """Step N+1 is scheduled and launched while step N's forward runs; then step N's result is
+        processed (its forward ends before step N+1's starts, on the one forward thread)."""
+        while await self.take_inputs(stop):
+            outputs: list[StepOutput] = []
+            batch = self.scheduler.schedule()
+            if batch is None and self.scheduler.needs_results and self._in_flight is not None:
+                outputs += await self.process(*self._in_flight)  # step N's token ids come first
+                self._in_flight = None
+                batch = self.scheduler.schedule()
+            self.after_schedule()
+            launched = None if batch is None else (batch, self.launch(batch))
+            if self._in_flight is not None:
+                outputs += await self.process(*self._in_flight)
+            self._in_flight = launched
+            self.emit(outputs)
+            await self.pause(idle=batch is None)
+
+    # ---- the steps of an iteration ------------------------------------------------------------
+    async def take_inputs(self, stop: asyncio.Event) -> bool:
+        """Beat the heartbeat, exchange and apply the iteration's inputs (and send the outputs they
+        made: before the step's, so that one output batch holds a rid once). False once stopping."""
+        self.heartbeat.beat()
+        self._wakeup.clear()
+        inputs = await self.collect_inputs(stop)
+        if inputs.stop:
+            return False
+        applied = await self.apply_inputs(inputs)
+        if applied:
+            self.on_outputs(applied)
+        return True
+
+    def schedule(self) -> ScheduleBatch | None:
+        """The next step's batch (None: nothing to run); then the role's ``after_schedule``."""
+        batch = self.scheduler.schedule()
+        self.after_schedule()
+        return batch
+
+    def launch(self, batch: ScheduleBatch) -> asyncio.Future:
+        """Queue ``batch``'s forward on the forward thread (it starts when the one before it ends)."""
         return asyncio.get_running_loop().run_in_executor(self.executor, self.scheduler.run_batch, batch)
 
-    async def _process(self, batch: ScheduleBatch, future: asyncio.Future) -> list[StepOutput]:
+    async def process(self, batch: ScheduleBatch, forward: asyncio.Future) -> list[StepOutput]:
+        """Await ``batch``'s forward and apply its result; a step that failed outside the forward fails
+        its requests (under TP: the group, ``TpGroupFailure``)."""
         try:
-            result = await future
+            result = await forward
         except Exception as e:  # run_batch isolates forward errors; anything else fails the step
             if self.tp.size > 1:
                 raise TpGroupFailure(f"step failed on TP rank {self.tp.rank}: {e}") from e
             logger.exception("step failed")
             return self.scheduler.fail_batch(batch, f"step failed: {type(e).__name__}: {e}")
         return self.scheduler.process_result(batch, result)
+
+    def emit(self, outputs: list[StepOutput]) -> None:
+        """Hand the step's outputs, and those of requests ended outside it, to ``on_outputs``; under
+        TP, take this rank's state digest for the next exchange."""
+        outputs += self.scheduler.pop_aborted()
+        if self.tp.size > 1:
+            self._digest = self.scheduler.state_digest()
+        if outputs:
+            self.on_outputs(outputs)
+
+    async def pause(self, idle: bool) -> None:
+        """Between iterations. Idle (nothing scheduled, no input waiting), rank 0 waits for a wake-up
+        or ``IDLE_POLL_S`` (deadlines; the other ranks wait in the next exchange); otherwise gRPC
+        handlers get a turn, unless a forward is in flight (awaiting its result yields anyway)."""
+        if idle and self.tp.is_driver and not self.inputs.pending():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+        elif self._in_flight is None:
+            await asyncio.sleep(0)

@@ -1,53 +1,27 @@
 """The one point per scheduler-loop iteration where inputs enter, identically on every TP rank.
 
 Everything that changes a scheduler from outside its own steps is an event: a new request, an
-abort, and in PD a prefill worker's first token or a finished KV write. Handlers (gRPC calls,
-transfer tasks) never touch the scheduler. Rank 0's handlers ``submit`` events; any rank may
-``report`` events about its own work (its shard of a KV write finished). At the top of each
-iteration ``exchange`` gives every rank the same ``StepInputs`` (one all-gather over the gloo
-control group): rank 0's clock reading and submitted events, then every rank's reports in rank
-order, and every rank's state digest after its previous step. Each rank applies the events in
-that order, so the schedulers of all ranks make the same decisions (the design brief's TP worker:
-rank 0 receives requests and synchronises them, and their order, to the other ranks; SGLang
-broadcasts them with ``broadcast_pyobj``). With one rank ``exchange`` is a local hand-over.
+abort, and in PD a prefill worker's first token or a finished KV write (every type is in
+``events``). Handlers (gRPC calls, transfer tasks) never touch the scheduler. Rank 0's handlers
+``submit`` events; any rank may ``report`` events about its own work (its shard of a KV write
+finished). At the top of each iteration ``exchange`` gives every rank the same ``StepInputs`` (one
+all-gather over the gloo control group): rank 0's clock reading and submitted events, then every
+rank's reports in rank order, and every rank's state digest after its previous step. Each rank
+applies the events in that order, so the schedulers of all ranks make the same decisions (the
+design brief's TP worker: rank 0 receives requests and synchronises them, and their order, to the
+other ranks; SGLang broadcasts them with ``broadcast_pyobj``). With one rank ``exchange`` is a
+local hand-over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.distributed import TpGroup
-from pdserve.scheduler.req import FinishReason, Req
-
-
-@dataclass(slots=True)
-class NewRequest:
-    """A request for ``Scheduler.add_request`` (checked by rank 0's handler already)."""
-
-    req: Req
-
-    def __reduce__(self):
-        """Pickled for the other ranks without rank 0's tracing span (``meta["span"]``, an object of
-        rank 0's process that the other ranks neither can nor need to hold)."""
-        if "span" not in self.req.meta:
-            return NewRequest, (self.req,)
-        req = copy.copy(self.req)
-        req.meta = {key: value for key, value in req.meta.items() if key != "span"}
-        return NewRequest, (req,)
-
-
-@dataclass(slots=True)
-class Abort:
-    """``Scheduler.abort_request(rid, reason, finish_reason)``, or the role's own abort path."""
-
-    rid: str
-    reason: str
-    finish_reason: FinishReason = FinishReason.ABORT
 
 
 @dataclass(slots=True)

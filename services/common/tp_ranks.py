@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -46,6 +45,7 @@ from pdserve.services.common.scheduler_loop import SchedulerLoop
 
 logger = logging.getLogger(__name__)
 
+BuildServicer = Callable[[argparse.Namespace, str, TpGroup], Awaitable[Any]]
 POLL_S = 0.2
 COLLECTIVE_TIMEOUT_S = 60.0  # the safety net; deaths and hangs are noticed sooner (above)
 
@@ -73,7 +73,8 @@ class TpRanks:
 
     Args:
         args: the scheduler's flags (the children parse nothing).
-        service: ``prefill`` or ``decode``; its ``main`` module provides ``build_servicer``.
+        service: ``prefill`` or ``decode`` (names the processes and their logs).
+        build_servicer: the role's ``SchedulerRole.build_servicer``, which each rank runs.
         address: the service's advertised gRPC address (names the ranks' NIXL agents).
 
     Attributes:
@@ -81,7 +82,9 @@ class TpRanks:
         failure: why the group went down, once it did.
     """
 
-    def __init__(self, args: argparse.Namespace, service: str, address: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, service: str, build_servicer: BuildServicer, address: str
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.store = rendezvous_store()  # held for the process's life, so the port stays ours
         self.address = f"127.0.0.1:{self.store.port}"
@@ -91,7 +94,17 @@ class TpRanks:
         self.procs = [
             ctx.Process(
                 target=rank_main,
-                args=(args, service, rank, self.address, address, self.beats, os.getpid(), tls.identity()),
+                args=(
+                    args,
+                    service,
+                    build_servicer,
+                    rank,
+                    self.address,
+                    address,
+                    self.beats,
+                    os.getpid(),
+                    tls.identity(),
+                ),
                 name=f"{service}-tp{rank}",
             )
             for rank in range(1, self.size)
@@ -165,6 +178,7 @@ async def supervise(
 def rank_main(
     args: argparse.Namespace,
     service: str,
+    build_servicer: BuildServicer,
     rank: int,
     group_address: str,
     address: str,
@@ -179,14 +193,18 @@ def rank_main(
     for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher signals the process group: rank 0 decides
         signal.signal(sig, signal.SIG_IGN)
     setup_service(args, f"{service}-tp{rank}")  # --log-format, --otlp-traces-endpoint as rank 0
-    uvloop.run(_serve_rank(args, service, rank, group_address, address, beats))
+    uvloop.run(_serve_rank(args, build_servicer, rank, group_address, address, beats))
 
 
 async def _serve_rank(
-    args: argparse.Namespace, service: str, rank: int, group_address: str, address: str, beats: Any
+    args: argparse.Namespace,
+    build_servicer: BuildServicer,
+    rank: int,
+    group_address: str,
+    address: str,
+    beats: Any,
 ) -> None:
     tp = await join_group(args, rank, group_address)
-    build_servicer = importlib.import_module(f"pdserve.services.{service}.main").build_servicer
     servicer = await build_servicer(args, address, tp)
     loop: SchedulerLoop = servicer.loop
 

@@ -11,7 +11,7 @@ so every rank acts at the same step seam, in the same order:
   (``KVLanded``) that theirs completed: the request is landed only once every rank's shard is;
 - an attempt that fails is cancelled on every rank (``KVLanding.cancel``), before a retry expects a
   fresh id; a request that ends while its KV arrives is abandoned on every rank by the scheduler's
-  ``on_kv_abandoned`` hook, which runs at the same step on every rank (its pages are then freed
+  ``on_kv_abandoned`` hook (``abandon``), which runs at the same step on every rank (its pages are then freed
   once, through the same scheduler decision on each).
 
 With one rank every call runs at once in the caller: what a decode worker without TP did.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 from pdserve.kv_transfer import (
     KVAgentInfo,
@@ -34,19 +33,11 @@ from pdserve.kv_transfer import (
 )
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler
+from pdserve.services.common.events import KVLanded
 from pdserve.services.common.rank_calls import RankCalls
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class KVLanded:
-    """Rank ``rank``'s shard of transfer ``tid`` ended: ``error`` is empty when every page landed."""
-
-    tid: bytes
-    rank: int
-    error: str
 
 
 class KVLanding:
@@ -97,7 +88,7 @@ class KVRanks:
 
     Args:
         agent: this rank's NIXL agent.
-        scheduler: this rank's scheduler (its ``waiting_for_kv`` requests own the pages written).
+        scheduler: this rank's scheduler (the requests waiting for KV own the pages written).
         loop: this rank's scheduler loop (the seam where rank 0's calls run).
 
     Attributes:
@@ -185,7 +176,7 @@ class KVRanks:
             self.agent.remove_peer(name)
 
     def _expect(self, rid: str, address: str, tid: bytes, timeout_s: float) -> None:
-        req = self.scheduler.waiting_for_kv.get(rid)
+        req = self.scheduler.waiting_for_kv(rid)
         if req is None:
             raise KVTransferError(f"{rid} no longer waits for its KV")
         peer = self.peer_names.get(address)

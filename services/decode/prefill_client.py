@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -22,12 +22,14 @@ from pdserve.rpc.health_watch import HealthWatch
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.scheduler.req import Req
 from pdserve.services.common.convert import (
-    kv_agent_info_to_pb,
+    abort_request_to_pb,
     kv_rank_agents_from_pb,
-    sampling_params_to_pb,
+    kv_rank_agents_to_pb,
+    kv_ready_from_pb,
+    prefill_request_to_pb,
 )
+from pdserve.services.common.events import KVReady
 from pdserve.services.decode.kv_ranks import KVRanks
-from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +50,7 @@ class PrefillPeer:
         address: the prefill worker's "host:port".
         ranks: this decode worker's KV receiving side (its NIXL agent; under TP every rank's, prefill
             rank ``i`` writing its KV shard into the pool of decode rank ``i``).
+        stub: the PrefillScheduler stub of a channel.
         dead_after: seconds without a SERVING health answer after which calls to it fail.
     """
 
@@ -55,13 +58,14 @@ class PrefillPeer:
         self,
         address: str,
         ranks: KVRanks,
+        stub: Callable[[grpc.aio.Channel], Any],
         dead_after: float = DEFAULT_PREFILL_DEAD_AFTER_S,
     ) -> None:
         self.address = address
         self.ranks = ranks
         self.agent = ranks.agent
         self.channel = tls.internal_channel(address, GRPC_OPTIONS)
-        self.stub = scheduler_pb2_grpc.PrefillSchedulerStub(self.channel)
+        self.stub = stub(self.channel)
         self.health = HealthWatch(self.channel, dead_after)
         self.peer_incarnation = ""
 
@@ -72,11 +76,10 @@ class PrefillPeer:
         the prefill worker) or KVLayoutMismatch (refused here).
         """
         infos = await self.ranks.describe()
-        local = kv_agent_info_to_pb(infos[0])
-        local.tp_rank_agents.extend(kv_agent_info_to_pb(info) for info in infos[1:])
-        info = await self.stub.ExchangeKVAgentInfo(local, timeout=timeout)
-        await self.ranks.add_peers(self.address, kv_rank_agents_from_pb(info))
-        self.peer_incarnation = info.incarnation
+        answer = await self.stub.ExchangeKVAgentInfo(kv_rank_agents_to_pb(infos), timeout=timeout)
+        peers = kv_rank_agents_from_pb(answer)
+        await self.ranks.add_peers(self.address, peers)
+        self.peer_incarnation = peers[0].incarnation
 
     async def connect(self, timeout: float) -> None:
         """The handshake, unless done since the peer last (re)started; under the health watch.
@@ -88,7 +91,7 @@ class PrefillPeer:
         if not self.peer_incarnation:
             await self._watched(self.handshake(timeout))
 
-    async def prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
+    async def prefill(self, req: Req, tid: bytes, timeout: float) -> KVReady:
         """Ask the peer to prefill ``req`` and write the pages we lack as transfer ``tid``; returns its
         first token (the pages may still be landing: await the transfer's ``KVReceive`` too).
 
@@ -122,22 +125,10 @@ class PrefillPeer:
         self.ranks.forget_peers(self.address)
         self.peer_incarnation = ""
 
-    async def _prefill(self, req: Req, tid: bytes, timeout: float) -> scheduler_pb2.PrefillResponse:
-        local = self.agent.local_info()
-        request = scheduler_pb2.PrefillRequest(
-            rid=req.rid,
-            input_ids=req.fill_ids,
-            sampling_params=sampling_params_to_pb(req.sampling_params),
-            dst_agent_name=local.agent_name,
-            dst_incarnation=local.incarnation,
-            dst_page_indices=req.pages[req.num_prefix_pages :],
-            dst_start_page=req.num_prefix_pages,
-            deadline_unix_s=req.deadline,
-            num_output_ids=len(req.output_ids),
-            kv_transfer_id=tid.decode(),
-        )
+    async def _prefill(self, req: Req, tid: bytes, timeout: float) -> KVReady:
+        request = prefill_request_to_pb(req, tid, self.agent.local_info())
         try:
-            return await self.stub.Prefill(request, timeout=timeout)
+            return kv_ready_from_pb(req.rid, await self.stub.Prefill(request, timeout=timeout))
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
                 self.peer_incarnation = ""  # the peer may have restarted: handshake again next time
@@ -148,7 +139,7 @@ class PrefillPeer:
         transfer is cancelled). Failures are logged: the call ends anyway, by its own timeout or the
         health watch."""
         try:
-            await self.stub.Abort(scheduler_pb2.AbortRequest(rid=rid, reason=reason), timeout=ABORT_TIMEOUT_S)
+            await self.stub.Abort(abort_request_to_pb(rid, reason), timeout=ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             logger.info(
                 "abort of %s on prefill worker %s: %s", rid, self.address, e.details(), extra={"rid": rid}

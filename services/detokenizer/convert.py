@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.detokenize import DecodeOptions, TextDelta, TokenStep
-from pdserve.v1 import common_pb2, output_pb2
+from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +123,9 @@ def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -
         completion_tokens=out.completion_tokens,
         index=index,
     )
+
+
+def abort_request(rid: str, reason: str, stopped: bool) -> scheduler_pb2.AbortRequest:
+    """``DecodeScheduler.Abort`` of ``rid``: counted as a stop (finish reason STOP) when ``stopped``."""
+    finish = common_pb2.FINISH_REASON_STOP if stopped else common_pb2.FINISH_REASON_ABORT
+    return scheduler_pb2.AbortRequest(rid=rid, reason=reason, finish_reason=finish)

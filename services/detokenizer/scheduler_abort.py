@@ -9,7 +9,8 @@ import grpc
 
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
-from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pdserve.services.detokenizer.convert import abort_request
+from pdserve.v1 import scheduler_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -26,23 +27,20 @@ class SchedulerAborter:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def abort(
-        self, address: str, rid: str, reason: str, finish_reason: int = common_pb2.FINISH_REASON_ABORT
-    ) -> None:
-        """Abort ``rid`` at the decode-scheduler at ``address``; it counts as ended by
-        ``finish_reason`` (a ``common_pb2.FinishReason``: STOP for a matched stop string)."""
+    def abort(self, address: str, rid: str, reason: str, stopped: bool = False) -> None:
+        """Abort ``rid`` at the decode-scheduler at ``address``; it counts as aborted, or as stopped
+        (finish reason STOP) when ``stopped`` (a matched stop string)."""
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = tls.internal_channel(address, GRPC_OPTIONS)
-        request = scheduler_pb2.AbortRequest(rid=rid, reason=reason, finish_reason=finish_reason)
-        task = asyncio.get_running_loop().create_task(self._call(channel, address, request))
+        task = asyncio.get_running_loop().create_task(self._call(channel, address, rid, reason, stopped))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _call(
-        self, channel: grpc.aio.Channel, address: str, request: scheduler_pb2.AbortRequest
+        self, channel: grpc.aio.Channel, address: str, rid: str, reason: str, stopped: bool
     ) -> None:
-        rid = request.rid
+        request = abort_request(rid, reason, stopped)
         try:
             await scheduler_pb2_grpc.DecodeSchedulerStub(channel).Abort(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:

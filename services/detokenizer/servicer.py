@@ -29,6 +29,7 @@ from pdserve.v1 import common_pb2, output_pb2, output_pb2_grpc
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = output_pb2.DESCRIPTOR.services_by_name["Detokenizer"].full_name
+add_to_server = output_pb2_grpc.add_DetokenizerServicer_to_server
 
 
 class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
@@ -149,7 +150,7 @@ class DetokenizerServicer(output_pb2_grpc.DetokenizerServicer):
         if out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             return  # the scheduler has already finished it
         if route.scheduler_address:
-            self._aborter.abort(route.scheduler_address, out.rid, "stop", common_pb2.FINISH_REASON_STOP)
+            self._aborter.abort(route.scheduler_address, out.rid, "stop", stopped=True)
         else:
             logger.warning(
                 "rid %s hit a stop string but carries no scheduler_address to abort",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,7 +20,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.observability import tracing
 from pdserve.services.gateway.auth import ApiKeyMiddleware
-from pdserve.services.gateway.backend_clients import BackendClients
 from pdserve.services.gateway.errors import (
     GatewayError,
     http_error,
@@ -39,33 +38,38 @@ from pdserve.services.gateway.middleware import (
     BodyTimeoutMiddleware,
     RequestIdMiddleware,
 )
-from pdserve.services.gateway.native_protocol import (
+from pdserve.services.gateway.openai.native_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     NativeGenerateRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pdserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.services.gateway.protocol_responses import ModelCard, ModelList
-from pdserve.services.gateway.router import WorkerPool
-from pdserve.services.gateway.serving_chat import OpenAIServingChat
-from pdserve.services.gateway.serving_common import ServingContext
-from pdserve.services.gateway.serving_completions import OpenAIServingCompletion
-from pdserve.services.gateway.serving_generate import NativeServing
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.openai.protocol_responses import ModelCard, ModelList
+from pdserve.services.gateway.openai.responses.protocol import ResponsesRequest
+from pdserve.services.gateway.openai.responses.serving import OpenAIServingResponses
+from pdserve.services.gateway.openai.responses.store import ResponseStore
+from pdserve.services.gateway.openai.serving_chat import OpenAIServingChat
+from pdserve.services.gateway.openai.serving_common import ServingContext
+from pdserve.services.gateway.openai.serving_completions import OpenAIServingCompletion
+from pdserve.services.gateway.openai.serving_generate import NativeServing
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = (
-    "/v1/models", "/v1/completions", "/v1/chat/completions", "/generate",
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
     "/tokenize", "/detokenize", "/health", "/metrics",
 )  # fmt: skip
 
 
 @dataclass
 class GatewayState:
-    """Everything the routes use. ``worker_name`` labels the gateway's own metrics."""
+    """Everything the routes use. ``worker_name`` labels the gateway's own metrics; ``responses``
+    keeps the stored responses of /v1/responses."""
 
     ctx: ServingContext
     monitor: WorkerMonitor
@@ -73,6 +77,7 @@ class GatewayState:
     metrics: GatewayMetrics
     metric_pools: list[WorkerPool]
     worker_name: str
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
 
 def build_app(
@@ -87,6 +92,7 @@ def build_app(
     chat = OpenAIServingChat(state.ctx)
     completions = OpenAIServingCompletion(state.ctx)
     native = NativeServing(state.ctx)
+    responses = OpenAIServingResponses(state.ctx, state.responses)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -104,6 +110,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
+        return responses.retrieve(response_id, request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> JSONResponse:
+        return responses.delete(response_id, request)
 
     @app.post("/generate")
     async def generate(body: NativeGenerateRequest, request: Request) -> Response:

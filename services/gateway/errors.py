@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 from http import HTTPStatus
+from typing import Any, TypeVar
 
 import grpc
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 # HTTP status -> (OpenAI error type, gRPC status code).
 _KINDS: dict[int, tuple[str, grpc.StatusCode]] = {
@@ -138,6 +140,18 @@ def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
     headers = retry_after() if status in (429, 503) else None
     details = err.details() or err.code().name
     return GatewayError(status, details if status < 500 else f"{service}: {details}", headers=headers)
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validate_as_body(model: type[_Model], fields: dict[str, Any]) -> _Model:
+    """``fields`` validated by ``model``; a failure raises the 400 HTTP answers for that JSON body."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        as_body = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        raise validation_to_gateway_error(RequestValidationError(as_body)) from None
 
 
 # pydantic error types of a body that is not an object (a JSON array, string or null; form data).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
 
 
 async def check_health(monitor: WorkerMonitor) -> tuple[bool, dict]:

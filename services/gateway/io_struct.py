@@ -147,13 +147,16 @@ class WorkerLoad:
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What the tokenizer service reports about the model (``Tokenizer.GetInfo``); ``think_tokens``:
-    the vocabulary has ``<think>`` and ``</think>`` tokens (a reasoning model)."""
+    the vocabulary has ``<think>`` and ``</think>`` tokens (a reasoning model); ``tool_call_parser``
+    and ``reasoning_parser``: the formats its chat template implies ("" none or not recognised)."""
 
     model_name: str
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     context_length: int
     think_tokens: bool = False
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 @dataclass(slots=True)

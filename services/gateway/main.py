@@ -6,7 +6,7 @@ grpc.aio server for the ``PdServe`` API (plus health and reflection), nothing el
 a public client never reaches (it would otherwise name another client's rid and write into its stream).
 With ``--tls-*`` the internal server demands client certificates from the internal CA, and the public
 listeners serve TLS (see ``public_tls``). ``--workers N`` runs N such gateways on the same public
-ports (``workers``).
+ports (``processes``).
 """
 
 from __future__ import annotations
@@ -34,27 +34,31 @@ from pdserve.model_source import served_model_names
 from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
+from pdserve.services.common.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor, parse_api_keys
-from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
-from pdserve.services.gateway.discovery import DEFAULT_INTERVAL_S, Discovery
-from pdserve.services.gateway.grpc_api import MalformedRequestInterceptor, PdServeServicer
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.responses.store import DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, ResponseStore
+from pdserve.services.gateway.openai.serving_common import ServingContext
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.request_manager import ManagerConfig, RequestManager
-from pdserve.services.gateway.request_state import GatewayOutputServicer, RequestRegistry
-from pdserve.services.gateway.router import POLICIES, Router
-from pdserve.services.gateway.serving_common import ServingContext
-from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
-from pdserve.v1 import api_pb2, api_pb2_grpc, output_pb2, output_pb2_grpc
+from pdserve.services.gateway.requests.manager import ManagerConfig, RequestManager
+from pdserve.services.gateway.requests.state import RequestRegistry
+from pdserve.services.gateway.routing.discovery import DEFAULT_INTERVAL_S, Discovery
+from pdserve.services.gateway.routing.policies import POLICIES
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.transport import output_servicer, public_servicer
+from pdserve.services.gateway.transport.backend_clients import BackendClients
+from pdserve.services.gateway.transport.interceptors import MalformedRequestInterceptor
+from pdserve.services.gateway.transport.output_servicer import GatewayOutputServicer
+from pdserve.services.gateway.transport.public_servicer import PdServeServicer
 
 logger = logging.getLogger("pdserve.gateway")
 
-PUBLIC_SERVICES = [api_pb2.DESCRIPTOR.services_by_name["PdServe"].full_name]
-INTERNAL_SERVICES = [output_pb2.DESCRIPTOR.services_by_name["GatewayOutput"].full_name]
+PUBLIC_SERVICES = [public_servicer.SERVICE_NAME]
+INTERNAL_SERVICES = [output_servicer.SERVICE_NAME]
 ROLES = ("tokenizer", "detokenizer", "decode", "prefill")
 
 
@@ -124,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="on shutdown, seconds in-flight HTTP requests get to finish before they are aborted",
     )
     add_chat_parser_args(p)
+    p.add_argument(
+        "--responses-store-size",
+        type=non_negative_int,
+        default=DEFAULT_MAX_PER_KEY,
+        help="/v1/responses: stored responses kept per API key (least recently used dropped first; "
+        "0 = none stored, so previous_response_id always 404s)",
+    )
+    p.add_argument(
+        "--responses-ttl",
+        type=positive_float,
+        default=DEFAULT_TTL_S,
+        help="/v1/responses: seconds a stored response is kept after its last use",
+    )
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -247,10 +264,8 @@ class Gateway:
             TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
             ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
         )
-        self.grpc.add(api_pb2_grpc.add_PdServeServicer_to_server, PdServeServicer(ctx, args.api_keys))
-        self.internal.add(
-            output_pb2_grpc.add_GatewayOutputServicer_to_server, GatewayOutputServicer(self.registry)
-        )
+        self.grpc.add(public_servicer.add_to_server, PdServeServicer(ctx, args.api_keys))
+        self.internal.add(output_servicer.add_to_server, GatewayOutputServicer(self.registry))
         state = GatewayState(
             ctx=ctx,
             monitor=self.monitor,
@@ -258,6 +273,7 @@ class Gateway:
             metrics=self.metrics,
             metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
             worker_name=self.internal_address,
+            responses=ResponseStore(args.responses_store_size, args.responses_ttl),
         )
         app = build_app(
             state,
@@ -361,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_service(args, "gateway")
     if args.workers > 1:
-        from pdserve.services.gateway.workers import serve_workers
+        from pdserve.services.gateway.processes import serve_workers
 
         run_service(lambda stop: serve_workers(args, argv, stop))
     else:

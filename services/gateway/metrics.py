@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.observability.metrics_http import labelled
-from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.router import WorkerPool
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pdserve.observability import tracing
 from pdserve.observability.logs import bind_rid
 from pdserve.sampling.bounds import MAX_RID_CHARS
 from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.serving_common import REQUEST_ID_HEADER, new_rid
+from pdserve.services.gateway.openai.serving_common import REQUEST_ID_HEADER, new_rid
 
 
 async def _send_error(error: GatewayError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -10,9 +10,17 @@ backoff, rather than serving with a smaller pool.
 
 from __future__ import annotations
 
+import logging
+
+import grpc
+
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
-from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdserve.services.common.supervision.spec import ServiceSpec
+from pdserve.services.launcher import convert
+from pdserve.v1 import scheduler_pb2_grpc
+
+logger = logging.getLogger("pdserve.launch")
 
 _STUBS = {
     "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
@@ -28,8 +36,24 @@ async def read_kv_pool_tokens(role: str, address: str, timeout: float = 10.0) ->
         grpc.aio.AioRpcError: ``GetLoad`` failed.
     """
     async with tls.internal_channel(address, GRPC_OPTIONS) as channel:
-        info = await _STUBS[role](channel).GetLoad(scheduler_pb2.LoadRequest(), timeout=timeout)
-    return info.kv_pages_total * info.page_size
+        info = await _STUBS[role](channel).GetLoad(convert.load_request(), timeout=timeout)
+    return convert.kv_pool_tokens(info)
+
+
+async def pin_first_pool(spec: ServiceSpec) -> None:
+    """The ``Supervisor``'s ``on_ready``: once a scheduler sized from free memory is ready, its
+    restarts get the pool it has now (``spec.argv`` pinned, ``spec.pin_kv_pool`` cleared); a pool
+    that cannot be read is logged and left to be sized anew."""
+    if not spec.pin_kv_pool:
+        return
+    try:
+        tokens = await read_kv_pool_tokens(spec.role, spec.health)
+    except grpc.aio.AioRpcError as e:
+        logger.warning("cannot read the KV pool size of %s (%s): a restart sizes it anew", spec.name, e)
+        return
+    spec.argv = pin_kv_pool(spec.argv, tokens)
+    spec.pin_kv_pool = False
+    logger.info("%s has a KV pool of %d tokens; a restart gets the same", spec.name, tokens)
 
 
 def pin_kv_pool(argv: list[str], tokens: int) -> list[str]:

@@ -17,19 +17,27 @@ import logging
 import signal
 import ssl
 
-from pdserve.cli_args import add_engine_args, add_model_arg, non_negative_float, positive_int
+from pdserve.cli_args import (
+    add_chat_template_arg,
+    add_engine_args,
+    add_model_arg,
+    non_negative_float,
+    positive_int,
+)
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.stats_log import add_stats_args
 from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
-from pdserve.services.gateway.chat_parser_args import add_chat_parser_args
+from pdserve.services.common.chat_parser_args import add_chat_parser_args
+from pdserve.services.common.supervision.console import Console, ConsoleHandler
+from pdserve.services.common.supervision.spec import ServiceSpec
+from pdserve.services.common.supervision.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
 from pdserve.services.launcher import config
-from pdserve.services.launcher.console import Console, ConsoleHandler
+from pdserve.services.launcher.kv_pool_pin import pin_first_pool
 from pdserve.services.launcher.ports import PortReservation
-from pdserve.services.launcher.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
-from pdserve.services.launcher.topology import ServiceSpec, build_topology, visible_gpus
+from pdserve.services.launcher.topology import build_topology, visible_gpus
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -91,11 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     add_engine_args(p)
-    p.add_argument(
-        "--chat-template",
-        default=None,
-        help="a Jinja chat template file, or the template itself, instead of the model's own",
-    )
+    add_chat_template_arg(p)
     add_stats_args(p)
     p.add_argument(
         "--gpus",
@@ -218,6 +222,7 @@ async def launch(args: argparse.Namespace, stop: asyncio.Event, console: Console
         drain_timeout=args.drain_timeout,
         http_verify=_https_health_context(args.tls_ca) if args.identity else True,
         liveness_timeout=args.liveness_timeout,
+        on_ready=pin_first_pool,
     )
 
     def on_signal() -> None:

@@ -15,48 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.model_source import served_model_names
-
-STAGES = {"tokenizer": 0, "detokenizer": 0, "prefill": 1, "decode": 1, "gateway": 2}
-
-
-@dataclass
-class ServiceSpec:
-    """One process of the topology.
-
-    ``health`` is "host:port" of its grpc.health.v1 service, or an http:// URL for the gateway
-    (ready when every role is); ``liveness`` the "host:port" whose grpc.health.v1 status says the
-    process itself is alive (default: ``health``); ``env`` is added to the launcher's environment
-    (secrets go there, not in ``argv``, which any user of the machine can read in ``ps``); ``binds``
-    are the (host, port) pairs it listens on; ``pin_kv_pool``: a scheduler whose KV pool is sized
-    from free memory, to be restarted with the size of its first start (``kv_pool_pin``).
-    """
-
-    name: str
-    role: str
-    argv: list[str]
-    health: str
-    env: dict[str, str] = field(default_factory=dict)
-    binds: list[tuple[str, int]] = field(default_factory=list)
-    liveness: str = ""
-    pin_kv_pool: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.liveness and not self.health.startswith("http"):
-            self.liveness = self.health
-
-    @property
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "pdserve.cli", self.role, *self.argv]
-
-    @property
-    def stage(self) -> int:
-        """Start order (0: tokenizer and detokenizer, 1: schedulers, 2: gateway); stop in reverse."""
-        return STAGES[self.role]
+from pdserve.services.common.supervision.spec import ServiceSpec
 
 
 def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
@@ -91,6 +53,8 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-cuda-graph")
     if args.disable_overlap_schedule:
         flags.append("--disable-overlap-schedule")
+    if args.enable_expert_parallel:
+        flags.append("--enable-expert-parallel")
     return flags
 
 
@@ -284,7 +248,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     binds += [(host, base + 3 + i) for i in range(args.gateway_workers)]
     binds += [(h, port + i) for h, port in gateway_binds for i in range(args.gateway_workers)]
     # its internal gRPC server: same event loop, the internal plane's TLS; with --gateway-workers the
-    # gateway's own supervisor watches each worker's (``gateway.workers``)
+    # gateway's own supervisor watches each worker's (``gateway.processes``)
     liveness = f"{host}:{base + 3}" if args.gateway_workers == 1 else ""
     specs.append(ServiceSpec("gateway", "gateway", gateway, health, secrets, binds, liveness=liveness))
     return specs

@@ -67,4 +67,6 @@ def info_to_pb(info: TokenizerInfo) -> tokenizer_pb2.TokenizerInfoResponse:
         eos_token_ids=info.eos_token_ids,
         context_length=info.context_length,
         think_tokens=info.think_tokens,
+        tool_call_parser=info.tool_call_parser,
+        reasoning_parser=info.reasoning_parser,
     )

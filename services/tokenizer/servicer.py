@@ -11,6 +11,7 @@ from pdserve.tokenization import Tokenizer
 from pdserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+add_to_server = tokenizer_pb2_grpc.add_TokenizerServicer_to_server
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):

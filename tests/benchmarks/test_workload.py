@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from benchmarks.serving_lib.grounded import TASKS
 from benchmarks.serving_lib.tokens import estimate_tokens
 from benchmarks.serving_lib.workload import WORDS, PromptSource, random_words
 from tests.reference import hf_tokenizer
@@ -65,3 +66,27 @@ def test_bad_arguments_raise():
         PromptSource("sonnets", 128, 1000, seed=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         PromptSource("random", 0, 1000, seed=0)
+
+
+def test_grounded_prompts_hold_what_their_answers_copy():
+    """Each task in turn (repeat, extract, replace, rename), its grounding text about the asked length,
+    the prompts the same for the same seed."""
+    source = PromptSource("grounded", 120, 1, seed=4)
+    prompts = source.take(8)
+    assert prompts == PromptSource("grounded", 120, 1, seed=4).take(8)
+    assert len(set(prompts)) == 8
+    for i, prompt in enumerate(prompts):
+        task = TASKS[i % len(TASKS)]
+        head = {
+            "repeat": "Here is a passage:",
+            "extract": "Notes:",
+            "replace": "Text:",
+            "rename": "```python",
+        }[task]
+        assert prompt.startswith(head)
+        assert 90 <= n_tokens(prompt) <= 260, (task, n_tokens(prompt))
+    _, note, _ = prompts[1].rpartition("Note ")[2].partition(", which mentions the ")
+    number = int(prompts[1].rpartition("Note ")[2].split(",")[0])
+    quoted = prompts[1].split("\n")[number]  # the notes are numbered from the second line
+    assert quoted.startswith(f"{number}. ") and note.split(",")[0] in quoted.lower()
+    assert "def " in prompts[3] and prompts[3].count("renamed to") == 1

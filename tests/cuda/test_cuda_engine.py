@@ -54,7 +54,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _attention_runner(page_size: int, num_pages: int) -> SimpleNamespace:
+def _attention_runner(page_size: int, num_pages: int, layer: RadixAttention) -> SimpleNamespace:
     config = SimpleNamespace(
         dtype=torch.bfloat16,
         num_local_heads=HEADS,
@@ -67,20 +67,24 @@ def _attention_runner(page_size: int, num_pages: int) -> SimpleNamespace:
         model_config=config,
         kv_pool=KVPool(num_pages, page_size, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, CUDA),
         req_to_token_pool=ReqToTokenPool(8, 2048, CUDA),
+        model=torch.nn.Sequential(layer),  # the backend plans each of its layers' kinds
     )
 
 
 @pytest.mark.parametrize("requests", [DECODES, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("page_size", [16, 1])
-def test_flashinfer_paged_attention_matches_float64(requests, page_size):
+@pytest.mark.parametrize("window", [0, 20])
+def test_flashinfer_paged_attention_matches_float64(requests, page_size, window):
     """One layer through FlashInferAttnBackend (decode wrapper for an all-decode batch, prefill
-    wrapper for extends with cached prefixes), pages scattered over the pool, against float64
-    attention, within bfloat16 rounding of the output and of the attention weights."""
-    from pdserve.layers.attention.flashinfer_backend import FlashInferAttnBackend
+    wrapper for extends with cached prefixes), full or sliding-window (``window_left``), pages
+    scattered over the pool, against float64 attention, within bfloat16 rounding of the output and
+    of the attention weights."""
+    from pdserve.layers.attention.flashinfer_backend import AttentionKind, FlashInferAttnBackend
 
     gen = torch.Generator().manual_seed(0)
     pages_per = [-(-(p + n) // page_size) for p, n in requests]
-    runner = _attention_runner(page_size, sum(pages_per) + 3)
+    layer = RadixAttention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, 0, sliding_window=window)
+    runner = _attention_runner(page_size, sum(pages_per) + 3, layer)
     backend = runner.attn_backend = FlashInferAttnBackend(runner)
     runner.kv_pool.kv_data.copy_(torch.randn(runner.kv_pool.kv_data.shape, generator=gen))
     order = torch.randperm(sum(pages_per) + 3, generator=gen).tolist()
@@ -100,13 +104,14 @@ def test_flashinfer_paged_attention_matches_float64(requests, page_size):
     )
     assert fb.forward_mode is (ForwardMode.DECODE if requests is DECODES else ForwardMode.EXTEND)
     backend.init_forward_metadata(fb)
-    assert backend.wrapper is (backend.decode_wrapper if requests is DECODES else backend.prefill_wrapper)
+    kind = AttentionKind.of(layer)
+    planned = backend.decode_wrappers if requests is DECODES else backend.prefill_wrappers
+    assert backend.wrappers == {kind: planned[kind]}
     tokens = fb.input_ids.shape[0]
     q, k, v = (
         torch.randn(tokens, heads * HEAD_DIM, generator=gen).bfloat16().to(CUDA)
         for heads in (HEADS, KV_HEADS, KV_HEADS)
     )
-    layer = RadixAttention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, 0)
     out = backend.forward(q, k, v, layer, fb).view(tokens, HEADS, HEAD_DIM).cpu()
     k_pages, v_pages = (pages.cpu() for pages in runner.kv_pool.kv_pages(0))
     expected = row_reference(
@@ -118,6 +123,7 @@ def test_flashinfer_paged_attention_matches_float64(requests, page_size):
         fb.extend_seq_lens.cpu(),
         fb.extend_start_loc.cpu(),
         HEAD_DIM**-0.5,
+        window,
     )
     assert sorted(expected) == list(range(tokens))
     for row in range(tokens):
@@ -165,7 +171,7 @@ def test_engine_on_cuda_float32_matches_hf_greedy(checkpoint):
         assert seq.output_ids == ref[0, len(prompt) :].tolist()
 
 
-def _hf_logprobs(model, seqs) -> list[torch.Tensor]:
+def hf_logprobs(model, seqs) -> list[torch.Tensor]:
     """Each sequence's generated tokens' logprobs under ``model``, teacher-forced (float32 log_softmax)."""
     out = []
     for seq in seqs:
@@ -189,7 +195,7 @@ def test_engine_bfloat16_with_flashinfer_is_as_close_to_float32_as_hf_bfloat16(c
     seqs = _run_engine(runner, _prompts(), SamplingParams(temperature=0.0, return_logprob=True))
     ours = [torch.tensor(s.logprobs) for s in seqs]
     fp32, bf16 = (
-        _hf_logprobs(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(CUDA).eval(), seqs)
+        hf_logprobs(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(CUDA).eval(), seqs)
         for dtype in (torch.float32, torch.bfloat16)
     )
     ours_error = max(float((a - b).abs().max()) for a, b in zip(ours, fp32, strict=True))
@@ -224,3 +230,30 @@ def test_cuda_graph_decode_matches_eager(checkpoint):
         torch.testing.assert_close(
             torch.tensor(replayed.logprobs), torch.tensor(eager.logprobs), atol=0.05, rtol=0
         )
+
+
+@pytest.mark.parametrize(("dtype", "backend"), [("float32", "torch_native"), ("bfloat16", "auto")])
+def test_speculative_verify_on_cuda_gives_plain_greedy_tokens(checkpoint, dtype, backend):
+    """The target as its own draft on the GPU: verify steps (SDPA on torch_native, FlashInfer's prefill
+    wrapper under ``auto``; decode steps replayed from CUDA graphs there) keep drafts and give the
+    tokens plain greedy decoding gives, with every page of both pools back at the end."""
+    from pdserve.speculative.draft_model import DraftModelProposer
+
+    args = dict(dtype=dtype, attention_backend=backend, device="cuda", max_total_tokens=8192)
+    runner = ModelRunner(checkpoint, **args)
+    proposer = DraftModelProposer.load(checkpoint, checkpoint, **args)
+    prompts = _prompts()
+    plain = _run_engine(runner, prompts, SamplingParams(temperature=0.0))
+    driver = Driver(runner)
+    seqs = [driver.add(p, SamplingParams(temperature=0.0)) for p in prompts]
+    driver.step([(s, None) for s in seqs])
+    accepted = 0
+    while min(len(s.output_ids) for s in seqs) < NEW_TOKENS:
+        accepted += sum(a.num_accepted_drafts for a in driver.speculate(seqs, proposer, 3))
+    driver.release(*seqs)
+    for seq in seqs:
+        proposer.release(seq.rid)
+    assert [s.output_ids[:NEW_TOKENS] for s in seqs] == [s.output_ids for s in plain]
+    assert accepted >= 4 * len(seqs)  # drafts of the same model stand
+    for pool in (runner.token_to_kv_pool_allocator, proposer.runner.token_to_kv_pool_allocator):
+        assert pool.available_size() == pool.num_pages

@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from pdserve.observability import rpc_observer
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.services.detokenizer.metrics import DetokenizerMetrics
-from pdserve.services.gateway.discovery import parse_dns_target
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.routing.discovery import parse_dns_target
 from tests.deploy.conftest import NAMESPACE, Rendered, load_values, render
 
 DRAINING = ("gateway", "prefill", "decode")  # the roles with a --drain-timeout

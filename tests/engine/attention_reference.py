@@ -5,14 +5,17 @@ from __future__ import annotations
 import torch
 
 
-def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of each request's query over its keys, in float64, one request at a time,
-    and the same weights over |V| (the scale of rounding the weights to bfloat16)."""
+def reference(
+    q, k_pages, v_pages, page_table, seq_lens, scale, window=0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each request's query over its keys (its last ``window`` ones when given),
+    in float64, one request at a time, and the same weights over |V| (the scale of rounding the
+    weights to bfloat16)."""
     _, page_size, num_kv_heads, head_dim = k_pages.shape
     group = q.shape[1] // num_kv_heads
     out, magnitude = [], []
     for b, n in enumerate(seq_lens.tolist()):
-        slots = torch.arange(n)
+        slots = torch.arange(max(0, n - window) if window else 0, n)
         pages = page_table[b, slots // page_size]
         k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
@@ -22,14 +25,25 @@ def reference(q, k_pages, v_pages, page_table, seq_lens, scale) -> tuple[torch.T
     return torch.stack(out), torch.stack(magnitude)
 
 
-def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale):
+def row_reference(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts, scale, window=0):
     """Per query row of the requests: the float64 reference of a decode row with the request's pages
-    and length (its position + 1)."""
+    and length (its position + 1), over its last ``window`` keys when given."""
     rows = torch.cat([start + torch.arange(n) for start, n in zip(row_starts, extend_lens, strict=True)])
     row_table = page_table.repeat_interleave(extend_lens, dim=0)
     row_lens = torch.cat([p + 1 + torch.arange(n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
-    expected, magnitude = reference(q[rows], k_pages, v_pages, row_table, row_lens, scale)
+    expected, magnitude = reference(q[rows], k_pages, v_pages, row_table, row_lens, scale, window)
     return {int(row): (expected[i], magnitude[i]) for i, row in enumerate(rows)}
+
+
+def hide_keys_before(k_pages, v_pages, page_table, firsts) -> None:
+    """NaN into the K/V of request ``b``'s positions before ``firsts[b]`` (keys no query of it may
+    read: a sliding window has passed them), so that a kernel reading one shows in its output."""
+    page_size = k_pages.shape[1]
+    for b, first in enumerate(firsts):
+        slots = torch.arange(int(first))
+        rows, cols = page_table[b, slots // page_size], slots % page_size
+        k_pages[rows, cols] = torch.nan
+        v_pages[rows, cols] = torch.nan
 
 
 def assert_matches(

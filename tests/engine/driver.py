@@ -6,6 +6,7 @@ caching and retraction on top; here every sequence simply owns its pages.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
@@ -14,6 +15,10 @@ from pdserve.mem_cache.memory_pool import slots_for_pages
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.sampling.verify import Accepted, VerifyInputs, accept, verify_inputs
+from pdserve.speculative.proposer import DraftRequest, Proposer
+
+_RIDS = itertools.count()
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Seq:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    rid: str = field(default_factory=lambda: f"seq-{next(_RIDS)}")
 
     @property
     def fill_ids(self) -> list[int]:
@@ -102,6 +108,66 @@ class Driver:
                     seq.logprobs.append(result.next_token_logprobs[i])
                 seq.top_logprobs.append(result.top_logprobs[i] if result.top_logprobs else [])
         return result
+
+    def prepare_verify(
+        self, work: list[tuple[Seq, list[int]]], draft_probs: list | None = None
+    ) -> tuple[ForwardBatch, VerifyInputs]:
+        """The batch in which each ``(seq, drafts)`` computes its uncomputed tokens (its last output)
+        followed by ``drafts``, with logits at the last one and at every draft token."""
+        seqs = [seq for seq, _ in work]
+        inputs = verify_inputs(
+            [seq.params for seq in seqs],
+            output_ids=[seq.output_ids for seq in seqs],
+            prompt_ids=[seq.prompt for seq in seqs],
+            drafts=[drafts for _, drafts in work],
+            eos_token_ids=self.runner.model_config.eos_token_ids,
+            vocab_size=self.runner.model_config.vocab_size,
+            device=self.runner.device,
+            draft_probs=draft_probs,
+        )
+        input_ids: list[int] = []
+        prefix_lens, extend_lens = [], []
+        for seq, drafts in zip(seqs, inputs.drafts, strict=True):
+            tokens = seq.fill_ids[seq.num_computed :] + drafts
+            self._ensure_pages(seq, seq.num_computed + len(tokens))
+            input_ids += tokens
+            prefix_lens.append(seq.num_computed)
+            extend_lens.append(len(tokens))
+        fb = ForwardBatch.init_new(
+            input_ids=input_ids,
+            req_pool_indices=[seq.req_pool_idx for seq in seqs],
+            seq_lens=[p + e for p, e in zip(prefix_lens, extend_lens, strict=True)],
+            extend_prefix_lens=prefix_lens,
+            logits_lens=inputs.logits_lens,
+            sampling_info=inputs.sampling_info,
+            return_logprob=any(seq.params.return_logprob for seq in seqs),
+            top_logprobs_nums=inputs.top_logprobs_nums,
+            draft_rows=inputs.draft_rows,
+            runner=self.runner,
+        )
+        return fb, inputs
+
+    def verify(self, work: list[tuple[Seq, list[int]]], draft_probs: list | None = None) -> list[Accepted]:
+        """Run ``prepare_verify(work)``: each sequence keeps its accepted drafts and the token after
+        them as outputs, KV for the tokens before that one, and the pages those need."""
+        fb, inputs = self.prepare_verify(work, draft_probs)
+        accepted = accept(self.runner.forward_batch_generation(fb), inputs.drafts)
+        for (seq, _), kept in zip(work, accepted, strict=True):
+            seq.num_computed = len(seq.fill_ids) + kept.num_accepted_drafts
+            seq.output_ids += kept.token_ids
+            seq.logprobs += kept.logprobs or []
+            seq.top_logprobs += kept.top_logprobs or [[] for _ in kept.token_ids]
+            keep = -(-seq.num_computed // self.page_size)
+            self.runner.token_to_kv_pool_allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+        return accepted
+
+    def speculate(self, seqs: list[Seq], proposer: Proposer, num_drafts: int) -> list[Accepted]:
+        """One speculative step of ``seqs`` (each with an output: prefilled): up to ``num_drafts``
+        drafts from ``proposer``, verified in one forward (``verify``)."""
+        reqs = [DraftRequest(s.rid, s.prompt, s.output_ids, num_drafts, s.params) for s in seqs]
+        drafts = proposer.propose(reqs)
+        return self.verify(list(zip(seqs, drafts.token_ids, strict=True)), drafts.probs)
 
     def generate(self, seqs: list[Seq], max_new_tokens: int) -> None:
         """Extend every sequence in one batch, then decode them together to ``max_new_tokens`` each."""

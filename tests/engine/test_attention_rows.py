@@ -15,7 +15,7 @@ from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool, slots_for_pages
-from tests.engine.attention_reference import assert_matches, row_reference
+from tests.engine.attention_reference import assert_matches, hide_keys_before, row_reference
 
 # (cached prefix, new tokens): one-token and one-tile extends, tile boundaries (16, 17), a long
 # cached prefix, a fresh 130-token prompt
@@ -97,6 +97,23 @@ def test_ragged_extends_match_reference(kernel, dtype, head_dim, group, page_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 64])
+def test_sliding_window_extends(kernel, dtype, head_dim, window):
+    """Each token's row attends its own key and the ``window - 1`` before it: windows that start in
+    different blocks, windows shorter than a block and longer than a prompt. The keys no
+    query of a request may see (before its first query's window) are NaN and never read."""
+    batch = make_batch(REQUESTS, 6, 2, head_dim, 16, seed=5, dtype=dtype)
+    q, k_pages, v_pages, table, prefix_lens, extend_lens, row_starts = batch
+    hide_keys_before(k_pages, v_pages, table, (prefix_lens + 1 - window).clamp_min(0))
+    rows, args, row_req = as_rows(*batch)
+    out = kernel(*args, 0.125, row_req=row_req, window=window)
+    expected = row_reference(*batch, 0.125, window)
+    for i, row in enumerate(rows.tolist()):
+        assert_matches(out[i], expected[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peaked_softmax(kernel, dtype):
     """Large scores: the running max moves block to block and one key dominates."""
     q, *rest = make_batch(((40, 50), (0, 20)), 9, 3, 64, 16, seed=3, dtype=dtype)
@@ -110,9 +127,11 @@ def test_peaked_softmax(kernel, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_rows_match_sdpa(kernel, dtype):
+@pytest.mark.parametrize("window", [0, 20])
+def test_mixed_batch_rows_match_sdpa(kernel, dtype, window):
     """A batch of decodes, cached-prefix extends and a fresh prompt: the backend runs every token as a
-    kernel row, and one layer's output equals its SDPA path's."""
+    kernel row, and one layer's output equals its SDPA path's, with full attention and with a
+    sliding window."""
     num_heads, num_kv_heads, head_dim, page_size = 9, 3, 64, 16
     config = SimpleNamespace(
         dtype=dtype, num_local_heads=num_heads, num_local_kv_heads=num_kv_heads, head_dim=head_dim
@@ -123,6 +142,8 @@ def test_mixed_batch_rows_match_sdpa(kernel, dtype):
         kv_pool=KVPool(64, page_size, 1, num_kv_heads, head_dim, dtype),
         req_to_token_pool=ReqToTokenPool(8, 1024),
     )
+    layer = RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0, sliding_window=window)
+    runner.model = torch.nn.Sequential(layer)  # the backend reads its layers' windows
     rows, sdpa = TorchNativeAttnBackend(runner), TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     assert rows.decode_kernel is not None
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +157,6 @@ def test_mixed_batch_rows_match_sdpa(kernel, dtype):
             pages, 0, len(pages) * page_size, page_size
         )
     tokens = sum(n for _, n in requests)
-    layer = RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     outs = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
-from tests.engine.attention_reference import assert_matches, reference
+from tests.engine.attention_reference import assert_matches, hide_keys_before, reference
 
 RAGGED = (1, 15, 16, 17, 33, 100, 257)  # one key, around page boundaries, not multiples of the page
 
@@ -109,3 +109,25 @@ def test_strided_query_rows(kernel, dtype):
     out = kernel(strided, k, v, table, lens, 0.125)
     torch.testing.assert_close(out, kernel(q, k, v, table, lens, 0.125), rtol=0, atol=0)
     assert_matches(out, reference(q, k, v, table, lens, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 4096])
+def test_sliding_window_reads_only_the_last_keys(kernel, dtype, page_size, window):
+    """A sliding-window layer's rows attend their last ``window`` keys; the keys before them (NaN
+    here) are never read."""
+    q, k, v, table, lens = make_pool(list(RAGGED), 8, 2, 64, page_size, dtype, seed=3)
+    hide_keys_before(k, v, table, (lens - window).clamp_min(0))
+    out = kernel(q, k, v, table, lens, 0.125, window=window)
+    assert_matches(out, reference(q, k, v, table, lens, 0.125, window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_of_a_split_request(kernel, dtype):
+    """With idle threads a long request's window is split over its positions as a whole one is."""
+    q, k, v, table, lens = make_pool([3001, 40], 9, 3, 64, 16, dtype, seed=4)
+    hide_keys_before(k, v, table, (lens - 1000).clamp_min(0))
+    expected = reference(q, k, v, table, lens, 0.125, 1000)
+    for threads in (1, 2, 4):
+        assert_matches(kernel(q, k, v, table, lens, 0.125, num_threads=threads, window=1000), expected)

@@ -18,6 +18,7 @@ from transformers import (
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.engine.driver import Driver
+from tests.families import hf_greedy
 
 TINY = dict(
     vocab_size=300,
@@ -67,18 +68,4 @@ def test_tiny_checkpoint_greedy_matches_hf(family, tmp_path):
     seqs = [driver.add(p, SamplingParams(temperature=0.0)) for p in prompts]
     driver.generate(seqs, NEW_TOKENS)
     for prompt, seq in zip(prompts, seqs, strict=True):
-        assert seq.output_ids == hf_tokens(hf, prompt, NEW_TOKENS)
-
-
-def hf_tokens(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF's greedy ``new_tokens`` after ``prompt`` (no early stop)."""
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return ref[0, len(prompt) :].tolist()
+        assert seq.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)

@@ -24,7 +24,7 @@ from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.sampling.sampling_params import SamplingParams
 from tests.engine.driver import Driver
 from tests.engine.test_greedy_vs_hf import hf_greedy_with_logprobs
-from tests.engine.test_model_families import hf_tokens
+from tests.families import hf_greedy
 
 PROMPT_LENS = [1, 33, 180, 450]
 NEW_TOKENS = 24
@@ -161,4 +161,4 @@ def test_tiny_checkpoints_with_replicated_kv_heads(tiny_checkpoints, tmp_path):
         hf = model_class.from_pretrained(tiny_checkpoints / name, dtype=torch.float32).eval()
         assert ranks[0][name]["tokens"] == ranks[1][name]["tokens"] == single["tokens"], name
         for prompt, tokens in zip(prompts, single["tokens"], strict=True):
-            assert tokens == hf_tokens(hf, prompt, NEW_TOKENS), f"{name}: prompt of {len(prompt)} tokens"
+            assert tokens == hf_greedy(hf, prompt, NEW_TOKENS), f"{name}: prompt of {len(prompt)} tokens"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.services.gateway.admission import check_pending, pending_limit
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.io_struct import GenerateReqInput, SamplingParams
-from pdserve.services.gateway.router import WorkerPool
+from pdserve.services.gateway.requests.admission import check_pending, pending_limit
+from pdserve.services.gateway.routing.workers import WorkerPool
 
 
 def pool(*capacities: int | None) -> WorkerPool:

@@ -18,10 +18,9 @@ from transformers import AutoConfig
 
 from pdserve.model_source import resolve_model
 from pdserve.sampling.bounds import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_TOOLS, MAX_TOOLS_CHARS
-from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.grpc_api import validate_as_body
-from pdserve.services.gateway.native_protocol import NativeGenerateRequest
-from pdserve.services.gateway.protocol import ChatCompletionRequest
+from pdserve.services.gateway.errors import GatewayError, validate_as_body
+from pdserve.services.gateway.openai.native_protocol import NativeGenerateRequest
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
 from tests.gateway.conftest import API_KEY, MAX_REQUEST_BYTES
 from tests.reference import chat_ids, hf_tokenizer
 
@@ -126,13 +125,6 @@ CASES = [
         400,
         chat(response_format={"type": "yaml"}),
         param="response_format.type",
-    ),
-    Case(
-        "tools-auto-without-parser",
-        400,
-        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
-        param="tool_choice",
-        contains=lambda: ["--tool-call-parser"],
     ),
     Case("tool-message-without-content", 400, chat(messages=[{"role": "tool", "tool_call_id": "a"}])),
     Case("logit-bias-not-a-token-id", 400, chat(logit_bias={"fifty": 5}), param="logit_bias.fifty"),

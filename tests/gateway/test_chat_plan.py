@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from pdserve.services.gateway.chat_output import ChoiceParser, plan_chat
 from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.protocol import ChatCompletionRequest
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.tool_parsers import TOOL_PARSERS
+from pdserve.services.gateway.openai.chat_output import ChoiceParser, plan_chat
+from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 HERMES = TOOL_PARSERS["hermes"]()
@@ -28,12 +28,17 @@ def test_plain_requests_have_no_grammar_and_no_tool_parsing() -> None:
     assert plan_chat(body(tools=[TOOL], tool_choice="none"), None, None).tools is None
 
 
-def test_tools_need_a_parser_unless_only_shown() -> None:
+def test_auto_needs_a_known_format_and_forced_calls_do_not() -> None:
+    """With no format known (a template that shows tools its own way, no flag), "auto" is a 400;
+    a forced call is held by a grammar in the hermes format (that of the default tool rendering)."""
     with pytest.raises(GatewayError) as err:
         plan_chat(body(tools=[TOOL]), None, None)
     assert err.value.status == 400 and "--tool-call-parser" in err.value.message
     auto = plan_chat(body(tools=[TOOL]), HERMES, None)
     assert auto.tools is HERMES and auto.constraint is None
+    forced = plan_chat(body(tools=[TOOL], tool_choice="required"), None, None)
+    assert forced.tools.name == "hermes"
+    assert forced.constraint == plan_chat(body(tools=[TOOL], tool_choice="required"), HERMES, None).constraint
 
 
 def test_forced_calls_get_a_grammar_from_the_tools() -> None:

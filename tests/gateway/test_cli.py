@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.model_source import DEFAULT_MODEL_NAME, resolve_model, served_model_name
+from pdserve.services.common.chat_parser_args import TOOL_CALL_PARSERS
 from pdserve.services.gateway.main import parse_args
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 
 BACKENDS = ["--tokenizer-addresses", "t:1", "--decode-addresses", "d:1,d:2", "--detokenizer-addresses", "k:1"]
 
@@ -32,3 +34,11 @@ def test_served_name_of_the_default_model_and_its_cache_dir(tmp_path) -> None:
     assert served_model_name(str(resolve_model())) == DEFAULT_MODEL_NAME
     assert served_model_name(str(tmp_path / "Llama-3.2-1B")) == "Llama-3.2-1B"
     assert served_model_name(str(tmp_path / "qwen.gguf")) == "qwen"
+
+
+def test_the_flag_names_every_tool_call_format_the_gateway_has() -> None:
+    """``--tool-call-parser`` checks its value against names the launcher shares without importing the
+    gateway (``services.common.chat_parser_args``): they must be exactly the gateway's formats."""
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)
+    for name in TOOL_CALL_PARSERS:
+        assert parse_args([*BACKENDS, "--tool-call-parser", name]).tool_call_parser == name

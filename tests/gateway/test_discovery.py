@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.services.gateway.discovery import Discovery, parse_dns_target, resolve
+from pdserve.services.gateway.routing.discovery import Discovery, parse_dns_target, resolve
 
 
 class ScriptedDns:

@@ -26,8 +26,12 @@ SEED = 19
 MAX_NEW = 4
 # examples per operation and mode; positive ones of the generating endpoints run the model
 EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 60}
-GENERATING = ("/v1/chat/completions", "/v1/completions", "/generate")
-SIZE_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens")
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
+SIZE_FIELDS = (
+    "max_tokens", "max_completion_tokens", "max_output_tokens",
+    "max_new_tokens", "min_tokens", "min_new_tokens",
+)  # fmt: skip
+LIMIT = {"/generate": "max_new_tokens", "/v1/responses": "max_output_tokens"}  # else max_tokens
 
 
 def shrink(body: object, path: str) -> None:
@@ -43,7 +47,7 @@ def shrink(body: object, path: str) -> None:
         value = params.get(name)
         if type(value) is int and 0 < value < 2**31:
             params[name] = min(value, MAX_NEW)
-    limit = "max_new_tokens" if path == "/generate" else "max_tokens"
+    limit = LIMIT.get(path, "max_tokens")
     if params.get(limit) is None:  # absent or null: both mean "up to the context length"
         params[limit] = MAX_NEW
     if type(params.get("n")) is int and 1 <= params["n"] <= 128:

@@ -17,10 +17,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from pdserve.services.gateway.backend_clients import SCHEDULER_SERVICES, BackendClients
 from pdserve.services.gateway.main import Gateway, parse_args
-from pdserve.services.gateway.router import Router, WorkerPool
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
+from pdserve.services.gateway.transport.convert import SCHEDULER_SERVICES
 from tests.gateway.conftest import API_KEY
 from tests.stack import free_port_block
 

@@ -127,7 +127,7 @@ async def test_unknown_completion_fields_and_message_fields_are_accepted(local_g
         ),
     ):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="pdserve.services.gateway.serving_common"):
+        with caplog.at_level(logging.INFO, logger="pdserve.services.gateway.openai.serving_common"):
             r = await post(local_gateway, path, body, headers={"X-Request-Id": "unknown-fields"})
         assert r.status_code == 503, r.text  # validated, then no scheduler
         assert f"request unknown-fields: ignoring unknown fields {ignored}" in caplog.messages

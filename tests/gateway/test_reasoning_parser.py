@@ -8,8 +8,8 @@ import json
 import pytest
 import xgrammar as xgr
 
-from pdserve.services.gateway.reasoning_parser import ReasoningParser
-from pdserve.services.gateway.structured_outputs import Constraint
+from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
+from pdserve.services.gateway.openai.structured_outputs import Constraint
 from tests.reference import xgrammar_compiler
 
 # (parser, continued assistant text or None, output, reasoning, answer)

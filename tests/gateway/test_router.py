@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.services.gateway.errors import GatewayError
-from pdserve.services.gateway.prefix_tree import ApproxPrefixTree
-from pdserve.services.gateway.router import CacheAwarePolicy, Router, WorkerPool
+from pdserve.services.gateway.routing.policies import CacheAwarePolicy
+from pdserve.services.gateway.routing.prefix_tree import ApproxPrefixTree
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.workers import WorkerPool
 
 DECODES = ["d0:1", "d1:1", "d2:1"]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.services.gateway.protocol_responses import (
+from pdserve.services.gateway.openai.protocol_responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatLogprobEntry,
@@ -19,7 +19,7 @@ from pdserve.services.gateway.protocol_responses import (
     DeltaToolCall,
     UsageInfo,
 )
-from pdserve.services.gateway.stream_chunks import ChunkEncoder, chat_choice, completion_choice
+from pdserve.services.gateway.openai.stream_chunks import ChunkEncoder, chat_choice, completion_choice
 
 USAGE = UsageInfo.of(12, 3, 8)
 CALL = DeltaToolCall(index=0, id="call_1", type="function", function=DeltaFunction(name="f", arguments='{"'))

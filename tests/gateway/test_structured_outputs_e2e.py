@@ -1,11 +1,10 @@
 """Constrained decoding end to end, through the official ``openai`` client on the real model.
 
-``colocated`` and ``stack`` (PD 2+2) are the session stacks (started with ``--tool-call-parser
-hermes --reasoning-parser qwen3``: SmolLM2 has no ``<think>`` tokens, so its grammars hold from the
-first token; the reasoning path is tested in ``test_tool_calls_e2e``, where the prompt opens a
-``<think>`` block); each test leaves their schedulers idle with the KV pools conserved. Outputs are
-checked with ``jsonschema`` / ``re`` and, for greedy ones, against HF transformers decoding under
-xgrammar's own HF logits processor.
+``colocated`` and ``stack`` (PD 2+2) are the session stacks (with no chat-parser flags: SmolLM2
+has no ``<think>`` tokens, so its grammars hold from the first token; the reasoning path is tested
+in ``test_tool_calls_e2e``, where the prompt opens a ``<think>`` block); each test leaves their
+schedulers idle with the KV pools conserved. Outputs are checked with ``jsonschema`` / ``re`` and,
+for greedy ones, against HF transformers decoding under xgrammar's own HF logits processor.
 """
 
 from __future__ import annotations

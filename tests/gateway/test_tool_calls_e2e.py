@@ -1,8 +1,11 @@
 """Tool calls and reasoning end to end on SmolLM2, through the official ``openai`` client.
 
-The session stacks run ``--tool-call-parser hermes --reasoning-parser qwen3``. A forced call
-("required" or a named function) is held by a grammar made from the tools' schemas, so even a
-135M model emits a valid call; its parsed arguments must validate against the tool's schema.
+The session stacks run with no chat-parser flags, as ``make run`` does: SmolLM2's template does not
+render tools, so the tokenizer shows them to the model in the hermes convention and the gateway
+reads hermes calls. A forced call ("required" or a named function) is held by a grammar made from
+the tools' schemas, so even a 135M model emits a valid call; its parsed arguments must validate
+against the tool's schema. With "auto" the model calls a tool when an earlier turn showed it one.
+The reasoning test runs on a second gateway with ``--reasoning-parser qwen3``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.gateway.conftest import replica_of
 from tests.gateway.schemas import SCHEMAS
 from tests.reference import hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack
@@ -125,6 +129,37 @@ def test_parallel_calls_off_gives_one_call_and_auto_may_answer_in_text(colocated
     assert auto.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_calls_a_tool_after_a_turn_that_did(colocated) -> None:
+    """One earlier turn with a call (rendered by the default tool rendering) and the same question
+    about another city: greedy SmolLM2 calls get_weather for it, parsed with no flag, whole and
+    streamed alike."""
+    call = {
+        "id": "c0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "user", "content": "What is the weather in London right now?"},
+    ]
+    kwargs = dict(model=SERVED_MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=64)
+    whole = client(colocated).chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    check_calls(whole.message.tool_calls)
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    assert json.loads(whole.message.tool_calls[0].function.arguments)["city"] == "London"
+    deltas = [
+        d
+        for chunk in client(colocated).chat.completions.create(stream=True, **kwargs)
+        if chunk.choices
+        for d in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert (
+        "".join(d.function.arguments or "" for d in deltas) == whole.message.tool_calls[0].function.arguments
+    )
+
+
 def test_second_turn_with_the_tool_result_renders_and_answers(colocated) -> None:
     first = required_call(colocated)
     call = first.message.tool_calls[0]
@@ -156,7 +191,7 @@ FEW_SHOT = [
 ]
 
 
-def test_reasoning_then_a_grammar_for_the_answer(colocated) -> None:
+async def test_reasoning_then_a_grammar_for_the_answer(colocated) -> None:
     """The request continues an open <think>: the reasoning is free text, the answer after
     </think> is held to the schema; the stream splits the same way."""
     schema = SCHEMAS[0][1]
@@ -165,14 +200,18 @@ def test_reasoning_then_a_grammar_for_the_answer(colocated) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
         extra_body={"add_generation_prompt": False, "continue_final_message": True},
     )  # fmt: skip
-    whole = client(colocated).chat.completions.create(**kwargs).choices[0]
+    async with replica_of(colocated, "--reasoning-parser", "qwen3") as replica:
+        reasoner = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{replica.http_port}/v1", api_key="none", max_retries=0, timeout=300
+        )
+        whole = (await reasoner.chat.completions.create(**kwargs)).choices[0]
+        chunks = [
+            c.choices[0].delta
+            async for c in await reasoner.chat.completions.create(stream=True, **kwargs)
+            if c.choices
+        ]
     reasoning = whole.message.model_extra["reasoning_content"]
     assert reasoning and "</think>" not in reasoning
     jsonschema.validate(json.loads(whole.message.content), schema)
-    chunks = [
-        c.choices[0].delta
-        for c in client(colocated).chat.completions.create(stream=True, **kwargs)
-        if c.choices
-    ]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in chunks) == reasoning
     assert "".join(d.content or "" for d in chunks) == whole.message.content

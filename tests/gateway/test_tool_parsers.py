@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve.services.gateway.tool_parsers import TOOL_PARSERS, Tool, ToolCallStream, ToolParser
+from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS, Tool, ToolCallStream, ToolParser
 from tests.reference import hf_tokenizer, xgrammar_compiler
 
 WEATHER = {

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.rpc.server import GrpcServer
-from pdserve.services.gateway.backend_clients import BackendClients
-from pdserve.services.gateway.router import Router, WorkerPool
-from pdserve.services.gateway.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.router import Router
+from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
+from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 from tests.stack import free_port_block
 
 

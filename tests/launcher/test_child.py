@@ -11,12 +11,12 @@ import time
 
 import psutil
 
-from pdserve.services.launcher.child import TAIL_LINES, Child, describe_exit
+from pdserve.services.common.supervision.child import TAIL_LINES, Child, describe_exit
 
 # A stand-in launcher: spawns `sleep 600` as a Child, prints the child's pid, then waits forever.
 PARENT = """
 import asyncio
-from pdserve.services.launcher.child import Child
+from pdserve.services.common.supervision.child import Child
 
 async def main():
     child = await Child.spawn("sleeper", ["sleep", "600"], lambda name, line: None)

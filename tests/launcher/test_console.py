@@ -8,7 +8,7 @@ import logging
 import os
 import pty
 
-from pdserve.services.launcher.console import CLEAR_LINE, Console, ConsoleHandler
+from pdserve.services.common.supervision.console import CLEAR_LINE, Console, ConsoleHandler
 
 
 def test_plain_output_has_no_status_line_or_escape_codes() -> None:

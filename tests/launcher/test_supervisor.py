@@ -14,9 +14,9 @@ import pytest
 
 from pdserve.model_source import resolve_model
 from pdserve.rpc.server import wait_for_health
-from pdserve.services.launcher.console import Console
-from pdserve.services.launcher.supervisor import Supervisor
-from pdserve.services.launcher.topology import ServiceSpec
+from pdserve.services.common.supervision.console import Console
+from pdserve.services.common.supervision.spec import ServiceSpec
+from pdserve.services.common.supervision.supervisor import Supervisor
 from tests.stack import free_port_block
 
 

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from pdserve.services.gateway.main import parse_args as gateway_args
-from pdserve.services.gateway.workers import worker_specs
+from pdserve.services.gateway.processes import worker_specs
 from pdserve.services.launcher.kv_pool_pin import pin_kv_pool
 from pdserve.services.launcher.main import make_parser
 from pdserve.services.launcher.ports import PortReservation

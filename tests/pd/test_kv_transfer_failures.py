@@ -126,7 +126,7 @@ async def _run(pd, rid: str, input_ids: list[int] = PROMPT) -> tuple[list[int], 
 
 async def _idle_and_conserved(schedulers) -> None:
     for scheduler in schedulers:
-        await wait_until(lambda s=scheduler: not s.reqs and not s.kv_draining, timeout=30)
+        await wait_until(lambda s=scheduler: not s.reqs and not s.prefill.draining, timeout=30)
         assert scheduler.ledger.used_pages() == 0
         scheduler.check_invariants()
 
@@ -156,7 +156,9 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
 
     def drained(r: str) -> None:
         if r == rid:  # what the prefill worker still holds when the decode side lets the pages go
-            releases.append((r in decode_sched.kv_draining, r in prefill_sched.reqs, r in prefill.transfers))
+            releases.append(
+                (r in decode_sched.prefill.draining, r in prefill_sched.reqs, r in prefill.sends.transfers)
+            )
             again = Req(rid=r, origin_input_ids=[1, 2, 3], sampling_params=SamplingParams())
             with pytest.raises(ValueError, match="duplicate rid"):  # not reused while it drains
                 decode_sched.add_request(again)
@@ -238,10 +240,10 @@ async def test_a_prefill_call_cancelled_while_its_add_is_queued_aborts_it(schedu
         dst_incarnation=local.incarnation,
     )
     call = asyncio.create_task(prefill.Prefill(request, None))
-    while "cancelled-early" not in prefill.opening:  # the call is awaiting its add, its transfer open
+    while "cancelled-early" not in prefill.sends.opening:  # the call is awaiting its add, its transfer open
         await asyncio.sleep(0)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert "cancelled-early" not in prefill.opening and "cancelled-early" not in prefill.transfers
+    assert "cancelled-early" not in prefill.sends.opening and "cancelled-early" not in prefill.sends.transfers
     await _idle_and_conserved(schedulers)

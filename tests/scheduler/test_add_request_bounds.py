@@ -81,7 +81,7 @@ def test_add_request_refuses_a_field_out_of_bounds(sched, vocab, field, params) 
         sched.add_request(Req("bad", [1, 2, 3], SamplingParams(**fields)))
     assert info.value.field == field
     assert str(info.value).startswith(field)
-    assert not sched.reqs and not sched.waiting
+    assert not sched.reqs and not sched.queue.waiting
 
 
 def test_add_request_takes_every_field_at_its_bound(sched, vocab) -> None:

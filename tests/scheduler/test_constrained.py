@@ -182,7 +182,7 @@ def test_a_prefill_worker_resumes_a_grammar_after_the_tokens_already_generated(b
         )
         sched.add_request(req)
         sched.grammar_future(req.rid).exception(timeout=120)
-        while not sched.prefilled:
+        while not sched.decode.prefilled:
             batch = sched.schedule()
             sched.process_result(batch, sched.run_batch(batch))
         assert sched.pop_prefilled() == [req]

@@ -51,11 +51,11 @@ def drive(sched: Scheduler) -> dict[str, Req]:
 def test_capacity_and_queue_bound_come_from_the_pool(runner: ModelRunner) -> None:
     sched = Scheduler(runner, SchedulerConfig(role="mixed"))
     # a minimal request holds 1 + 32 reserved tokens = 3 pages: 12 pages run 4 at once, 8 may wait
-    assert (sched.request_capacity, sched.max_queued_requests) == (POOL_PAGES // 3, 2 * (POOL_PAGES // 3))
+    assert (sched.request_capacity, sched.queue.bound) == (POOL_PAGES // 3, 2 * (POOL_PAGES // 3))
     capped = Scheduler(runner, SchedulerConfig(role="mixed", max_running_requests=2))
-    assert (capped.request_capacity, capped.max_queued_requests) == (2, 4)
+    assert (capped.request_capacity, capped.queue.bound) == (2, 4)
     explicit = Scheduler(runner, SchedulerConfig(role="mixed", max_queued_requests=3))
-    assert explicit.max_queued_requests == 3
+    assert explicit.queue.bound == 3
 
 
 def test_a_full_queue_refuses_and_the_queued_requests_finish_exactly(runner: ModelRunner) -> None:
@@ -64,7 +64,7 @@ def test_a_full_queue_refuses_and_the_queued_requests_finish_exactly(runner: Mod
         sched.add_request(req(f"q{i}"))
     with pytest.raises(QueueFull, match=r"overloaded: 3 requests are already waiting .*queued-requests 3\)"):
         sched.add_request(req("refused"))
-    assert "refused" not in sched.reqs and len(sched.waiting) == 3
+    assert "refused" not in sched.reqs and len(sched.queue.waiting) == 3
     assert sched.metrics.rejected.labels(reason="queue_full")._value.get() == 1
     done = drive(sched)
     expected = hf_greedy(PROMPT, 8)

@@ -9,7 +9,8 @@ from pdserve.sampling.bounds import MAX_SCHEDULER_RID_CHARS
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.req import FinishReason, Req, ReqState
-from pdserve.scheduler.scheduler import DuplicateRid, Scheduler
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.table import DuplicateRid
 from tests.reference import chat_ids, hf_greedy
 from tests.scheduler.driver import PAGE, fresh, ids, make_runner, req
 from tests.scheduler.driver import drive as drive_steps
@@ -122,7 +123,7 @@ def test_admission_respects_max_running_requests(big_runner):
     for i in range(4):
         sched.add_request(req(f"r{i}", ids(f"Count to {i + 3}."), max_new=4))
     batch = sched.schedule()
-    assert len(batch.reqs) == 2 and len(sched.waiting) == 2
+    assert len(batch.reqs) == 2 and len(sched.queue.waiting) == 2
     sched.process_result(batch, sched.run_batch(batch))
     assert len(drive(sched)) == 4
 
@@ -182,7 +183,7 @@ def test_bad_requests_are_refused_with_clear_errors(big_runner):
     with pytest.raises(ValueError, match="empty"):
         sched.add_request(req("e", []))
     with pytest.raises(ValueError, match="context length"):
-        sched.add_request(req("c", [1] * (sched.context_len + 1)))
+        sched.add_request(req("c", [1] * (sched.reqs.limits.context_len + 1)))
     vocab = big_runner.model_config.vocab_size
     with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {vocab}\)"):
         sched.add_request(req("v", [1, vocab]))
@@ -190,7 +191,7 @@ def test_bad_requests_are_refused_with_clear_errors(big_runner):
         sched.add_request(req("n", [-1, 2]))
     with pytest.raises(ValueError, match=rf"logit_bias names token id {vocab}, outside the vocabulary"):
         sched.add_request(req("b", [1, 2], logit_bias={vocab: 1.0}))
-    assert not sched.reqs and not sched.waiting
+    assert not sched.reqs and not sched.queue.waiting
     for rid in ("", "r" * (MAX_SCHEDULER_RID_CHARS + 1)):  # (internal callers reach it too)
         with pytest.raises(ValueError, match=f"rid must have 1 to {MAX_SCHEDULER_RID_CHARS} characters"):
             sched.add_request(req(rid, [1, 2]))
@@ -228,12 +229,12 @@ def test_long_prompt_is_chunked_beside_the_decoding_batch(big_runner):
     for _ in range(3):  # all eight are decoding now
         batch = sched.schedule()
         sched.process_result(batch, sched.run_batch(batch))
-    assert len(sched.running) == 8
+    assert len(sched.decode.running) == 8
     long_prompt = ids(" ".join(["history"] * 3000))[:3000]
     sched.add_request(req("long", long_prompt, max_new=4))
     chunk_steps = 0
     while sched.reqs["long"].state is not ReqState.RUNNING:
-        before = {r.rid: len(r.output_ids) for r in sched.running}
+        before = {r.rid: len(r.output_ids) for r in sched.decode.running}
         batch = sched.schedule()
         assert batch.num_extend == 1 and batch.extend_lens[0] <= 256
         assert {r.rid for r in batch.reqs[1:]} == set(before)  # every decoding request runs this step
@@ -257,7 +258,7 @@ def test_requests_sharing_an_uncached_prefix_compute_it_once(big_runner):
     cached_while_prefilling = []
     done = {}
     while sched.has_work():
-        if sched.prefilling:
+        if sched.prefill.prefilling:
             cached_while_prefilling.append(sched.ledger.cached_pages())
         batch = sched.schedule()
         for i in range(batch.num_extend):
@@ -304,7 +305,7 @@ def test_decode_role_asks_for_a_shared_uncached_prefix_once(big_runner):
     assert [r.rid for r in sched.pop_kv_requests()] == ["d0"]
     assert sched.schedule() is None and sched.pop_kv_requests() == []  # d1, d2 still wait for d0's KV
     out = sched.kv_ready("d0", first_token_id=42)
-    assert out is not None and not out.finished and not sched.waiting_for_kv  # d0 runs
+    assert out is not None and not out.finished and not sched.prefill.waiting_for_kv  # d0 runs
     batch = sched.schedule()  # d0 decodes; d1 and d2 are admitted on the cached prefix
     asked = sched.pop_kv_requests()
     assert [r.rid for r in asked] == ["d1", "d2"]
@@ -326,7 +327,7 @@ def test_decode_role_holds_the_pages_of_a_request_whose_kv_is_arriving_until_dra
     request with its KV in is not held. A rid cannot come back while its pages drain."""
     sched = fresh(big_runner, role="decode")
     seen: list[tuple[str, int]] = []
-    sched.on_kv_abandoned = lambda r: seen.append((r.rid, sched.ledger.used_pages()))
+    sched.set_hooks(on_kv_abandoned=lambda r: seen.append((r.rid, sched.ledger.used_pages())))
     for rid in ("aborted", "expired", "failed", "landed"):
         sched.add_request(req(rid, ids(f"Prompt of the request that is {rid}, long enough for a page."), 4))
     sched.schedule()
@@ -340,7 +341,7 @@ def test_decode_role_holds_the_pages_of_a_request_whose_kv_is_arriving_until_dra
     sched.abort_request("landed")
     assert [rid for rid, _ in seen] == ["aborted", "expired", "failed"]
     assert seen[0][1] == owned and all(used > 0 for _, used in seen)
-    assert set(sched.kv_draining) == {"aborted", "expired", "failed"} and not sched.reqs
+    assert set(sched.prefill.draining) == {"aborted", "expired", "failed"} and not sched.reqs
     with pytest.raises(ValueError, match="duplicate rid"):
         sched.add_request(req("aborted", ids("The same rid again, while its pages drain."), 4))
     held = sched.ledger.used_pages()
@@ -348,5 +349,5 @@ def test_decode_role_holds_the_pages_of_a_request_whose_kv_is_arriving_until_dra
     for rid in ("aborted", "expired", "failed", "landed"):  # "landed" was never held: a no-op
         sched.kv_drained(rid)
     sched.kv_drained("aborted")  # drained twice: freed once
-    assert not sched.kv_draining and sched.ledger.used_pages() < held
+    assert not sched.prefill.draining and sched.ledger.used_pages() < held
     drive(sched)

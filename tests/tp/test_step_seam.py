@@ -12,8 +12,9 @@ import pytest
 from pdserve.distributed import SINGLE_RANK, TpGroup
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import Req
+from pdserve.scheduler.route import Route
+from pdserve.services.common.events import NewRequest
 from pdserve.services.common.grammar_wait import GRAMMAR_UNDER_TP, tp_refusal
-from pdserve.services.common.step_inputs import NewRequest
 
 TP2 = TpGroup(rank=0, size=2)
 
@@ -35,11 +36,11 @@ def test_free_requests_run_under_tp():
 
 def test_new_request_reaches_other_ranks_without_the_span():
     span = threading.Lock()  # like an OpenTelemetry span: an object of this process, not picklable
-    meta = {"span": span, "output_address": "a:1"}
-    req = Req(rid="r1", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(), meta=meta)
+    route = Route(output_address="a:1")
+    req = Req(rid="r1", origin_input_ids=[1, 2, 3], sampling_params=SamplingParams(), route=route, span=span)
     copy = pickle.loads(pickle.dumps(NewRequest(req)))
     assert copy.req.rid == "r1" and copy.req.origin_input_ids == [1, 2, 3]
-    assert copy.req.meta == {"output_address": "a:1"}
-    assert req.meta["span"] is span  # rank 0's own request keeps it (it applies its own object)
+    assert copy.req.route == Route(output_address="a:1") and copy.req.span is None
+    assert req.span is span  # rank 0's own request keeps it (it applies its own object)
     plain = pickle.loads(pickle.dumps(NewRequest(Req("r2", [4], SamplingParams()))))
     assert plain.req.rid == "r2"

@@ -6,7 +6,7 @@
 #include "common.h"
 
 #define BLOCK 16          /* keys scored together: one AVX-512 vector of float32 scores */
-#define SPLIT_KEYS 512    /* keys of a work item: a row's keys split at fixed positions */
+#define SPLIT_KEYS 512    /* keys of a work item: a row's keys split at fixed positions from its first */
 #define MAX_CHUNKS 16     /* AVX-512 accumulators of one head: head_dim <= 256 */
 #define MASKED (-FLT_MAX) /* the score of a block's lanes past its last key */
 

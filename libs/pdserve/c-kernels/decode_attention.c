@@ -413,24 +413,31 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
   }
 }
 
+/* The first key a row of seq_len keys attends: the last `window` of them (a sliding-window layer),
+   all (0) with window 0. */
+static int64_t window_start(int64_t seq_len, int64_t window) {
+  return window && seq_len > window ? seq_len - window : 0;
+}
+
 /* q: [rows, num_heads * head_dim] with a row stride of q_stride elements, one query each; out: [rows,
    num_heads, head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride
    elements apart (each page's rows contiguous); page_table: [requests, max_pages]; row_req: [rows],
    the request (page_table row) of each row, or NULL for row i = request i; seq_lens: [rows], each >=
    1: row i attends to keys [0, seq_lens[i]) of its request (a decoding token: its position + 1; a
-   token of an extend the same, so a prefill, a chunk or a decode step all compute a token alike).
-   dtype: F32 or BF16.
+   token of an extend the same, so a prefill, a chunk or a decode step all compute a token alike);
+   window: the keys a row attends, its last ones (a sliding-window layer: the token at position p
+   sees keys (p - window, p]), 0 for all. dtype: F32 or BF16.
 
    Every row runs the same steps in the same order, whatever the other rows: its keys in splits of
-   SPLIT_KEYS, each split and KV head a work item (so even one row's work is shared by the threads),
-   blocks of BLOCK keys from each split's start, the splits' parts merged in order. The result of a
+   SPLIT_KEYS from its first key, each split and KV head a work item (so even one row's work is
+   shared by the threads), blocks of BLOCK keys from each split's start, the splits' parts merged in order. The result of a
    row depends on its query and keys alone (not on the batch, its place in it, the thread count or
    how its request's prompt was chunked). Returns 0, or -1 when out of memory (out then
    incomplete). */
 int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* row_req, const int64_t* seq_lens, int64_t rows,
                      int64_t max_pages, int64_t page_size, int64_t page_stride, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+                     int64_t num_kv_heads, int64_t head_dim, int64_t window, float scale, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, row_req, seq_lens, q_stride,
                      max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group,
@@ -439,7 +446,10 @@ int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, 
   int64_t* first = malloc(sizeof(int64_t) * (rows + 1));
   if (!first) return -1;
   first[0] = 0;
-  for (int64_t b = 0; b < rows; ++b) first[b + 1] = first[b] + (seq_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t keys = seq_lens[b] - window_start(seq_lens[b], window);
+    first[b + 1] = first[b] + (keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
+  }
   const int64_t items = first[rows], part_size = num_heads * (head_dim + 2);
   float* parts = malloc(sizeof(float) * (items ? items : 1) * part_size);
   int64_t* item_row = malloc(sizeof(int64_t) * (items ? items : 1));
@@ -461,7 +471,9 @@ int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, 
     for (int64_t work = 0; work < items * num_kv_heads; ++work) { /* (split, KV head) */
       if (!scratch) continue; /* every thread still takes part in the worksharing loops */
       const int64_t item = work / num_kv_heads, hk = work % num_kv_heads;
-      const int64_t b = item_row[item], begin = (item - first[b]) * SPLIT_KEYS, end = begin + SPLIT_KEYS;
+      const int64_t b = item_row[item];
+      const int64_t begin = window_start(seq_lens[b], window) + (item - first[b]) * SPLIT_KEYS;
+      const int64_t end = begin + SPLIT_KEYS;
       attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], hk, parts + item * part_size, scratch);
     }
     #pragma omp for schedule(static)

@@ -4,7 +4,7 @@
    the o matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
    allocation or an argument conversion between them: at batch 1 those cost as much as the
    matmuls' own weight reads. Same kernels, same order, so the same results. */
-#include "common.h"
+#include "linear.h"
 
 /* The kernels of the other sources. */
 void add_rmsnorm_f32(const float*, int64_t, float*, const float*, float*, int64_t, int64_t, float, int);
@@ -16,29 +16,16 @@ void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, cons
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
               int, int64_t, int64_t, int);
 int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
-                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
-int matmul_float(const void*, int64_t, int, int, const void*, const void*, const void*, const float*, void*,
-                 int64_t, int, int, int, int, int, int, int);
-int matmul_w8a8(const void*, int64_t, int, const int8_t*, const float*, const float*, void*, int64_t, int,
-                int, int, int, int, int, int);
-int matmul_w4a8(const void*, int64_t, int, const uint8_t*, int, const void*, const void*, const float*, void*,
-                int64_t, int, int, int, int, int, int, int);
+                     const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                     int);
 
-/* Which matmul a Linear runs: matmul_float (in `format`), matmul_w8a8, matmul_w4a8 (in `planes`). */
-enum { LINEAR_FLOAT = 0, LINEAR_W8A8 = 1, LINEAR_W4A8 = 2 };
-
-/* A linear layer's packed weight (pdserve.layers.cpu_matmul.MatmulWeight). */
-typedef struct {
-  int kernel, format, planes, N, K, halves;
-  const void *data, *scale, *mins;
-  const float* bias;
-} Linear;
-
-/* One decoder layer: its norms' weights (activation dtype), matmuls, and KV pool pages. */
+/* One decoder layer: its norms' weights (activation dtype), matmuls, KV pool pages, and the keys its
+   attention sees (a sliding window; 0: all). */
 typedef struct {
   const void *input_norm, *post_norm;
   Linear qkv, o, gate_up, down;
   void *k_pages, *v_pages;
+  int64_t window;
 } Layer;
 
 /* The step: T tokens, their positions and KV slots, each a row of the decode-attention kernel (its
@@ -53,19 +40,6 @@ typedef struct {
   const int64_t *positions, *loc, *page_table, *row_req, *seq_lens;
 } Step;
 
-/* Returns 0, or -1 when out of memory. */
-static int linear(const Linear* w, const void* x, int64_t lda, void* out, int64_t ldc, int bf16, int T, int silu,
-                  int threads) {
-  if (w->kernel == LINEAR_W8A8)
-    return matmul_w8a8(x, lda, bf16, (const int8_t*)w->data, (const float*)w->scale, w->bias, out, ldc, bf16, T,
-                       w->N, w->K, w->halves, silu, threads);
-  if (w->kernel == LINEAR_W4A8)
-    return matmul_w4a8(x, lda, bf16, (const uint8_t*)w->data, w->planes, w->scale, w->mins, w->bias, out, ldc,
-                       bf16, T, w->N, w->K, w->halves, silu, threads);
-  return matmul_float(x, lda, bf16, w->format, w->data, w->scale, w->mins, w->bias, out, ldc, bf16, T, w->N, w->K,
-                      w->halves, silu, threads);
-}
-
 static void norm(const Step* s, const void* x, void* residual, const void* w, void* out) {
   if (s->bf16)
     add_rmsnorm_bf16(x, s->hidden, residual, w, out, s->T, s->hidden, s->eps, s->threads);
@@ -78,7 +52,7 @@ static void norm(const Step* s, const void* x, void* residual, const void* w, vo
 static int attention(const Layer* L, const Step* s, const char* q, int64_t q_stride, char* out) {
   return decode_attention(s->kv_bf16, q, q_stride, L->k_pages, L->v_pages, out, s->page_table, s->row_req,
                           s->seq_lens, s->T, s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                          s->num_kv_heads, s->head_dim, s->scale, s->threads);
+                          s->num_kv_heads, s->head_dim, L->window, s->scale, s->threads);
 }
 
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written

@@ -1,5 +1,6 @@
-"""Tensor parallelism: the rank group of one scheduler and how a tensor is sharded across it."""
+"""Tensor and expert parallelism: the rank group of one scheduler and how a tensor is sharded across it."""
 
+from pdserve.distributed.expert_parallel import ExpertShard, expert_shard
 from pdserve.distributed.parallel_state import (
     SINGLE_RANK,
     TpGroup,
@@ -11,9 +12,11 @@ from pdserve.distributed.sharding import HeadShard, head_shard, split_range, voc
 
 __all__ = [
     "SINGLE_RANK",
+    "ExpertShard",
     "HeadShard",
     "TpGroup",
     "destroy_tp_groups",
+    "expert_shard",
     "head_shard",
     "init_tp_group",
     "rendezvous_store",

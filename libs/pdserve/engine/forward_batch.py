@@ -14,27 +14,43 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
-
-if TYPE_CHECKING:
-    from pdserve.layers.attention.base import AttentionBackend
+from pdserve.sampling.verify import DraftRows
 
 IntSeq = torch.Tensor | Sequence[int]
+
+
+class BatchAttention(Protocol):
+    """What the attention layers of a forward call on the batch's ``attn_backend``: implemented by
+    every ``pdserve.layers.attention.base.AttentionBackend`` (named here, so that the device contract
+    does not import the kernels that consume it)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` of ``layer`` → ``[T, Hq * D]``."""
 
 
 class ForwardMode(enum.Enum):
     """EXTEND: every request computes >= 1 new tokens after its cached prefix (prefill or a chunk);
     DECODE: every request computes exactly its one last token; MIXED: extending and decoding
-    requests in one batch."""
+    requests in one batch (verifying ones too); TARGET_VERIFY (speculative decoding, SGLang's
+    name): every request computes its last token and ``k >= 0`` draft tokens after it, with logits
+    at each of them (a decoding request is one with ``k = 0``).
+
+    Attention treats a verifying request as an extend of ``k + 1`` tokens after its cached prefix
+    (each query attends to the keys up to its own position); only the logits differ.
+    """
 
     EXTEND = "extend"
     DECODE = "decode"
     MIXED = "mixed"
+    TARGET_VERIFY = "target_verify"
 
 
 @dataclass(slots=True)
@@ -49,8 +65,14 @@ class ForwardBatch:
         extend_prefix_lens: int64 ``[B]``: tokens already in the KV pool (cached prefix).
         extend_seq_lens: int64 ``[B]``: tokens computed this step (1 for a decoding request).
         extend_start_loc: int64 ``[B]``: flat index of each request's first token this step.
-        sampling_info: sampling tensors, or None for greedy.
-        return_logprob / top_logprobs_nums: what logprobs to return (per request for the top ones).
+        logits_lens: int64 ``[B]``: logits are computed at each request's last ``logits_lens[b]``
+            positions (``k + 1`` for a request verifying ``k`` draft tokens, else 1).
+        logits_index: int64 ``[N]``, ``N = sum(logits_lens)``: the flat token indices whose logits
+            are computed, request by request (``N = B``: each request's last token, without drafts).
+        sampling_info: sampling tensors of the ``N`` logits rows (one per request without drafts),
+            or None for greedy.
+        return_logprob / top_logprobs_nums: what logprobs to return (per logits row for the top ones).
+        draft_rows: the draft token each logits row checks (a batch that verifies drafts), else None.
     """
 
     forward_mode: ForwardMode
@@ -63,12 +85,15 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
     out_cache_loc: torch.Tensor
+    logits_lens: torch.Tensor
+    logits_index: torch.Tensor
     sampling_info: SamplingBatchInfo | None
     return_logprob: bool
     top_logprobs_nums: list[int] | None
+    draft_rows: DraftRows | None
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: KVPool
-    attn_backend: AttentionBackend
+    attn_backend: BatchAttention
 
     @classmethod
     def init_new(
@@ -82,20 +107,26 @@ class ForwardBatch:
         extend_prefix_lens: IntSeq | None = None,
         extend_seq_lens: IntSeq | None = None,
         forward_mode: ForwardMode | None = None,
+        logits_lens: IntSeq | None = None,
         sampling_info: SamplingBatchInfo | None = None,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
+        draft_rows: DraftRows | None = None,
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
         pools and the attention backend. ``out_cache_loc`` defaults to the slots the scheduler wrote
         into ``req_to_token`` at each token's (request slot, position), read in one gather.
-        ``forward_mode`` defaults to DECODE when every request computes one token, else EXTEND.
+        ``logits_lens`` defaults to 1 per request (its last token). ``forward_mode`` defaults to
+        DECODE when every request computes one token, else TARGET_VERIFY when logits are computed
+        at every token of every request, else EXTEND (MIXED when some, not all, have logits at
+        several positions).
 
         Raises:
             ValueError: lengths disagree (``T`` tokens, ids and KV slots), both
-                ``extend_prefix_lens`` and ``extend_seq_lens`` are missing, or a DECODE batch
-                computes more than one token for a request.
+                ``extend_prefix_lens`` and ``extend_seq_lens`` are missing, a ``logits_lens`` entry
+                is outside ``[1, extend_seq_lens]``, a DECODE batch computes more than one token
+                for a request, or a TARGET_VERIFY batch lacks logits at one of its tokens.
         """
         device = runner.device
 
@@ -132,10 +163,35 @@ class ForwardBatch:
             positions = torch.arange(num_tokens, device=device) - offsets
             if loc is None:
                 loc = runner.req_to_token_pool.req_to_token[pool_rows.repeat_interleave(ext), positions]
+        last = starts + ext - 1
+        if logits_lens is None:
+            num_logits, logits_index = torch.ones_like(ext), last
+        else:
+            num_logits = as_long(logits_lens)
+            if len(num_logits) != len(ext) or bool(((num_logits < 1) | (num_logits > ext)).any()):
+                raise ValueError(
+                    f"logits lens {num_logits.tolist()} must be in [1, extend lens {ext.tolist()}]"
+                )
+            ends = torch.cumsum(num_logits, 0)
+            # request b's last num_logits[b] tokens: flat rows ends[b] - n .. ends[b] - 1 shifted to them
+            logits_index = torch.arange(int(ends[-1]), device=device) + torch.repeat_interleave(
+                last + 1 - ends, num_logits
+            )
+        verifies_all = logits_lens is not None and bool((num_logits == ext).all())
         if forward_mode is None:
-            forward_mode = ForwardMode.DECODE if all_decode else ForwardMode.EXTEND
+            if all_decode:
+                forward_mode = ForwardMode.DECODE
+            elif verifies_all:
+                forward_mode = ForwardMode.TARGET_VERIFY
+            else:
+                forward_mode = ForwardMode.MIXED if len(logits_index) > len(ext) else ForwardMode.EXTEND
         elif forward_mode is ForwardMode.DECODE and not all_decode:
             raise ValueError(f"a DECODE batch computes one token per request, got extend lens {ext.tolist()}")
+        elif forward_mode is ForwardMode.TARGET_VERIFY and not verifies_all:
+            raise ValueError(
+                f"a TARGET_VERIFY batch has logits at every token: logits lens "
+                f"{num_logits.tolist()}, extend lens {ext.tolist()}"
+            )
         return cls(
             forward_mode=forward_mode,
             batch_size=len(seq),
@@ -147,9 +203,12 @@ class ForwardBatch:
             extend_seq_lens=ext,
             extend_start_loc=starts,
             out_cache_loc=loc,
+            logits_lens=num_logits,
+            logits_index=logits_index,
             sampling_info=sampling_info,
             return_logprob=return_logprob,
             top_logprobs_nums=top_logprobs_nums,
+            draft_rows=draft_rows,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,

@@ -44,8 +44,8 @@ class ModelConfig:
     Attributes:
         hf_config: the transformers config (model code reads its architecture-specific fields).
         architecture: ``architectures[0]`` of config.json, the model registry key.
-        context_length: longest sequence served; ``max_position_embeddings``, capped at the
-            sliding window where the model uses one (attention here is always full).
+        context_length: longest sequence served: ``max_position_embeddings`` (sliding-window
+            layers attend their window of it: ``RadixAttention.sliding_window``).
         eos_token_ids: ids that end generation (config.json and generation_config.json).
         dtype: weight, activation and KV dtype.
         tp_size / tp_rank: the tensor-parallel ranks the model is split over and the one this
@@ -101,11 +101,7 @@ class ModelConfig:
         with contextlib.suppress(OSError):  # no generation_config.json
             generation_eos = _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
             eos += [t for t in generation_eos if t not in eos]
-        context_length = hf.max_position_embeddings
-        window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
-        if window:
-            context_length = min(context_length, window)
-        context_length = capped_context_length(context_length, max_model_len)
+        context_length = capped_context_length(hf.max_position_embeddings, max_model_len)
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_shard(num_heads, num_kv_heads, tp_size, tp_rank)

@@ -72,6 +72,8 @@ class ModelRunner:
             ``bfloat16`` under a float32 model on CPU (half the KV bytes to store and read; the
             C kernels then attend as in a bfloat16 model: queries rounded to bfloat16, float32
             sums, the output widened back).
+        expert_parallel: under TP, a mixture-of-experts model's ranks hold whole experts
+            (``--enable-expert-parallel``; ``pdserve.distributed.expert_parallel``).
 
     Raises:
         ValueError: a ``kv_cache_dtype`` other than the model's outside that case.
@@ -97,6 +99,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         tp: TpGroup = SINGLE_RANK,
         kv_cache_dtype: str = "auto",
+        expert_parallel: bool = False,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -114,6 +117,7 @@ class ModelRunner:
             self.device,
             quantization,
             tp,
+            expert_parallel,
         )
         bytes_per_token = KVPool.bytes_per_token(
             cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype
@@ -177,21 +181,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Run the batch and write its KV; logits ``[B, vocab]`` (model dtype) of each request's last
-        computed position (under TP, every rank's vocabulary slice gathered on every rank)."""
+        """Run the batch and write its KV; logits ``[N, vocab]`` (model dtype) of its logits rows
+        (``fb.logits_index``: each request's last computed position, or its last ``k + 1`` when it
+        verifies ``k`` draft tokens; under TP every rank's vocabulary slice gathered on every rank)."""
+        return self.forward_hidden_and_logits(forward_batch)[1]
+
+    @torch.inference_mode()
+    def forward_hidden_and_logits(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``forward_logits``, with the final (normed) hidden states ``[N, hidden]`` of the logits
+        rows beside the logits: what the LM head read, which an EAGLE / MTP draft head takes as its
+        input (``pdserve.speculative.proposer``); None for a batch replayed from a CUDA graph."""
         fb = forward_batch
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
-            return self.cuda_graph_runner.replay(fb)
+            return None, self.cuda_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        last = fb.extend_start_loc + fb.extend_seq_lens - 1
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model(fb.input_ids, fb.positions, fb)[fb.logits_index]
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def sample(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:
-        """One next token per row of ``logits`` (``forward_logits``) under the batch's sampling info."""
+        """One token per row of ``logits`` (``forward_logits``) under the batch's sampling info: a
+        next token per request, or per logits row of a verify batch (what each position samples;
+        ``pdserve.sampling.verify`` turns them into accepted tokens)."""
         fb = forward_batch
-        return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums)
+        return self.sampler(logits, fb.sampling_info, fb.return_logprob, fb.top_logprobs_nums, fb.draft_rows)
 
 
 def resolve_device(name: str) -> torch.device:

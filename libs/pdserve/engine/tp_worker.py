@@ -68,13 +68,15 @@ class TpModelWorker:
         return self._broadcast(result, fb)
 
     def _broadcast(self, result: GenerationBatchResult | None, fb: ForwardBatch) -> GenerationBatchResult:
-        """Rank 0's result on every rank, as one float64 ``[B, 1 (+1 + 2k)]`` tensor: ids, then the
-        sampled token's logprob and the top-``k`` ids and logprobs when asked for (float64 holds
-        token ids and float32 logprobs exactly)."""
-        top_nums = fb.top_logprobs_nums or [0] * fb.batch_size
+        """Rank 0's result on every rank, as one float64 ``[N, 1 (+1 + 2k)]`` tensor (a row per logits
+        row: per request, or per position of a verify batch): ids, then the sampled token's logprob
+        and the top-``k`` ids and logprobs when asked for (float64 holds token ids and float32
+        logprobs exactly)."""
+        num_rows = len(fb.logits_index)
+        top_nums = fb.top_logprobs_nums or [0] * num_rows
         k = max(top_nums, default=0)
         with_logprobs = fb.return_logprob or k > 0
-        packed = torch.zeros(fb.batch_size, 1 + with_logprobs + 2 * k, dtype=torch.float64)
+        packed = torch.zeros(num_rows, 1 + with_logprobs + 2 * k, dtype=torch.float64)
         if result is not None:
             packed[:, 0] = torch.tensor(result.next_token_ids, dtype=torch.float64)
             if with_logprobs:

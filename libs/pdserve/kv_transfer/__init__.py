@@ -19,7 +19,7 @@ completes a transfer only once every page landed (each counted once, only from t
 only while the transfer is expected), so decode never reads a page before its last byte has
 arrived. A transfer that fails or is cancelled settles only once no WRITE of it is in flight, and
 the decode side holds the pages of a request that ends while they arrive until the prefill worker's
-call has ended (``Scheduler.kv_draining``), so a late WRITE never lands in pages another request
+call has ended (``RemotePrefill.draining``), so a late WRITE never lands in pages another request
 owns.
 
 Measured on the 2-core AMD EPYC Zen 5 (AVX512-BF16; quiet), SmolLM2 geometry, time until the decode

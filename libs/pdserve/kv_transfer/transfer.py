@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -17,8 +17,17 @@ from pdserve.kv_transfer.completion import Completion
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import KVAgentInfo
 
-if TYPE_CHECKING:
-    from pdserve.kv_transfer.sender import KVSender
+
+class PostQueue(Protocol):
+    """What a transfer hands its pages to: the agent's post thread (``sender.KVSender``)."""
+
+    num_pages: int  # pages of the local pool (a source page is below it)
+
+    def enqueue(self, transfer: KVTransfer, src: list[int], first: int) -> None:
+        """Post ``src`` (local pages) for ``transfer.dst_pages[first:]``; ``group_left`` reports back."""
+
+    def notify_abort(self, peer_name: str, tid: bytes) -> None:
+        """Tell the receiver that transfer ``tid`` ended without its pages."""
 
 
 class KVTransfer:
@@ -38,7 +47,7 @@ class KVTransfer:
     """
 
     def __init__(
-        self, sender: KVSender, peer: KVAgentInfo, tid: bytes, dst_pages: Sequence[int], stall_s: float
+        self, sender: PostQueue, peer: KVAgentInfo, tid: bytes, dst_pages: Sequence[int], stall_s: float
     ):
         self.peer_name = peer.agent_name
         self.tid = tid

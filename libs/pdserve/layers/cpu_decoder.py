@@ -7,7 +7,8 @@ costs were as large as the step's weight reads (~10 ms of a ~25 ms step here). `
 builds every layer's parameters (weight pointers, formats, norms, KV pages) once, so the layers of
 a step are one ``decoder_layers`` call that runs the same kernels in the same order (the same
 results as the modules' path, which the tests check). It serves every batch whose attention the
-backend runs on its C kernel (a row per token: decodes, extends and mixed batches alike).
+backend runs on its C kernel (a row per token: decodes, extends, verifying requests and mixed
+batches alike; each layer with its sliding window).
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ if TYPE_CHECKING:
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-class _Linear(ctypes.Structure):
+class LinearStruct(ctypes.Structure):
     _fields_ = [("kernel", _C), ("format", _C), ("planes", _C), ("N", _C), ("K", _C), ("halves", _C),
                 ("data", _P), ("scale", _P), ("mins", _P), ("bias", _P)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_pages", _P), ("v_pages", _P)]  # fmt: skip
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", LinearStruct), ("o", LinearStruct),
+                ("gate_up", LinearStruct), ("down", LinearStruct), ("k_pages", _P), ("v_pages", _P),
+                ("window", _I)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -44,14 +46,19 @@ class _Step(ctypes.Structure):
                 ("seq_lens", _P)]  # fmt: skip
 
 
-def _linear(module: Any, keep: list) -> _Linear:
-    packed: MatmulWeight = module.packed
-    bias = None if module.bias is None else module.bias.detach().float().contiguous()
+def _linear(module: Any, keep: list) -> LinearStruct:
+    return linear_struct(module.packed, module.bias, keep)
+
+
+def linear_struct(packed: MatmulWeight, bias: torch.Tensor | None, keep: list) -> LinearStruct:
+    """decoder.c's ``Linear`` (``linear.h``) of a packed weight and its bias (a float32 copy of which
+    goes into ``keep``, to live as long as the struct)."""
+    bias = None if bias is None else bias.detach().float().contiguous()
     keep.append(bias)
     ptr = lambda t: None if t is None else t.data_ptr()
     # decoder.c's Linear.kernel: 1 matmul_w8a8, 2 matmul_w4a8 (NIBBLE_PLANES), 0 matmul_float (FORMATS)
     kernel = 1 if packed.format == "w8a8" else 2 if packed.format in NIBBLE_PLANES else 0
-    return _Linear(
+    return LinearStruct(
         kernel, FORMATS.get(packed.format, 0), NIBBLE_PLANES.get(packed.format, 0), packed.out_features,
         packed.in_features, packed.halves, ptr(packed.data), ptr(packed.scale), ptr(packed.mins), ptr(bias),
     )  # fmt: skip
@@ -84,19 +91,22 @@ class CpuDecoder:
                 layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                 _linear(attn.qkv_proj, self._keep), _linear(attn.o_proj, self._keep),
                 _linear(mlp.gate_up_proj, self._keep), _linear(mlp.down_proj, self._keep),
+                window=attn.attn.sliding_window,
             )  # fmt: skip
         self._pool_ptr = None
 
     @classmethod
     def build(cls, model: Any) -> CpuDecoder | None:
         """The fused decoder of ``model`` (a ``LlamaModel`` whose weights are processed), or None when
-        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, and
-        every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
+        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, a dense
+        MLP, and every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
         variant = selected_variant()
         if variant is None or not len(model.layers):
             return None
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not hasattr(mlp, "gate_up_proj"):  # a mixture-of-experts layer
+                return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if attn.qk_norm or not all(isinstance(m.packed, MatmulWeight) for m in linears):
                 return None

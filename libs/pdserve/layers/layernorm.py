@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich 2019) with the residual add fused in, as in SGLang / nano-vllm."""
+"""RMSNorm (Zhang & Sennrich 2019) with the residual add fused in, as in SGLang / nano-vllm, and
+Gemma's variant."""
 
 from __future__ import annotations
 
@@ -36,4 +37,20 @@ class RMSNorm(nn.Module):
             x = x + residual
             residual = x
         out = self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in float32 and rounded to
+    x's dtype once at the end (Hugging Face's ``Gemma3RMSNorm``; the checkpoint stores ``weight``
+    centred on 0). ``forward(x, residual)`` adds ``residual`` first, as ``RMSNorm``'s does."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())
+        out = normed.to(x.dtype)
         return out if residual is None else (out, residual)

@@ -61,13 +61,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
 
 
-def get_rope(hf_config, head_dim: int, max_position: int) -> RotaryEmbedding:
-    """RoPE of a Hugging Face config (``rope_parameters``).
+def get_rope(hf_config, head_dim: int, max_position: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """RoPE of a Hugging Face config (``rope_parameters``); with ``layer_type``, that layer type's
+    own parameters where the config keeps them per type (Gemma 3: ``sliding_attention`` /
+    ``full_attention``).
 
     Raises:
         NotImplementedError: a rope type whose frequencies depend on the sequence length.
     """
     params = hf_config.rope_parameters or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    else:
+        layer_type = None
     rope_type = params.get("rope_type", "default")
     if rope_type in _DYNAMIC_ROPE_TYPES:
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
@@ -78,5 +84,5 @@ def get_rope(hf_config, head_dim: int, max_position: int) -> RotaryEmbedding:
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", layer_type=layer_type)
     return RotaryEmbedding(head_dim, max_position, inv_freq, scaling)

@@ -1,1 +1,1 @@
-"""Model code (Llama family, Qwen2, Qwen3) and its checkpoint loader."""
+"""Model code (Llama, Mistral, Mixtral, Qwen2/3, Qwen3-MoE, Gemma 3, gpt-oss) and its checkpoint loader."""

@@ -2,7 +2,9 @@
 
 Touvron et al. 2023: pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP.
 q/k/v and gate/up are fused into one matmul each; ``packed_modules_mapping`` tells the loader
-which checkpoint matrices go where. Qwen2 and Qwen3 subclass this with their attention options.
+which checkpoint matrices go where. Qwen2 and Qwen3 subclass this with their attention options,
+Mixtral and Qwen3-MoE with a mixture-of-experts MLP (``make_mlp``). Layers the config marks as
+sliding-window attend their window only (Mistral; ``config_checks.layer_sliding_window``).
 
 Under tensor parallelism (``tp``, ``pdserve.layers.parallel_linear``) each rank holds its attention
 heads (q/k/v column-parallel, ``o_proj`` row-parallel), its intermediate channels (gate/up
@@ -12,6 +14,7 @@ all-reduces per layer, one for the embedding, and an all-gather of the logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +28,14 @@ from pdserve.layers.cpu_gemm import PanelWeight
 from pdserve.layers.cpu_matmul import MatmulWeight
 from pdserve.layers.embedding import VocabParallelEmbedding
 from pdserve.layers.layernorm import RMSNorm
-from pdserve.layers.linear import Linear, PackedWeight, linear, prepack_weight
+from pdserve.layers.linear import (
+    Linear,
+    PackedWeight,
+    checkpoint_shape,
+    default_weight_loader,
+    linear,
+    prepack_weight,
+)
 from pdserve.layers.parallel_linear import (
     ParallelLMHead,
     RowParallelLinear,
@@ -34,6 +44,7 @@ from pdserve.layers.parallel_linear import (
 )
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.layers.rotary_embedding import RotaryEmbedding, get_rope
+from pdserve.models.config_checks import layer_sliding_window
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
@@ -41,11 +52,17 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
-    """Where attention variants of the family differ: projection biases and per-head q/k RMSNorm."""
+    """Where attention variants of the family differ: projection biases, per-head q/k RMSNorm (of
+    ``norm_class``: Gemma's is ``1 + w``), the softmax scale (default ``head_dim ** -0.5``), score
+    soft-capping, and attention sinks (gpt-oss: ``self_attn.sinks``, one logit per query head)."""
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    norm_class: type[RMSNorm] = RMSNorm
+    scaling: float | None = None
+    logit_cap: float = 0.0
+    sinks: bool = False
 
 
 class LlamaAttention(nn.Module):
@@ -72,12 +89,32 @@ class LlamaAttention(nn.Module):
             local_in=self.q_size,
         )
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = options.norm_class(self.head_dim, config.rms_norm_eps)
+            self.k_norm = options.norm_class(self.head_dim, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
+        if options.sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            self.heads = (shard.q_start, total_heads)
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads,
+            self.head_dim,
+            options.scaling or self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_id,
+            sliding_window=layer_sliding_window(config, layer_id),
+            logit_cap=options.logit_cap,
         )
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor | Any) -> None:
+        start, total = self.heads
+        if checkpoint_shape(loaded) != (total,):
+            raise ValueError(f"checkpoint sinks of shape {checkpoint_shape(loaded)}; expected ({total},)")
+        default_weight_loader(param, loaded[start : start + self.num_heads])
+
+    def process_weights_after_loading(self) -> None:
+        if hasattr(self, "sinks"):  # the backend reads them from the attention layer
+            self.attn.sinks = self.sinks.data
 
     def forward(
         self,
@@ -95,23 +132,27 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: TpGroup):
+    """The gated MLP: SwiGLU, or the gated activation ``act_fn`` (Gemma's GeGLU)."""
+
+    def __init__(self, config: Any, tp: TpGroup, act_fn: nn.Module | None = None):
         super().__init__()
-        if config.hidden_act != "silu":
+        if act_fn is None and config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = gate_up_parallel_linear(config.hidden_size, size, bias, tp)
         start, local = split_range(size, tp.size, tp.rank)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp, start, local)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn or SiluAndMul()
         self.fused_act: PanelWeight | MatmulWeight | None = None
 
     def process_weights_after_loading(self) -> None:
         """Where our CPU matmuls run gate/up (any format), repack it so SiLU-and-mul happens
         in its epilogue (``fused_act``; the layer's own ``forward`` still gives ``[gate | up]``)."""
         gate_up = self.gate_up_proj
-        if hasattr(gate_up.packed, "to_halves"):  # our CPU matmuls: PanelWeight, MatmulWeight
+        if isinstance(self.act_fn, SiluAndMul) and hasattr(
+            gate_up.packed, "to_halves"
+        ):  # PanelWeight, MatmulWeight
             gate_up.packed = self.fused_act = gate_up.packed.to_halves()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +161,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+MakeMlp = Callable[[Any, int, TpGroup], nn.Module]  # (config, layer_id, tp) -> the layer's MLP
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, options: AttentionOptions, tp: TpGroup):
+    def __init__(self, config: Any, layer_id: int, options: AttentionOptions, tp: TpGroup, make_mlp: MakeMlp):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, options, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = make_mlp(config, layer_id, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -147,13 +191,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_position: int, options: AttentionOptions, tp: TpGroup):
+    def __init__(
+        self, config: Any, max_position: int, options: AttentionOptions, tp: TpGroup, make_mlp: MakeMlp
+    ):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = get_rope(config, head_dim, max_position)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, options, tp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, options, tp, make_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tp = tp
@@ -198,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, max_position, self.attention_options(config), tp)
+        self.model = self.build_model(config, max_position, tp)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -209,6 +255,14 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(config: Any) -> AttentionOptions:
         bias = getattr(config, "attention_bias", False)
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def build_model(self, config: Any, max_position: int, tp: TpGroup) -> nn.Module:
+        """The decoder (``model``): ``forward(input_ids, positions, forward_batch)`` → final hidden states."""
+        return LlamaModel(config, max_position, self.attention_options(config), tp, self.make_mlp)
+
+    def make_mlp(self, config: Any, layer_id: int, tp: TpGroup) -> nn.Module:
+        """Layer ``layer_id``'s MLP: dense SwiGLU here; the MoE families override it."""
+        return LlamaMLP(config, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -228,4 +282,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama with GQA; its sliding window caps the context length (see ModelConfig)."""
+    """Mistral (Jiang et al. 2023): Llama with GQA and, where its config sets ``sliding_window``,
+    sliding-window attention in every layer."""

@@ -9,8 +9,9 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
-from pdserve.layers.linear import Linear, MergedLinear, default_weight_loader
+from pdserve.layers.linear import MergedLinear, default_weight_loader
 from pdserve.layers.quantization import get_linear_method
+from pdserve.models.config_checks import check_config
 from pdserve.models.registry import get_model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -26,29 +27,36 @@ def load_model(
     device,
     quantization: str | None = None,
     tp: TpGroup = SINGLE_RANK,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Instantiate ``architecture`` with ``dtype`` parameters on ``device``, load its weights, then
     run each module's ``process_weights_after_loading`` (weight repacking or quantization),
     children first. ``quantization`` (``pdserve.layers.quantization``, resolved: not ``auto``)
-    applies to every ``Linear`` but the LM head, which gets the method's own LM head format. Under
-    TP (``tp``) the model holds, and reads from the checkpoint, only this rank's slices
-    (``pdserve.layers.parallel_linear``).
+    applies to every module with a ``quant_method`` slot (``Linear``s, MoE experts) but the LM
+    head, which gets the method's own LM head format. Under TP (``tp``) the model holds, and reads
+    from the checkpoint, only this rank's slices (``pdserve.layers.parallel_linear``); with
+    ``expert_parallel`` its MoE layers hold whole experts instead of slices of every expert.
 
     Raises:
-        ValueError: an unknown ``quantization``.
+        ValueError: an unknown ``quantization``; a config field the model does not support (named).
     """
     method = get_linear_method(quantization)
+    check_config(hf_config)
+    model_class = get_model_class(architecture)
+    if expert_parallel and not getattr(model_class, "has_experts", False):
+        raise ValueError(f"--enable-expert-parallel: {architecture} has no mixture-of-experts layers")
     with torch.device(device):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = get_model_class(architecture)(hf_config, max_position, tp)
+            kwargs = {"expert_parallel": True} if expert_parallel else {}
+            model = model_class(hf_config, max_position, tp, **kwargs)
         finally:
             torch.set_default_dtype(previous)
     load_weights(model, Path(model_path))
     if method is not None:
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and name != "lm_head":
+            if hasattr(module, "quant_method") and name != "lm_head":
                 module.quant_method = method
     for module in reversed(list(model.modules())):  # children before their parents
         if hasattr(module, "process_weights_after_loading"):
@@ -62,7 +70,8 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
     """Copy every ``*.safetensors`` tensor of ``model_path`` into its parameter.
 
     Checkpoint names are Hugging Face's; ``model.packed_modules_mapping`` maps fused ones
-    (``q_proj`` → shard ``q`` of ``qkv_proj``) and a parameter's own ``weight_loader`` places them.
+    (``q_proj`` → shard ``q`` of ``qkv_proj``), ``model.checkpoint_target(name)`` (where a model has
+    one) any others (an MoE layer's experts), and a parameter's own ``weight_loader`` places them.
     Loaders get a lazy safetensors slice, so a tensor-parallel layer reads only its rank's rows or
     columns from the file.
     With tied embeddings a checkpoint may hold the shared matrix as ``lm_head.weight``, as
@@ -78,6 +87,7 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
         raise FileNotFoundError(f"no *.safetensors checkpoint in {model_path}")
     params = dict(model.named_parameters())
     mapping = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "checkpoint_target", lambda name: None)
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[tuple[str, str | None]] = set()
     for file in files:
@@ -85,7 +95,7 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
             for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                target, shard = _target(name, mapping)
+                target, shard = remap(name) or _target(name, mapping)
                 if tied and target == "lm_head.weight":
                     target = _TIED_EMBEDDING
                 if target not in params:
@@ -100,6 +110,8 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                     param.weight_loader(param, source, shard)
                 loaded.add((target, shard))
     missing = sorted({name for name, shard in _expected(params) if (name, shard) not in loaded})
+    missing += [f"{prefix}.{shard}" for prefix, m in model.named_modules() if hasattr(m, "missing_shards")
+                for shard in m.missing_shards()]  # fmt: skip
     if missing:
         raise ValueError(
             f"checkpoint {model_path} has no values for {missing[:8]}{'...' if len(missing) > 8 else ''}"
@@ -107,10 +119,13 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
 
 
 def _expected(params: dict[str, nn.Parameter]) -> list[tuple[str, str | None]]:
-    """Every (parameter, shard) pair a complete checkpoint fills."""
+    """Every (parameter, shard) pair a complete checkpoint fills (but those of modules that track
+    their own shards: ``missing_shards``)."""
     pairs: list[tuple[str, str | None]] = []
     for name, param in params.items():
         owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
+        if hasattr(owner, "missing_shards"):
+            continue
         pairs += (
             [(name, shard) for shard in owner.shards] if isinstance(owner, MergedLinear) else [(name, None)]
         )

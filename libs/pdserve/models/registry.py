@@ -7,10 +7,14 @@ import importlib
 from torch import nn
 
 MODEL_REGISTRY = {
+    "Gemma3ForCausalLM": "pdserve.models.gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "pdserve.models.gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "pdserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pdserve.models.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "pdserve.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "pdserve.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pdserve.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pdserve.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -125,17 +125,17 @@ def request_phases(req: Req, role: str) -> list[tuple[str, float, float]]:
 
 def start_request_span(req: Req, role: str) -> None:
     """Open ``<role>.request`` for ``req`` as a child of the current span (the RPC that brought it);
-    kept in ``req.meta["span"]``. A no-op without tracing."""
+    kept in ``req.span``. A no-op without tracing."""
     if _tracer is None:
         return
-    req.meta["span"] = _tracer.start_span(
+    req.span = _tracer.start_span(
         f"{role}.request", start_time=_ns(req.arrival_time), attributes={"pdserve.rid": req.rid}
     )
 
 
 def end_request_span(req: Req, role: str) -> None:
     """Add ``req``'s phase spans to its request span and end it (the scheduler's ``on_request_end``)."""
-    span = req.meta.pop("span", None)
+    span, req.span = req.span, None
     if span is None:
         return
     from opentelemetry import trace
@@ -160,7 +160,7 @@ def end_request_span(req: Req, role: str) -> None:
 @contextlib.contextmanager
 def request_context(req: Req) -> Iterator[None]:
     """Make ``req``'s request span current (RPCs made inside are its children)."""
-    span = req.meta.get("span")
+    span = req.span
     if span is None:
         yield
         return
@@ -172,7 +172,7 @@ def request_context(req: Req) -> Iterator[None]:
 
 def traceparent(req: Req) -> str:
     """The W3C ``traceparent`` of ``req``'s request span ("" without one)."""
-    span = req.meta.get("span")
+    span = req.span
     if span is None:
         return ""
     from opentelemetry import trace

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.constrained.grammar import apply_grammars
 from pdserve.layers.cpu_fused_ops import load_fused_ops
+from pdserve.sampling.rejection import rejection_sample
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
+from pdserve.sampling.uniforms import uniforms
+
+if TYPE_CHECKING:
+    from pdserve.sampling.verify import DraftRows
 
 
 @dataclass(slots=True)
@@ -36,7 +42,9 @@ class GenerationBatchResult:
 
 
 class Sampler:
-    """Turns the last-position logits of a batch into next tokens."""
+    """Turns the logits of a batch into tokens: one per request, or one per position of a verify
+    batch (then ``drafts`` says which draft token each position checks; see
+    ``pdserve.sampling.verify``)."""
 
     def __call__(
         self,
@@ -44,17 +52,23 @@ class Sampler:
         info: SamplingBatchInfo | None,
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
+        drafts: DraftRows | None = None,
     ) -> GenerationBatchResult:
-        """Sample one token per row of ``logits`` (``[B, V]``, the model's dtype); ``info=None`` means
+        """Sample one token per row of ``logits`` (``[N, V]``, the model's dtype); ``info=None`` means
         greedy. A batch that only takes each row's argmax reads the logits as they are (the largest
         bfloat16 value is the largest after a cast); anything else works on a float32 copy.
-        Constrained rows (``info.grammars``) are masked by their grammar first."""
+        Constrained rows (``info.grammars``) are masked by their grammar first.
+
+        With ``drafts``, a row whose draft token was sampled from a distribution ``q`` (a draft
+        model's) decides by the rejection rule instead of sampling afresh
+        (``pdserve.sampling.rejection``); every other row samples as it would outside a verify
+        batch, so the samples equal non-speculative decoding's where the drafts are deterministic."""
         top_k_max = min(max(top_logprobs_nums or [0]), logits.shape[-1])
         if return_logprob or top_k_max or not (info is None or info.argmax_only):
             logits = logits.float()
         constrained = apply_grammars(logits, info.grammars) if info is not None and info.grammars else []
         raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_k_max else None
-        next_ids = self._sample(logits, info, constrained)
+        next_ids = self._sample(logits, info, constrained, drafts)
         result = GenerationBatchResult(next_token_ids=next_ids.tolist(), next_token_tensor=next_ids)
         if raw_logprobs is not None:
             result.next_token_logprobs = raw_logprobs.gather(1, next_ids[:, None]).squeeze(1).tolist()
@@ -68,7 +82,11 @@ class Sampler:
         return result
 
     def _sample(
-        self, logits: torch.Tensor, info: SamplingBatchInfo | None, constrained: list[int]
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo | None,
+        constrained: list[int],
+        drafts: DraftRows | None = None,
     ) -> torch.Tensor:
         if info is None:
             return _argmax(logits)
@@ -85,6 +103,13 @@ class Sampler:
             return next_ids
         rows = (~info.is_greedy).nonzero().squeeze(1)
         next_ids[rows] = _sample_rows(logits[rows], info, rows)
+        if drafts is not None and drafts.prob_rows is not None:
+            sampled = drafts.prob_rows[~info.is_greedy[drafts.prob_rows]]  # greedy rows: argmax decides
+            if len(sampled):
+                probs = target_probs(logits[sampled], info, sampled)
+                q = drafts.probs[~info.is_greedy[drafts.prob_rows]]
+                seeds = [info.step_seeds[i] for i in sampled.tolist()]
+                next_ids[sampled] = rejection_sample(probs, q, drafts.token_ids[sampled], seeds)
         return next_ids
 
 
@@ -110,12 +135,12 @@ def _apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Ten
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> torch.Tensor:
-    """Sample the non-greedy ``rows`` by inverse-CDF over the filtered, descending-sorted probabilities.
-
-    Each row draws one uniform number, from its own stateless generator when seeded, so its token
-    depends only on its own logits and seed.
-    """
+def _filtered_sorted(
+    logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution the non-greedy ``rows`` sample from, descending: float32 ``[n, k]``
+    probabilities after temperature, zeroed where top-k / top-p / min-p filter them out (not
+    renormalised), and int64 ``[n, k]`` their token ids (``k`` the largest top-k, else ``V``)."""
     probs = torch.softmax(logits / info.temperatures[rows], dim=-1)
     top_ks = info.top_ks[rows]
     k = min(int(top_ks.max()), info.vocab_size) if info.need_top_k else info.vocab_size
@@ -130,17 +155,27 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tens
         keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < info.top_ps[rows, None]
     if info.need_min_p:
         keep &= sorted_probs >= info.min_ps[rows, None] * sorted_probs[:, :1]
-    cdf = (sorted_probs * keep).cumsum(dim=-1)
-    uniform = _uniforms([info.step_seeds[i] for i in rows.tolist()], logits.device)
-    picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=k - 1)
+    return sorted_probs * keep, order
+
+
+def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> torch.Tensor:
+    """Sample the non-greedy ``rows`` by inverse-CDF over the filtered, descending-sorted probabilities.
+
+    Each row draws one uniform number, from its own stateless generator when seeded, so its token
+    depends only on its own logits and seed.
+    """
+    kept, order = _filtered_sorted(logits, info, rows)
+    cdf = kept.cumsum(dim=-1)
+    uniform = uniforms([info.step_seeds[i] for i in rows.tolist()], logits.device)
+    picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+    picks.clamp_(max=order.shape[1] - 1)
     return order.gather(1, picks).squeeze(1)
 
 
-def _uniforms(seeds: list[int | None], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) float32 per row: from a generator seeded with the row's seed, else the global RNG."""
-    uniform = torch.rand(len(seeds), device=device)
-    for i, seed in enumerate(seeds):
-        if seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-            uniform[i] = torch.rand(1, generator=generator, device=device)[0]
-    return uniform
+def target_probs(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[n, V]``: the distribution the non-greedy ``rows`` sample from (``logits`` their
+    processed logits, ``[n, V]``: penalties, bias and grammar applied), renormalised after
+    temperature and the top-k / top-p / min-p filters: the ``p`` of speculative sampling."""
+    kept, order = _filtered_sorted(logits, info, rows)
+    dense = torch.zeros_like(logits, dtype=torch.float32)
+    return dense.scatter_(1, order, kept / kept.sum(dim=-1, keepdim=True))

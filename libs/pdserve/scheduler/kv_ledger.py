@@ -79,6 +79,10 @@ class KVLedger:
             self.tree.evict(n - self.allocator.available_size())
         return self.allocator.alloc(n)
 
+    def cached_prefix_len(self, req: Req) -> int:
+        """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
+        return self.tree.match_prefix(req.fill_ids[:-1]).num_tokens
+
     def match(self, req: Req) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match.
 
@@ -190,6 +194,20 @@ class KVLedger:
         self._write_req_to_token([(req, 0, full)])
 
     # ---- release ------------------------------------------------------------------
+    def release_when_idle(self, req: Req, cache: bool) -> None:
+        """``release`` an ended ``req`` now or, while a scheduled forward still reads and writes its
+        KV (``req.in_batches``), once the last such batch is processed (``release_deferred``)."""
+        if req.in_batches:
+            req.release_cache = cache
+        else:
+            self.release(req, cache)
+
+    def release_deferred(self, req: Req) -> None:
+        """The release ``release_when_idle`` deferred, once no scheduled batch holds ``req`` any more."""
+        if req.in_batches == 0 and req.release_cache is not None:
+            self.release(req, cache=req.release_cache)
+            req.release_cache = None
+
     def release(self, req: Req, cache: bool) -> None:
         """Give back everything ``req`` holds, exactly once.
 

@@ -3,14 +3,41 @@ gateway's merged view). Names and their vLLM equivalents: the metrics table of d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.observability.metrics_http import exposition, labelled
+from pdserve.scheduler.req import Req
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30)
 # request lengths in tokens, 1-2-5 steps (vLLM's build_1_2_5_buckets)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """A scheduler's load and limits at one moment (``GetLoad``, and the gauges below).
+
+    Attributes (named as ``pdserve.v1.LoadInfo``'s fields):
+        num_running_reqs: requests admitted and not finished (extending, decoding, or waiting for KV).
+        num_queue_reqs: requests waiting for admission (their grammar's compile included).
+        kv_pages_used / kv_pages_free / kv_pages_cached / kv_pages_total: the KV pool, in pages
+            (owned by requests, on the free list, held only by the radix cache, usable in all).
+        page_size: tokens per page.
+        request_capacity / max_queued_requests: the overload limits (``overload``).
+    """
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    kv_pages_used: int
+    kv_pages_free: int
+    kv_pages_cached: int
+    kv_pages_total: int
+    page_size: int
+    request_capacity: int
+    max_queued_requests: int
 
 
 class SchedulerMetrics:
@@ -105,6 +132,32 @@ class SchedulerMetrics:
         self.queue_time = Histogram(
             "pdserve:queue_time_seconds", "Arrival to admission", buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    def set_load(self, load: SchedulerLoad) -> None:
+        self.num_running.set(load.num_running_reqs)
+        self.num_queue.set(load.num_queue_reqs)
+        self.kv_pages_used.set(load.kv_pages_used)
+        self.kv_pages_free.set(load.kv_pages_free)
+        self.kv_pages_cached.set(load.kv_pages_cached)
+        self.kv_pages_total.set(load.kv_pages_total)
+        total = load.kv_pages_total
+        self.kv_cache_usage.set(load.kv_pages_used / total if total else 0.0)
+
+    def observe_token(self, req: Req, now: float) -> None:
+        """A token of ``req`` comes at ``now`` (before it is appended): its TTFT, or the gap to the last."""
+        if req.first_token_time == 0.0:
+            self.ttft.observe(now - req.arrival_time)
+        else:
+            self.itl.observe(now - req.last_token_time)
+
+    def observe_end(self, req: Req, finished_here: bool) -> None:
+        """``req`` ended (``finish_time`` set); ``finished_here``: this worker owns its finish (not a
+        prefill worker, which hands requests on)."""
+        if req.first_token_time:
+            self.e2e.observe(req.finish_time - req.arrival_time)
+        if finished_here:
+            self.finished.labels(finish_reason=req.finish_reason.value).inc()
+            self.request_generation_tokens.observe(len(req.output_ids))
 
     def text(self) -> str:
         """Prometheus text exposition of this registry, ``model_name`` labelled."""

@@ -1,4 +1,5 @@
-"""Waiting-queue ordering: ``fcfs`` and ``lpm`` (longest cached prefix first).
+"""Who goes first: the waiting queue's admission order, ``fcfs`` or ``lpm`` (longest cached prefix
+first), and the running requests' order of retraction when the KV pool runs short.
 
 ``lpm`` follows SGLang's cache-aware scheduling (Zheng et al., 2024, §4): requests whose prompt
 shares the longest prefix with the radix cache run first, so a shared prefix is reused before it is
@@ -17,7 +18,7 @@ POLICIES = ("fcfs", "lpm")
 
 
 class SchedulePolicy:
-    """Orders the waiting queue in place.
+    """Orders the waiting queue (``order``) and the running requests (``retraction_order``).
 
     Args:
         policy: ``"fcfs"`` or ``"lpm"``.
@@ -60,3 +61,10 @@ class SchedulePolicy:
             )
 
         waiting.sort(key=key)
+
+    def retraction_order(self, running: list[Req]) -> list[Req]:
+        """``running`` oldest admitted first: the last one still running is retracted first when the
+        KV pool cannot give every request a slot. Stable, so requests admitted together (their
+        admit times tie) keep the order they run in, and the victim is never one given a slot
+        already."""
+        return sorted(running, key=lambda r: r.admit_time)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pdserve.constrained.grammar import Grammar
 from pdserve.sampling.sampling_params import SamplingParams
+from pdserve.scheduler.route import Route
 
 
 class ReqState(enum.Enum):
@@ -81,9 +82,10 @@ class Req:
     matched_stop_token: int | None = None
     error: str = ""
     retryable: bool = False  # an ERROR caused by the server's state (overload, a hung worker): retry
-    # transport facts the servicer needs, carried opaquely
-    meta: dict[str, Any] = field(default_factory=dict)
+    # where it came from and where its KV and outputs go (the servicer's, carried opaquely)
+    route: Route = field(default_factory=Route)
     deadline: float = 0.0
+    span: Any = None  # its tracing span, on the rank that serves its RPC (never sent to other ranks)
     # timing (time.time() seconds)
     arrival_time: float = field(default_factory=time.time)
     admit_time: float = 0.0
@@ -115,6 +117,21 @@ class Req:
     def num_generated(self) -> int:
         """Output tokens, the ``num_pending`` not yet known ones included."""
         return len(self.output_ids) + self.num_pending
+
+    def append_token(
+        self, token: int, logprob: tuple[float, list[tuple[int, float]]] | None, now: float
+    ) -> None:
+        """Append a sampled ``token`` (its logprob and top logprobs, if asked for) at time ``now``; a
+        constrained request's matcher advances by it (a refusal fails the request in
+        ``check_finished``)."""
+        self.output_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        if logprob is not None:
+            self.output_logprobs.append((token, logprob[0], logprob[1]))
+        if self.first_token_time == 0.0:
+            self.first_token_time = now
+        self.last_token_time = now
 
     def will_finish_by_length(self, context_len: int) -> bool:
         """Whether the pending tokens already bring it to ``max_new_tokens`` or ``context_len``: then it

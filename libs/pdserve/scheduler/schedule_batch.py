@@ -1,7 +1,9 @@
-"""``ScheduleBatch``: what one scheduling step runs, built fresh every step."""
+"""``ScheduleBatch``: what one scheduling step runs, built fresh every step; ``StepOutput``: what
+one request of it produced."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cache
@@ -12,6 +14,17 @@ from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step (or how it ended)."""
+
+    req: Req
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
 
 
 @dataclass(eq=False)
@@ -64,6 +77,29 @@ class ScheduleBatch:
             return ForwardMode.DECODE
         return ForwardMode.MIXED
 
+    def launch(self) -> list[Req]:
+        """Advance every request's counters as if the batch had run (``num_computed``, ``in_batches``,
+        ``last_row``, a sampling row's ``num_pending``), so that the next batch can be scheduled
+        before this one's result is known. Returns the requests whose prompt's last chunk it runs."""
+        last_chunks = []
+        for i, req in enumerate(self.reqs):
+            req.num_computed += self.extend_lens[i]
+            req.in_batches += 1
+            req.last_row = i
+            if self.samples[i]:
+                req.num_pending += 1
+                if i < self.num_extend:
+                    last_chunks.append(req)
+        return last_chunks
+
+    def token_logprob(self, i: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """Row ``i``'s sampled token's logprob and top logprobs, when the batch computed them."""
+        result = self.result
+        if result.next_token_logprobs is None:
+            return None
+        top = result.top_logprobs[i] if result.top_logprobs is not None else []
+        return result.next_token_logprobs[i], top
+
     def is_last_chunk(self, i: int) -> bool:
         """True when step ``i`` completes the request's fill, so its sampled token counts."""
         return self.samples[i]
@@ -75,8 +111,8 @@ class ScheduleBatch:
         Call it before the requests' counters advance for this batch: a request with
         ``num_pending > 0`` decodes the token ``prev`` samples for it at its row ``last_row``.
 
-        Raises whatever building the sampling tensors raises for a request's parameters (the
-        scheduler then finds the request responsible, ``Scheduler._prepare``).
+        Raises whatever building the sampling tensors raises for a request's parameters
+        (``prepare_batch`` then finds the request responsible).
 
         On CUDA the tensors are built on a side stream of the scheduler's thread, so that building
         them never waits for the forward running on the device; ``ready`` marks when they are.
@@ -145,6 +181,42 @@ class ScheduleBatch:
         dst, src = self._pending_index
         self.forward_batch.input_ids[dst] = self.prev.result.next_token_tensor[src]
         self.prev = None  # free it: its tensors are not needed any more
+
+
+def prepare_batch(
+    batch: ScheduleBatch, runner, prev: ScheduleBatch | None
+) -> tuple[ScheduleBatch | None, list[tuple[Req, str]]]:
+    """``batch.prepare(runner, prev)``, so that a request whose parameters make that raise fails alone:
+    each request's inputs are then built on their own to find the ones responsible, and a batch of
+    the others is built again.
+
+    Returns:
+        The batch to run (``batch``, or one of its requests less; None when none is left) and the
+        requests that must fail, each with its error.
+    """
+    try:
+        batch.prepare(runner, prev)
+        return batch, []
+    except Exception as e:  # narrowed to the requests responsible below
+        logger.warning("building a batch of %d requests failed (%s): isolating", len(batch.reqs), e)
+    keep, failed = [], []
+    for i, req in enumerate(batch.reqs):
+        try:
+            ScheduleBatch([req], [batch.extend_lens[i]], int(i < batch.num_extend)).prepare(runner, prev)
+            keep.append(i)
+        except Exception as e:  # this request's inputs are the cause
+            failed.append((req, f"invalid sampling inputs: {type(e).__name__}: {e}"))
+    if not keep:
+        return None, failed
+    num_extend = sum(i < batch.num_extend for i in keep)
+    rest = ScheduleBatch([batch.reqs[i] for i in keep], [batch.extend_lens[i] for i in keep], num_extend)
+    try:
+        rest.prepare(runner, prev)
+    except Exception as e:  # no single request is the cause: fail the step's requests
+        logger.exception("building a batch failed")
+        error = f"building the batch failed: {type(e).__name__}: {e}"
+        return None, failed + [(req, error) for req in rest.reqs]
+    return rest, failed
 
 
 @cache

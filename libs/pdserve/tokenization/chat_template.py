@@ -38,13 +38,13 @@ class ChatMessage:
         if self.name:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [_with_parsed_arguments(call) for call in self.tool_calls]
+            message["tool_calls"] = [with_parsed_arguments(call) for call in self.tool_calls]
         if self.tool_call_id:
             message["tool_call_id"] = self.tool_call_id
         return message
 
 
-def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+def with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     """A tool call whose JSON ``arguments`` string is parsed into an object, as chat templates
     expect (they serialise it with ``tojson``); arguments that are not JSON stay a string."""
     function = call.get("function")

@@ -1,5 +1,5 @@
 """What the rest of the system needs to know about a tokenizer: vocab size, EOS ids, context length,
-whether it has reasoning tokens."""
+whether it has reasoning tokens, the tool-call and reasoning formats of its chat template."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from pdserve.model_source import capped_context_length
+from pdserve.tokenization.chat_formats import reasoning_format, tool_call_format
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,9 @@ class TokenizerInfo:
             ``--max-model-len``.
         think_tokens: ``<think>`` and ``</think>`` are tokens of their own in the vocabulary, as in
             reasoning models (Qwen3, DeepSeek-R1): the model may open a reasoning block.
+        tool_call_parser: the tool-call format the chat template implies (``chat_formats``:
+            ``hermes``, ``llama3``, ``mistral``; "" when not recognised).
+        reasoning_parser: the reasoning convention it implies (``deepseek_r1``, ``qwen3``; "" none).
     """
 
     model_name: str
@@ -31,6 +35,8 @@ class TokenizerInfo:
     eos_token_ids: list[int]
     context_length: int
     think_tokens: bool = False
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
 
 def read_tokenizer_info(
@@ -52,6 +58,7 @@ def read_tokenizer_info(
         for token_id in value if isinstance(value, list) else [value]:
             if token_id is not None and token_id not in eos:
                 eos.append(int(token_id))
+    think_tokens = {"<think>", "</think>"} <= hf.get_vocab().keys()
     return TokenizerInfo(
         model_name=model_name,
         vocab_size=len(hf),
@@ -59,5 +66,7 @@ def read_tokenizer_info(
         context_length=capped_context_length(
             int(getattr(text_config, "max_position_embeddings", 0) or 0), max_model_len
         ),
-        think_tokens={"<think>", "</think>"} <= hf.get_vocab().keys(),
+        think_tokens=think_tokens,
+        tool_call_parser=tool_call_format(hf),
+        reasoning_parser=reasoning_format(hf, think_tokens),
     )

@@ -9,7 +9,9 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pdserve.model_source import resolve_model, served_model_name
+from pdserve.tokenization.chat_formats import chat_template_text, renders_tools
 from pdserve.tokenization.chat_template import ChatMessage, ChatPrompt, load_chat_template, render_chat
+from pdserve.tokenization.default_tools import with_default_tools
 from pdserve.tokenization.info import TokenizerInfo, read_tokenizer_info
 from pdserve.tokenization.token_pieces import TokenPiece, TokenPieces
 
@@ -40,6 +42,8 @@ class Tokenizer:
     ) -> None:
         self.hf = hf
         self.info: TokenizerInfo = read_tokenizer_info(hf, checkpoint, model_name, max_model_len)
+        # a template that does not render tools gets them through the default rendering
+        self.default_tools = not renders_tools(chat_template_text(hf))
         # A fast tokenizer whose decode adds no Python post-processing can decode a whole batch in
         # one Rust call; otherwise go through transformers (same text, slower).
         self._rust = hf.backend_tokenizer if hf.is_fast and not hf.clean_up_tokenization_spaces else None
@@ -120,11 +124,15 @@ class Tokenizer:
         """Render ``messages`` with the model's chat template and tokenize the result.
 
         The ids equal ``hf.apply_chat_template(..., tokenize=True)``: the rendered text is encoded
-        without adding special tokens, because the template writes them itself.
+        without adding special tokens, because the template writes them itself. Where the template
+        does not render tools (``default_tools``), the tools, the assistant turns' calls and the
+        tool results are first written into the messages (``pdserve.tokenization.default_tools``).
 
         Raises:
             ChatTemplateError: see ``pdserve.tokenization.chat_template.render_chat``.
         """
+        if self.default_tools:
+            messages, tools = with_default_tools(messages, tools), None
         text = render_chat(
             self.hf,
             messages,

@@ -56,7 +56,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's F32 and BF16
 
 
 class DecodeAttentionKernel:
-    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale, row_req=None) -> out``.
+    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale, row_req=None, window=0) -> out``.
 
     Args (tensors on CPU, contiguous, q and pages of one dtype: float32 or bfloat16):
         q: ``[T, Hq, D]``, one query per row; ``Hq`` a multiple of ``Hkv``. Its rows may be
@@ -65,9 +65,13 @@ class DecodeAttentionKernel:
         page_table: int64 ``[R, max_pages]``: the pages of each request.
         seq_lens: int64 ``[T]``, each >= 1: row ``t`` attends to keys ``[0, seq_lens[t])`` of its
             request.
+        scale: softmax scale (usually ``D ** -0.5``).
         row_req: int64 ``[T]``, the request (row of ``page_table``) of each row; None: row ``t`` is
             request ``t``.
         num_threads: OpenMP threads (default torch's).
+        window: a sliding-window layer's keys per query (Mistral, Gemma 3's local layers): row
+            ``t`` attends the last ``window`` of its keys, ``[seq_lens[t] - window, seq_lens[t])``
+            (the token at position ``p``: keys ``(p - window, p]``); 0 (default) attends all.
 
     Returns ``[T, Hq, D]`` in q's dtype.
 
@@ -81,7 +85,7 @@ class DecodeAttentionKernel:
         self._fn.argtypes = (
             [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 6
-            + [ctypes.c_int64] * 7
+            + [ctypes.c_int64] * 8
             + [ctypes.c_float, ctypes.c_int]
         )
 
@@ -98,6 +102,7 @@ class DecodeAttentionKernel:
         scale: float,
         row_req: torch.Tensor | None = None,
         num_threads: int | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
@@ -122,6 +127,7 @@ class DecodeAttentionKernel:
             num_heads,
             num_kv_heads,
             head_dim,
+            window,
             scale,
             num_threads or torch.get_num_threads(),
         )

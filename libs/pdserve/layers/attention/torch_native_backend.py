@@ -7,15 +7,27 @@ stored before attention runs). Decoding tokens and the tokens of an extend (a pr
 the rest of a prompt after a radix-cache hit) are computed alike, so a token's attention output is
 the same bit for bit however its request is batched, chunked or cached (batch invariance).
 
-Otherwise (no C kernels, or another device) requests are split into at most two groups, decoding
-ones (one query token) and extending ones (a ragged chunk after a cached prefix), so a MIXED batch
-does not pad its decodes to the longest extend. Each group's KV pages are gathered into a padded
-batch and attended with one SDPA per layer: queries padded to ``Lq`` (the longest chunk), keys to
-``Lk`` (the longest sequence, in whole pages; position ``p`` of a request is offset
-``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask keeps, for the
-query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no K/V
-repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length axis,
-so SDPA sees ``Hkv`` heads of ``G * Lq`` queries. (SDPA's reductions are not batch-invariant.)
+A verifying request (speculative decoding: its last token and ``k`` draft tokens, with logits at
+each; ``ForwardBatch.logits_lens`` > 1) is an extend like any other here: its token at position
+``p`` is a row attending keys ``[0, p]``, so a verify step computes, bit for bit where the matmuls
+are per row (our CPU matmuls), what decoding those tokens one at a time computes, and greedy
+speculation gives the tokens greedy decoding gives.
+
+A sliding-window layer (Mistral, Gemma 3's local layers, gpt-oss's alternate layers) passes its
+window to the kernel: the token at position ``p`` attends keys ``(p - window, p]``.
+
+Otherwise (no C kernels, another device, or a model whose scores are modified: Gemma 2's
+soft-capping, gpt-oss's sinks, run with explicit scores by ``score_mods`` for the whole model)
+requests are split into at most two groups, decoding ones (one query token) and extending ones (a
+ragged chunk after a cached prefix, verifying requests among them), so a MIXED batch does not pad
+its decodes to the longest extend. Each group's KV pages are gathered into a padded batch and
+attended with one SDPA per layer: queries padded to ``Lq`` (the longest chunk), keys to ``Lk``
+(the longest sequence, in whole pages; position ``p`` of a request is offset ``p % page_size`` of
+page ``req_to_token[p] // page_size``), and a boolean mask keeps, for the query at position ``p``,
+the keys at positions ``[0, p]`` of its own request (``(p - window, p]`` in a sliding-window layer:
+one mask per distinct window, built once per batch). GQA needs no K/V repeat: the ``G = Hq / Hkv``
+query heads sharing a KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads of
+``G * Lq`` queries. (SDPA's reductions are not batch-invariant.)
 """
 
 from __future__ import annotations
@@ -28,10 +40,11 @@ import torch.nn.functional as F
 
 from pdserve.layers.attention.base import AttentionBackend
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
+from pdserve.layers.attention.score_mods import attend_with_score_mods, needs_score_mods
+from pdserve.layers.radix_attention import RadixAttention
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
-    from pdserve.layers.radix_attention import RadixAttention
 
 
 @dataclass(slots=True)
@@ -45,7 +58,8 @@ class _Group:
             when that is simply ``0..T-1`` (the group is the whole batch).
         page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
         seq_lens: int64 ``[Bg]``: keys of each request.
-        mask: bool ``[Bg, 1, G * Lq, Lk]``: True where the query may attend to the key.
+        masks: per sliding window of the model's layers (0: full causal), bool ``[Bg, 1, G * Lq,
+            Lk]``: True where the query may attend to the key.
     """
 
     query_index: torch.Tensor
@@ -53,7 +67,7 @@ class _Group:
     out_index: torch.Tensor | None
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    mask: torch.Tensor
+    masks: dict[int, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -76,14 +90,20 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Paged attention for any device PyTorch runs on; the CPU backend pdserve tests with.
 
     Args:
-        runner: the ``ModelRunner`` (model config, KV pool, device).
+        runner: the ``ModelRunner`` (model config, KV pool, device; its loaded model's attention
+            layers, for their sliding windows and score modifications).
         use_cpu_kernels: on CPU, run attention through the C kernel of ``cpu_decode_kernel`` where
-            it builds and supports the dtype, instead of gather + SDPA.
+            it builds and supports the dtype and the model's scores are not modified, instead of
+            gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_cpu_kernels: bool = True):
         config = runner.model_config
-        on_cpu = use_cpu_kernels and runner.device.type == "cpu"
+        model = getattr(runner, "model", None)
+        layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
+        self.windows = sorted({layer.sliding_window for layer in layers} | {0})
+        self.score_mods = any(needs_score_mods(layer) for layer in layers)
+        on_cpu = use_cpu_kernels and runner.device.type == "cpu" and not self.score_mods
         kernel = load_decode_kernel() if on_cpu else None
         kv_dtype = runner.kv_pool.dtype  # the kernel runs in the pool's dtype (queries rounded to it)
         self.decode_kernel = kernel if kernel and kernel.supports(kv_dtype) else None
@@ -146,17 +166,22 @@ class TorchNativeAttnBackend(AttentionBackend):
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
         k_pos = torch.arange(max_k, device=device)[None, None, :]
-        causal = k_pos <= (prefix[:, None] + q_pos)[:, :, None]  # [Bg, Lq, Lk]
+        q_abs = (prefix[:, None] + q_pos)[:, :, None]
+        causal = (k_pos <= q_abs) & (k_pos < seq[:, None, None])  # [Bg, Lq, Lk]
         g = self.num_heads // self.num_kv_heads
-        mask = (causal & (k_pos < seq[:, None, None]))[:, None, None].expand(-1, 1, g, -1, -1)
-        mask = mask.reshape(len(ext), 1, g * max_q, max_k)
+        masks = {}
+        for window in self.windows:
+            # padding queries keep every causal key, so that no row of the softmax is empty
+            mask = causal & ((k_pos > q_abs - window) | ~query_valid[:, :, None]) if window else causal
+            mask = mask[:, None, None].expand(-1, 1, g, -1, -1)
+            masks[window] = mask.reshape(len(ext), 1, g * max_q, max_k)
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
             out_index=None if rows is None else query_index[query_valid],
             page_table=page_table.contiguous(),
             seq_lens=seq.contiguous(),
-            mask=mask,
+            masks=masks,
         )
 
     def forward(
@@ -169,32 +194,39 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_pages, v_pages = self.store_kv(k, v, layer, forward_batch)
         if k_pages.dtype != q.dtype:  # float32 activations over a bfloat16 pool: attend as bfloat16 does
-            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer.scaling).to(q.dtype)
-        return self._attention(q, k_pages, v_pages, layer.scaling)
+            return self._attention(q.to(k_pages.dtype), k_pages, v_pages, layer).to(q.dtype)
+        return self._attention(q, k_pages, v_pages, layer)
 
     def _attention(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, scaling: float
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, layer: RadixAttention
     ) -> torch.Tensor:
         """``[T, Hq * D]`` attention outputs of the batch's queries ``q`` over the stored pages."""
+        scaling, window = layer.scaling, layer.sliding_window
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
             table, lens = rows.page_table, rows.seq_lens
-            out = self.decode_kernel(q, k_pages, v_pages, table, lens, scaling, rows.row_req)
+            out = self.decode_kernel(q, k_pages, v_pages, table, lens, scaling, rows.row_req, window=window)
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
-            return self._attend(q, k_pages, v_pages, self.groups[0], scaling)
+            return self._attend(q, k_pages, v_pages, self.groups[0], layer)
         out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
         for group in self.groups:
-            out[group.out_index] = self._attend(q, k_pages, v_pages, group, scaling)
+            out[group.out_index] = self._attend(q, k_pages, v_pages, group, layer)
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, group: _Group, scaling: float
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        group: _Group,
+        layer: RadixAttention,
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
+        scaling, mask = layer.scaling, group.masks[layer.sliding_window]
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
@@ -203,6 +235,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         pages = group.page_table.view(-1)
         kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
         vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, scale=scaling)
+        if self.score_mods:
+            out = attend_with_score_mods(qg, kg, vg, mask, layer, max_q)
+        else:
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
         out = out.view(rows, hkv, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(rows, max_q, self.num_heads * d)
         return out.view(rows, -1) if group.query_valid is None else out[group.query_valid]

@@ -1,0 +1,141 @@
+"""What a request must satisfy before any of its sub-requests is sent (the gateway's admission).
+
+The pending limit counted in sub-requests (prompts × n), the vocabulary bounds of ``top_k`` and of
+stop and bias token ids (``pdserve.sampling.bounds``: the request models bound everything the
+vocabulary does not decide), each prompt's ids, and the context length, which also sets the default
+``max_new_tokens``. Every failure is a ``GatewayError`` naming the field.
+
+The pending limit: ``--max-pending-requests N`` sets it; 0 means none; unset (the default) sizes it
+from the KV pools of the decode workers, as each reports in ``GetLoad``::
+
+    limit = sum over healthy decode workers of (request_capacity + max_queued_requests)
+    request_capacity = min(--max-running-requests, kv_pages // pages of a minimal request)
+    max_queued_requests = --max-queued-requests (default 2 * request_capacity)
+
+(``pdserve.scheduler.overload``): what the decode pool can run at once plus what its waiting
+queues may hold, in scheduler requests, which is what a sub-request becomes. A request beyond the
+limit gets 429 with ``Retry-After`` (one that passes it while no decode worker is healthy gets 503
+with ``Retry-After`` from the router, once it is validated). Until the decode workers have reported
+(the first health round, at start), and when one reports an unbounded queue, there is no limit here:
+the schedulers' own queue bounds still refuse (RESOURCE_EXHAUSTED, 429). The limit is per replica:
+N replicas in front of one pool may take N times the pool's capacity, and the schedulers then refuse
+the excess.
+"""
+
+from __future__ import annotations
+
+from pdserve.sampling.bounds import BoundError, check_vocab_fields
+from pdserve.services.gateway.errors import (
+    GatewayError,
+    context_length_exceeded,
+    invalid_request,
+    retry_after,
+)
+from pdserve.services.gateway.io_struct import GenerateReqInput, SamplingParams
+from pdserve.services.gateway.routing.workers import WorkerPool
+
+
+def pending_limit(configured: int | None, decode: WorkerPool) -> int | None:
+    """The pending limit in sub-requests now: ``configured`` when given (0 = None: no limit), else
+    sized from the healthy decode workers' reports (None until each has reported a bounded capacity)."""
+    if configured is not None:
+        return configured or None
+    capacities = [w.capacity for w in decode.healthy()]
+    if not capacities or any(not c for c in capacities):  # unreported (None) or unbounded (0)
+        return None
+    return sum(capacities)
+
+
+def check_pending(obj: GenerateReqInput, pending: int, configured: int | None, decode: WorkerPool) -> None:
+    """Count ``obj``'s sub-requests against the pending limit with ``pending`` already in flight.
+
+    Raises:
+        GatewayError: 400 (naming ``n``) when they alone exceed the limit, so it can never be served;
+            429 with ``Retry-After`` when they would take the replica past it.
+    """
+    limit = pending_limit(configured, decode)
+    if limit is None:
+        return
+    choices = obj.num_choices
+    if choices > limit:
+        raise invalid_request(
+            f"the request fans out into {choices} sub-requests (prompts × n); this server takes at "
+            f"most {limit} at once",
+            param=obj.params_path + "n",
+        )
+    if pending + choices > limit:
+        raise GatewayError(
+            429,
+            f"the server is overloaded: {pending} sub-requests in flight (limit {limit}); retry later",
+            code="too_many_requests",
+            headers=retry_after(),
+        )
+
+
+def check_sampling(obj: GenerateReqInput, vocab_size: int) -> None:
+    """400 naming the field for ``top_k`` above the vocabulary or a stop / bias token id outside it
+    (``vocab_size`` 0 = unknown); a UnicodeEncodeError (a 400) for a stop string that is not UTF-8."""
+    sp = obj.sampling_params
+    for stop in sp.stop:
+        stop.encode()  # now, not after routing: protobuf cannot carry it
+    if not vocab_size:
+        return
+    try:
+        check_vocab_fields(sp.top_k, sp.stop_token_ids, sp.logit_bias, vocab_size)
+    except BoundError as e:
+        raise invalid_request(obj.params_path + str(e), param=obj.params_path + e.field) from None
+
+
+def check_ids(input_ids: list[int], vocab_size: int) -> None:
+    """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
+    if not input_ids:
+        raise invalid_request("the prompt is empty (no tokens)", param="prompt")
+    low, high = min(input_ids), max(input_ids)
+    bad = low if low < 0 else high
+    if bad < 0 or (vocab_size and bad >= vocab_size):
+        vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
+        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")
+
+
+def max_new_tokens(
+    obj: GenerateReqInput, prompt_len: int, context_length: int, default_max: int, param: str
+) -> int:
+    """The request's ``max_new_tokens``, or the context left (capped by ``default_max``).
+
+    Raises:
+        GatewayError: ``context_length_exceeded`` (400, naming ``param``: "messages" or "prompt")
+            when the prompt, or the prompt plus the request's ``max_new_tokens``, does not fit in the
+            context; 400 naming ``min_tokens`` when that is more than the tokens it can get.
+    """
+    sp: SamplingParams = obj.sampling_params
+    limit = _max_new_tokens(prompt_len, sp.max_new_tokens, context_length, default_max, param)
+    if (sp.min_new_tokens or 0) > limit:
+        name = "min_new_tokens" if obj.params_path else "min_tokens"  # as the client's API spells it
+        raise invalid_request(
+            f"{name} ({sp.min_new_tokens}) exceeds the {limit} tokens this prompt can get",
+            param=obj.params_path + name,
+        )
+    return limit
+
+
+def _max_new_tokens(
+    prompt_len: int, requested: int | None, context_length: int, default_max: int, param: str
+) -> int:
+    if context_length <= 0:  # the tokenizer does not know the context length
+        return requested or default_max
+    if prompt_len >= context_length:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {context_length} tokens, but the prompt has "
+            f"{prompt_len} tokens. Please shorten the prompt.",
+            param,
+        )
+    if requested is None:
+        return min(context_length - prompt_len, default_max)
+    if prompt_len + requested > context_length:
+        raise context_length_exceeded(
+            f"This model's maximum context length is {context_length} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            f"completion). Please reduce the length of the prompt or the completion.",
+            param,
+        )
+    return requested

@@ -1,0 +1,69 @@
+"""Pick the decode-scheduler (and prefill-scheduler) of each sub-request, with a policy per pool
+(``policies``). Unhealthy workers (marked by ``WorkerMonitor``) are skipped until they answer
+SERVING again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.services.gateway.routing.policies import PolicyName, make_policy
+from pdserve.services.gateway.routing.workers import Worker, WorkerPool
+
+
+@dataclass(slots=True)
+class Route:
+    """Where one sub-request goes; ``release()`` once it ends (idempotent)."""
+
+    decode: Worker
+    prefill: Worker | None
+    fallback_prefill_addresses: list[str] = field(default_factory=list)  # decode retries on these
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def prefill_address(self) -> str:
+        return self.prefill.address if self.prefill else ""
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.decode.in_flight -= 1
+            if self.prefill:
+                self.prefill.in_flight -= 1
+
+
+class Router:
+    """Routes tokenized requests over the decode pool and the (optional) prefill pool.
+
+    With no prefill workers configured, ``Route.prefill`` is None and decode prefills locally.
+    """
+
+    def __init__(self, decode: WorkerPool, prefill: WorkerPool, policy: PolicyName) -> None:
+        self.decode = decode
+        self.prefill = prefill
+        self.policy_name = policy
+        self._decode_policy = make_policy(policy)
+        self._prefill_policy = make_policy(policy)
+
+    def route(self, input_ids: Sequence[int]) -> Route:
+        """Pick (decode, prefill) for ``input_ids`` and count the request in flight on both.
+
+        Raises:
+            GatewayError: 503 when a configured role has no healthy worker.
+        """
+        decode = self._decode_policy.select(self.decode.available(), input_ids)
+        prefill = None
+        fallbacks: list[str] = []
+        if self.prefill:
+            available = self.prefill.available()
+            prefill = self._prefill_policy.select(available, input_ids)
+            prefill.in_flight += 1
+            fallbacks = [w.address for w in available if w is not prefill]
+        decode.in_flight += 1
+        return Route(decode, prefill, fallbacks)
+
+    def forget(self, role: str, worker: Worker) -> None:
+        """Drop what the policy remembers about ``worker`` (it went unhealthy)."""
+        policy = self._decode_policy if role == "decode" else self._prefill_policy
+        policy.forget(worker)

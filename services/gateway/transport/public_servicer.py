@@ -1,0 +1,133 @@
+"""The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Abort, ListModels.
+
+Generate streams ``GenerateResponse`` pieces (index per choice, usage on each choice's last piece).
+A request is validated by the models of the HTTP API and refused with the same message: its options
+(sampling parameters, rid, logprobs) as native /generate's (``GenerateOptions``), a ``chat`` input as
+/v1/chat/completions' messages, tools and template options (``ChatInput``). A call that is cancelled
+or passes its gRPC deadline aborts its request in the schedulers. Failures abort the call with the
+status code of the ``GatewayError`` (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...);
+RESOURCE_EXHAUSTED and UNAVAILABLE carry their retry hint in the trailing metadata (``abort_with``).
+With API keys configured, every method first checks the call's ``authorization`` metadata, and a
+request can be aborted only with the key it was sent with (any other caller is told ``found=false``).
+A request message that does not parse is refused with INVALID_ARGUMENT (``interceptors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from pdserve.services.gateway.auth import grpc_caller
+from pdserve.services.gateway.errors import (
+    GatewayError,
+    generation_failed,
+    invalid_request,
+    validate_as_body,
+)
+from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
+from pdserve.services.gateway.openai.native_protocol import GenerateOptions
+from pdserve.services.gateway.openai.protocol import ChatInput
+from pdserve.services.gateway.openai.serving_common import ServingContext, new_rid
+from pdserve.services.gateway.transport import convert
+from pdserve.v1 import api_pb2, api_pb2_grpc
+
+# gRPC ends a call at its deadline itself (DEADLINE_EXCEEDED to the client, the handler cancelled);
+# the gateway's own timer for the call runs this much later so that the two never race to end it
+# (aborting a call gRPC had just ended failed in gRPC's core and was logged as an error).
+DEADLINE_GRACE_S = 0.5
+
+SERVICE_NAME = api_pb2.DESCRIPTOR.services_by_name["PdServe"].full_name
+add_to_server = api_pb2_grpc.add_PdServeServicer_to_server
+
+
+class PdServeServicer(api_pb2_grpc.PdServeServicer):
+    """``api_keys``: the gateway's API keys (empty: none), whose holders own the requests they send."""
+
+    def __init__(self, ctx: ServingContext, api_keys: Sequence[str] = ()) -> None:
+        self.ctx = ctx
+        self.api_keys = api_keys
+
+    async def Generate(
+        self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        try:
+            obj = self._to_generate_req(request)
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
+            owner = grpc_caller(context, self.api_keys)
+            handle = await self.ctx.manager.submit(obj, timeout=timeout, owner=owner)
+        except GatewayError as e:
+            await abort_with(context, e)
+        # The handle is closed (and its choices aborted) when the call ends for any reason.
+        context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
+        try:
+            async with handle:
+                async for delta in handle:
+                    if delta.finish_reason == "error":
+                        raise generation_failed(delta.error, delta.retryable)
+                    yield convert.generate_response_to_pb(obj.rid, delta)
+        except GatewayError as e:
+            await abort_with(context, e)
+
+    def _to_generate_req(self, request: api_pb2.GenerateRequest) -> GenerateReqInput:
+        if request.model:
+            self.ctx.check_model(request.model)
+        which = request.WhichOneof("input")
+        prompt: Prompt
+        if which == "text":
+            prompt = request.text
+        elif which == "input_ids":
+            prompt = list(request.input_ids.ids)
+        elif which == "chat":
+            prompt = validate_as_body(ChatInput, convert.chat_fields(request.chat)).chat_prompt()
+        else:
+            raise invalid_request("one of text, input_ids or chat is required", param="input")
+        if not prompt:
+            raise invalid_request(f"'{which}' must not be empty", param=which)
+        # return_logprob and top_logprobs_num travel in SamplingParams; /generate has them top-level
+        sampling = convert.sampling_params_dict(request.sampling_params)
+        logprob_options = {
+            "return_logprob": sampling.pop("return_logprob", False),
+            "top_logprobs_num": sampling.pop("top_logprobs_num", 0),
+        }
+        options = validate_as_body(
+            GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **logprob_options}
+        )
+        params = options.sampling_params
+        return GenerateReqInput(
+            rid=options.rid or new_rid(),
+            prompts=[prompt],
+            sampling_params=params.to_sampling_params(options.return_logprob, options.top_logprobs_num),
+            n=params.n,
+            add_special_tokens=which != "chat",
+            params_path="sampling_params.",
+        )
+
+    async def Abort(
+        self, request: api_pb2.PublicAbortRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.PublicAbortResponse:
+        found = self.ctx.manager.abort(request.rid, owner=grpc_caller(context, self.api_keys))
+        return api_pb2.PublicAbortResponse(found=found)
+
+    async def ListModels(
+        self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.ListModelsResponse:
+        try:
+            info = await self.ctx.manager.model_info()
+        except GatewayError as e:
+            await abort_with(context, e)
+        card = api_pb2.ModelCard(id=self.ctx.served_model_name, context_length=info.context_length)
+        return api_pb2.ListModelsResponse(models=[card])
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: GatewayError) -> None:
+    """End the call with ``error``'s status code and message. An error the client should retry
+    (429/503 with ``Retry-After``) carries the hint in the trailing metadata twice: ``retry-after``
+    (seconds, as HTTP's header) and ``grpc-retry-pushback-ms``, which gRPC's own retry policy (gRFC
+    A6, as the SDK configures it for UNAVAILABLE) waits for before it retries."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    if "Retry-After" in error.headers:
+        seconds = error.headers["Retry-After"]
+        metadata = (("retry-after", seconds), ("grpc-retry-pushback-ms", str(int(float(seconds) * 1000))))
+    await context.abort(error.grpc_code, error.message, trailing_metadata=metadata)
