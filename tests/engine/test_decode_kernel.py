@@ -131,3 +131,18 @@ def test_sliding_window_of_a_split_request(kernel, dtype):
     expected = reference(q, k, v, table, lens, 0.125, 1000)
     for threads in (1, 2, 4):
         assert_matches(kernel(q, k, v, table, lens, 0.125, num_threads=threads, window=1000), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cap", [0.0, 4.0])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("window", [0, 40])
+def test_soft_capping_and_sinks(kernel, dtype, cap, with_sinks, window):
+    """Gemma 2's soft-capped scores and gpt-oss's attention sinks (one logit per head, some above
+    every score, some below), with and without a window, over rows long enough to split (the sinks
+    join the merge of the splits once)."""
+    q, k, v, table, lens = make_pool([*RAGGED, 1100], 6, 2, 64, 16, dtype, q_scale=3.0, seed=6)
+    sinks = torch.tensor([-3.0, 0.0, 0.5, 2.0, 6.0, 40.0]) if with_sinks else None
+    out = kernel(q, k, v, table, lens, 0.125, window=window, cap=cap, sinks=sinks)
+    expected = reference(q, k, v, table, lens, 0.125, window, cap, sinks)
+    assert_matches(out, expected, score_bound=float(3.0 * 64 * 0.125 * 4))

@@ -321,9 +321,17 @@ typedef struct {
   void* out;
   const int64_t *page_table, *row_req, *seq_lens;
   int64_t q_stride, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group, elem_size;
-  float scale;
+  float scale, cap; /* cap: soft-capping of the scores, 0 for none */
+  const float* sinks; /* [num_heads] sink logits, or NULL */
   int dtype;
 } Problem;
+
+/* Soft-capping of a block's scores s [G, BLOCK] (the first n of each head's): cap * tanh(s / cap)
+   (Gemma 2's attn_logit_softcapping); the lanes past n stay MASKED. */
+static void soft_cap(float* s, int64_t group, int n, float cap) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int t = 0; t < n; ++t) s[g * BLOCK + t] = cap * tanhf(s[g * BLOCK + t] / cap);
+}
 
 /* Online softmax over one block's scores s [G, BLOCK] (overwritten with the probabilities p) for the
    running max m [G], sums l [G, BLOCK] (per lane) and accumulator acc [G, D]. */
@@ -383,6 +391,7 @@ static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, int6
     token_rows(P, pages, pos, n, rows);
     token_rows(P, pages, pos + n, n_ahead, ahead);
     P->steps.scores(q, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
+    if (P->cap) soft_cap(s, group, n, P->cap);
     softmax_step(s, group, head_dim, m, lanes, acc);
     P->steps.values(s, v, rows, n, group, head_dim, acc, ahead, n_ahead);
   }
@@ -392,12 +401,14 @@ static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, int6
   }
 }
 
-/* Merge row b's splits (their parts, in order) and write its output rows. scratch: D floats. */
+/* Merge row b's splits (their parts, in order) and write its output rows; a head's sink logit, if
+   any, joins the softmax's max and sum and adds no value. scratch: D floats. */
 static void merge(const Problem* P, const float* parts, int64_t splits, int64_t b, float* scratch) {
   const int64_t num_heads = P->num_heads, head_dim = P->head_dim, part_size = num_heads * (head_dim + 2);
   for (int64_t h = 0; h < num_heads; ++h) {
     float mx = -FLT_MAX, l = 0.f;
     for (int64_t i = 0; i < splits; ++i) mx = fmaxf(mx, parts[i * part_size + num_heads * head_dim + h]);
+    if (P->sinks) mx = fmaxf(mx, P->sinks[h]);
     memset(scratch, 0, sizeof(float) * head_dim);
     for (int64_t i = 0; i < splits; ++i) {
       const float* part = parts + i * part_size;
@@ -405,6 +416,7 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
       l += w * part[num_heads * (head_dim + 1) + h];
       for (int64_t d = 0; d < head_dim; ++d) scratch[d] += w * part[h * head_dim + d];
     }
+    if (P->sinks) l += exp_nonpositive(P->sinks[h] - mx);
     const int64_t out = (b * num_heads + h) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) {
       if (P->dtype == F32) ((float*)P->out)[out + d] = scratch[d] / l;
@@ -426,7 +438,8 @@ static int64_t window_start(int64_t seq_len, int64_t window) {
    1: row i attends to keys [0, seq_lens[i]) of its request (a decoding token: its position + 1; a
    token of an extend the same, so a prefill, a chunk or a decode step all compute a token alike);
    window: the keys a row attends, its last ones (a sliding-window layer: the token at position p
-   sees keys (p - window, p]), 0 for all. dtype: F32 or BF16.
+   sees keys (p - window, p]), 0 for all; cap: the scores' soft-capping, cap * tanh(s / cap) (0: none);
+   sinks: [num_heads] float32 attention-sink logits (gpt-oss), or NULL. dtype: F32 or BF16.
 
    Every row runs the same steps in the same order, whatever the other rows: its keys in splits of
    SPLIT_KEYS from its first key, each split and KV head a work item (so even one row's work is
@@ -437,11 +450,12 @@ static int64_t window_start(int64_t seq_len, int64_t window) {
 int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
                      const int64_t* page_table, const int64_t* row_req, const int64_t* seq_lens, int64_t rows,
                      int64_t max_pages, int64_t page_size, int64_t page_stride, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t window, float scale, int num_threads) {
+                     int64_t num_kv_heads, int64_t head_dim, int64_t window, float scale, float cap,
+                     const float* sinks, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, row_req, seq_lens, q_stride,
                      max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group,
-                     dtype == F32 ? 4 : 2, scale, dtype};
+                     dtype == F32 ? 4 : 2, scale, cap, sinks, dtype};
   /* first[b]: row b's first work item (one per split); first[rows]: all of them */
   int64_t* first = malloc(sizeof(int64_t) * (rows + 1));
   if (!first) return -1;

@@ -17,7 +17,7 @@ void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const in
               int, int64_t, int64_t, int);
 int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                     int);
+                     float, const float*, int);
 
 /* One decoder layer: its norms' weights (activation dtype), matmuls, KV pool pages, and the keys its
    attention sees (a sliding window; 0: all). */
@@ -52,7 +52,7 @@ static void norm(const Step* s, const void* x, void* residual, const void* w, vo
 static int attention(const Layer* L, const Step* s, const char* q, int64_t q_stride, char* out) {
   return decode_attention(s->kv_bf16, q, q_stride, L->k_pages, L->v_pages, out, s->page_table, s->row_req,
                           s->seq_lens, s->T, s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                          s->num_kv_heads, s->head_dim, L->window, s->scale, s->threads);
+                          s->num_kv_heads, s->head_dim, L->window, s->scale, 0.f, NULL, s->threads);
 }
 
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written

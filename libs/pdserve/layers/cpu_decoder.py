@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.layers.attention.score_mods import needs_score_mods
 from pdserve.layers.cpu_matmul import FORMATS, NIBBLE_PLANES, MatmulWeight
 from pdserve.layers.native import kernel_library, selected_variant
 
@@ -98,8 +99,9 @@ class CpuDecoder:
     @classmethod
     def build(cls, model: Any) -> CpuDecoder | None:
         """The fused decoder of ``model`` (a ``LlamaModel`` whose weights are processed), or None when
-        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, a dense
-        MLP, and every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
+        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, no
+        soft-capping or sinks (``score_mods``), a dense MLP, and every linear layer a ``MatmulWeight``
+        (gate/up in halves, for SiLU-and-mul)."""
         variant = selected_variant()
         if variant is None or not len(model.layers):
             return None
@@ -108,7 +110,9 @@ class CpuDecoder:
             if not hasattr(mlp, "gate_up_proj"):  # a mixture-of-experts layer
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qk_norm or not all(isinstance(m.packed, MatmulWeight) for m in linears):
+            if attn.qk_norm or needs_score_mods(attn.attn):
+                return None
+            if not all(isinstance(m.packed, MatmulWeight) for m in linears):
                 return None
             if not mlp.gate_up_proj.packed.halves or layer.input_layernorm.weight.device.type != "cpu":
                 return None

@@ -37,6 +37,10 @@ query heads are done together, with AVX-512 in register tiles of up to 3 heads t
 3. ``acc[g] += sum_t p[g, t] * v_t``: a bfloat16 chunk of 32 elements read as 16 int32 lanes gives
    its even and odd elements as floats by a shift and a mask, so V is never widened into a copy.
 
+A sliding-window layer's row starts at its window's first key (the splits counted from there); a
+soft-capped layer caps each block's scores before step 2; a head's attention sink joins the last
+pass's max and sum.
+
 Arithmetic is float32; bfloat16 outputs are rounded to nearest-even. Each CPU class's library
 (``setup.py``, loaded by ``pdserve.layers.native``) has its own steps: AVX-512 or AVX2 code for
 head_dim 64, 128 and 256, the same algorithm in portable C (which the compiler vectorises) for
@@ -56,7 +60,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's F32 and BF16
 
 
 class DecodeAttentionKernel:
-    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale, row_req=None, window=0) -> out``.
+    """``kernel(q, k_pages, v_pages, page_table, seq_lens, scale, row_req=None, window=0, cap=0.0,
+    sinks=None) -> out``.
 
     Args (tensors on CPU, contiguous, q and pages of one dtype: float32 or bfloat16):
         q: ``[T, Hq, D]``, one query per row; ``Hq`` a multiple of ``Hkv``. Its rows may be
@@ -72,6 +77,10 @@ class DecodeAttentionKernel:
         window: a sliding-window layer's keys per query (Mistral, Gemma 3's local layers): row
             ``t`` attends the last ``window`` of its keys, ``[seq_lens[t] - window, seq_lens[t])``
             (the token at position ``p``: keys ``(p - window, p]``); 0 (default) attends all.
+        cap: soft-capping of the scores (Gemma 2's ``attn_logit_softcapping``): each scaled score
+            ``s`` becomes ``cap * tanh(s / cap)`` before the softmax; 0 (default) for none.
+        sinks: float32 ``[Hq]`` attention-sink logits (gpt-oss; Xiao et al. 2023): each head's joins
+            its softmax's max and sum and adds no value; None (default) for none.
 
     Returns ``[T, Hq, D]`` in q's dtype.
 
@@ -86,7 +95,7 @@ class DecodeAttentionKernel:
             [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
             + [ctypes.c_void_p] * 6
             + [ctypes.c_int64] * 8
-            + [ctypes.c_float, ctypes.c_int]
+            + [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         )
 
     def supports(self, dtype: torch.dtype) -> bool:
@@ -103,6 +112,8 @@ class DecodeAttentionKernel:
         row_req: torch.Tensor | None = None,
         num_threads: int | None = None,
         window: int = 0,
+        cap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = k_pages.shape
@@ -129,6 +140,8 @@ class DecodeAttentionKernel:
             head_dim,
             window,
             scale,
+            cap,
+            None if sinks is None else sinks.data_ptr(),
             num_threads or torch.get_num_threads(),
         )
         if status:

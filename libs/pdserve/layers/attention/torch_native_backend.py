@@ -13,21 +13,21 @@ each; ``ForwardBatch.logits_lens`` > 1) is an extend like any other here: its to
 are per row (our CPU matmuls), what decoding those tokens one at a time computes, and greedy
 speculation gives the tokens greedy decoding gives.
 
-A sliding-window layer (Mistral, Gemma 3's local layers, gpt-oss's alternate layers) passes its
-window to the kernel: the token at position ``p`` attends keys ``(p - window, p]``.
+A layer passes the kernel its sliding window (Mistral, Gemma 3's local layers, gpt-oss's
+alternate layers: the token at position ``p`` attends keys ``(p - window, p]``), its scores'
+soft-cap (Gemma 2 style ``attn_logit_softcapping``) and its attention sinks (gpt-oss).
 
-Otherwise (no C kernels, another device, or a model whose scores are modified: Gemma 2's
-soft-capping, gpt-oss's sinks, run with explicit scores by ``score_mods`` for the whole model)
-requests are split into at most two groups, decoding ones (one query token) and extending ones (a
-ragged chunk after a cached prefix, verifying requests among them), so a MIXED batch does not pad
-its decodes to the longest extend. Each group's KV pages are gathered into a padded batch and
-attended with one SDPA per layer: queries padded to ``Lq`` (the longest chunk), keys to ``Lk``
-(the longest sequence, in whole pages; position ``p`` of a request is offset ``p % page_size`` of
-page ``req_to_token[p] // page_size``), and a boolean mask keeps, for the query at position ``p``,
-the keys at positions ``[0, p]`` of its own request (``(p - window, p]`` in a sliding-window layer:
-one mask per distinct window, built once per batch). GQA needs no K/V repeat: the ``G = Hq / Hkv``
-query heads sharing a KV head are folded into the query-length axis, so SDPA sees ``Hkv`` heads of
-``G * Lq`` queries. (SDPA's reductions are not batch-invariant.)
+Otherwise (no C kernels, or another device) requests are split into at most two groups, decoding
+ones (one query token) and extending ones (a ragged chunk after a cached prefix, verifying requests
+among them), so a MIXED batch does not pad its decodes to the longest extend. Each group's KV pages
+are gathered into a padded batch and attended with one SDPA per layer: queries padded to ``Lq``
+(the longest chunk), keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a
+request is offset ``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask
+keeps, for the query at position ``p``, the keys at positions ``[0, p]`` of its own request
+(``(p - window, p]`` in a sliding-window layer: one mask per distinct window, built once per
+batch). GQA needs no K/V repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into
+the query-length axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries; a model with soft-capping
+or sinks gets explicit scores (``score_mods``) instead. (SDPA's reductions are not batch-invariant.)
 """
 
 from __future__ import annotations
@@ -93,8 +93,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         runner: the ``ModelRunner`` (model config, KV pool, device; its loaded model's attention
             layers, for their sliding windows and score modifications).
         use_cpu_kernels: on CPU, run attention through the C kernel of ``cpu_decode_kernel`` where
-            it builds and supports the dtype and the model's scores are not modified, instead of
-            gather + SDPA.
+            it builds and supports the dtype, instead of gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_cpu_kernels: bool = True):
@@ -103,7 +102,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
         self.windows = sorted({layer.sliding_window for layer in layers} | {0})
         self.score_mods = any(needs_score_mods(layer) for layer in layers)
-        on_cpu = use_cpu_kernels and runner.device.type == "cpu" and not self.score_mods
+        on_cpu = use_cpu_kernels and runner.device.type == "cpu"
         kernel = load_decode_kernel() if on_cpu else None
         kv_dtype = runner.kv_pool.dtype  # the kernel runs in the pool's dtype (queries rounded to it)
         self.decode_kernel = kernel if kernel and kernel.supports(kv_dtype) else None
@@ -207,7 +206,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if self.kernel_rows is not None:
             rows = self.kernel_rows
             table, lens = rows.page_table, rows.seq_lens
-            out = self.decode_kernel(q, k_pages, v_pages, table, lens, scaling, rows.row_req, window=window)
+            sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
+            out = self.decode_kernel(
+                q, k_pages, v_pages, table, lens, scaling, rows.row_req, window=window, cap=layer.logit_cap,
+                sinks=sinks,
+            )  # fmt: skip
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
             return self._attend(q, k_pages, v_pages, self.groups[0], layer)
