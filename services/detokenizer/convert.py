@@ -5,8 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from pdserve.detokenize import DecodeOptions, TextDelta, TokenStep
-from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2
+from pdserve.v1 import common_pb2, output_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+
+def decode_scheduler_stub(channel: grpc.aio.Channel) -> scheduler_pb2_grpc.DecodeSchedulerStub:
+    """The client stub of a decode-scheduler (the detokenizer calls its ``Abort``)."""
+    return scheduler_pb2_grpc.DecodeSchedulerStub(channel)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,7 @@ import grpc
 
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
-from pdserve.services.detokenizer.convert import abort_request
-from pdserve.v1 import scheduler_pb2_grpc
+from pdserve.services.detokenizer.convert import abort_request, decode_scheduler_stub
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class SchedulerAborter:
     ) -> None:
         request = abort_request(rid, reason, stopped)
         try:
-            await scheduler_pb2_grpc.DecodeSchedulerStub(channel).Abort(request, timeout=self.timeout_s)
+            await decode_scheduler_stub(channel).Abort(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             logger.warning(
                 "Abort(%s) on %s failed: %s %s", rid, address, e.code(), e.details(), extra={"rid": rid}

@@ -1,8 +1,20 @@
-"""The ``pdserve.v1`` messages the launcher sends and reads (a scheduler's ``GetLoad``)."""
+"""The ``pdserve.v1`` messages and stubs the launcher uses (a scheduler's ``GetLoad``)."""
 
 from __future__ import annotations
 
-from pdserve.v1 import common_pb2, scheduler_pb2
+import grpc
+
+from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+_STUBS = {
+    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
+    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
+}
+
+
+def scheduler_stub(role: str, channel: grpc.aio.Channel):
+    """The client stub of the ``role`` ("prefill" or "decode") scheduler service on ``channel``."""
+    return _STUBS[role](channel)
 
 
 def load_request() -> scheduler_pb2.LoadRequest:

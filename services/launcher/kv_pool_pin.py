@@ -18,14 +18,9 @@ from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.common.supervision.spec import ServiceSpec
 from pdserve.services.launcher import convert
-from pdserve.v1 import scheduler_pb2_grpc
 
 logger = logging.getLogger("pdserve.launch")
 
-_STUBS = {
-    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
-    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
-}
 _SIZING_FLAGS = ("--kv-memory-fraction", "--max-total-tokens", "--kv-cache-memory")
 
 
@@ -36,7 +31,7 @@ async def read_kv_pool_tokens(role: str, address: str, timeout: float = 10.0) ->
         grpc.aio.AioRpcError: ``GetLoad`` failed.
     """
     async with tls.internal_channel(address, GRPC_OPTIONS) as channel:
-        info = await _STUBS[role](channel).GetLoad(convert.load_request(), timeout=timeout)
+        info = await convert.scheduler_stub(role, channel).GetLoad(convert.load_request(), timeout=timeout)
     return convert.kv_pool_tokens(info)
 
 

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import torch
 
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from pdserve.sampling.draft_rows import DraftRows
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
-from pdserve.sampling.verify import DraftRows
 
 IntSeq = torch.Tensor | Sequence[int]
 

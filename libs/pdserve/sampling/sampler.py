@@ -15,7 +15,7 @@ from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.sampling.uniforms import uniforms
 
 if TYPE_CHECKING:
-    from pdserve.sampling.verify import DraftRows
+    from pdserve.sampling.draft_rows import DraftRows
 
 
 @dataclass(slots=True)

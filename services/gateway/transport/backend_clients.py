@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import grpc
 from google.protobuf.message import Message
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
@@ -26,7 +26,6 @@ from pdserve.services.gateway.io_struct import (
     WorkerLoad,
 )
 from pdserve.services.gateway.transport import convert
-from pdserve.v1 import output_pb2_grpc, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 # Reconnect to a restarted worker within a second or two (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [
@@ -37,14 +36,6 @@ _CHANNEL_OPTIONS = [
 ]
 
 Role = Literal["tokenizer", "decode", "prefill", "detokenizer"]
-
-_STUBS = {
-    "tokenizer": tokenizer_pb2_grpc.TokenizerStub,
-    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
-    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
-    "detokenizer": output_pb2_grpc.DetokenizerStub,
-    "health": health_pb2_grpc.HealthStub,
-}
 
 
 class BackendClients:
@@ -69,7 +60,7 @@ class BackendClients:
             if channel is None:
                 channel = tls.internal_channel(address, _CHANNEL_OPTIONS)
                 self._channels[address] = channel
-            stub = self._stubs[key] = _STUBS[kind](channel)
+            stub = self._stubs[key] = convert.STUBS[kind](channel)
         return stub
 
     async def _call(self, method: Callable[..., Awaitable[Any]], request: Message, peer: str) -> Any:

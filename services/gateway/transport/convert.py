@@ -9,6 +9,7 @@ from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2_grpc
 
 from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import (
@@ -23,7 +24,16 @@ from pdserve.services.gateway.io_struct import (
     TopLogprob,
     WorkerLoad,
 )
-from pdserve.v1 import api_pb2, common_pb2, output_pb2, scheduler_pb2, tokenizer_pb2
+from pdserve.v1 import (
+    api_pb2,
+    common_pb2,
+    output_pb2,
+    output_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 
 _FINISH_FROM_PB = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -32,6 +42,15 @@ _FINISH_FROM_PB = {
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 _FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
+
+# the client stub of each backend the gateway calls, by kind (``BackendClients``)
+STUBS = {
+    "tokenizer": tokenizer_pb2_grpc.TokenizerStub,
+    "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
+    "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
+    "detokenizer": output_pb2_grpc.DetokenizerStub,
+    "health": health_pb2_grpc.HealthStub,
+}
 
 # the gRPC service a scheduler reports NOT_SERVING while it drains (the server as a whole stays SERVING)
 SCHEDULER_SERVICES = {
