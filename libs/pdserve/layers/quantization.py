@@ -92,13 +92,14 @@ class PackedLinearMethod:
 
 class W8A8Int8LinearMethod(PackedLinearMethod):
     """``w8a8_int8``: int8 weights and per-token int8 activations, integer sums exact. bfloat16 layers
-    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) use its int8 panels; the rest
-    ``cpu_matmul``'s ``w8a8`` format."""
+    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) without AMX use its int8 panels;
+    the rest ``cpu_matmul``'s ``w8a8`` format (on AMX CPUs as before they ran ``cpu_gemm``'s bfloat16
+    panels: the fused decoder and the grouped experts run it)."""
 
     format = "w8a8"
 
     def pack(self, weight: torch.Tensor):
-        gemm = load_cpu_gemm()
+        gemm = load_cpu_gemm() if selected_variant() != "amx" else None
         if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight, int8=True):
             q, scale = quantize_int8(weight)
             return gemm.pack_int8(q, scale)
