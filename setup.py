@@ -23,8 +23,10 @@ FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-std=c11", "-fno-semantic-interposit
 AVX2 = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # name -> compiler flags; pdserve.layers.native.VARIANTS lists the CPU flags each one needs
+AVX512BF16 = [*AVX512, "-mavx512bf16", "-mavx512vnni"]
 VARIANTS = {
-    "avx512bf16": [*AVX512, "-mavx512bf16", "-mavx512vnni"],
+    "amx": [*AVX512BF16, "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
+    "avx512bf16": AVX512BF16,
     "avx512": AVX512,
     "avx2": AVX2,
     "portable": [],

@@ -189,12 +189,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=["none", "auto", "w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8", "w4a8"],
         help="CPU: w8a8_int8 (int8 weights and per-token int8 activations), int8_weight_only / "
         "int4_weight_only (float activations), int4_or_int8 (int4 where lossless, else int8), w4a8 "
-        "(int4 weights, int8 activations per group of 32: llama.cpp's Q4_1 x Q8_1), auto "
-        "(w4a8 for float32 models on CPUs without native bf16, else none)",
+        "(int4 weights, int8 activations per group of 32: llama.cpp's Q4_1 x Q8_1), auto, the default "
+        "(w4a8 on CPUs with --dtype auto; none with a dtype named, on CUDA or with --tp-size > 1)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -6,11 +6,12 @@ import torch
 
 
 def reference(
-    q, k_pages, v_pages, page_table, seq_lens, scale, window=0
+    q, k_pages, v_pages, page_table, seq_lens, scale, window=0, cap=0.0, sinks=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of each request's query over its keys (its last ``window`` ones when given),
     in float64, one request at a time, and the same weights over |V| (the scale of rounding the
-    weights to bfloat16)."""
+    weights to bfloat16). ``cap``: scores soft-capped, ``cap * tanh(s / cap)``; ``sinks``: ``[Hq]``
+    logits that join each head's softmax as a key without a value (as HF's eager gpt-oss)."""
     _, page_size, num_kv_heads, head_dim = k_pages.shape
     group = q.shape[1] // num_kv_heads
     out, magnitude = [], []
@@ -19,7 +20,13 @@ def reference(
         pages = page_table[b, slots // page_size]
         k = k_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
         v = v_pages[pages, slots % page_size].double().repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
+        if cap:
+            scores = cap * torch.tanh(scores / cap)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1)
+        else:
+            weights = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=-1), dim=-1)[:, :-1]
         out.append(torch.einsum("hn,nhd->hd", weights, v))
         magnitude.append(torch.einsum("hn,nhd->hd", weights, v.abs()))
     return torch.stack(out), torch.stack(magnitude)
@@ -52,9 +59,8 @@ def assert_matches(
     """float32: arithmetic-rounding close (1e-5 relative, 1e-6 absolute), plus, for scores up to
     ``score_bound`` in magnitude, what rounding them to float32 (2^-24 relative) moves the weights by,
     over ``|V|`` and the output (float32 SDPA errs as much: ~0.05-0.1 of that term on peaked scores);
-    bfloat16: within the output's own rounding and that of the attention weights (which the extend
-    kernel rounds to bfloat16 for the weighted sum of V): 2^-8 relative each, of the output and of
-    the weights over |V|."""
+    bfloat16: within the output's own rounding and that of the attention weights: 2^-8 relative
+    each, of the output and of the weights over |V|."""
     expected, magnitude = reference
     assert not out.isnan().any()
     error = (out.double() - expected).abs()

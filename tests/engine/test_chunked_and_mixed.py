@@ -83,8 +83,8 @@ def test_decode_kernel_matches_gather_sdpa_path(runner, tokenizer, long_text):
 
 
 def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, tokenizer, long_text):
-    """Extends after cached prefixes run as tiles of the C extend kernel, reading the prefix in
-    place; the result equals the gather + SDPA path's."""
+    """Extends after cached prefixes run as rows of the C attention kernel (a row per new token),
+    reading the prefix in place; the result equals the gather + SDPA path's."""
     kernel_backend = runner.attn_backend
     sdpa_backend = TorchNativeAttnBackend(runner, use_cpu_kernels=False)
     ids = tokenizer(long_text)["input_ids"]
@@ -97,7 +97,9 @@ def test_extend_after_cached_prefix_runs_on_the_kernel_and_matches_sdpa(runner, 
     try:
         batch = driver.prepare([(s, None) for s in seqs])
         kernel_backend.init_forward_metadata(batch)
-        assert kernel_backend.kernel_rows is None and kernel_backend.tiles.extend_lens.tolist() == [37] * 3
+        rows = kernel_backend.kernel_rows
+        assert rows.row_req.tolist() == [r for r in range(3) for _ in range(37)]
+        assert rows.seq_lens.tolist() == [len(p) - 36 + i for p in prompts for i in range(37)]
         via_kernel = runner.forward_batch_generation(batch)
         runner.attn_backend = sdpa_backend
         via_sdpa = driver.step([(s, None) for s in twins])

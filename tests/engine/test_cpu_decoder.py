@@ -52,7 +52,7 @@ def step_logits(
             if extra and extra[0].num_computed < len(late) - 7:
                 driver.step([(extra[0], 7), *decodes])
             elif extra and extra[0].num_computed < len(late):
-                driver.step([*decodes, (extra[0], None)])  # decodes first: not the fused path
+                driver.step([*decodes, (extra[0], None)])  # decodes first: the fused path too
             else:
                 driver.step(decodes + [(s, None) for s in extra])
     finally:
@@ -86,7 +86,7 @@ def test_mixed_steps_equal_the_modules_path(runner, fused_calls):
     prompts = [list(range(100, 100 + n)) for n in (5, 40)]
     late = list(range(300, 330))  # 30 tokens: chunks of 7 in 4 mixed steps, its last 2 after decodes
     fused = step_logits(runner, True, prompts, steps=7, late=late)
-    assert len(fused_calls) == 1 + 4 + 2  # the prefill, 4 mixed steps, (not the decodes-first one), 2 decodes
+    assert len(fused_calls) == 1 + 5 + 2  # the prefill, 5 mixed steps (decodes first in one), 2 decodes
     modules = step_logits(runner, False, prompts, steps=7, late=late)
     for a, b in zip(fused, modules, strict=True):
         assert torch.equal(a, b)

@@ -17,6 +17,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 ZEN3 = {"avx2", "fma", "f16c", "bmi2", "sse4_2"}  # AVX2 only: no AVX-512, no VNNI
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 ZEN4 = SKYLAKE_X | {"avx512_bf16", "avx512_vnni"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_int8", "amx_bf16"}
 
 
 def test_every_variant_is_installed():
@@ -27,6 +28,7 @@ def test_every_variant_is_installed():
 @pytest.mark.parametrize(
     ("flags", "installed", "expected"),
     [
+        (SAPPHIRE_RAPIDS, set(native.VARIANTS), ["amx", "avx512bf16", "avx512", "avx2", "portable"]),
         (ZEN4, set(native.VARIANTS), ["avx512bf16", "avx512", "avx2", "portable"]),
         (SKYLAKE_X, set(native.VARIANTS), ["avx512", "avx2", "portable"]),
         (ZEN3, set(native.VARIANTS), ["avx2", "portable"]),
@@ -47,7 +49,19 @@ def test_each_library_is_the_variant_its_name_says():
         assert native.kernel_library(name).kernels_variant().decode() == name
     if X86:
         bf16 = ctypes.CDLL(str(native.library_path("avx512bf16")))
-        assert hasattr(bf16, "gemm_bf16") and hasattr(bf16, "extend_attention")
+        assert hasattr(bf16, "gemm_bf16") and hasattr(bf16, "decode_attention")
+        amx = ctypes.CDLL(str(native.library_path("amx")))
+        assert hasattr(amx, "amx_w4a8_panels") and not hasattr(bf16, "amx_w4a8_panels")
+
+
+def test_amx_runs_where_the_cpu_has_it_and_linux_grants_the_tiles():
+    """The amx variant is runnable exactly where the CPU lists AMX and Linux gives this process the
+    tile state (the library asks for it when it loads; a refusal drops the variant)."""
+    if not {"amx_tile", "amx_int8", "amx_bf16"} <= native._cpu_flags():
+        assert "amx" not in native.runnable_variants()
+        return
+    granted = ctypes.CDLL(str(native.library_path("amx"))).amx_enable() == 0
+    assert ("amx" in native.runnable_variants()) == granted
 
 
 def test_selected_variant_is_the_best_runnable_one():

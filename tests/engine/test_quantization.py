@@ -13,7 +13,7 @@ from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.cpu_gemm import PanelWeight, load_cpu_gemm
 from pdserve.layers.cpu_matmul import MatmulWeight
 from pdserve.layers.linear import Linear
-from pdserve.layers.native import cpu_has, selected_variant
+from pdserve.layers.native import selected_variant
 from pdserve.layers.quantization import W8A8Int8LinearMethod, get_linear_method, resolve_quantization
 from tests.engine.driver import Driver
 
@@ -59,7 +59,7 @@ def test_int8_linear_matches_float64_reference(kernel_variant, dtype, rows, bias
     layer.quant_method = W8A8Int8LinearMethod()
     layer.process_weights_after_loading()
     assert layer.weight is None
-    if dtype == torch.bfloat16 and load_cpu_gemm() is not None:
+    if dtype == torch.bfloat16 and load_cpu_gemm() is not None and selected_variant() != "amx":
         assert isinstance(layer.packed, PanelWeight) and layer.packed.int8  # the VNNI kernel
     else:
         assert isinstance(layer.packed, MatmulWeight) and layer.packed.format == "w8a8"  # vpmaddwd
@@ -84,13 +84,15 @@ def test_unknown_method_is_refused():
         get_linear_method("fp4")
 
 
-def test_auto_quantizes_float32_models_on_cpus_without_native_bf16():
+def test_auto_quantizes_the_auto_dtype_on_every_cpu_and_leaves_a_named_dtype_alone():
     cpu = torch.device("cpu")
-    native_bf16 = cpu_has("avx512_bf16", "amx_bf16")
-    assert resolve_quantization("auto", cpu, torch.float32) == (None if native_bf16 else "w4a8")
-    assert resolve_quantization("auto", cpu, torch.bfloat16) is None
+    for dtype in (torch.float32, torch.bfloat16):  # the auto dtype: float32 or bfloat16 by the CPU
+        assert resolve_quantization("auto", cpu, dtype) == "w4a8"
+        assert resolve_quantization("auto", cpu, dtype, explicit_dtype=True) is None  # HF-exact float32
+        assert resolve_quantization("auto", cpu, dtype, tp_size=2) is None
+    assert resolve_quantization("auto", torch.device("meta"), torch.bfloat16) is None  # not a CPU
     assert resolve_quantization("none", cpu, torch.float32) is None
-    assert resolve_quantization("w8a8_int8", cpu, torch.float32) == "w8a8_int8"
+    assert resolve_quantization("w8a8_int8", cpu, torch.float32, explicit_dtype=True) == "w8a8_int8"
 
 
 # (dtype, method, smallest top-1 agreement with HF fp32, largest perplexity ratio): int4 stores the
@@ -121,7 +123,7 @@ def test_quantized_smollm2_stays_close_to_hf(
         assert {m.packed.format for m in linears} == {"int4"}
     if method == "w4a8":  # integer dots everywhere, the LM head's too where the kernels are AVX-512
         assert {m.packed.format for m in linears} == {"w4a8"}
-        avx512 = selected_variant() in ("avx512bf16", "avx512")
+        avx512 = selected_variant() in ("amx", "avx512bf16", "avx512")
         assert runner.model.lm_head_packed.format == ("w8a8_g32" if avx512 else "int8_g32")
     ids = tokenizer(long_text)["input_ids"][:512]
 

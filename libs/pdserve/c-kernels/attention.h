@@ -1,12 +1,12 @@
-/* What the decode and extend attention kernels share: the key block, the mask value, and the
-   AVX-512 view of bfloat16 chunks. */
+/* The paged attention kernel's constants (the key block, the fixed key split, the mask value) and
+   the AVX-512 view of bfloat16 chunks. */
 #ifndef PDSERVE_ATTENTION_H
 #define PDSERVE_ATTENTION_H
 
 #include "common.h"
 
 #define BLOCK 16          /* keys scored together: one AVX-512 vector of float32 scores */
-#define MIN_SPLIT 64      /* fewest keys worth a split of their own */
+#define SPLIT_KEYS 512    /* keys of a work item: a row's keys split at fixed positions from its first */
 #define MAX_CHUNKS 16     /* AVX-512 accumulators of one head: head_dim <= 256 */
 #define MASKED (-FLT_MAX) /* the score of a block's lanes past its last key */
 

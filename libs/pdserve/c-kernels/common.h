@@ -132,6 +132,7 @@ INLINE __m256 bf16_to_f32_8(__m128i x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
 }
 INLINE __m256 load8_bf16(const bf16* x) { return bf16_to_f32_8(_mm_loadu_si128((const void*)x)); }
+INLINE __m256 load8_f16(const f16* x) { return _mm256_cvtph_ps(_mm_loadu_si128((const void*)x)); }
 INLINE __m128i round8_bf16(__m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));

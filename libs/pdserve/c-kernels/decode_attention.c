@@ -319,11 +319,19 @@ typedef struct {
   Steps steps;
   const char *q, *k, *v;
   void* out;
-  const int64_t *page_table, *seq_lens;
+  const int64_t *page_table, *row_req, *seq_lens;
   int64_t q_stride, max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group, elem_size;
-  float scale;
+  float scale, cap; /* cap: soft-capping of the scores, 0 for none */
+  const float* sinks; /* [num_heads] sink logits, or NULL */
   int dtype;
 } Problem;
+
+/* Soft-capping of a block's scores s [G, BLOCK] (the first n of each head's): cap * tanh(s / cap)
+   (Gemma 2's attn_logit_softcapping); the lanes past n stay MASKED. */
+static void soft_cap(float* s, int64_t group, int n, float cap) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int t = 0; t < n; ++t) s[g * BLOCK + t] = cap * tanhf(s[g * BLOCK + t] / cap);
+}
 
 /* Online softmax over one block's scores s [G, BLOCK] (overwritten with the probabilities p) for the
    running max m [G], sums l [G, BLOCK] (per lane) and accumulator acc [G, D]. */
@@ -361,44 +369,46 @@ static void token_rows(const Problem* P, const int64_t* pages, int64_t first, in
   }
 }
 
-/* Attention of request b over positions [begin, end), all heads, unnormalised: part = acc [Hq, D],
-   m [Hq], l [Hq]. scratch: (G + Hq) * BLOCK floats. */
-static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, float* part, float* scratch) {
-  const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads;
+/* Attention of row b's query heads of KV head hk over positions [begin, end) of its request,
+   unnormalised, into part = acc [Hq, D], m [Hq], l [Hq] (those heads' entries). scratch: (G + Hq) *
+   BLOCK floats. */
+static void attend(const Problem* P, int64_t b, int64_t begin, int64_t end, int64_t hk, float* part,
+                   float* scratch) {
+  const int64_t group = P->group, head_dim = P->head_dim, num_heads = P->num_heads, h = hk * group;
   const int64_t head_bytes = head_dim * P->elem_size;
-  float *acc = part, *m = acc + num_heads * head_dim, *l = m + num_heads;
-  float *s = scratch, *lanes = s + group * BLOCK; /* lanes: per-lane sums, [Hq, BLOCK] */
-  for (int64_t h = 0; h < num_heads; ++h) m[h] = -FLT_MAX;
-  memset(acc, 0, sizeof(float) * num_heads * head_dim);
-  memset(lanes, 0, sizeof(float) * num_heads * BLOCK);
-  const int64_t* pages = P->page_table + b * P->max_pages;
-  const char* q = P->q + b * P->q_stride * P->elem_size;
+  float *acc = part + h * head_dim, *m = part + num_heads * head_dim + h, *l = m + num_heads;
+  float *s = scratch, *lanes = s + group * BLOCK; /* lanes: per-lane sums, [G, BLOCK] */
+  for (int64_t g = 0; g < group; ++g) m[g] = -FLT_MAX;
+  memset(acc, 0, sizeof(float) * group * head_dim);
+  memset(lanes, 0, sizeof(float) * group * BLOCK);
+  const int64_t* pages = P->page_table + (P->row_req ? P->row_req[b] : b) * P->max_pages;
+  const char* q = P->q + b * P->q_stride * P->elem_size + h * head_bytes;
+  const char *k = P->k + hk * head_bytes, *v = P->v + hk * head_bytes;
   int64_t rows[BLOCK], ahead[BLOCK];
   for (int64_t pos = begin; pos < end; pos += BLOCK) {
     const int n = end - pos < BLOCK ? (int)(end - pos) : BLOCK;
     const int n_ahead = end - pos - n < BLOCK ? (int)(end - pos - n) : BLOCK;
     token_rows(P, pages, pos, n, rows);
     token_rows(P, pages, pos + n, n_ahead, ahead);
-    for (int64_t hk = 0; hk < P->num_kv_heads; ++hk) {
-      const char *k = P->k + hk * head_bytes, *v = P->v + hk * head_bytes;
-      const int64_t h = hk * group;
-      P->steps.scores(q + h * head_bytes, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
-      softmax_step(s, group, head_dim, m + h, lanes + h * BLOCK, acc + h * head_dim);
-      P->steps.values(s, v, rows, n, group, head_dim, acc + h * head_dim, ahead, n_ahead);
-    }
+    P->steps.scores(q, k, rows, n, group, head_dim, P->scale, s, ahead, n_ahead);
+    if (P->cap) soft_cap(s, group, n, P->cap);
+    softmax_step(s, group, head_dim, m, lanes, acc);
+    P->steps.values(s, v, rows, n, group, head_dim, acc, ahead, n_ahead);
   }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    l[h] = 0.f;
-    for (int t = 0; t < BLOCK; ++t) l[h] += lanes[h * BLOCK + t];
+  for (int64_t g = 0; g < group; ++g) {
+    l[g] = 0.f;
+    for (int t = 0; t < BLOCK; ++t) l[g] += lanes[g * BLOCK + t];
   }
 }
 
-/* Merge request b's splits (their parts) and write its output rows. scratch: D floats. */
+/* Merge row b's splits (their parts, in order) and write its output rows; a head's sink logit, if
+   any, joins the softmax's max and sum and adds no value. scratch: D floats. */
 static void merge(const Problem* P, const float* parts, int64_t splits, int64_t b, float* scratch) {
   const int64_t num_heads = P->num_heads, head_dim = P->head_dim, part_size = num_heads * (head_dim + 2);
   for (int64_t h = 0; h < num_heads; ++h) {
     float mx = -FLT_MAX, l = 0.f;
     for (int64_t i = 0; i < splits; ++i) mx = fmaxf(mx, parts[i * part_size + num_heads * head_dim + h]);
+    if (P->sinks) mx = fmaxf(mx, P->sinks[h]);
     memset(scratch, 0, sizeof(float) * head_dim);
     for (int64_t i = 0; i < splits; ++i) {
       const float* part = parts + i * part_size;
@@ -406,6 +416,7 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
       l += w * part[num_heads * (head_dim + 1) + h];
       for (int64_t d = 0; d < head_dim; ++d) scratch[d] += w * part[h * head_dim + d];
     }
+    if (P->sinks) l += exp_nonpositive(P->sinks[h] - mx);
     const int64_t out = (b * num_heads + h) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) {
       if (P->dtype == F32) ((float*)P->out)[out + d] = scratch[d] / l;
@@ -414,66 +425,76 @@ static void merge(const Problem* P, const float* parts, int64_t splits, int64_t 
   }
 }
 
-/* Splits per request: enough work items that dynamic scheduling evens out ragged lengths across
-   threads (8 per thread), each split at least MIN_SPLIT keys. */
-static int64_t num_splits(int64_t batch, int64_t max_len, int num_threads) {
-  if (num_threads <= 1 || batch >= 8 * num_threads) return 1;
-  const int64_t want = (8 * num_threads + batch - 1) / batch, most = max_len / MIN_SPLIT;
-  return want < most ? want : most > 1 ? most : 1;
+/* The first key a row of seq_len keys attends: the last `window` of them (a sliding-window layer),
+   all (0) with window 0. */
+static int64_t window_start(int64_t seq_len, int64_t window) {
+  return window && seq_len > window ? seq_len - window : 0;
 }
 
-/* The first key request b attends: its last `window` keys (all with window 0: full attention). */
-static int64_t window_start(const int64_t* seq_lens, int64_t b, int64_t window) {
-  return window && seq_lens[b] > window ? seq_lens[b] - window : 0;
-}
+/* q: [rows, num_heads * head_dim] with a row stride of q_stride elements, one query each; out: [rows,
+   num_heads, head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride
+   elements apart (each page's rows contiguous); page_table: [requests, max_pages]; row_req: [rows],
+   the request (page_table row) of each row, or NULL for row i = request i; seq_lens: [rows], each >=
+   1: row i attends to keys [0, seq_lens[i]) of its request (a decoding token: its position + 1; a
+   token of an extend the same, so a prefill, a chunk or a decode step all compute a token alike);
+   window: the keys a row attends, its last ones (a sliding-window layer: the token at position p
+   sees keys (p - window, p]), 0 for all; cap: the scores' soft-capping, cap * tanh(s / cap) (0: none);
+   sinks: [num_heads] float32 attention-sink logits (gpt-oss), or NULL. dtype: F32 or BF16.
 
-/* q: [batch, num_heads * head_dim] with a row stride of q_stride elements; out: [batch, num_heads,
-   head_dim]; k, v: [num_pages, page_size, num_kv_heads, head_dim], pages page_stride elements apart
-   (each page's rows contiguous); page_table: [batch, max_pages]; seq_lens: [batch], each >= 1;
-   window: keys attended, the last ones of each request (a sliding-window layer), 0 for all. dtype:
-   F32 or BF16. A work item (request, split) leaves its part, acc [Hq, D], m [Hq], l [Hq], in parts
-   for merge. Returns 0, or -1 when out of memory (out then incomplete). */
+   Every row runs the same steps in the same order, whatever the other rows: its keys in splits of
+   SPLIT_KEYS from its first key, each split and KV head a work item (so even one row's work is
+   shared by the threads), blocks of BLOCK keys from each split's start, the splits' parts merged in order. The result of a
+   row depends on its query and keys alone (not on the batch, its place in it, the thread count or
+   how its request's prompt was chunked). Returns 0, or -1 when out of memory (out then
+   incomplete). */
 int decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v, void* out,
-                     const int64_t* page_table, const int64_t* seq_lens, int64_t batch, int64_t max_pages,
-                     int64_t page_size, int64_t page_stride, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_dim, int64_t window, float scale, int num_threads) {
+                     const int64_t* page_table, const int64_t* row_req, const int64_t* seq_lens, int64_t rows,
+                     int64_t max_pages, int64_t page_size, int64_t page_stride, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t window, float scale, float cap,
+                     const float* sinks, int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
-  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, seq_lens, q_stride, max_pages,
-                     page_size, page_stride, num_heads, num_kv_heads, head_dim, group, dtype == F32 ? 4 : 2, scale, dtype};
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = seq_lens[b] - window_start(seq_lens, b, window);
-    max_len = len > max_len ? len : max_len;
+  const Problem P = {pick_steps(dtype, head_dim), q, k, v, out, page_table, row_req, seq_lens, q_stride,
+                     max_pages, page_size, page_stride, num_heads, num_kv_heads, head_dim, group,
+                     dtype == F32 ? 4 : 2, scale, cap, sinks, dtype};
+  /* first[b]: row b's first work item (one per split); first[rows]: all of them */
+  int64_t* first = malloc(sizeof(int64_t) * (rows + 1));
+  if (!first) return -1;
+  first[0] = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t keys = seq_lens[b] - window_start(seq_lens[b], window);
+    first[b + 1] = first[b] + (keys + SPLIT_KEYS - 1) / SPLIT_KEYS;
   }
-  const int64_t splits = num_splits(batch, max_len, num_threads);
-  const int64_t span = ((max_len + splits - 1) / splits + BLOCK - 1) / BLOCK * BLOCK;
-  const int64_t part_size = num_heads * (head_dim + 2);
-  float* parts = malloc(sizeof(float) * batch * splits * part_size);
-  if (!parts) return -1;
+  const int64_t items = first[rows], part_size = num_heads * (head_dim + 2);
+  float* parts = malloc(sizeof(float) * (items ? items : 1) * part_size);
+  int64_t* item_row = malloc(sizeof(int64_t) * (items ? items : 1));
+  if (!parts || !item_row) {
+    free(first), free(parts), free(item_row);
+    return -1;
+  }
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t i = first[b]; i < first[b + 1]; ++i) item_row[i] = b;
   int failed = 0;
   #pragma omp parallel num_threads(num_threads)
   {
-    float* scratch = malloc(sizeof(float) * ((group + num_heads) * BLOCK + head_dim));
+    float* scratch = malloc(sizeof(float) * (2 * group * BLOCK + head_dim));
     if (!scratch) {
       #pragma omp atomic write
       failed = 1;
     }
-    #pragma omp for schedule(dynamic) nowait
-    for (int64_t item = 0; item < batch * splits; ++item) {
+    #pragma omp for schedule(dynamic)
+    for (int64_t work = 0; work < items * num_kv_heads; ++work) { /* (split, KV head) */
       if (!scratch) continue; /* every thread still takes part in the worksharing loops */
-      const int64_t b = item / splits, begin = window_start(seq_lens, b, window) + item % splits * span;
-      const int64_t end = begin + span;
-      attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], parts + item * part_size, scratch);
-      if (splits == 1) merge(&P, parts + item * part_size, 1, b, scratch);
+      const int64_t item = work / num_kv_heads, hk = work % num_kv_heads;
+      const int64_t b = item_row[item];
+      const int64_t begin = window_start(seq_lens[b], window) + (item - first[b]) * SPLIT_KEYS;
+      const int64_t end = begin + SPLIT_KEYS;
+      attend(&P, b, begin, end < seq_lens[b] ? end : seq_lens[b], hk, parts + item * part_size, scratch);
     }
-    if (splits > 1) {  /* the only barrier, as one waits out any thread the OS has descheduled */
-      #pragma omp barrier
-      #pragma omp for schedule(static)
-      for (int64_t b = 0; b < batch; ++b)
-        if (scratch) merge(&P, parts + b * splits * part_size, splits, b, scratch);
-    }
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < rows; ++b)
+      if (scratch) merge(&P, parts + first[b] * part_size, first[b + 1] - first[b], b, scratch);
     free(scratch);
   }
-  free(parts);
+  free(first), free(parts), free(item_row);
   return failed ? -1 : 0;
 }

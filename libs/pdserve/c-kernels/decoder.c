@@ -1,6 +1,6 @@
 /* A whole step's decoder layers of a Llama-family model in one call (see
    pdserve/layers/cpu_decoder.py): per layer, the same kernels the modules call one by one from
-   Python (add + RMSNorm, the q/k/v matmul, rotary, storing K/V, paged extend and decode attention,
+   Python (add + RMSNorm, the q/k/v matmul, rotary, storing K/V, paged attention (a row per token),
    the o matmul, add + RMSNorm, gate/up with SiLU-and-mul, down), without a Python call, a tensor
    allocation or an argument conversion between them: at batch 1 those cost as much as the
    matmuls' own weight reads. Same kernels, same order, so the same results. */
@@ -15,12 +15,9 @@ void rotary_bf16(bf16*, int64_t, int64_t, bf16*, int64_t, int64_t, int64_t, cons
                  int64_t, int);
 void store_kv(const char*, int64_t, const char*, int64_t, char*, char*, const int64_t*, int64_t, int64_t, int64_t,
               int, int64_t, int64_t, int);
-int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*,
+int decode_attention(int, const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
                      const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                     int);
-int extend_attention(const void*, int64_t, const void*, const void*, void*, const int64_t*, const int64_t*,
-                     const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                     int64_t, float, int, int);
+                     float, const float*, int);
 
 /* One decoder layer: its norms' weights (activation dtype), matmuls, KV pool pages, and the keys its
    attention sees (a sliding window; 0: all). */
@@ -31,21 +28,17 @@ typedef struct {
   int64_t window;
 } Layer;
 
-/* The step: T tokens, their positions and KV slots. The first E of them are the new tokens of R
-   extending requests (the extend kernel's arguments: pages, cached and new lengths, first rows);
-   the other T - E are one decode token each (the decode kernel's rows: pages and lengths).
-   Activations bfloat16 (bf16) or float32; the KV pool bfloat16 (kv_bf16) or float32, float32 only
-   under float32 activations. */
+/* The step: T tokens, their positions and KV slots, each a row of the decode-attention kernel (its
+   request's pages, row_req [T] into page_table [requests, max_pages], and seq_lens [T] = position +
+   1), whether it decodes or is one of an extend's tokens. Activations bfloat16 (bf16) or float32;
+   the KV pool bfloat16 (kv_bf16) or float32, float32 only under float32 activations. */
 typedef struct {
   int T, bf16, kv_bf16, hidden, num_heads, num_kv_heads, head_dim, intermediate, threads;
   int64_t max_pages, page_size, page_stride; /* page_stride: elements between the pool's pages */
   float eps, scale;
   const float* cos_sin;
-  const int64_t *positions, *loc, *page_table, *seq_lens;
-  int64_t E, R, ext_max_pages;
-  const int64_t *ext_page_table, *prefix_lens, *extend_lens, *row_starts;
+  const int64_t *positions, *loc, *page_table, *row_req, *seq_lens;
 } Step;
-
 
 static void norm(const Step* s, const void* x, void* residual, const void* w, void* out) {
   if (s->bf16)
@@ -54,19 +47,12 @@ static void norm(const Step* s, const void* x, void* residual, const void* w, vo
     add_rmsnorm_f32(x, s->hidden, residual, w, out, s->T, s->hidden, s->eps, s->threads);
 }
 
-/* Attention of the step's T tokens for layer L: q rows in qkv (row stride qkv_size elements), out
-   [T, num_heads * D] in the kernels' dtype, the pool's. Returns 0, or nonzero when a kernel failed. */
+/* Attention of the step's T tokens for layer L: q rows in qkv (row stride q_stride elements), out
+   [T, num_heads * D] in the kernel's dtype, the pool's. Returns 0, or nonzero when out of memory. */
 static int attention(const Layer* L, const Step* s, const char* q, int64_t q_stride, char* out) {
-  const int64_t e = s->kv_bf16 ? 2 : 4, q_size = s->num_heads * s->head_dim;
-  if (s->R && extend_attention(q, q_stride, L->k_pages, L->v_pages, out, s->ext_page_table, s->prefix_lens,
-                               s->extend_lens, s->row_starts, s->R, s->ext_max_pages, s->page_size,
-                               s->page_stride, s->num_heads, s->num_kv_heads, s->head_dim, L->window, s->scale,
-                               s->kv_bf16, s->threads))
-    return 1;
-  return s->T > s->E && decode_attention(s->kv_bf16, q + s->E * q_stride * e, q_stride, L->k_pages, L->v_pages,
-                                         out + s->E * q_size * e, s->page_table, s->seq_lens, s->T - s->E,
-                                         s->max_pages, s->page_size, s->page_stride, s->num_heads,
-                                         s->num_kv_heads, s->head_dim, L->window, s->scale, s->threads);
+  return decode_attention(s->kv_bf16, q, q_stride, L->k_pages, L->v_pages, out, s->page_table, s->row_req,
+                          s->seq_lens, s->T, s->max_pages, s->page_size, s->page_stride, s->num_heads,
+                          s->num_kv_heads, s->head_dim, L->window, s->scale, 0.f, NULL, s->threads);
 }
 
 /* hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: written

@@ -1,5 +1,7 @@
 /* Matmuls on weights packed once at load (see pdserve/layers/cpu_gemm.py): the AVX512-BF16 / VNNI
-   kernel over bfloat16 or int8 weight panels. */
+   kernel over bfloat16 or int8 weight panels, and in the `amx` variant AMX tiles for bfloat16
+   weights whose K is a multiple of 32 (at every M: see amx.c). */
+#include "amx.h"
 #include "common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -8,13 +10,15 @@
 #define PANEL 32   /* output columns per panel: two vectors of 16 float32 */
 #define MR 8       /* rows per register tile: 8 x 2 accumulators */
 #define MBLOCK 64  /* rows per block: a block of activations stays in L2 */
+#define EXACT_ROUNDING (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 int gemm_supported(void) { return 1; }
 
 /* A row's two accumulators (+ biases) stored at c0 and c1: as they are (out_f32), or rounded to
    bfloat16; with silu (never with out_f32), silu(c0's values) * c1's values at c0 (silu_mul16_bf16
-   on the rounded gate and up). */
-INLINE void store_row(int silu, int out_f32, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, char* c0,
+   on the rounded gate and up). Never inlined, so the int8 tiles' scale multiply is never fused with
+   the bias add in some tile sizes and not in others (see matmul.h's store_row_f32). */
+static __attribute__((noinline)) void store_row(int silu, int out_f32, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, char* c0,
                       char* c1) {
   const __m512 v0 = _mm512_add_ps(acc0, bias0), v1 = _mm512_add_ps(acc1, bias1);
   if (out_f32) {
@@ -89,12 +93,14 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
   char* c = (char*)g->out + m0 * g->ldc * e;
   for (int r = 0; r < rows; ++r) {
     __m512 v0 = acc[r][0], v1 = acc[r][1];
-    if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * x_scale * w_scale */
+    if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * (x_scale * w_scale) */
       const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
       const __m512i sum0 = _mm512_sub_epi32(_mm512_castps_si512(v0), comp0);
       const __m512i sum1 = _mm512_sub_epi32(_mm512_castps_si512(v1), comp1);
-      v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(xs, ws0));
-      v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(xs, ws1));
+      /* multiplies with an explicit rounding mode: -ffast-math may not regroup them, which it did
+         differently in the tile sizes' copies (a row's result then depended on its tile) */
+      v0 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_round_ps(xs, ws0, EXACT_ROUNDING), EXACT_ROUNDING);
+      v1 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_round_ps(xs, ws1, EXACT_ROUNDING), EXACT_ROUNDING);
     }
     char* row = c + r * g->ldc * e;
     store_row(g->silu, g->out_f32, v0, v1, bias0, bias1, row + col0 * e, row + col1 * e);
@@ -117,6 +123,42 @@ static void tile_rows(int int8, int rows, const Gemm* g, int m0, int n, int col0
    holds weight rows 32n..32n+31, or with halves, rows 16n..16n+15 of each half of W; its output
    columns are the same rows' indices. With silu (halves only; W = [gate; up]) the output is
    silu(gate) * up, [M, N/2], at the gate columns. */
+#ifdef __AMX_BF16__
+/* The AMX path: blocks of 32 rows times a panel (amx_bf16_block), the last block's rows copied into
+   tail [32, K] (zeros past M), then the vector path's epilogue for each row. */
+static void run_amx(const Gemm* g, const bf16* tail, int threads) {
+  const int panels = g->N / PANEL;
+  const int64_t lda = g->lda / 2, e = g->out_f32 ? 4 : 2, full = g->M / 32 * 32;
+  #pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+    float sums[32][32] __attribute__((aligned(64)));
+    amx_configure(AMX_BF16);
+    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
+      for (int n = lo; n < hi; ++n) {
+        const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
+        const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
+        const bf16* panel = (const bf16*)g->packed + (int64_t)n * g->K * PANEL;
+        const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
+        const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
+        for (int m0 = m_lo; m0 < m_hi; m0 += 32) {
+          if (m0 < full) amx_bf16_block((const bf16*)g->x + m0 * lda, lda, panel, g->K, sums);
+          else amx_bf16_block(tail, g->K, panel, g->K, sums);
+          for (int r = 0; r < 32 && m0 + r < g->M; ++r) {
+            char* row = (char*)g->out + (m0 + r) * g->ldc * e;
+            store_row(g->silu, g->out_f32, _mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16), bias0, bias1,
+                      row + col0 * e, row + col1 * e);
+          }
+        }
+      }
+    }
+    amx_release();
+  }
+}
+#endif
+
 static void run(int int8, const Gemm* g, int threads) {
   const int panels = g->N / PANEL;
   const int panel_lines = g->K * PANEL * (int8 ? 1 : 2) / 64;
@@ -143,12 +185,25 @@ static void run(int int8, const Gemm* g, int threads) {
 }
 
 /* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2];
-   out bfloat16, or float32 with out_f32 (not with silu). */
-void gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, void* out, int64_t ldc,
+   out bfloat16, or float32 with out_f32 (not with silu). Returns 0, or -1 when out of memory (the
+   AMX path's copy of the last rows). */
+int gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, void* out, int64_t ldc,
                int out_f32, int M, int N, int K, int halves, int silu, int threads) {
   const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves,
                   silu, NULL, NULL, NULL};
+#ifdef __AMX_BF16__
+  if (K % 32 == 0) {
+    const int64_t full = M / 32 * 32;
+    bf16* tail = M > full ? calloc(32 * (int64_t)K, sizeof(bf16)) : NULL;
+    if (M > full && !tail) return -1;
+    for (int64_t r = full; r < M; ++r) memcpy(tail + (r - full) * K, x + r * lda, K * sizeof(bf16));
+    run_amx(&g, tail, threads);
+    free(tail);
+    return 0;
+  }
+#endif
   run(0, &g, threads);
+  return 0;
 }
 
 /* The same for int8: x_q [M, K] uint8 (int8 + 128; row stride lda bytes) with x_scale [M], W packed

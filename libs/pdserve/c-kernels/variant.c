@@ -3,7 +3,9 @@
 #include "common.h"
 
 const char* kernels_variant(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  return "amx";
+#elif defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return "avx512bf16";
 #elif defined(__AVX512F__)
   return "avx512";

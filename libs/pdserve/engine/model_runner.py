@@ -61,8 +61,8 @@ class ModelRunner:
             ``max_running_requests`` full-context requests need.
         max_running_requests: request slots of ``req_to_token``.
         device: ``cpu``, ``cuda[:i]`` or ``auto`` (CUDA when there is a GPU).
-        quantization: None, ``auto`` (per CPU), ``w8a8_int8``, ``int8_weight_only`` or
-            ``int4_weight_only`` (``pdserve.layers.quantization``).
+        quantization: None, ``auto`` (``w4a8`` on CPUs for the ``auto`` dtype: ``resolve_quantization``)
+            or a method of ``pdserve.layers.quantization.METHODS``.
         disable_cuda_graph: on CUDA, run decode batches eagerly instead of replaying CUDA graphs
             (``CudaGraphRunner``, captured up to ``max_running_requests`` when the attention
             backend supports it; the KV pool then has one extra page for padded rows).
@@ -106,7 +106,7 @@ class ModelRunner:
         self.model_config = cfg = ModelConfig.from_pretrained(
             Path(model_path), dtype, self.device, max_model_len, tp.size, tp.rank
         )
-        quantization = resolve_quantization(quantization, self.device, cfg.dtype, tp.size)
+        quantization = resolve_quantization(quantization, self.device, cfg.dtype, tp.size, dtype != "auto")
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, cfg.dtype, self.device)
         self.model = load_model(
             model_path,

@@ -7,9 +7,8 @@ costs were as large as the step's weight reads (~10 ms of a ~25 ms step here). `
 builds every layer's parameters (weight pointers, formats, norms, KV pages) once, so the layers of
 a step are one ``decoder_layers`` call that runs the same kernels in the same order (the same
 results as the modules' path, which the tests check). It serves every batch whose attention the
-backend runs on its C kernels: decodes and verifying requests (decode-kernel rows), extends
-(extend-kernel tiles), and mixed batches whose decoding and verifying requests come after the
-extending ones (the scheduler's order).
+backend runs on its C kernel (a row per token: decodes, extends, verifying requests and mixed
+batches alike; each layer with its sliding window).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.layers.attention.score_mods import needs_score_mods
 from pdserve.layers.cpu_matmul import FORMATS, NIBBLE_PLANES, MatmulWeight
 from pdserve.layers.native import kernel_library, selected_variant
 
@@ -43,9 +43,8 @@ class _Step(ctypes.Structure):
     _fields_ = [("T", _C), ("bf16", _C), ("kv_bf16", _C), ("hidden", _C), ("num_heads", _C),
                 ("num_kv_heads", _C), ("head_dim", _C), ("intermediate", _C), ("threads", _C),
                 ("max_pages", _I), ("page_size", _I), ("page_stride", _I), ("eps", _F), ("scale", _F),
-                ("cos_sin", _P), ("positions", _P), ("loc", _P), ("page_table", _P), ("seq_lens", _P),
-                ("E", _I), ("R", _I), ("ext_max_pages", _I), ("ext_page_table", _P), ("prefix_lens", _P),
-                ("extend_lens", _P), ("row_starts", _P)]  # fmt: skip
+                ("cos_sin", _P), ("positions", _P), ("loc", _P), ("page_table", _P), ("row_req", _P),
+                ("seq_lens", _P)]  # fmt: skip
 
 
 def _linear(module: Any, keep: list) -> LinearStruct:
@@ -100,8 +99,9 @@ class CpuDecoder:
     @classmethod
     def build(cls, model: Any) -> CpuDecoder | None:
         """The fused decoder of ``model`` (a ``LlamaModel`` whose weights are processed), or None when
-        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, a dense
-        MLP, and every linear layer a ``MatmulWeight`` (gate/up in halves, for SiLU-and-mul)."""
+        not every layer qualifies: CPU kernels on, float32 / bfloat16 activations, no q/k norm, no
+        soft-capping or sinks (``score_mods``), a dense MLP, and every linear layer a ``MatmulWeight``
+        (gate/up in halves, for SiLU-and-mul)."""
         variant = selected_variant()
         if variant is None or not len(model.layers):
             return None
@@ -110,7 +110,9 @@ class CpuDecoder:
             if not hasattr(mlp, "gate_up_proj"):  # a mixture-of-experts layer
                 return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.qk_norm or not all(isinstance(m.packed, MatmulWeight) for m in linears):
+            if attn.qk_norm or needs_score_mods(attn.attn):
+                return None
+            if not all(isinstance(m.packed, MatmulWeight) for m in linears):
                 return None
             if not mlp.gate_up_proj.packed.halves or layer.input_layernorm.weight.device.type != "cpu":
                 return None
@@ -119,13 +121,8 @@ class CpuDecoder:
         return cls(model, kernel_library(variant))
 
     def takes(self, fb: ForwardBatch) -> bool:
-        """Whether the backend runs all of ``fb``'s attention on its C kernels, with any decoding
-        (or verifying) requests after the extending ones (their tokens the batch's last rows)."""
-        backend = fb.attn_backend
-        rows, tiles = getattr(backend, "kernel_rows", None), getattr(backend, "tiles", None)
-        if tiles is None:  # decode-kernel rows only: every token one
-            return rows is not None and rows.token_index is None
-        return rows is None or int(rows.token_index[0]) == len(fb.positions) - len(rows.token_index)
+        """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token)."""
+        return getattr(fb.attn_backend, "kernel_rows", None) is not None
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
@@ -136,28 +133,18 @@ class CpuDecoder:
                 k_pages, v_pages = pool.kv_pages(i)
                 self._layers[i].k_pages, self._layers[i].v_pages = k_pages.data_ptr(), v_pages.data_ptr()
             self._pool_ptr = pool.kv_data.data_ptr()
-        rows, tiles = fb.attn_backend.kernel_rows, fb.attn_backend.tiles
+        rows = fb.attn_backend.kernel_rows
+        row_req = None if rows.row_req is None else rows.row_req.data_ptr()
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         positions, loc = positions.contiguous(), fb.out_cache_loc.contiguous()
         step = _Step(
             hidden.shape[0], hidden.dtype == torch.bfloat16, pool.dtype == torch.bfloat16, self.hidden,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, torch.get_num_threads(), 0,
-            pool.page_size, pool.page_stride, self.eps, self.scale, self.rotary.cos_sin_cache.data_ptr(),
-            positions.data_ptr(), loc.data_ptr(),
+            self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, torch.get_num_threads(),
+            rows.page_table.shape[1], pool.page_size, pool.page_stride, self.eps, self.scale,
+            self.rotary.cos_sin_cache.data_ptr(), positions.data_ptr(), loc.data_ptr(),
+            rows.page_table.data_ptr(), row_req, rows.seq_lens.data_ptr(),
         )  # fmt: skip
-        if rows is not None:
-            step.max_pages, step.page_table, step.seq_lens = (
-                rows.page_table.shape[1], rows.page_table.data_ptr(), rows.seq_lens.data_ptr(),
-            )  # fmt: skip
-        if tiles is not None:
-            step.E = hidden.shape[0] - (0 if rows is None else len(rows.seq_lens))
-            step.R, step.ext_max_pages, step.ext_page_table = (
-                len(tiles.extend_lens), tiles.page_table.shape[1], tiles.page_table.data_ptr(),
-            )  # fmt: skip
-            step.prefix_lens, step.extend_lens, step.row_starts = (
-                tiles.prefix_lens.data_ptr(), tiles.extend_lens.data_ptr(), tiles.row_starts.data_ptr(),
-            )  # fmt: skip
         if self._fn(
             self._layers, len(self._layers), ctypes.byref(step), hidden.data_ptr(), residual.data_ptr()
         ):

@@ -44,7 +44,7 @@ import ctypes
 import torch
 
 from pdserve.layers.cpu_fused_ops import load_fused_ops
-from pdserve.layers.native import cpu_has, kernel_library, per_variant
+from pdserve.layers.native import kernel_library, per_variant
 
 PANEL = 32  # output columns per panel
 
@@ -142,9 +142,11 @@ class PanelWeight:
                     self.w_scale.data_ptr(), self.w_comp.data_ptr(), bias_ptr, *shape_args,
                 )  # fmt: skip
             else:
-                self._gemm.bf16_fn(
+                status = self._gemm.bf16_fn(
                     rows.data_ptr(), rows.stride(0), self.data.data_ptr(), bias_ptr, *shape_args
                 )
+                if status:
+                    raise MemoryError(f"CPU matmul (bf16, {m} x {k}): no memory for a copy of its last rows")
         return out.view(*shape[:-1], out_features)
 
 
@@ -154,7 +156,7 @@ class CpuGemm:
     def __init__(self, lib: ctypes.CDLL):
         self.bf16_fn, self.int8_fn = lib.gemm_bf16, lib.gemm_int8
         shape_args = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_f32, M, N, K, halves, silu, threads
-        self.bf16_fn.restype, self.bf16_fn.argtypes = None, [_P, _I, _P, _P, *shape_args]
+        self.bf16_fn.restype, self.bf16_fn.argtypes = _C, [_P, _I, _P, _P, *shape_args]
         self.int8_fn.restype, self.int8_fn.argtypes = None, [_P, _I, _P, _P, _P, _P, _P, *shape_args]
 
     @staticmethod
@@ -176,10 +178,7 @@ class CpuGemm:
 
 @per_variant
 def load_cpu_gemm(variant: str) -> CpuGemm | None:
-    """The kernel of the selected variant (``pdserve.layers.native``); None when the kernels are off,
-    the variant lacks it (no AVX512_BF16 and AVX512_VNNI), or the CPU has AMX (where oneDNN is the
-    better matmul)."""
+    """The kernel of the selected variant (``pdserve.layers.native``); None when the kernels are off
+    or the variant lacks it (no AVX512_BF16 and AVX512_VNNI)."""
     lib = kernel_library(variant)
-    if not lib.gemm_supported() or cpu_has("amx_bf16"):
-        return None
-    return CpuGemm(lib)
+    return CpuGemm(lib) if lib.gemm_supported() else None

@@ -18,10 +18,11 @@ cannot saturate on 4-bit weights), so a weight costs no float conversion; one st
 is then bound by reading the weights rather than by widening them. ``w8a8_g32`` (the LM head under
 ``w4a8``) runs ``int8_g32``'s weights the same way, each as two 4-bit planes of ``q + 128``.
 
-Layout and algorithm: see ``pdserve/c-kernels/matmul.c`` (panels of 16 output columns, a
-register-blocked micro-kernel, SiLU-and-mul in the epilogue of a ``[gate; up]`` weight packed in
-``halves``). The portable variant runs the same sums in plain C. ``load_cpu_matmul`` returns None
-when the kernels are off.
+Layout and algorithm: see ``pdserve/c-kernels/matmul.c`` and ``w4a8.c`` (panels of 16 output
+columns, a register-blocked micro-kernel, SiLU-and-mul in the epilogue of a ``[gate; up]`` weight
+packed in ``halves``; W4A8 on AMX tiles from 16 rows, ``amx.c``). Every format computes a row the
+same way whatever the number of rows (batch-invariant). The portable variant runs the same sums in
+plain C. ``load_cpu_matmul`` returns None when the kernels are off.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ PANEL = 16  # output columns per panel
 GROUP = 32  # int4: inputs per scale
 FORMATS = {"float32": 0, "bf16": 1, "int8": 2, "int4": 3, "int8_g32": 4}  # matmul.c's W_F32 .. W_I8G
 GROUPED = ("int4", "int8_g32", "w4a8", "w8a8_g32")  # scales per group of 32 inputs
-NIBBLE_PLANES = {"w4a8": 1, "w8a8_g32": 2}  # matmul.c's matmul_w4a8 formats: 4-bit planes a weight
+NIBBLE_PLANES = {"w4a8": 1, "w8a8_g32": 2}  # w4a8.c's matmul_w4a8 formats: 4-bit planes a weight
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 

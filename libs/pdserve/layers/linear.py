@@ -3,15 +3,19 @@
 Parameters are allocated uninitialised: every value comes from the checkpoint. A merged layer
 (fused q/k/v, fused gate/up) stacks several checkpoint matrices along the output dimension and
 its loader copies each one into its shard. After loading, ``process_weights_after_loading``
-(vLLM's name for the hook) gives bfloat16 CPU weights a packed copy: for our AVX512-BF16 kernel
-(``pdserve.layers.cpu_gemm``) where the CPU and the shape allow, otherwise oneDNN's blocked
-layout, which its matmul reads 15–35% faster than a plain row-major weight it must reorder on
-every call (``benchmarks/engine.py`` shows the step time), and on CPUs where oneDNN has no
-bfloat16 path (AVX2 only) ``pdserve.layers.cpu_matmul``'s bfloat16 panels.
+(vLLM's name for the hook) gives bfloat16 CPU weights a packed copy: for our kernel
+(``pdserve.layers.cpu_gemm``: AMX tiles or AVX512-BF16 vector instructions) where the CPU and
+the shape allow, otherwise oneDNN's blocked layout, which its matmul reads 15–35% faster than a
+plain row-major weight it must reorder on every call (``benchmarks/engine.py`` shows the step
+time), and on CPUs where oneDNN has no bfloat16 path (AVX2 only) ``pdserve.layers.cpu_matmul``'s
+bfloat16 panels. Our kernels compute every row in the same order whatever the batch (oneDNN's
+AMX kernels block differently by the number of rows, so a request's result would depend on its
+batch-mates); ``PDSERVE_BF16_MATMUL=onednn`` takes oneDNN wherever it runs, for comparisons.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +48,7 @@ def checkpoint_shape(loaded: torch.Tensor | Any) -> tuple[int, ...]:
 
 
 _PACK_BATCH_HINT = 64  # rows oneDNN tunes the layout for; any number of rows works
+BF16_MATMUL_ENV = "PDSERVE_BF16_MATMUL"  # auto (our kernels where they run) or onednn
 
 
 class OneDNNWeight:
@@ -73,7 +78,7 @@ def prepack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    gemm = load_cpu_gemm()
+    gemm = load_cpu_gemm() if os.environ.get(BF16_MATMUL_ENV, "auto") != "onednn" else None
     if gemm is not None and gemm.supports(weight):
         return gemm.pack(weight)
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():

@@ -1,9 +1,11 @@
 """The CPU kernels' shared library: the variant built for this CPU's class, loaded with ctypes.
 
 The C sources (``pdserve/c-kernels``) are compiled at install time (``setup.py``) once per class of
-x86-64 CPU: ``avx512bf16`` (AVX-512 with BF16 and VNNI), ``avx512``, ``avx2`` (AVX2 + FMA + F16C)
-and ``portable`` (no instruction set beyond the baseline). At run time ``kernel_library`` loads
-the best one the CPU supports (``/proc/cpuinfo``), so no compiler is needed where pdserve runs.
+x86-64 CPU: ``amx`` (``avx512bf16`` plus AMX tiles), ``avx512bf16`` (AVX-512 with BF16 and VNNI),
+``avx512``, ``avx2`` (AVX2 + FMA + F16C) and ``portable`` (no instruction set beyond the
+baseline). At run time ``kernel_library`` loads the best one the CPU supports (``/proc/cpuinfo``;
+``amx`` also needs Linux to grant the process the tile state), so no compiler is needed where
+pdserve runs.
 ``PDSERVE_CPU_KERNELS`` names another variant (or ``none``: PyTorch ops only); ``forced_variant``
 switches it within a process (the tests run every variant the machine can execute).
 
@@ -31,8 +33,10 @@ logger = logging.getLogger(__name__)
 # Best first: each variant and the /proc/cpuinfo flags a CPU needs to run it (setup.py's compiler flags).
 _AVX2 = ("avx2", "fma", "f16c", "bmi2")
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512vl", "avx512dq")
+_AVX512BF16 = (*_AVX512, "avx512_bf16", "avx512_vnni")
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "avx512bf16": (*_AVX512, "avx512_bf16", "avx512_vnni"),
+    "amx": (*_AVX512BF16, "amx_tile", "amx_int8", "amx_bf16"),
+    "avx512bf16": _AVX512BF16,
     "avx512": _AVX512,
     "avx2": _AVX2,
     "portable": (),
@@ -95,9 +99,22 @@ def choose_variants(cpu_flags: set[str] | frozenset[str], installed: set[str]) -
 
 
 def runnable_variants() -> list[str]:
-    """The installed variants this CPU can execute, best first."""
+    """The installed variants this CPU can execute, best first (``amx`` only where Linux grants this
+    process the tile state: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``, kernel 5.16 or later)."""
+    return list(_runnable())
+
+
+@functools.cache
+def _runnable() -> tuple[str, ...]:
     installed = {name for name in VARIANTS if library_path(name).exists()}
-    return choose_variants(_cpu_flags(), installed)
+    runnable = choose_variants(_cpu_flags(), installed)
+    if "amx" in runnable:
+        try:
+            kernel_library("amx")
+        except OSError as refused:
+            logger.warning("%s: the avx512bf16 kernels run instead", refused)
+            runnable.remove("amx")
+    return tuple(runnable)
 
 
 def selected_variant() -> str | None:
@@ -141,10 +158,13 @@ def kernel_library(variant: str) -> ctypes.CDLL:
     """The loaded library of ``variant`` (one of ``runnable_variants()``).
 
     Raises:
-        OSError: it is not installed or does not load.
+        OSError: it is not installed or does not load, or (``amx``) Linux refuses this process the
+            tile state.
     """
     lib = ctypes.CDLL(str(library_path(variant)))
     lib.kernels_variant.restype = ctypes.c_char_p
+    if variant == "amx" and lib.amx_enable() != 0:
+        raise OSError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
     return lib
 
 

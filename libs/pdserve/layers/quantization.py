@@ -42,7 +42,7 @@ from pdserve.layers.cpu_matmul import (
     quantize_int4,
     quantize_int8,
 )
-from pdserve.layers.native import cpu_has, selected_variant
+from pdserve.layers.native import selected_variant
 
 METHODS = ("w8a8_int8", "int8_weight_only", "int4_weight_only", "int4_or_int8", "w4a8")
 
@@ -92,13 +92,14 @@ class PackedLinearMethod:
 
 class W8A8Int8LinearMethod(PackedLinearMethod):
     """``w8a8_int8``: int8 weights and per-token int8 activations, integer sums exact. bfloat16 layers
-    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) use its int8 panels; the rest
-    ``cpu_matmul``'s ``w8a8`` format."""
+    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) without AMX use its int8 panels;
+    the rest ``cpu_matmul``'s ``w8a8`` format (on AMX CPUs as before they ran ``cpu_gemm``'s bfloat16
+    panels: the fused decoder and the grouped experts run it)."""
 
     format = "w8a8"
 
     def pack(self, weight: torch.Tensor):
-        gemm = load_cpu_gemm()
+        gemm = load_cpu_gemm() if selected_variant() != "amx" else None
         if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight, int8=True):
             q, scale = quantize_int8(weight)
             return gemm.pack_int8(q, scale)
@@ -131,7 +132,7 @@ class W4A8LinearMethod(PackedLinearMethod):
 
     def pack_lm_head(self, weight: torch.Tensor) -> MatmulWeight:
         matmul = load_cpu_matmul()
-        avx512 = selected_variant() in ("avx512bf16", "avx512")
+        avx512 = selected_variant() in ("amx", "avx512bf16", "avx512")
         if avx512 and matmul is not None and matmul.supports(weight, "w8a8_g32"):
             return matmul.pack(weight, "w8a8_g32")
         return super().pack_lm_head(weight)
@@ -158,13 +159,21 @@ class LosslessInt4OrInt8LinearMethod(PackedLinearMethod):
 
 
 def resolve_quantization(
-    quantization: str | None, device: torch.device, dtype: torch.dtype, tp_size: int = 1
+    quantization: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    explicit_dtype: bool = False,
 ) -> str | None:
-    """``--quantization`` with ``auto`` resolved: on a CPU without native bfloat16 (no AVX512-BF16 or
-    AMX) running a float32 model, ``w4a8`` (``W4A8LinearMethod``: top-1 agreement with HF fp32 as
-    close as ``int8_weight_only``'s, at a fraction of the decode step; see docs/cpu.md for the
-    measurements); else none. Other names are returned as they are (``none`` → None).
-    Under tensor parallelism (``tp_size`` > 1) the methods are not supported: ``auto`` is none.
+    """``--quantization`` with ``auto`` resolved: ``w4a8`` (``W4A8LinearMethod``) on a CPU whose kernels
+    run, for the ``auto`` dtype (float32 or bfloat16 by the CPU), else none. On every CPU class a
+    decode step of a small batch reads its weights from memory, and ``w4a8`` reads 0.625 bytes a
+    parameter where bfloat16 reads 2 (SmolLM2 on a Sapphire Rapids: ~3x the single-stream tokens/s,
+    see docs/cpu.md); from 16 rows on, AMX tiles (where the CPU has them) give the same sums as the
+    vector kernel, so results do not depend on the batch. A dtype named on purpose (``--dtype
+    float32``: token for token Hugging Face's; ``bfloat16``) runs unquantized. Other names are
+    returned as they are (``none`` → None). Under tensor parallelism (``tp_size`` > 1) the methods
+    are not supported: ``auto`` is none.
 
     Raises:
         ValueError: a quantization method named with ``tp_size`` > 1.
@@ -180,8 +189,8 @@ def resolve_quantization(
         )
     if quantization != "auto":
         return quantization
-    native_bf16 = cpu_has("avx512_bf16", "amx_bf16")
-    if device.type == "cpu" and dtype == torch.float32 and not native_bf16 and load_cpu_matmul() is not None:
+    kernels = device.type == "cpu" and load_cpu_matmul() is not None
+    if kernels and not explicit_dtype and dtype in (torch.float32, torch.bfloat16):
         return "w4a8"
     return None
 

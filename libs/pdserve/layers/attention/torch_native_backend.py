@@ -1,37 +1,33 @@
-"""Attention in PyTorch ops (any device), with C kernels on CPU: the CPU backend.
+"""Attention in PyTorch ops (any device), with a C kernel on CPU: the CPU backend.
 
-On CPU the C kernels read the KV pages in place. Decoding requests run as rows of
-``cpu_decode_kernel``: the token at position ``p`` of request ``b`` attends to keys ``[0, p]`` of
-its request, so a row needs only its request's page table and the length ``p + 1`` (its own key is
-stored before attention runs). Extending requests (several new tokens) run as query tiles of
-``cpu_extend_kernel``: a vector lane per query, so a tile reads each key once (a fresh 128-token
-prompt of SmolLM2 on AVX2: its whole prefill step 7-9% faster than through gather + SDPA; 16
-requests x 31 tokens after a shared 1,008-token prefix in bfloat16 on AVX512_BF16: ~5 vs ~11 ms
-per layer).
+On CPU the C kernel (``cpu_decode_kernel``) reads the KV pages in place and runs every token of the
+batch as a row: the token at position ``p`` of request ``b`` attends to keys ``[0, p]`` of its
+request, so a row needs only its request's page table and the length ``p + 1`` (its own key is
+stored before attention runs). Decoding tokens and the tokens of an extend (a prefill, a chunk,
+the rest of a prompt after a radix-cache hit) are computed alike, so a token's attention output is
+the same bit for bit however its request is batched, chunked or cached (batch invariance).
 
 A verifying request (speculative decoding: its last token and ``k`` draft tokens, with logits at
-each; ``ForwardBatch.logits_lens`` > 1) runs as decode-kernel rows, one per token, the token at
-position ``p`` attending keys ``[0, p]``: so a verify step computes, bit for bit where the matmuls
+each; ``ForwardBatch.logits_lens`` > 1) is an extend like any other here: its token at position
+``p`` is a row attending keys ``[0, p]``, so a verify step computes, bit for bit where the matmuls
 are per row (our CPU matmuls), what decoding those tokens one at a time computes, and greedy
-speculation gives the tokens greedy decoding gives. For the few tokens of a verify this was also
-faster than extend tiles (SmolLM2 float32+w4a8, one thread, 130-token contexts: 12.7 vs 14.3 ms a
-step at batch 1 and k = 2, 81.6 vs 106.6 ms at batch 16; 219.6 vs 231.9 ms at batch 16 and k = 8).
+speculation gives the tokens greedy decoding gives.
 
-Otherwise (no C kernels, another device, or a head_dim the extend kernel lacks) requests are split
-into at most two groups, decoding ones (one query token; the C decode kernel where it runs) and
-extending ones (a ragged chunk after a cached prefix, verifying requests among them), so a MIXED
-batch does not pad its decodes to the longest extend. Each extending request's KV pages are
-gathered into a padded batch and attended with one SDPA per layer: queries padded to ``Lq`` (the
-longest chunk), keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a request
-is offset ``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask keeps,
-for the query at position ``p``, the keys at positions ``[0, p]`` of its own request. GQA needs no
-K/V repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into the query-length
-axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries.
+A layer passes the kernel its sliding window (Mistral, Gemma 3's local layers, gpt-oss's
+alternate layers: the token at position ``p`` attends keys ``(p - window, p]``), its scores'
+soft-cap (Gemma 2 style ``attn_logit_softcapping``) and its attention sinks (gpt-oss).
 
-Sliding-window layers pass their window to the C kernels (each query's keys start ``window - 1``
-positions back) or get a mask of their own (one per distinct window, built once per batch). Layers
-whose scores the kernels and SDPA cannot modify (Gemma 2's soft-capping, gpt-oss's sinks) run the
-gather path with explicit scores (``score_mods``) for the whole model.
+Otherwise (no C kernels, or another device) requests are split into at most two groups, decoding
+ones (one query token) and extending ones (a ragged chunk after a cached prefix, verifying requests
+among them), so a MIXED batch does not pad its decodes to the longest extend. Each group's KV pages
+are gathered into a padded batch and attended with one SDPA per layer: queries padded to ``Lq``
+(the longest chunk), keys to ``Lk`` (the longest sequence, in whole pages; position ``p`` of a
+request is offset ``p % page_size`` of page ``req_to_token[p] // page_size``), and a boolean mask
+keeps, for the query at position ``p``, the keys at positions ``[0, p]`` of its own request
+(``(p - window, p]`` in a sliding-window layer: one mask per distinct window, built once per
+batch). GQA needs no K/V repeat: the ``G = Hq / Hkv`` query heads sharing a KV head are folded into
+the query-length axis, so SDPA sees ``Hkv`` heads of ``G * Lq`` queries; a model with soft-capping
+or sinks gets explicit scores (``score_mods``) instead. (SDPA's reductions are not batch-invariant.)
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ import torch.nn.functional as F
 
 from pdserve.layers.attention.base import AttentionBackend
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
-from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
 from pdserve.layers.attention.score_mods import attend_with_score_mods, needs_score_mods
 from pdserve.layers.radix_attention import RadixAttention
 
@@ -64,8 +59,7 @@ class _Group:
         page_table: int64 ``[Bg, Lk / page_size]``: KV pages of each request, padded with page 0 (masked).
         seq_lens: int64 ``[Bg]``: keys of each request.
         masks: per sliding window of the model's layers (0: full causal), bool ``[Bg, 1, G * Lq,
-            Lk]``: True where the query may attend to the key (empty for a decode group the C
-            kernel runs).
+            Lk]``: True where the query may attend to the key.
     """
 
     query_index: torch.Tensor
@@ -78,33 +72,18 @@ class _Group:
 
 @dataclass(slots=True)
 class _KernelRows:
-    """One decode-kernel row per token of some or all of the batch's tokens.
+    """One kernel row per token of the batch, in batch order.
 
     Attributes:
-        page_table: int64 ``[N, max_pages]``: the KV pages of each token's request.
-        seq_lens: int64 ``[N]``: keys each token attends to (its position + 1).
-        token_index: int64 ``[N]``: the tokens' flat indices, or None when they are all ``T`` tokens
-            in batch order.
+        page_table: int64 ``[B, max_pages]``: the KV pages of each request.
+        seq_lens: int64 ``[T]``: keys each token attends to (its position + 1).
+        row_req: int64 ``[T]``: each token's request (row of ``page_table``), or None when every
+            request has one token (token ``t`` is request ``t``).
     """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    token_index: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class _ExtendTiles:
-    """The extending requests (more than one new token) of the batch, for the extend kernel.
-
-    Attributes:
-        page_table: int64 ``[R, max_pages]``; prefix_lens / extend_lens: int64 ``[R]``;
-        row_starts: int64 ``[R]``: flat index of each request's first new token.
-    """
-
-    page_table: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    row_starts: torch.Tensor
+    row_req: torch.Tensor | None
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -113,8 +92,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     Args:
         runner: the ``ModelRunner`` (model config, KV pool, device; its loaded model's attention
             layers, for their sliding windows and score modifications).
-        use_cpu_kernels: on CPU, run attention through the C kernels of ``cpu_decode_kernel`` and
-            ``cpu_extend_kernel`` where they build and support the dtype, instead of gather + SDPA.
+        use_cpu_kernels: on CPU, run attention through the C kernel of ``cpu_decode_kernel`` where
+            it builds and supports the dtype, instead of gather + SDPA.
     """
 
     def __init__(self, runner: Any, use_cpu_kernels: bool = True):
@@ -123,72 +102,39 @@ class TorchNativeAttnBackend(AttentionBackend):
         layers = [m for m in model.modules() if isinstance(m, RadixAttention)] if model is not None else []
         self.windows = sorted({layer.sliding_window for layer in layers} | {0})
         self.score_mods = any(needs_score_mods(layer) for layer in layers)
-        on_cpu = use_cpu_kernels and runner.device.type == "cpu" and not self.score_mods
-        decode_kernel = load_decode_kernel() if on_cpu else None
-        extend_kernel = load_extend_kernel() if on_cpu else None
-        kv_dtype = runner.kv_pool.dtype  # the kernels run in the pool's dtype (queries rounded to it)
-        self.decode_kernel = decode_kernel if decode_kernel and decode_kernel.supports(kv_dtype) else None
-        supported = extend_kernel and extend_kernel.supports(kv_dtype, config.head_dim)
-        self.extend_kernel = extend_kernel if self.decode_kernel and supported else None
+        on_cpu = use_cpu_kernels and runner.device.type == "cpu"
+        kernel = load_decode_kernel() if on_cpu else None
+        kv_dtype = runner.kv_pool.dtype  # the kernel runs in the pool's dtype (queries rounded to it)
+        self.decode_kernel = kernel if kernel and kernel.supports(kv_dtype) else None
         self.num_heads = config.num_local_heads
         self.num_kv_heads = config.num_local_kv_heads
         self.head_dim = config.head_dim
         self.page_size = runner.kv_pool.page_size
         self.groups: list[_Group] = []
         self.kernel_rows: _KernelRows | None = None
-        self.tiles: _ExtendTiles | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        self.groups, self.kernel_rows, self.tiles = [], None, None
+        self.groups, self.kernel_rows = [], None
+        if self.decode_kernel is not None:
+            self.kernel_rows = self._kernel_rows(fb)
+            return
         extending = fb.extend_seq_lens > 1
-        if self.decode_kernel is not None:  # verifying requests attend as the decodes they stand for
-            extending &= fb.logits_lens == 1
         extend_rows = extending.nonzero().squeeze(1)
         decode_rows = (~extending).nonzero().squeeze(1)
-        if self.extend_kernel is not None and len(extend_rows):
-            self.tiles = self._tiles(fb, extend_rows)
-            if len(decode_rows):
-                self.kernel_rows = self._token_rows(fb, decode_rows)
-            return
-        if len(extend_rows) == 0 and self.decode_kernel is not None:
-            self.kernel_rows = self._token_rows(fb, decode_rows)
-            return
         if len(decode_rows) == 0 or len(extend_rows) == 0:
             self.groups = [self._group(fb, None)]
         else:
             self.groups = [self._group(fb, decode_rows), self._group(fb, extend_rows)]
 
-    def _tiles(self, fb: ForwardBatch, rows: torch.Tensor) -> _ExtendTiles:
-        """The extending requests ``rows`` for the extend kernel."""
-        page_table = self._page_table(fb, fb.req_pool_indices[rows], fb.seq_lens[rows])
-        return _ExtendTiles(
-            page_table.contiguous(),
-            fb.extend_prefix_lens[rows].contiguous(),
-            fb.extend_seq_lens[rows].contiguous(),
-            fb.extend_start_loc[rows].contiguous(),
-        )
-
-    def _token_rows(self, fb: ForwardBatch, rows: torch.Tensor) -> _KernelRows:
-        """Decode-kernel rows of every token of the requests ``rows``: decodes (one token), and
-        verifying requests, whose token at position ``p`` attends keys ``[0, p]`` as a decode of
-        that position does, so a verify step computes what decoding its tokens one at a time
-        computes (the extend kernel's reduction order differs from the decode kernel's)."""
-        lens = fb.extend_seq_lens[rows]
-        page_table = self._page_table(fb, fb.req_pool_indices[rows], fb.seq_lens[rows])
-        starts = fb.extend_start_loc[rows]
-        if len(rows) == int(lens.sum()):  # one token each
-            tokens = starts
-        else:
-            page_table = page_table.repeat_interleave(lens, dim=0)
-            first = torch.cumsum(lens, 0) - lens
-            tokens = torch.arange(int(lens.sum()), device=lens.device) + torch.repeat_interleave(
-                starts - first, lens
-            )
-        every = len(tokens) == len(fb.positions)  # rows are all requests, so tokens are 0 .. T - 1
-        return _KernelRows(
-            page_table.contiguous(), (fb.positions[tokens] + 1).contiguous(), None if every else tokens
-        )
+    def _kernel_rows(self, fb: ForwardBatch) -> _KernelRows:
+        """A kernel row per token: its request's pages and its position + 1 keys."""
+        page_table = self._page_table(fb, fb.req_pool_indices, fb.seq_lens)
+        row_req = None
+        if len(fb.positions) != fb.batch_size:
+            requests = torch.arange(fb.batch_size, device=fb.positions.device)
+            row_req = requests.repeat_interleave(fb.extend_seq_lens).contiguous()
+        return _KernelRows(page_table.contiguous(), (fb.positions + 1).contiguous(), row_req)
 
     def _page_table(self, fb: ForwardBatch, pool_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, max_pages]``: the KV pages of requests ``pool_rows`` (``req_to_token`` rows)
@@ -218,17 +164,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         q_pos = torch.arange(max_q, device=device)[None, :]
         query_valid = q_pos < ext[:, None]
         query_index = torch.where(query_valid, starts[:, None] + q_pos, 0)
+        k_pos = torch.arange(max_k, device=device)[None, None, :]
+        q_abs = (prefix[:, None] + q_pos)[:, :, None]
+        causal = (k_pos <= q_abs) & (k_pos < seq[:, None, None])  # [Bg, Lq, Lk]
+        g = self.num_heads // self.num_kv_heads
         masks = {}
-        if max_q > 1 or self.decode_kernel is None:  # the decode kernel needs only the lengths
-            k_pos = torch.arange(max_k, device=device)[None, None, :]
-            q_abs = (prefix[:, None] + q_pos)[:, :, None]
-            causal = (k_pos <= q_abs) & (k_pos < seq[:, None, None])  # [Bg, Lq, Lk]
-            g = self.num_heads // self.num_kv_heads
-            for window in self.windows:
-                # padding queries keep every causal key, so that no row of the softmax is empty
-                mask = causal & ((k_pos > q_abs - window) | ~query_valid[:, :, None]) if window else causal
-                mask = mask[:, None, None].expand(-1, 1, g, -1, -1)
-                masks[window] = mask.reshape(len(ext), 1, g * max_q, max_k)
+        for window in self.windows:
+            # padding queries keep every causal key, so that no row of the softmax is empty
+            mask = causal & ((k_pos > q_abs - window) | ~query_valid[:, :, None]) if window else causal
+            mask = mask[:, None, None].expand(-1, 1, g, -1, -1)
+            masks[window] = mask.reshape(len(ext), 1, g * max_q, max_k)
         return _Group(
             query_index=query_index,
             query_valid=None if max_q == 1 else query_valid,
@@ -258,33 +203,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         scaling, window = layer.scaling, layer.sliding_window
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        if self.tiles is not None:
-            tiles = self.tiles
-            out = q.new_empty(num_tokens, self.num_heads, self.head_dim)
-            self.extend_kernel(
-                q,
-                k_pages,
-                v_pages,
-                tiles.page_table,
-                tiles.prefix_lens,
-                tiles.extend_lens,
-                tiles.row_starts,
-                scaling,
-                out=out,
-                window=window,
-            )
-            if self.kernel_rows is not None:
-                rows = self.kernel_rows
-                queries = q[rows.token_index]
-                out[rows.token_index] = self.decode_kernel(
-                    queries, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
-                )
-            return out.view(num_tokens, -1)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
+            table, lens = rows.page_table, rows.seq_lens
+            sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
             out = self.decode_kernel(
-                q, k_pages, v_pages, rows.page_table, rows.seq_lens, scaling, window=window
-            )
+                q, k_pages, v_pages, table, lens, scaling, rows.row_req, window=window, cap=layer.logit_cap,
+                sinks=sinks,
+            )  # fmt: skip
             return out.view(num_tokens, -1)
         if len(self.groups) == 1:
             return self._attend(q, k_pages, v_pages, self.groups[0], layer)
@@ -303,19 +229,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Outputs ``[n_valid, Hq * D]`` of the group's valid queries, row-major."""
         rows, max_q = group.query_index.shape
-        scaling, mask = layer.scaling, group.masks.get(layer.sliding_window)
-        if max_q == 1 and self.decode_kernel is not None:
-            queries = q[group.query_index[:, 0]]
-            out = self.decode_kernel(
-                queries,
-                k_pages,
-                v_pages,
-                group.page_table,
-                group.seq_lens,
-                scaling,
-                window=layer.sliding_window,
-            )
-            return out.view(rows, -1)
+        scaling, mask = layer.scaling, group.masks[layer.sliding_window]
         hkv, d = self.num_kv_heads, self.head_dim
         g = self.num_heads // hkv
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries

@@ -1,5 +1,6 @@
-"""The CPU extend-attention tile kernel against float64 PyTorch attention, and the backend's routing
-of a mixed batch (tiles for extends, decode-kernel rows for decodes) against its SDPA path."""
+"""The tokens of extends as rows of the CPU attention kernel (each its request's pages and its
+position + 1 keys) against float64 PyTorch attention, and the backend's mixed batch (every token a
+row) against its SDPA path."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.layers.attention.cpu_extend_kernel import load_extend_kernel
+from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.layers.radix_attention import RadixAttention
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool, slots_for_pages
@@ -23,26 +24,18 @@ REQUESTS = ((0, 1), (0, 5), (0, 16), (3, 17), (100, 31), (0, 130), (1000, 33))
 
 @pytest.fixture
 def kernel(kernel_variant):
-    kernel = load_extend_kernel()
-    assert kernel is not None, "the CPU extend kernel did not build"
+    kernel = load_decode_kernel()
+    assert kernel is not None, "the CPU attention kernel did not build"
     return kernel
 
 
-def test_kernel_supports_float32_and_bfloat16_head_dims_in_steps_of_8(kernel):
-    """Every variant builds it (the lane kernel; AVX512_BF16 adds the pair kernel for bfloat16)."""
-    for dtype in (torch.float32, torch.bfloat16):
-        assert all(kernel.supports(dtype, d) for d in (8, 64, 80, 128, 256, 512))
-        assert not any(kernel.supports(dtype, d) for d in (0, 36, 520))
-    assert not kernel.supports(torch.float16, 64)
-
-
-def test_refuses_what_it_cannot_run(kernel):
-    batch = make_batch(((0, 5),), 4, 2, 36, 16, dtype=torch.float32)
-    with pytest.raises(ValueError, match="head_dim 36"):
-        kernel(*batch, 0.125)
-    q, k_pages, v_pages, *rest = make_batch(((0, 5),), 4, 2, 64, 16, dtype=torch.float32)
-    with pytest.raises(TypeError, match="all float32 or all bfloat16"):
-        kernel(q.bfloat16(), k_pages, v_pages, *rest, 0.125)
+def as_rows(q, k_pages, v_pages, page_table, prefix_lens, extend_lens, row_starts):
+    """The kernel's arguments for a batch of extends, each new token a row: the rows of ``q`` they
+    are, then (queries, pages, page table, lengths) and each row's request."""
+    rows = torch.cat([start + torch.arange(n) for start, n in zip(row_starts, extend_lens, strict=True)])
+    row_req = torch.arange(len(extend_lens)).repeat_interleave(extend_lens)
+    lens = torch.cat([p + 1 + torch.arange(n) for p, n in zip(prefix_lens, extend_lens, strict=True)])
+    return rows, (q[rows], k_pages, v_pages, page_table, lens), row_req
 
 
 def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0, dtype=torch.bfloat16):
@@ -93,53 +86,52 @@ def make_batch(requests, num_heads, num_kv_heads, head_dim, page_size, seed=0, d
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("page_size", [16, 7])
 def test_ragged_extends_match_reference(kernel, dtype, head_dim, group, page_size):
-    """head_dim 64 and 128 run the pair kernel for bfloat16 on AVX512_BF16, 80 the lane kernel."""
     num_kv_heads = 2
     batch = make_batch(REQUESTS, group * num_kv_heads, num_kv_heads, head_dim, page_size, dtype=dtype)
-    q, _, _, _, _, extend_lens, row_starts = batch
     scale = head_dim**-0.5
-    out = torch.full(q.shape, 7.0, dtype=dtype)
-    kernel(*batch, scale, out=out)
+    rows, args, row_req = as_rows(*batch)
+    out = kernel(*args, scale, row_req=row_req)
     expected = row_reference(*batch, scale)
-    for row in range(q.shape[0]):
-        if row in expected:
-            assert_matches(out[row], expected[row])
-        else:  # rows of no request (here: the spare row after each) are left alone
-            assert bool((out[row] == 7.0).all())
+    for i, row in enumerate(rows.tolist()):
+        assert_matches(out[i], expected[row])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
 @pytest.mark.parametrize("window", [1, 5, 16, 17, 64])
 def test_sliding_window_extends(kernel, dtype, head_dim, window):
-    """Each query attends its own key and the ``window - 1`` before it: tiles whose queries' windows
-    start in different blocks, windows shorter than a tile and longer than a prompt. The keys no
+    """Each token's row attends its own key and the ``window - 1`` before it: windows that start in
+    different blocks, windows shorter than a block and longer than a prompt. The keys no
     query of a request may see (before its first query's window) are NaN and never read."""
     batch = make_batch(REQUESTS, 6, 2, head_dim, 16, seed=5, dtype=dtype)
     q, k_pages, v_pages, table, prefix_lens, extend_lens, row_starts = batch
     hide_keys_before(k_pages, v_pages, table, (prefix_lens + 1 - window).clamp_min(0))
-    out = kernel(*batch, 0.125, window=window)
-    for row, expected in row_reference(*batch, 0.125, window).items():
-        assert_matches(out[row], expected)
+    rows, args, row_req = as_rows(*batch)
+    out = kernel(*args, 0.125, row_req=row_req, window=window)
+    expected = row_reference(*batch, 0.125, window)
+    for i, row in enumerate(rows.tolist()):
+        assert_matches(out[i], expected[row])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peaked_softmax(kernel, dtype):
     """Large scores: the running max moves block to block and one key dominates."""
-    batch = make_batch(((40, 50), (0, 20)), 9, 3, 64, 16, seed=3, dtype=dtype)
-    q = batch[0] * 30
-    out = kernel(q, *batch[1:], 0.125)
-    largest_score = 64 * q.float().abs().max() * batch[1].float().nan_to_num().abs().max() * 0.125
-    for row, expected in row_reference(q, *batch[1:], 0.125).items():
-        assert_matches(out[row], expected, score_bound=float(largest_score))
+    q, *rest = make_batch(((40, 50), (0, 20)), 9, 3, 64, 16, seed=3, dtype=dtype)
+    q = q * 30
+    rows, args, row_req = as_rows(q, *rest)
+    out = kernel(*args, 0.125, row_req=row_req)
+    largest_score = 64 * q.float().abs().max() * rest[0].float().nan_to_num().abs().max() * 0.125
+    expected = row_reference(q, *rest, 0.125)
+    for i, row in enumerate(rows.tolist()):
+        assert_matches(out[i], expected[row], score_bound=float(largest_score))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 20])
-def test_mixed_batch_routing_matches_sdpa(kernel, dtype, window):
-    """A batch of decodes, cached-prefix extends and a fresh prompt: the backend runs the extends
-    as tiles and the decodes as decode-kernel rows, and one layer's output equals its SDPA path's,
-    with full attention and with a sliding window."""
+def test_mixed_batch_rows_match_sdpa(kernel, dtype, window):
+    """A batch of decodes, cached-prefix extends and a fresh prompt: the backend runs every token as a
+    kernel row, and one layer's output equals its SDPA path's, with full attention and with a
+    sliding window."""
     num_heads, num_kv_heads, head_dim, page_size = 9, 3, 64, 16
     config = SimpleNamespace(
         dtype=dtype, num_local_heads=num_heads, num_local_kv_heads=num_kv_heads, head_dim=head_dim
@@ -152,8 +144,8 @@ def test_mixed_batch_routing_matches_sdpa(kernel, dtype, window):
     )
     layer = RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, 0, sliding_window=window)
     runner.model = torch.nn.Sequential(layer)  # the backend reads its layers' windows
-    tiles, sdpa = TorchNativeAttnBackend(runner), TorchNativeAttnBackend(runner, use_cpu_kernels=False)
-    assert tiles.extend_kernel is not None
+    rows, sdpa = TorchNativeAttnBackend(runner), TorchNativeAttnBackend(runner, use_cpu_kernels=False)
+    assert rows.decode_kernel is not None
     gen = torch.Generator().manual_seed(0)
     runner.kv_pool.kv_data.copy_(torch.randn(runner.kv_pool.kv_data.shape, generator=gen))
     requests = ((57, 1), (200, 31), (0, 40), (130, 1), (16, 17))  # (cached prefix, new tokens)
@@ -168,7 +160,7 @@ def test_mixed_batch_routing_matches_sdpa(kernel, dtype, window):
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     outs = []
-    for backend in (tiles, sdpa):
+    for backend in (rows, sdpa):
         runner.attn_backend = backend
         fb = ForwardBatch.init_new(
             input_ids=[0] * tokens,
@@ -179,12 +171,9 @@ def test_mixed_batch_routing_matches_sdpa(kernel, dtype, window):
         )
         backend.init_forward_metadata(fb)
         outs.append(backend.forward(q, k, v, layer, fb).view(tokens, num_heads, head_dim))
-    assert tiles.tiles.extend_lens.tolist() == [31, 40, 17]
-    assert tiles.tiles.row_starts.tolist() == [1, 32, 73]
-    assert tiles.kernel_rows.token_index.tolist() == [0, 72] and tiles.kernel_rows.seq_lens.tolist() == [
-        58,
-        131,
-    ]
+    kernel_rows = rows.kernel_rows
+    assert kernel_rows.row_req.tolist() == [r for r, (_, n) in enumerate(requests) for _ in range(n)]
+    assert kernel_rows.seq_lens.tolist() == [p + 1 + i for p, n in requests for i in range(n)]
     # float32: arithmetic rounding apart; bfloat16: within its rounding (2^-8 relative) of each other,
     # on outputs of magnitude ~1
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
