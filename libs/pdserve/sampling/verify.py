@@ -130,6 +130,12 @@ class Accepted:
     def num_accepted_drafts(self) -> int:
         return len(self.token_ids) - 1
 
+    def logprob(self, j: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """The logprob and top logprobs of the ``j``-th kept token, when the batch computed them."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[j], self.top_logprobs[j] if self.top_logprobs else []
+
 
 def accept(result: GenerationBatchResult, drafts: Sequence[Sequence[int]]) -> list[Accepted]:
     """Per request, the longest prefix of its rows whose samples equal its draft tokens, and the

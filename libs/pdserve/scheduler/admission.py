@@ -12,7 +12,7 @@ waits for that KV to enter the radix cache, then extends (or in PD, transfers) o
 instead of both computing, and both shipping, the shared part side by side.
 
 A request that wants prompt logprobs (``Req.scores_prompt``) matches nothing where its prompt is
-computed (``scores_prompts``: the mixed and prefill roles), because a cached prefix would skip the
+computed (the mixed and prefill roles), because a cached prefix would skip the
 very positions whose logits it asks for (vLLM skips the prefix cache for such requests too); its KV
 enters the cache afterwards as any other's. A PD decode worker matches as usual: its prefill
 worker computes the whole prompt, and only the pages decode lacks are written.
@@ -44,8 +44,6 @@ class Admission:
         max_req_tokens: no request grows beyond this many tokens.
         active: how many requests are admitted and not ended (nor handed on).
         running: the requests whose next tokens' reserve admission must leave room for.
-        scores_prompts: prompts are computed here, so a request that wants prompt logprobs bypasses
-            the radix cache.
     """
 
     def __init__(
@@ -58,7 +56,6 @@ class Admission:
         max_req_tokens: int,
         active: Callable[[], int],
         running: Callable[[], list[Req]],
-        scores_prompts: bool = True,
     ) -> None:
         self.queue, self.ledger, self.metrics, self.clock = queue, ledger, metrics, clock
         self.max_running_requests = config.max_running_requests
@@ -66,7 +63,9 @@ class Admission:
         self.share_prefixes = not config.disable_radix_cache
         self.max_req_tokens = max_req_tokens
         self.active, self.running = active, running
-        self.scores_prompts = scores_prompts
+        # prompts are computed here (not in the PD decode role), so a request that wants prompt
+        # logprobs bypasses the radix cache
+        self.scores_prompts = config.role != "decode"
 
     def admit(
         self, in_flight: Callable[[], list[Req]], more: Callable[[], bool] = lambda: True

@@ -90,6 +90,13 @@ class ScheduleBatch:
         request its accepted drafts and the token after them, with their logprobs."""
         return accept(self.result, self.drafts or [[] for _ in self.reqs])
 
+    def set_drafts(self) -> None:
+        """Take each decoding request's drafts (``Req.drafts``, ``Req.draft_probs``) into the batch."""
+        decoding = range(self.num_extend, len(self.reqs))
+        if any(self.reqs[i].drafts for i in decoding):
+            self.drafts = [list(r.drafts) if i in decoding else [] for i, r in enumerate(self.reqs)]
+            self.draft_probs = [r.draft_probs if i in decoding else None for i, r in enumerate(self.reqs)]
+
     def row_drafts(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
 
@@ -125,6 +132,13 @@ class ScheduleBatch:
             return None
         top = result.top_logprobs[i] if result.top_logprobs is not None else []
         return result.next_token_logprobs[i], top
+
+    def row_token(self, i: int, kept: list[Accepted] | None) -> tuple[int, tuple | None]:
+        """Row ``i``'s sampled token and its logprob (``kept``: ``accepted()`` when the batch verifies
+        drafts, whose result then has a row per position)."""
+        if kept is None:
+            return self.result.next_token_ids[i], self.token_logprob(i)
+        return kept[i].token_ids[0], kept[i].logprob(0)
 
     def prompt_logprobs(self, i: int) -> list[PromptLogprob]:
         """The prompt tokens row ``i``'s chunk scored (empty unless its request asked for them)."""

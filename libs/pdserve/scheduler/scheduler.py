@@ -10,7 +10,6 @@ package docstring.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.config import SchedulerConfig
 from pdserve.scheduler.decode import DecodeManager
+from pdserve.scheduler.digest import state_digest
 from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.handoff import HandOff
 from pdserve.scheduler.kv_ledger import KVLedger
@@ -80,7 +80,6 @@ class Scheduler:
         min_pages = self.ledger.pages_for(1 + config.new_token_reserve)
         self.request_capacity = request_capacity(config.max_running_requests, self.usable_pages, min_pages)
         self.outstanding: list[ScheduleBatch] = []  # scheduled, not processed yet (oldest first)
-        self._last_decode_done: float | None = None  # when the latest decode-only step was processed
         self.needs_results = False
         clock = lambda: self.clock()  # (a TP loop replaces ``self.clock``)
 
@@ -110,15 +109,7 @@ class Scheduler:
         self.reqs = RequestTable(limits, self.queue, self.ledger, metrics, clock, self._leave, held, counts)
         running = lambda: self.decode.running
         admission = Admission(
-            self.queue,
-            self.ledger,
-            metrics,
-            clock,
-            config,
-            self.max_req_tokens,
-            self._num_active,
-            running,
-            scores_prompts=config.role != "decode",
+            self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active, running
         )
         self.prefill: PrefillManager | RemotePrefill = (
             RemotePrefill(admission, self._first_token, self.reqs.end)
@@ -224,9 +215,7 @@ class Scheduler:
         if not extends[0] and not decodes[0]:
             return None
         batch = ScheduleBatch(extends[0] + decodes[0], extends[1] + decodes[1], len(extends[0]))
-        if any(req.drafts for req in decodes[0]):
-            batch.drafts = [[] for _ in extends[0]] + [list(req.drafts) for req in decodes[0]]
-            batch.draft_probs = [None] * len(extends[0]) + [req.draft_probs for req in decodes[0]]
+        batch.set_drafts()
         batch, failed = prepare_batch(batch, self.runner, self.outstanding[-1] if self.outstanding else None)
         for req, error in failed:
             self.reqs.end_now(req, FinishReason.ERROR, error)
@@ -252,7 +241,8 @@ class Scheduler:
         outputs: list[StepOutput] = []
         generated = 0
         kept = batch.accepted() if batch.verifies and not batch.row_errors else None
-        self._time_step(batch)
+        if self.speculator is not None:
+            self.speculator.step_processed(batch)
         for i, req in enumerate(batch.reqs):
             req.in_batches -= 1
             req.num_pending -= batch.samples[i]
@@ -270,7 +260,7 @@ class Scheduler:
                 outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
                 req.prompt_logprobs += batch.prompt_logprobs(i)
-                token, logprob = _row_token(batch, kept, i)
+                token, logprob = batch.row_token(i, kept)
                 self._append_token(req, token, logprob, now)
                 generated += 1
                 if i < batch.num_extend:
@@ -317,30 +307,18 @@ class Scheduler:
         self.decode.start(req)
         return self._check_finished(req, [token])
 
-    def _time_step(self, batch: ScheduleBatch) -> None:
-        """Tell the speculator how long a decode step took, from the previous decode step's processing
-        to this one's (the wall clock of the loop, which a speculative step pays in full)."""
-        now, last = time.perf_counter(), self._last_decode_done
-        decoding = batch.num_extend == 0 and not batch.row_errors
-        self._last_decode_done = now if decoding else None
-        if self.speculator is not None and decoding and last is not None:
-            self.speculator.observe_step(sum(batch.extend_lens), now - last, batch.verifies)
-
     def _verified(self, req: Req, drafts: list[int], kept: Accepted, now: float) -> StepOutput:
         """A verify step's result for ``req``: its KV kept for its last token and the accepted drafts
         only (``KVLedger.truncate``, before anything caches it), then the kept tokens appended one by
         one until one finishes it (EOS, stop token, length, its grammar's end)."""
         self.ledger.truncate(req, len(req.fill_ids) + kept.num_accepted_drafts)
         self.speculator.observe(req, len(drafts), kept.num_accepted_drafts)
-        new: list[int] = []
         for j, token in enumerate(kept.token_ids):
-            self._append_token(req, token, _logprob(kept, j), now)
-            new.append(token)
-            req.check_finished(self.eos_token_ids, self.max_req_tokens)
-            if req.state.done:
-                self.reqs.end(req, req.finish_reason)
+            self._append_token(req, token, kept.logprob(j), now)
+            out = self._check_finished(req, kept.token_ids[: j + 1])
+            if out.finished:
                 break
-        return StepOutput(req, new, finished=req.state.done)
+        return out
 
     def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
         self.metrics.observe_token(req, now)
@@ -364,29 +342,5 @@ class Scheduler:
         self.ledger.check_conservation(self.usable_pages)
 
     def state_digest(self) -> str:
-        """A hash of the scheduling state every TP rank must hold identically: each queue's requests
-        in order with their progress and KV pages, and the pool's free / cached / used page counts."""
-        h = hashlib.blake2b(digest_size=16)
-        for queue in (self.queue.waiting, *self.prefill.queues(), *self.decode.queues()):
-            rows = [
-                (r.rid, r.state.value, r.num_computed, r.output_ids, r.pages, r.req_pool_idx) for r in queue
-            ]
-            h.update(repr(rows).encode() + b"|")
-        kv = self.ledger
-        h.update(repr((kv.free_pages(), kv.cached_pages(), kv.used_pages())).encode())
-        return h.hexdigest()
-
-
-def _logprob(kept: Accepted, j: int) -> tuple[float, list[tuple[int, float]]] | None:
-    """The logprob and top logprobs of ``kept``'s ``j``-th token, when the batch computed them."""
-    if kept.logprobs is None:
-        return None
-    return kept.logprobs[j], kept.top_logprobs[j] if kept.top_logprobs else []
-
-
-def _row_token(batch: ScheduleBatch, kept: list[Accepted] | None, i: int):
-    """Row ``i``'s sampled token and its logprob (``kept``: the batch's ``accepted()`` when it verifies
-    drafts, whose result then has a row per position)."""
-    if kept is None:
-        return batch.result.next_token_ids[i], batch.token_logprob(i)
-    return kept[i].token_ids[0], _logprob(kept[i], 0)
+        """A hash of the scheduling state every TP rank must hold identically (``digest.state_digest``)."""
+        return state_digest((self.queue.waiting, *self.prefill.queues(), *self.decode.queues()), self.ledger)

@@ -28,12 +28,14 @@ last drafts cheaper than the forward's slope says.)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
 from pdserve.scheduler.config import SPECULATIVE_POLICIES
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
+from pdserve.scheduler.schedule_batch import ScheduleBatch
 from pdserve.speculative.policy import AcceptanceTracker, LinearStepTime
 from pdserve.speculative.proposer import DraftRequest, Proposer
 
@@ -84,6 +86,7 @@ class Speculator:
         self._seen = {False: 0, True: 0}
         self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
         self._exploring = False
+        self._last_decode_done: float | None = None  # when the latest decode-only step was processed
 
     # ---- deciding ---------------------------------------------------------------------------
     def limit(self, req: Req, max_req_tokens: int) -> int:
@@ -165,6 +168,15 @@ class Speculator:
         self.metrics.spec_decode_num_drafts.inc()
         self.metrics.spec_decode_num_draft_tokens.inc(num_drafts)
         self.metrics.spec_decode_num_accepted_tokens.inc(num_accepted)
+
+    def step_processed(self, batch: ScheduleBatch) -> None:
+        """``batch`` was processed: time a decode-only step from the previous one's processing to its
+        own (the wall clock of the loop, which a speculative step pays in full)."""
+        now, last = time.perf_counter(), self._last_decode_done
+        decoding = batch.num_extend == 0 and not batch.row_errors
+        self._last_decode_done = now if decoding else None
+        if decoding and last is not None:
+            self.observe_step(sum(batch.extend_lens), now - last, batch.verifies)
 
     def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
         """A decode step (``speculative``: with drafts) of ``tokens`` tokens took ``seconds`` of wall
