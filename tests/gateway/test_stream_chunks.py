@@ -11,9 +11,9 @@ from pdserve.services.gateway.openai.protocol_responses import (
     ChatCompletionChunk,
     ChatLogprobEntry,
     ChatLogprobs,
-    CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    CompletionStreamChoice,
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
@@ -41,7 +41,7 @@ def test_completion_chunks_match_the_pydantic_model(fields, usage):
         id="cmpl-abc",
         created=encoder.created,
         model="SmolLM2",
-        choices=[CompletionChoice(index=3, **fields)],
+        choices=[CompletionStreamChoice(index=3, **fields)],
         usage=usage,
     )
     assert ours == json.loads(model.model_dump_json())

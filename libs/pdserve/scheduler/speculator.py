@@ -21,7 +21,7 @@ all it may, and the step speculates when that plan's expected throughput ``(B + 
 beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
 speculates anyway, every request drafting, so that the fit of speculative steps and each request's
 acceptance follow the machine's load and the text. (Cutting drafts per request by their marginal
-gain, ``policy.plan_drafts`` over the engine's step time, drafted ~2 per request at batch 16 and ran
+gain over the engine's step time (an earlier planner) drafted ~2 per request at batch 16 and ran
 0.84x of plain decoding there while drafting all of them ran 1.27x: a step's fixed costs make its
 last drafts cheaper than the forward's slope says.)
 """

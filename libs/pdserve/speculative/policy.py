@@ -1,56 +1,19 @@
-"""When speculation pays: how many draft tokens each request verifies in a step.
+"""What the per-step speculation policy (``pdserve.scheduler.speculator``) learns from: each
+request's acceptance and the step time by tokens computed.
 
 A request whose drafts each stand with probability ``a`` (the ``j``-th one only if all before it
 did, so with ``a^j``) gains ``a + a^2 + ... + a^k`` tokens from ``k`` drafts (Leviathan et al. 2023,
-the expected tokens a step of speculative decoding yields). The step costs more with each token it
-computes: ``t(T)`` for ``T`` tokens (``make bench-spec``: on one thread of the reference CPU,
-SmolLM2 float32+w4a8 took 10.7 ms for one decode, 22.4 ms for 1 + 8 drafts, 38.5 ms for 16 decodes
-and 231 ms for 16 x (1 + 8)). A step's throughput is ``(B + gains) / t(T)``; adding one draft slot
-with gain ``g`` and time ``dt`` raises it exactly when ``g / dt`` beats the throughput so far, so
-``plan_drafts`` adds slots in order of decreasing gain while that holds. Requests whose drafts
-rarely stand, and large batches (where every token costs the same as a request's own decode), get
-none: the step is then a plain decode step, and speculation costs nothing.
-
+the expected tokens a step of speculative decoding yields); a step computing ``T`` tokens costs
+``t(T)`` (``make bench-spec``: on one thread of the reference CPU, SmolLM2 float32+w4a8 took 10.7 ms
+for one decode, 22.4 ms for 1 + 8 drafts, 38.5 ms for 16 decodes and 231 ms for 16 x (1 + 8)).
 ``AcceptanceTracker`` estimates each request's ``a`` from its verify steps; ``LinearStepTime`` fits
 ``t(T)`` to measured steps.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-
-def plan_drafts(
-    acceptance: Sequence[float], limits: Sequence[int], step_time: Callable[[int], float]
-) -> list[int]:
-    """How many drafts each request should verify this step.
-
-    Args:
-        acceptance: per request, the estimated probability that a draft stands (in [0, 1]).
-        limits: per request, the most drafts it may verify (what its proposer offers, what its
-            ``max_tokens`` leaves, the scheduler's ``k``).
-        step_time: seconds of a step computing ``T`` tokens (increasing in ``T``).
-
-    Returns:
-        per request, the number of drafts (0 where speculation does not pay).
-    """
-    tokens = len(acceptance)
-    expected = float(tokens)  # each request's own next token
-    heap = [(-a, i, 1) for i, (a, n) in enumerate(zip(acceptance, limits, strict=True)) if n > 0 and a > 0]
-    heapq.heapify(heap)
-    plan = [0] * tokens
-    while heap:
-        gain, i, j = -heap[0][0], heap[0][1], heap[0][2]
-        now = step_time(tokens)
-        if gain * now <= expected * (step_time(tokens + 1) - now):
-            break  # this slot, and every later one (gains only fall), lowers the throughput
-        heapq.heappop(heap)
-        plan[i], tokens, expected = j, tokens + 1, expected + gain
-        if j < limits[i]:
-            heapq.heappush(heap, (-gain * acceptance[i], i, j + 1))
-    return plan
 
 
 @dataclass(slots=True)

@@ -153,13 +153,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionStreamChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: str | int | None = None
-    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's; never streamed (a streamed request is a 400)
 
 
 class CompletionResponse(BaseModel):
@@ -176,7 +179,7 @@ class CompletionChunk(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
 
