@@ -17,6 +17,7 @@ from pdserve.scheduler.req import FinishReason, Req
 
 if TYPE_CHECKING:  # (the NIXL bindings load with pdserve.kv_transfer: only the roles that use them)
     from pdserve.kv_transfer import KVAgentInfo
+    from pdserve.sampling.prompt_logprobs import PromptLogprob
 
 # ---- every role: rank 0's gRPC handlers --------------------------------------------------------
 
@@ -90,7 +91,7 @@ class KVReady:
     cached_tokens: int
     transferred_bytes: int
     # the prompt logprobs prefill computed, when asked (``Req.prompt_logprobs``)
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ from pdserve.sampling.uniforms import uniforms
 
 if TYPE_CHECKING:
     from pdserve.sampling.draft_rows import DraftRows
+    from pdserve.sampling.prompt_logprobs import PromptLogprob
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class GenerationBatchResult:
     next_token_tensor: torch.Tensor | None = None
     next_token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list[list[tuple[int, float, list[tuple[int, float]]]]] | None = None
+    prompt_logprobs: list[list[PromptLogprob]] | None = None
 
 
 class Sampler:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.constrained.grammar import Grammar
+from pdserve.sampling.prompt_logprobs import PromptLogprob
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.route import Route
 
@@ -79,7 +80,7 @@ class Req:
     cached_tokens: int = 0
     output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # prompt tokens 1.. scored so far (``sampling_params.prompt_logprobs``), sent with the first output
-    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     error: str = ""
