@@ -9,6 +9,8 @@ PROTO   := $(wildcard proto/pdserve/v1/*.proto)
 GEN     := libs/pdserve/v1/.generated
 KERNELS := setup.py $(wildcard libs/pdserve/c-kernels/*)
 ARGS    ?=
+# One grpcio-tools for every generator (here, pyproject's dev extra, deploy/Dockerfile), so generated code never differs.
+GRPC_TOOLS := grpcio-tools==1.85.1
 
 .PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec clean
 
@@ -16,7 +18,7 @@ ARGS    ?=
 $(TOOLS):
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q 'grpcio-tools>=1.66'
+	$(PYTHON) -m pip install -q '$(GRPC_TOOLS)'
 	touch $@
 
 $(GEN): $(PROTO) $(TOOLS)

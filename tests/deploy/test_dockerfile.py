@@ -102,8 +102,11 @@ def test_wheel_stage_generates_protos_like_make_proto() -> None:
     )
     expected = "python " + recipe.replace("$(PROTO)", "proto/pdserve/v1/*.proto")
     assert expected in " ".join(runs(stages()["wheel"]).split())
-    # The same grpcio-tools as the environment the tests run in.
-    assert f"grpcio-tools=={importlib.metadata.version('grpcio-tools')}" in runs(stages()["wheel"])
+    # One pinned grpcio-tools: the Makefile's, the dev extra's, the image's and the environment's.
+    (pin,) = re.findall(r"^GRPC_TOOLS := (grpcio-tools==\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert pin in runs(stages()["wheel"])
+    assert pin in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert pin == f"grpcio-tools=={importlib.metadata.version('grpcio-tools')}"
 
 
 def test_build_context_holds_exactly_what_the_wheel_stage_copies() -> None:
