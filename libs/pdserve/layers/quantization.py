@@ -5,8 +5,7 @@ int8 per output channel (``s_w[n] = max|W[n, :]| / 127``), activations quantized
 symmetric int8 per token (``s_x[m] = max|x[m, :]| / 127``), the per-token x per-channel scaling of
 LLM.int8() (Dettmers et al. 2022) and SmoothQuant's W8A8 (Xiao et al. 2023) without outlier
 handling; ``y[m, n] = (sum_k q_x[m, k] q_w[n, k]) * s_w[n] * s_x[m] (+ b[n])``, the integer sums
-exact on every CPU: AVX-512 VNNI ``vpdpbusd`` (``pdserve.layers.cpu_gemm``, bfloat16 activations
-on AVX512-BF16 CPUs) or int16 ``vpmaddwd`` (``pdserve.layers.cpu_matmul``, everywhere else).
+exact on every CPU (``pdserve.layers.cpu_matmul``'s ``w8a8`` format).
 
 ``int8_weight_only`` / ``int4_weight_only`` (torchao's names for the schemes): only the weights are
 quantized, int8 per output channel or int4 in groups of 32 inputs with a scale and a minimum
@@ -34,13 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.layers.cpu_gemm import load_cpu_gemm
 from pdserve.layers.cpu_matmul import (
     MatmulWeight,
     dequantize_int4,
     load_cpu_matmul,
     quantize_int4,
-    quantize_int8,
 )
 from pdserve.layers.native import selected_variant
 
@@ -91,19 +88,11 @@ class PackedLinearMethod:
 
 
 class W8A8Int8LinearMethod(PackedLinearMethod):
-    """``w8a8_int8``: int8 weights and per-token int8 activations, integer sums exact. bfloat16 layers
-    on CPUs whose ``cpu_gemm`` kernel runs (AVX512-BF16 and VNNI) without AMX use its int8 panels;
-    the rest ``cpu_matmul``'s ``w8a8`` format (on AMX CPUs as before they ran ``cpu_gemm``'s bfloat16
-    panels: the fused decoder and the grouped experts run it)."""
+    """``w8a8_int8``: int8 weights per output channel and per-token int8 activations, integer sums
+    exact (``cpu_matmul``'s ``w8a8`` format on every CPU, which the fused decoder and the grouped
+    experts run)."""
 
     format = "w8a8"
-
-    def pack(self, weight: torch.Tensor):
-        gemm = load_cpu_gemm() if selected_variant() != "amx" else None
-        if weight.dtype == torch.bfloat16 and gemm is not None and gemm.supports(weight, int8=True):
-            q, scale = quantize_int8(weight)
-            return gemm.pack_int8(q, scale)
-        return super().pack(weight)
 
 
 class Int8WeightOnlyLinearMethod(PackedLinearMethod):
