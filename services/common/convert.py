@@ -319,6 +319,7 @@ def kv_event_batch_to_pb(batch: KVEventBatch) -> scheduler_pb2.KVEventBatch:
         timestamp_unix_s=batch.timestamp,
         events=[kv_event_to_pb(event) for event in batch.events],
         snapshot=batch.snapshot,
+        incarnation=INCARNATION,
     )
 
 

@@ -24,8 +24,10 @@ async def subscribe_kv_events(
     loop: SchedulerLoop, request: Any, context: grpc.aio.ServicerContext
 ) -> AsyncIterator:
     """Stream ``loop``'s KV event batches (``KVEventBatch`` messages) from ``request.from_seq``
-    (a replay) or from a snapshot; a consumer cut off for falling behind gets RESOURCE_EXHAUSTED."""
-    from_seq = request.from_seq if request.HasField("from_seq") else None
+    (a replay, only of this process's own batches: ``request.incarnation`` must be this process's)
+    or from a snapshot; a consumer cut off for falling behind gets RESOURCE_EXHAUSTED."""
+    replay = request.HasField("from_seq") and request.incarnation == convert.INCARNATION
+    from_seq = request.from_seq if replay else None
     subscription = loop.kv_events.subscribe(from_seq)
     try:
         async for batch in subscription:

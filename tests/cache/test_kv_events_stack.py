@@ -89,11 +89,19 @@ def test_kv_events_name_the_prompt_blocks_and_replay_after_a_reconnect(colocated
     index.stream.cancel()
 
     # a consumer that saw batch `seen` reconnects: the batches it missed, then live ones
-    replay = Index(stub.SubscribeKVEvents(scheduler_pb2.KVEventsRequest(from_seq=seen + 1), timeout=60))
+    incarnation = index.batches[-1].incarnation
+    assert incarnation and {b.incarnation for b in index.batches} == {incarnation}
+    request = scheduler_pb2.KVEventsRequest(from_seq=seen + 1, incarnation=incarnation)
+    replay = Index(stub.SubscribeKVEvents(request, timeout=60))
     replay.seq = seen
     replay.read_until(lambda: replay.seq == index.seq)
     missed = [b for b in index.batches if b.seq > seen]
     assert [b.SerializeToString() for b in replay.batches] == [b.SerializeToString() for b in missed]
     assert any(e.WhichOneof("event") == "all_blocks_cleared" for b in missed for e in b.events)
+    # another incarnation's seq (a restarted scheduler's) is not replayed: a snapshot instead
+    request = scheduler_pb2.KVEventsRequest(from_seq=seen + 1, incarnation="an earlier process")
+    other = stub.SubscribeKVEvents(request, timeout=60)
+    assert next(other).snapshot
+    other.cancel()
     replay.stream.cancel()
     channel.close()
