@@ -35,6 +35,8 @@ def test_block_hash_is_the_documented_blake2b_chain():
     assert block_hash(None, [5, 6, 7]) != second  # a hash names the whole prefix
     with pytest.raises(ValueError, match="token ids"):
         block_hash(None, [-1])
+    with pytest.raises(ValueError, match="at least one"):
+        block_hash(None, [])
     with pytest.raises(ValueError, match="page_size"):
         block_hashes([1], 0)
 
