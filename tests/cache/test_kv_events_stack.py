@@ -9,45 +9,11 @@ import httpx
 
 from pdserve.mem_cache.block_hash import block_hashes
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.kv_event_index import Index
 from tests.reference import hf_tokenizer
 
 DECODE_OFFSET = 20  # the colocated decode scheduler's internal port, above the stack's base
 PAGE = 16  # the stack's --page-size (the default)
-
-
-class Index:
-    """A consumer's view of one worker's cache, built from its KV events alone."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.blocks: set[int] = set()
-        self.stored: list[scheduler_pb2.BlockStored] = []
-        self.batches: list[scheduler_pb2.KVEventBatch] = []
-        self.seq = 0
-
-    def read(self) -> scheduler_pb2.KVEventBatch:
-        batch = next(self.stream)
-        assert batch.snapshot or batch.seq == self.seq + 1, "live batches arrive in order, none skipped"
-        self.seq = batch.seq
-        self.batches.append(batch)
-        for event in batch.events:
-            kind = event.WhichOneof("event")
-            if kind == "block_stored":
-                stored = event.block_stored
-                assert stored.medium == "device"
-                if stored.HasField("parent_block_hash"):
-                    assert stored.parent_block_hash in self.blocks
-                self.blocks.update(stored.block_hashes)
-                self.stored.append(stored)
-            elif kind == "block_removed":
-                self.blocks.difference_update(event.block_removed.block_hashes)
-            else:
-                self.blocks.clear()
-        return batch
-
-    def read_until(self, done) -> None:
-        while not done():
-            self.read()
 
 
 def generate(stack, input_ids: list[int]) -> None:
