@@ -65,11 +65,19 @@ def test_radix_cache_reports_new_leaves_evictions_and_reset():
     assert cache.allocator.available_size() == 16
 
 
-def test_event_sink_needs_an_empty_cache():
+def test_a_sink_set_on_a_filled_cache_gets_its_blocks_in_snapshots():
     cache = RadixCache(PagedTokenToKVPoolAllocator(4, 1), 1)
-    cache.insert([1], cache.allocator.alloc(1))
-    with pytest.raises(RuntimeError, match="holding 1 pages"):
-        cache.set_event_sink(print)
+    cache.insert([1, 2], cache.allocator.alloc(2))
+    cache.insert([1, 3], [cache.match_prefix([1]).page_indices[0], *cache.allocator.alloc(1)])
+    events: list = []
+    cache.set_event_sink(events.append)  # (a second scheduler loop over the same scheduler)
+    a, b = block_hashes([1, 2], 1)
+    (c,) = block_hashes([3], 1, parent=a)
+    assert events == []
+    assert sorted(cache.snapshot_events(), key=lambda e: e.block_hashes) == sorted(
+        [BlockStored([a], None, [1], 1), BlockStored([b], a, [2], 1), BlockStored([c], a, [3], 1)],
+        key=lambda e: e.block_hashes,
+    )
 
 
 async def read(sub, n: int) -> list:

@@ -117,11 +117,11 @@ class RadixCache:
         self._events: Callable[[KVEvent], None] | None = None
 
     def set_event_sink(self, sink: Callable[[KVEvent], None]) -> None:
-        """Report KV events to ``sink`` from now on; raises RuntimeError unless the cache is empty
-        (pages cached before would have no block hashes)."""
-        if self.total_size():
-            raise RuntimeError(f"set_event_sink on a cache holding {self.total_size()} pages")
+        """Report KV events to ``sink`` from now on (instead of an earlier sink); pages cached already
+        get their block hashes now, so :meth:`snapshot_events` names them."""
         self._events = sink
+        for node in self._parents_first():
+            node.hashes = block_hashes(node.key, self.page_size, self._parent_hash(node))
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Longest cached prefix of ``token_ids`` in whole pages; a trailing partial page never matches.
@@ -252,13 +252,7 @@ class RadixCache:
         without an event sink)."""
         if self._events is None:
             return []
-        stored: list[BlockStored] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stored.append(self._stored(node))
-            stack.extend(node.children.values())
-        return stored
+        return [self._stored(node) for node in self._parents_first()]
 
     def evictable_size(self) -> int:
         """Pages on unlocked nodes (what :meth:`evict` could free now)."""
@@ -272,16 +266,26 @@ class RadixCache:
         """All pages the tree holds."""
         return self._evictable + self._protected
 
+    def _parents_first(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def _parent_hash(node: TreeNode) -> int | None:
+        """The hash of the page before ``node``'s first (None under the root)."""
+        return node.parent.hashes[-1] if node.parent.hashes else None
+
     def _stored(self, node: TreeNode) -> BlockStored:
-        parent = node.parent.hashes[-1] if node.parent.hashes else None
-        return BlockStored(list(node.hashes), parent, list(node.key), self.page_size)
+        return BlockStored(list(node.hashes), self._parent_hash(node), list(node.key), self.page_size)
 
     def _report_stored(self, leaf: TreeNode) -> None:
         """Hash a new leaf's pages (chained from its parent's last page) and report them."""
         if self._events is None:
             return
-        parent = leaf.parent.hashes[-1] if leaf.parent.hashes else None
-        leaf.hashes = block_hashes(leaf.key, self.page_size, parent)
+        leaf.hashes = block_hashes(leaf.key, self.page_size, self._parent_hash(leaf))
         self._events(self._stored(leaf))
 
     def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
