@@ -10,6 +10,7 @@ import uuid
 
 from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
+from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from pdserve.observability import tracing
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.metrics import SchedulerLoad
@@ -292,3 +293,36 @@ def kv_rank_agents_to_pb(infos: list[KVAgentInfo]) -> scheduler_pb2.KVAgentInfo:
 def kv_rank_agents_from_pb(pb: scheduler_pb2.KVAgentInfo) -> list[KVAgentInfo]:
     """Every rank's agent of a handshake message, rank order (one for a scheduler without TP)."""
     return [kv_agent_info_from_pb(pb), *(kv_agent_info_from_pb(rank) for rank in pb.tp_rank_agents)]
+
+
+def kv_event_to_pb(event: KVEvent) -> scheduler_pb2.KVEvent:
+    if isinstance(event, BlockStored):
+        stored = scheduler_pb2.BlockStored(
+            block_hashes=event.block_hashes,
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            medium=event.medium,
+        )
+        return scheduler_pb2.KVEvent(block_stored=stored)
+    if isinstance(event, BlockRemoved):
+        removed = scheduler_pb2.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium)
+        return scheduler_pb2.KVEvent(block_removed=removed)
+    if isinstance(event, AllBlocksCleared):
+        return scheduler_pb2.KVEvent(all_blocks_cleared=scheduler_pb2.AllBlocksCleared())
+    raise TypeError(f"not a KV event: {event!r}")
+
+
+def kv_event_batch_to_pb(batch: KVEventBatch) -> scheduler_pb2.KVEventBatch:
+    return scheduler_pb2.KVEventBatch(
+        seq=batch.seq,
+        timestamp_unix_s=batch.timestamp,
+        events=[kv_event_to_pb(event) for event in batch.events],
+        snapshot=batch.snapshot,
+        incarnation=INCARNATION,
+    )
+
+
+def flush_cache_response_to_pb(flushed: bool) -> scheduler_pb2.FlushCacheResponse:
+    message = "radix cache flushed" if flushed else "requests are held: the radix cache was not flushed"
+    return scheduler_pb2.FlushCacheResponse(flushed=flushed, message=message)

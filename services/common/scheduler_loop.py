@@ -40,6 +40,7 @@ import threadpoolctl
 import torch
 
 from pdserve.distributed import SINGLE_RANK, TpGroup
+from pdserve.mem_cache.kv_events import KVEventPublisher
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput
 from pdserve.scheduler.scheduler import Scheduler
@@ -102,6 +103,8 @@ class SchedulerLoop:
         heartbeat: beaten once per iteration (the worker's liveness, see ``liveness.StepWatchdog``).
             Every iteration awaits the forward it launched one iteration earlier (at once without
             overlap), so a forward that never returns stops the beats within one iteration.
+        kv_events: (rank 0) the radix cache's KV events, one batch per iteration (flushed in
+            ``emit``); None on the other ranks. Subscribers run on this loop's thread.
     """
 
     def __init__(
@@ -128,6 +131,11 @@ class SchedulerLoop:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
         self.heartbeat = Heartbeat()
+        self.kv_events: KVEventPublisher | None = None
+        if tp.is_driver:
+            tree = scheduler.ledger.tree
+            self.kv_events = KVEventPublisher(tree.snapshot_events)
+            tree.set_event_sink(self.kv_events.record)
         self._digest: str | None = None
         self._in_flight: tuple[ScheduleBatch, asyncio.Future] | None = (
             None  # overlap: launched, not processed
@@ -233,6 +241,8 @@ class SchedulerLoop:
                 if self._in_flight is not None:  # let the last forward end before the executor goes
                     await asyncio.wait([self._in_flight[1]])
                 self.inputs.close()
+                if self.kv_events is not None:
+                    self.kv_events.close()
                 self.executor.shutdown(wait=False, cancel_futures=True)
                 self.scheduler.close()
 
@@ -300,8 +310,10 @@ class SchedulerLoop:
 
     def emit(self, outputs: list[StepOutput]) -> None:
         """Hand the step's outputs, and those of requests ended outside it, to ``on_outputs``; under
-        TP, take this rank's state digest for the next exchange."""
+        TP, take this rank's state digest for the next exchange; send the iteration's KV events."""
         outputs += self.scheduler.pop_aborted()
+        if self.kv_events is not None:
+            self.kv_events.flush()
         if self.tp.size > 1:
             self._digest = self.scheduler.state_digest()
         if outputs:

@@ -23,6 +23,7 @@ from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, NewRequest
 from pdserve.services.common.intake import check_tp, queue_request
+from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
@@ -123,6 +124,13 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
     async def GetMetrics(self, request, context) -> common_pb2.MetricsResponse:
         return convert.metrics_to_pb(self.scheduler.role, self.address, self.scheduler.metrics.text())
+
+    async def SubscribeKVEvents(self, request: scheduler_pb2.KVEventsRequest, context):
+        async for batch in subscribe_kv_events(self.loop, request, context):
+            yield batch
+
+    async def FlushCache(self, request, context) -> scheduler_pb2.FlushCacheResponse:
+        return await flush_cache(self.loop)
 
     def busy(self) -> bool:
         """Requests still held (queued for the next step, waiting for KV, running, or ended with their

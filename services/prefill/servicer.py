@@ -22,6 +22,7 @@ from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, AddKVPeers
 from pdserve.services.common.intake import check_tp, queue_request
+from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.prefill.kv_sends import TRANSFER_TIMEOUT_S, KVSends
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -150,6 +151,13 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     async def GetMetrics(self, request, context) -> common_pb2.MetricsResponse:
         return convert.metrics_to_pb("prefill", self.address, self.scheduler.metrics.text())
+
+    async def SubscribeKVEvents(self, request: scheduler_pb2.KVEventsRequest, context):
+        async for batch in subscribe_kv_events(self.loop, request, context):
+            yield batch
+
+    async def FlushCache(self, request, context) -> scheduler_pb2.FlushCacheResponse:
+        return await flush_cache(self.loop)
 
     def busy(self) -> bool:
         """Prefills taken and not yet answered (queued, computing, or writing their KV)."""

@@ -264,6 +264,9 @@ INTERNAL_CALLS = {
     "DecodeScheduler.Abort": lambda ch: scheduler_pb2_grpc.DecodeSchedulerStub(ch).Abort(
         scheduler_pb2.AbortRequest(rid="x")
     ),
+    "DecodeScheduler.FlushCache": lambda ch: scheduler_pb2_grpc.DecodeSchedulerStub(ch).FlushCache(
+        scheduler_pb2.FlushCacheRequest()
+    ),
     "PrefillScheduler.ExchangeKVAgentInfo": lambda ch: scheduler_pb2_grpc.PrefillSchedulerStub(
         ch
     ).ExchangeKVAgentInfo(scheduler_pb2.KVAgentInfo()),

@@ -2,7 +2,8 @@
 
 Random admit / cache / abort / match / evict / reset sequences must never evict a locked page,
 never free a page twice (the real allocator raises on one), always return the longest cached
-prefix, evict least recently used leaves first, and keep free + cached + held == pool size.
+prefix, evict least recently used leaves first, and keep free + cached + held == pool size. A
+consumer of the cache's KV events alone (and one of its snapshot) knows exactly the cached blocks.
 """
 
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.radix_cache import RadixCache, TreeNode
 
@@ -40,6 +43,22 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.clock = 0
         self.requests: list[Held] = []
         self.seen: list[list[int]] = [[]]  # admitted sequences, so later ones share their prefixes
+        self.index: set[int] = set()  # the block hashes a KV-event consumer holds
+        self.cache.set_event_sink(lambda event: self.apply(self.index, event))
+
+    def apply(self, index: set[int], event: KVEvent) -> None:
+        """A consumer's index: stored blocks chain from a block it holds; removed ones are held."""
+        if isinstance(event, BlockStored):
+            assert event.parent_block_hash is None or event.parent_block_hash in index
+            assert event.block_size == self.ps and len(event.token_ids) == len(event.block_hashes) * self.ps
+            assert event.block_hashes == block_hashes(event.token_ids, self.ps, event.parent_block_hash)
+            index.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= index
+            index.difference_update(event.block_hashes)
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            index.clear()
 
     # -- the model --------------------------------------------------------------------------
     def prefixes(self, tokens: list[int]) -> list[tuple[int, ...]]:
@@ -189,6 +208,15 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def tree_matches_model(self) -> None:
         assert self.tree_contents() == self.cached
         assert all(key[: -self.ps] in self.cached for key in self.cached if len(key) > self.ps)
+
+    @invariant()
+    def events_name_the_cached_blocks(self) -> None:
+        expected = {block_hashes(key, self.ps)[-1] for key in self.cached}
+        assert self.index == expected
+        from_snapshot: set[int] = set()
+        for event in self.cache.snapshot_events():
+            self.apply(from_snapshot, event)
+        assert from_snapshot == expected
 
     @invariant()
     def pages_are_conserved(self) -> None:

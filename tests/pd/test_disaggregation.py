@@ -11,6 +11,8 @@ import grpc
 import httpx
 import pytest
 
+from pdserve.mem_cache.block_hash import block_hashes
+from tests.kv_event_index import snapshot_blocks
 from tests.pd.handshake import PAGE, refused_handshake
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import launch_stack
@@ -63,6 +65,19 @@ def test_second_turn_transfers_only_the_new_pages(stack):
     assert 0 < moved <= new_pages * PAGE * BYTES_PER_TOKEN
     assert moved < len(ids2) * BYTES_PER_TOKEN / 2
     assert out2["output_ids"] == hf_greedy(ids2, 16)
+
+
+def test_every_pd_scheduler_publishes_the_blocks_it_caches(stack):
+    """KV events in PD: a prefill worker and a decode worker each cache the prompt's pages, and a new
+    subscriber's snapshot names them with the hashes computed from the token ids."""
+    ids = hf_tokenizer()(" ".join(f"Fact {i}: caches publish their blocks." for i in range(8)))["input_ids"]
+    generate(stack.base_url, ids, 4)
+    stack.wait_idle()
+    prompt = set(block_hashes(ids, PAGE))
+    base = stack.internal_port_base
+    for service, offset in (("PrefillScheduler", 10), ("DecodeScheduler", 20)):
+        snapshots = [snapshot_blocks(f"127.0.0.1:{base + offset + i}", service) for i in range(2)]
+        assert any(prompt <= blocks for blocks in snapshots), service
 
 
 @pytest.fixture(scope="module")

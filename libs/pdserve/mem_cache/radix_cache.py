@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
+
+from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class PageFreer(Protocol):
@@ -27,16 +30,25 @@ class TreeNode:
 
     ``key`` holds the edge's token ids (``len(key) == num_pages * page_size``, empty only for the
     root), ``value`` the KV page index of each of those pages, ``children`` maps the first page's
-    token tuple of each child edge to the child. ``lock_ref`` counts the locks held on this node or
-    any descendant; ``last_access`` is the cache's logical clock at the last match/insert that
-    passed through it.
+    token tuple of each child edge to the child, ``hashes`` the block hash of each page
+    (``block_hash``; empty while the cache reports no events). ``lock_ref`` counts the locks held on
+    this node or any descendant; ``last_access`` is the cache's logical clock at the last
+    match/insert that passed through it.
     """
 
-    __slots__ = ("children", "key", "last_access", "lock_ref", "node_id", "parent", "value")
+    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "node_id", "parent", "value")
 
-    def __init__(self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, node_id: int):
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        value: list[int],
+        parent: TreeNode | None,
+        node_id: int,
+        hashes: list[int] | None = None,
+    ):
         self.key = key
         self.value = value
+        self.hashes = hashes or []
         self.parent = parent
         self.node_id = node_id
         self.children: dict[tuple[int, ...], TreeNode] = {}
@@ -81,6 +93,11 @@ class RadixCache:
     With ``disable=True`` (``--disable-radix-cache``) nothing is cached: matches are empty misses,
     and insert hands every page back to the caller to free.
 
+    With an event sink (:meth:`set_event_sink`), every page gets its chained block hash when it is
+    inserted, and the cache reports KV events (``kv_events``): ``BlockStored`` for each new leaf,
+    ``BlockRemoved`` for each evicted node, ``AllBlocksCleared`` on :meth:`reset`. Splitting an edge
+    changes no block, so it reports nothing.
+
     Eviction gathers the unlocked leaves (O(nodes)) into a heap and pops them oldest first
     (O(k log nodes) for k evicted nodes). Not thread-safe: one scheduler thread owns it.
     """
@@ -97,6 +114,14 @@ class RadixCache:
         self.root = TreeNode((), [], None, next(self._node_ids))
         self._evictable = 0
         self._protected = 0
+        self._events: Callable[[KVEvent], None] | None = None
+
+    def set_event_sink(self, sink: Callable[[KVEvent], None]) -> None:
+        """Report KV events to ``sink`` from now on (instead of an earlier sink); pages cached already
+        get their block hashes now, so :meth:`snapshot_events` names them."""
+        self._events = sink
+        for node in self._parents_first():
+            node.hashes = block_hashes(node.key, self.page_size, self._parent_hash(node))
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """Longest cached prefix of ``token_ids`` in whole pages; a trailing partial page never matches.
@@ -156,6 +181,7 @@ class RadixCache:
                 leaf.last_access = tick
                 node.children[first_page] = leaf
                 self._evictable += leaf.num_pages
+                self._report_stored(leaf)
                 break
             num_matched = self._matched_pages(child.key, key, pos)
             if num_matched < child.num_pages:
@@ -193,12 +219,17 @@ class RadixCache:
         Whole nodes go, so more than ``num_pages`` may be freed; a parent becomes a candidate once
         its last child is gone. Stops early when nothing evictable remains. Returns pages freed.
         """
+        return self._evict(num_pages, report=True)
+
+    def _evict(self, num_pages: int, report: bool) -> int:
         heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             self.allocator.free(node.value)
+            if report and self._events is not None:
+                self._events(BlockRemoved(node.hashes))
             freed += node.num_pages
             self._evictable -= node.num_pages
             parent = node.parent
@@ -212,7 +243,16 @@ class RadixCache:
         """Free every cached page and empty the tree; raises RuntimeError while any node is locked."""
         if self._protected:
             raise RuntimeError(f"reset with {self._protected} pages still locked")
-        self.evict(self._evictable)
+        self._evict(self._evictable, report=False)
+        if self._events is not None:
+            self._events(AllBlocksCleared())
+
+    def snapshot_events(self) -> list[BlockStored]:
+        """What the cache holds, as one ``BlockStored`` per node, parents before children (empty
+        without an event sink)."""
+        if self._events is None:
+            return []
+        return [self._stored(node) for node in self._parents_first()]
 
     def evictable_size(self) -> int:
         """Pages on unlocked nodes (what :meth:`evict` could free now)."""
@@ -225,6 +265,28 @@ class RadixCache:
     def total_size(self) -> int:
         """All pages the tree holds."""
         return self._evictable + self._protected
+
+    def _parents_first(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def _parent_hash(node: TreeNode) -> int | None:
+        """The hash of the page before ``node``'s first (None under the root)."""
+        return node.parent.hashes[-1] if node.parent.hashes else None
+
+    def _stored(self, node: TreeNode) -> BlockStored:
+        return BlockStored(list(node.hashes), self._parent_hash(node), list(node.key), self.page_size)
+
+    def _report_stored(self, leaf: TreeNode) -> None:
+        """Hash a new leaf's pages (chained from its parent's last page) and report them."""
+        if self._events is None:
+            return
+        leaf.hashes = block_hashes(leaf.key, self.page_size, self._parent_hash(leaf))
+        self._events(self._stored(leaf))
 
     def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(token_ids[: len(token_ids) // self.page_size * self.page_size])
@@ -241,12 +303,19 @@ class RadixCache:
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut ``child``'s edge after ``num_pages`` pages; returns the new upper node."""
         cut = num_pages * self.page_size
-        upper = TreeNode(child.key[:cut], child.value[:num_pages], child.parent, next(self._node_ids))
+        upper = TreeNode(
+            child.key[:cut],
+            child.value[:num_pages],
+            child.parent,
+            next(self._node_ids),
+            child.hashes[:num_pages],
+        )
         upper.lock_ref = child.lock_ref
         upper.children[child.key[cut : cut + self.page_size]] = child
         child.parent.children[child.key[: self.page_size]] = upper
         child.key = child.key[cut:]
         child.value = child.value[num_pages:]
+        child.hashes = child.hashes[num_pages:]
         child.parent = upper
         return upper
 

@@ -157,6 +157,14 @@ class Scheduler:
         """Requests held, or pages of ended ones still held while a prefill worker may write them."""
         return bool(self.reqs or self.prefill.draining)
 
+    def flush_cache(self) -> bool:
+        """Empty the radix cache (every cached page back to the pool; SGLang's ``flush_cache``), only
+        while no request is held (``busy``): True when flushed, False (nothing changed) otherwise."""
+        if self.busy():
+            return False
+        self.ledger.tree.reset()
+        return True
+
     # ---- decode role: prompt KV from a prefill worker (``RemotePrefill`` has the details) -------
     def pop_kv_requests(self) -> list[Req]:
         return self.prefill.pop_requests()
