@@ -84,16 +84,34 @@ typedef struct {
   int64_t K;
 } W4A8;
 
-/* Row i of x (float32 or bfloat16) quantized per group of 32 inputs into xq, xd, xm. */
+/* Row i of x (float32 or bfloat16) quantized per group of 32 inputs into xq, xd, xm. With AVX-512 a
+   group is two vectors, the same values quantize.h's loops give (max |x|, x * (127 / max |x|)
+   rounded half to even: vcvtps2dq in the default rounding mode, as nearbyintf), ~10 times
+   faster: a matmul quantizes every row it multiplies, and each of a token's k experts its own
+   copy of the token's row. */
 static void quantize_groups(const void* x, int64_t lda, int x_bf16, int64_t i, int64_t K, int8_t* xq, float* xd,
                             float* xm) {
-  int16_t q[GROUP];
   for (int64_t g = 0; g < K / GROUP; ++g) {
     const int64_t at = i * lda + g * GROUP;
+    int8_t* q8 = xq + i * K + g * GROUP;
+    int sum = 0;
+#ifdef __AVX512F__
+    const __m512 lo = x_bf16 ? load16_bf16((const bf16*)x + at) : _mm512_loadu_ps((const float*)x + at);
+    const __m512 hi = x_bf16 ? load16_bf16((const bf16*)x + at + 16) : _mm512_loadu_ps((const float*)x + at + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inverse = _mm512_set1_ps(quantize_inverse(amax));
+    const __m512i q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+    const __m512i q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+    _mm_storeu_si128((__m128i*)q8, _mm512_cvtepi32_epi8(q_lo));
+    _mm_storeu_si128((__m128i*)(q8 + 16), _mm512_cvtepi32_epi8(q_hi));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    const float d = amax / 127.f;
+#else
+    int16_t q[GROUP];
     const float d = x_bf16 ? quantize_row_bf16((const bf16*)x + at, GROUP, q)
                            : quantize_row_f32((const float*)x + at, GROUP, q);
-    int sum = 0;
-    for (int k = 0; k < GROUP; ++k) xq[i * K + g * GROUP + k] = (int8_t)q[k], sum += q[k];
+    for (int k = 0; k < GROUP; ++k) q8[k] = (int8_t)q[k], sum += q[k];
+#endif
     xd[i * (K / GROUP) + g] = d, xm[i * (K / GROUP) + g] = d * (float)sum;
   }
 }
