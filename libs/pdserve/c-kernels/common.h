@@ -7,6 +7,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,24 @@
 
 #define INLINE static inline __attribute__((always_inline))
 typedef uint16_t bf16;
+
+/* A parallel region's body, run by thread t of nt. */
+typedef void (*ThreadBody)(const void* ctx, int t, int nt);
+
+/* body(ctx, t, nt) on `threads` OpenMP threads, or with one thread called directly: with libgomp
+   opening a region costs ~1.5 us even for a team of one (a new team, its work share and barrier),
+   and moe.c runs each active expert's two matmuls on one thread from its own region, so at a
+   decode step's ~100 active experts a layer that was more than the experts' arithmetic. A body
+   holds no worksharing construct, and a barrier only where nt > 1 (called directly inside
+   another region, an orphaned one would bind to that region's team). */
+static inline void run_threads(int threads, ThreadBody body, const void* ctx) {
+  if (threads <= 1) {
+    body(ctx, 0, 1);
+    return;
+  }
+  #pragma omp parallel num_threads(threads)
+  body(ctx, omp_get_thread_num(), omp_get_num_threads());
+}
 
 INLINE float bf16_to_f32(bf16 x) {
   uint32_t u = (uint32_t)x << 16;

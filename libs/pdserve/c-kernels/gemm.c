@@ -5,7 +5,6 @@
 #include "common.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#include <omp.h>
 
 #define PANEL 32   /* output columns per panel: two vectors of 16 float32 */
 #define MR 8       /* rows per register tile: 8 x 2 accumulators */
@@ -124,64 +123,73 @@ static void tile_rows(int int8, int rows, const Gemm* g, int m0, int n, int col0
    columns are the same rows' indices. With silu (halves only; W = [gate; up]) the output is
    silu(gate) * up, [M, N/2], at the gate columns. */
 #ifdef __AMX_BF16__
-/* The AMX path: blocks of 32 rows times a panel (amx_bf16_block), the last block's rows copied into
-   tail [32, K] (zeros past M), then the vector path's epilogue for each row. */
-static void run_amx(const Gemm* g, const bf16* tail, int threads) {
+/* The AMX path, thread t's panels: blocks of 32 rows times a panel (amx_bf16_block), the last block's
+   rows copied into tail [32, K] (zeros past M), then the vector path's epilogue for each row. */
+typedef struct {
+  const Gemm* g;
+  const bf16* tail;
+} AmxRun;
+static void amx_panels(const void* ctx, int t, int nt) {
+  const Gemm* g = ((const AmxRun*)ctx)->g;
+  const bf16* tail = ((const AmxRun*)ctx)->tail;
   const int panels = g->N / PANEL;
   const int64_t lda = g->lda / 2, e = g->out_f32 ? 4 : 2, full = g->M / 32 * 32;
-  #pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-    float sums[32][32] __attribute__((aligned(64)));
-    amx_configure(AMX_BF16);
-    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
-      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
-      for (int n = lo; n < hi; ++n) {
-        const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
-        const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
-        const bf16* panel = (const bf16*)g->packed + (int64_t)n * g->K * PANEL;
-        const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
-        const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
-        for (int m0 = m_lo; m0 < m_hi; m0 += 32) {
-          if (m0 < full) amx_bf16_block((const bf16*)g->x + m0 * lda, lda, panel, g->K, sums);
-          else amx_bf16_block(tail, g->K, panel, g->K, sums);
-          for (int r = 0; r < 32 && m0 + r < g->M; ++r) {
-            char* row = (char*)g->out + (m0 + r) * g->ldc * e;
-            store_row(g->silu, g->out_f32, _mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16), bias0, bias1,
-                      row + col0 * e, row + col1 * e);
-          }
+  const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+  float sums[32][32] __attribute__((aligned(64)));
+  amx_configure(AMX_BF16);
+  for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+    const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
+    for (int n = lo; n < hi; ++n) {
+      const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
+      const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
+      const bf16* panel = (const bf16*)g->packed + (int64_t)n * g->K * PANEL;
+      const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
+      const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
+      for (int m0 = m_lo; m0 < m_hi; m0 += 32) {
+        if (m0 < full) amx_bf16_block((const bf16*)g->x + m0 * lda, lda, panel, g->K, sums);
+        else amx_bf16_block(tail, g->K, panel, g->K, sums);
+        for (int r = 0; r < 32 && m0 + r < g->M; ++r) {
+          char* row = (char*)g->out + (m0 + r) * g->ldc * e;
+          store_row(g->silu, g->out_f32, _mm512_load_ps(sums[r]), _mm512_load_ps(sums[r] + 16), bias0, bias1,
+                    row + col0 * e, row + col1 * e);
         }
       }
     }
-    amx_release();
   }
+  amx_release();
 }
 #endif
 
-static void run(int int8, const Gemm* g, int threads) {
+typedef struct {
+  int int8;
+  const Gemm* g;
+} VectorRun;
+static void vector_panels(const void* ctx, int t, int nt) {
+  const int int8 = ((const VectorRun*)ctx)->int8;
+  const Gemm* g = ((const VectorRun*)ctx)->g;
   const int panels = g->N / PANEL;
   const int panel_lines = g->K * PANEL * (int8 ? 1 : 2) / 64;
-  #pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
-      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
-      const int tiles = (m_hi - m_lo + MR - 1) / MR;
-      for (int n = lo; n < hi; ++n) {
-        const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
-        const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
-        /* one tile reads its panel once: the hardware prefetcher alone does better there */
-        const char* next = tiles > 1 && n + 1 < hi ? g->packed + (int64_t)(n + 1) * panel_lines * 64 : NULL;
-        for (int i = 0; i < tiles; ++i) {
-          const int m0 = m_lo + i * MR, rows = m_hi - m0 < MR ? m_hi - m0 : MR;
-          const int l0 = panel_lines * i / tiles, l1 = panel_lines * (i + 1) / tiles;
-          tile_rows(int8, rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
-        }
+  const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+  for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+    const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
+    const int tiles = (m_hi - m_lo + MR - 1) / MR;
+    for (int n = lo; n < hi; ++n) {
+      const int col0 = g->halves ? n * PANEL / 2 : n * PANEL;
+      const int col1 = g->halves ? g->N / 2 + col0 : col0 + PANEL / 2;
+      /* one tile reads its panel once: the hardware prefetcher alone does better there */
+      const char* next = tiles > 1 && n + 1 < hi ? g->packed + (int64_t)(n + 1) * panel_lines * 64 : NULL;
+      for (int i = 0; i < tiles; ++i) {
+        const int m0 = m_lo + i * MR, rows = m_hi - m0 < MR ? m_hi - m0 : MR;
+        const int l0 = panel_lines * i / tiles, l1 = panel_lines * (i + 1) / tiles;
+        tile_rows(int8, rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
       }
     }
   }
+}
+
+static void run(int int8, const Gemm* g, int threads) {
+  const VectorRun args = {int8, g};
+  run_threads(threads, vector_panels, &args);
 }
 
 /* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2];
@@ -197,7 +205,8 @@ int gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, 
     bf16* tail = M > full ? calloc(32 * (int64_t)K, sizeof(bf16)) : NULL;
     if (M > full && !tail) return -1;
     for (int64_t r = full; r < M; ++r) memcpy(tail + (r - full) * K, x + r * lda, K * sizeof(bf16));
-    run_amx(&g, tail, threads);
+    const AmxRun args = {&g, tail};
+    run_threads(threads, amx_panels, &args);
     free(tail);
     return 0;
   }

@@ -24,8 +24,6 @@
    8j..8j+7, then the same up columns), out = silu(gate) * up, rounded as Hugging Face rounds. */
 #include "matmul.h"
 
-#include <omp.h>
-
 #include "quantize.h"
 
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2, W_I4 = 3, W_I8G = 4 };
@@ -180,27 +178,24 @@ static void dequantize_panel(const Mat* g, int n, float* buf) {
 #endif
 }
 
-static void run_float(const Mat* g, int threads) {
+static void float_panels(const void* ctx, int t, int nt) {
+  const Mat* g = ctx;
   const int panels = g->N / NR;
   const int64_t bytes = panel_bytes(g->format, g->K);
-  #pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-    float* buf = g->format != W_F32 && g->M > 2 * MR ? malloc(sizeof(float) * g->K * NR) : NULL;
-    for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
-      const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
-      const int copy = buf && m_hi - m_lo > 2 * MR;
-      for (int n = lo; n < hi; ++n) {
-        const char* panel = g->packed + n * bytes;
-        int format = g->format;
-        if (copy) dequantize_panel(g, n, buf), panel = (const char*)buf, format = W_F32;
-        for (int m0 = m_lo; m0 < m_hi; m0 += MR)
-          tile_rows(format, m_hi - m0 < MR ? m_hi - m0 : MR, g, m0, n, panel);
-      }
+  const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+  float* buf = g->format != W_F32 && g->M > 2 * MR ? malloc(sizeof(float) * g->K * NR) : NULL;
+  for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
+    const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
+    const int copy = buf && m_hi - m_lo > 2 * MR;
+    for (int n = lo; n < hi; ++n) {
+      const char* panel = g->packed + n * bytes;
+      int format = g->format;
+      if (copy) dequantize_panel(g, n, buf), panel = (const char*)buf, format = W_F32;
+      for (int m0 = m_lo; m0 < m_hi; m0 += MR)
+        tile_rows(format, m_hi - m0 < MR ? m_hi - m0 : MR, g, m0, n, panel);
     }
-    free(buf);
   }
+  free(buf);
 }
 
 /* out [M, ldc] (float32 or bfloat16) = x W^T (+ bias), or silu(gate) * up with halves and silu;
@@ -220,7 +215,7 @@ int matmul_float(const void* x, int64_t lda, int x_bf16, int format, const void*
   }
   const Mat g = {xf ? xf : (const float*)x, lda, (const char*)packed, format, GROUPED(format) ? scale : NULL,
                  mins, format == W_I8 ? (const float*)scale : NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
-  run_float(&g, threads);
+  run_threads(threads, float_panels, &g);
   free(xf);
   return 0;
 }
@@ -256,6 +251,65 @@ static void tile_w8a8_rows(int rows, const int16_t* xq, int64_t K, const int8_t*
 }
 #endif
 
+typedef struct {
+  const Mat* g;
+  const void* x;
+  int64_t lda;
+  int x_bf16;
+  int16_t* xq;
+  float* xs;
+  const float* w_scale;
+} W8A8;
+
+/* Thread t's rows quantized, then (once every thread's are) its panels. */
+static void w8a8_panels(const void* ctx, int t, int nt) {
+  const W8A8* a = ctx;
+  const Mat* g = a->g;
+  const int M = g->M, N = g->N;
+  const int64_t K = g->K;
+  int16_t* xq = a->xq;
+  float* xs = a->xs;
+  for (int64_t i = (int64_t)M * t / nt; i < (int64_t)M * (t + 1) / nt; ++i)
+    xs[i] = a->x_bf16 ? quantize_row_bf16((const bf16*)a->x + i * a->lda, K, xq + i * K)
+                      : quantize_row_f32((const float*)a->x + i * a->lda, K, xq + i * K);
+  if (nt > 1) {
+    #pragma omp barrier
+  }
+  const int panels = N / NR;
+  const int64_t out_bytes = g->out_bf16 ? 2 : 4;
+  const int8_t* packed = (const int8_t*)g->packed;
+  const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
+  for (int m_lo = 0; m_lo < M; m_lo += MBLOCK) {
+    const int m_hi = M < m_lo + MBLOCK ? M : m_lo + MBLOCK;
+    for (int n = lo; n < hi; ++n) {
+      const int8_t* panel = packed + (int64_t)n * K * NR;
+      int col0, col1;
+      panel_cols(g, n, &col0, &col1);
+      for (int m0 = m_lo; m0 < m_hi; m0 += MR_W8A8) {
+        const int rows = m_hi - m0 < MR_W8A8 ? m_hi - m0 : MR_W8A8;
+        float v[MR][2][8];
+#ifdef __AVX2__
+        tile_w8a8_rows(rows, xq + (int64_t)m0 * K, K, panel, v);
+#else
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < NR; ++j) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < K; ++k) sum += xq[(m0 + r) * K + k] * panel[(k / 2) * 32 + j * 2 + k % 2];
+            v[r][j / 8][j % 8] = (float)sum;
+          }
+#endif
+        for (int r = 0; r < rows; ++r) {
+          for (int j = 0; j < 8; ++j) {
+            v[r][0][j] *= xs[m0 + r] * a->w_scale[col0 + j];
+            v[r][1][j] *= xs[m0 + r] * a->w_scale[col1 + j];
+          }
+          store_row_f32(g, v[r][0], v[r][1], col0, col1, (char*)g->out + (m0 + r) * g->ldc * out_bytes);
+        }
+      }
+    }
+  }
+}
+
 /* out = (xq . wq) * x_scale[row] * w_scale[col] (+ bias) for x [M, K] (float32 or bfloat16, row
    stride lda elements) quantized per row here, W packed as W8A8 int8 pairs with w_scale [N]. Returns 0, or
    -1 when out of memory (nothing written). */
@@ -268,47 +322,9 @@ int matmul_w8a8(const void* x, int64_t lda, int x_bf16, const int8_t* packed, co
     free(xq), free(xs);
     return -1;
   }
-  const int panels = N / NR;
   const Mat g = {NULL, 0, (const char*)packed, W_F32, NULL, NULL, NULL, bias, out, ldc, out_bf16, M, N, K, halves, silu};
-  const int64_t out_bytes = out_bf16 ? 2 : 4;
-  #pragma omp parallel num_threads(threads)
-  {
-    #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M; ++i)
-      xs[i] = x_bf16 ? quantize_row_bf16((const bf16*)x + i * lda, K, xq + i * K)
-                     : quantize_row_f32((const float*)x + i * lda, K, xq + i * K);
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-    for (int m_lo = 0; m_lo < M; m_lo += MBLOCK) {
-      const int m_hi = M < m_lo + MBLOCK ? M : m_lo + MBLOCK;
-      for (int n = lo; n < hi; ++n) {
-        const int8_t* panel = packed + (int64_t)n * K * NR;
-        int col0, col1;
-        panel_cols(&g, n, &col0, &col1);
-        for (int m0 = m_lo; m0 < m_hi; m0 += MR_W8A8) {
-          const int rows = m_hi - m0 < MR_W8A8 ? m_hi - m0 : MR_W8A8;
-          float v[MR][2][8];
-#ifdef __AVX2__
-          tile_w8a8_rows(rows, xq + (int64_t)m0 * K, K, panel, v);
-#else
-          for (int r = 0; r < rows; ++r)
-            for (int j = 0; j < NR; ++j) {
-              int32_t sum = 0;
-              for (int64_t k = 0; k < K; ++k) sum += xq[(m0 + r) * K + k] * panel[(k / 2) * 32 + j * 2 + k % 2];
-              v[r][j / 8][j % 8] = (float)sum;
-            }
-#endif
-          for (int r = 0; r < rows; ++r) {
-            for (int j = 0; j < 8; ++j) {
-              v[r][0][j] *= xs[m0 + r] * w_scale[col0 + j];
-              v[r][1][j] *= xs[m0 + r] * w_scale[col1 + j];
-            }
-            store_row_f32(&g, v[r][0], v[r][1], col0, col1, (char*)out + (m0 + r) * ldc * out_bytes);
-          }
-        }
-      }
-    }
-  }
+  const W8A8 args = {&g, x, lda, x_bf16, xq, xs, w_scale};
+  run_threads(threads, w8a8_panels, &args);
   free(xq);
   free(xs);
   return 0;
