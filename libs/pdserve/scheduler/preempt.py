@@ -46,12 +46,13 @@ class Preemption:
         if not waiting:
             return True
         head = waiting[0]
-        while self.admission.blocked(head):
+        while True:
             order = self.policy.retraction_order(self.decode.running)
             victims = [r for r in order if r.state is ReqState.RUNNING and not r.to_abort]
             if not victims or victims[-1].sampling_params.priority <= head.sampling_params.priority:
+                return True  # (checked first: it spares the radix match of ``blocked``)
+            if not self.admission.blocked(head):
                 return True
             if in_flight:
                 return False
             self.decode.retract(victims[-1])
-        return True
