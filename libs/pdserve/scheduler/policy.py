@@ -10,8 +10,9 @@ starves a request without a cached prefix.
 arrival), a lower ``SamplingParams.priority`` first; the lowest-priority running request (highest
 value, latest admitted among equals) is retracted first, and ``pdserve.scheduler.preempt`` retracts
 running requests to admit a waiting one of higher priority. As in vLLM, a low-priority request can
-starve while higher-priority ones keep arriving: it waits until ``max_queue_time`` ends it
-(retryable), and a running one may be retracted again and again.
+starve while higher-priority ones keep arriving: one never started waits until ``max_queue_time``
+ends it (retryable); one retracted keeps its tokens and waits until no higher-priority request
+waits for room, or its deadline passes.
 """
 
 from __future__ import annotations
