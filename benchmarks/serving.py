@@ -10,6 +10,9 @@ on free ports), or ``--compare "A=FLAGS" "B=FLAGS"`` (each pdserve configuration
 run, with ratios to the first; ``"A@CHECKOUT=FLAGS"`` runs another checkout of pdserve, with its own
 ``.venv``, for before / after comparisons). With none of them, pdserve is launched ``--colocated``.
 
+``--workload priority`` measures a high-priority request's TTFT under a saturating low-priority load
+against an idle server's (``serving_lib/priority.py``; launch with ``--schedule-policy priority``).
+
 Example: ``make bench ARGS='--workload shared-prefix --compare "cache=--colocated"
 "nocache=--colocated --disable-radix-cache" --concurrency 16'``.
 """
@@ -31,6 +34,7 @@ import openai
 from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
 from benchmarks.serving_lib.load import LoadMode, run_level
+from benchmarks.serving_lib.priority import PriorityLoad, bench_priority, priority_table
 from benchmarks.serving_lib.report import json_line, plot, table
 from benchmarks.serving_lib.spec_metrics import spec_counters, spec_summary
 from benchmarks.serving_lib.stats import LevelResult, RequestRecord, summarize
@@ -61,6 +65,7 @@ class BenchConfig:
     seed: int = 0
     model: str | None = None
     request_timeout_s: float = 600.0
+    priority: PriorityLoad | None = None  # the priority workload (random prompts), instead of levels
 
     def requests_at(self, level: float) -> int:
         if self.num_requests is not None:
@@ -88,13 +93,23 @@ async def bench_server(
         model = cfg.model or (await client.models.list()).data[0].id
         async with await TokenCounter.connect(base_url.removesuffix("/v1"), model, api_key) as counter:
             tokens_per_word = await counter.tokens_per_word(cfg.seed)
-            source = PromptSource(
-                cfg.workload, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word
-            )
+            kind = "random" if cfg.priority else cfg.workload
+            source = PromptSource(kind, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word)
             target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
             root = base_url.removesuffix("/v1")
-            results = await sweep(target, counter, source, cfg, label, lambda: spec_counters(root, api_key))
-    run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
+            run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
+            if cfg.priority:
+
+                async def prompts(count: int) -> list[tuple[str, int]]:
+                    texts = source.take(count)
+                    return list(zip(texts, await counter.count(texts), strict=True))
+
+                run["priority"] = await bench_priority(target, prompts, cfg.priority)
+                results = []
+            else:
+                results = await sweep(
+                    target, counter, source, cfg, label, lambda: spec_counters(root, api_key)
+                )
     return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
 
 
@@ -143,10 +158,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     p.add_argument(
         "--workload",
-        choices=["random", "shared-prefix", "grounded"],
+        choices=["random", "shared-prefix", "grounded", "priority"],
         default="random",
-        help="grounded: answers that copy spans of the prompt (where speculative drafts stand)",
+        help="grounded: answers that copy spans of the prompt (where speculative drafts stand); "
+        "priority: high-priority probes' TTFT under a low-priority load (its first --concurrency "
+        "streams) against idle",
     )
+    p.add_argument("--probes", type=int, default=8, help="priority workload: probes per phase")
+    p.add_argument(
+        "--probe-interval", type=float, default=1.0, help="priority workload: seconds between probes"
+    )
+    p.add_argument("--probe-priority", type=int, default=-10, help="priority workload: the probes' priority")
+    p.add_argument("--load-priority", type=int, default=10, help="priority workload: the load's priority")
     p.add_argument("--prompt-tokens", type=int, default=128, help="random workload: prompt length in tokens")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix workload: preamble tokens")
     p.add_argument("--output-tokens", type=int, help="tokens per request (default 64; shared-prefix 32)")
@@ -171,6 +194,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     levels = [float(v) for v in (args.request_rate or args.concurrency).split(",") if v.strip()]
     if mode == "concurrency":
         levels = [int(v) for v in levels]
+    priority = None
+    if args.workload == "priority":
+        priority = PriorityLoad(
+            int(levels[0]), args.probes, args.probe_interval, args.probe_priority, args.load_priority
+        )
     return BenchConfig(
         workload=args.workload,
         prompt_tokens=args.prompt_tokens,
@@ -185,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         model=args.model,
         request_timeout_s=args.request_timeout,
+        priority=priority,
     )
 
 
@@ -216,9 +245,12 @@ def report(results: list[LevelResult], runs: list[dict], cfg: BenchConfig, plot_
 
     Returns the JSON document as a dict.
     """
-    if plot_path:
-        log.info("plot written to %s", plot(results, plot_path))
-    print(table(results))
+    if cfg.priority:
+        print("\n".join(priority_table(run["label"], cfg.priority, run["priority"]) for run in runs))
+    else:
+        if plot_path:
+            log.info("plot written to %s", plot(results, plot_path))
+        print(table(results))
     line = json_line(results, runs, dataclasses.asdict(cfg))
     print(line, flush=True)
     return json.loads(line)

@@ -16,7 +16,8 @@ class CompletionTarget:
     """Where and how to send completions.
 
     ``ignore_eos`` goes in ``extra_body`` (an extension that pdserve, vLLM, SGLang and llama.cpp
-    accept), so every request generates exactly ``output_tokens`` tokens.
+    accept), so every request generates exactly ``output_tokens`` tokens; so does ``priority``
+    (vLLM's and pdserve's, under their priority scheduling policy) when set.
     """
 
     client: openai.AsyncOpenAI
@@ -24,6 +25,7 @@ class CompletionTarget:
     output_tokens: int
     temperature: float = 0.0
     ignore_eos: bool = True
+    priority: int | None = None
 
 
 async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens: int) -> RequestRecord:
@@ -47,7 +49,8 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
             temperature=target.temperature,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": target.ignore_eos},
+            extra_body={"ignore_eos": target.ignore_eos}
+            | ({} if target.priority is None else {"priority": target.priority}),
         )
         async for chunk in stream:
             now = time.perf_counter()

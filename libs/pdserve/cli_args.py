@@ -235,7 +235,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--chunked-prefill-size", type=positive_int, default=512, help="tokens extended per step"
     )
     parser.add_argument(
-        "--schedule-policy", default="fcfs", choices=["fcfs", "lpm"], help="waiting-queue order"
+        "--schedule-policy",
+        default="fcfs",
+        choices=["fcfs", "lpm", "priority"],
+        help="waiting-queue order: arrival, longest cached prefix, or the requests' priority (lower "
+        "first; may preempt lower-priority running requests; other policies refuse priority != 0)",
     )
     parser.add_argument(
         "--max-queued-requests",

@@ -44,6 +44,7 @@ _PLAIN_FIELDS = (
     "spaces_between_special_tokens",
     "return_logprob",
     "top_logprobs_num",
+    "priority",
 )
 
 

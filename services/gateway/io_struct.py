@@ -47,6 +47,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     speculative_num_draft_tokens: int | None = None
+    priority: int = 0  # lower is served first (--schedule-policy priority)
 
 
 @dataclass(slots=True)

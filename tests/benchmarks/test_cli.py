@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.serving import config_from_args, main, openai_base_url, parse_args
 from benchmarks.serving_lib.launch import LaunchSpec, parse_compare
+from benchmarks.serving_lib.priority import PriorityLoad
 from benchmarks.serving_lib.tokens import TokenCounter, estimate_tokens
 from tests.stack import free_port_block
 
@@ -31,6 +32,9 @@ def test_defaults_follow_the_workload():
         64,
     )
     assert not config_from_args(parse_args(["--no-ignore-eos"])).ignore_eos
+    prio = config_from_args(parse_args(["--workload", "priority", "--concurrency", "12", "--probes", "3"]))
+    assert prio.priority == PriorityLoad(load=12, probes=3, probe_interval_s=1.0, high=-10, low=10)
+    assert config_from_args(parse_args([])).priority is None
     with pytest.raises(SystemExit):
         parse_args(["--base-url", "http://x", "--launch", "--colocated"])
 

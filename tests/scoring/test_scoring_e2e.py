@@ -1,8 +1,13 @@
 """Scoring through the served stack, colocated and PD, with chunked prefill (32-token chunks):
 ``echo`` + ``logprobs`` on /v1/completions (OpenAI's legacy shape, streamed and not, ``max_tokens``
 0 and 1) and vLLM's ``prompt_logprobs`` on completions and chat equal HF transformers' float32
-log_softmax within 1e-4, also when the prompt is in the radix cache; bad values are OpenAI-shaped
-400s. Every scheduler's KV pool is conserved after each test."""
+log_softmax within 1e-4, also when the prompt is in the radix cache; ``prompt_logprobs`` on native
+/generate and the gRPC API (through the SDK) equal the completions' values; bad values are
+OpenAI-shaped 400s. Every scheduler's KV pool is conserved after each test.
+
+The stack runs ``--schedule-policy priority``, so requests with a ``priority`` travel through the
+gateway and, in PD, both schedulers (each of which refuses a priority other than 0 under another
+policy)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from pdserve_sdk import Client
 
 from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -21,7 +27,10 @@ TEXT = (
     "Question: What is the capital of France? Answer: Paris is the capital and the largest city of "
     "France, on the river Seine, and it has been a centre of finance, diplomacy and the arts."
 )
-FLAGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--chunked-prefill-size", "32")
+FLAGS = (
+    *("--dtype", "float32", "--max-total-tokens", "8192", "--chunked-prefill-size", "32"),
+    *("--schedule-policy", "priority"),
+)
 
 
 @pytest.fixture(scope="module", params=["colocated", "pd"])
@@ -141,6 +150,55 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(stack):
     for pos, token in enumerate(chat_prompt[1:], 1):
         assert list(scored[pos]) == [str(token)]  # the prompt token alone: 0 alternatives asked
         assert abs(scored[pos][str(token)]["logprob"] - float(chat_ref[pos - 1, token])) < TOL
+
+
+def test_prompt_logprobs_on_generate_and_grpc_equal_the_completions(stack):
+    prompt = prompt_ids()
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "priority": -5}
+    out = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=120).json()
+    want = [None] + [
+        (
+            pos[str(token)]["logprob"],
+            sorted((e["logprob"] for e in pos.values() if e["rank"] in (1, 2)), reverse=True),
+        )
+        for token, pos in zip(prompt[1:], out["choices"][0]["prompt_logprobs"][1:], strict=True)
+    ]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 1, "prompt_logprobs": 2},
+        "priority": 3,
+    }
+    meta = httpx.post(f"{stack.base_url}/generate", json=body, timeout=120).json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt and meta["input_top_logprobs"][0] is None
+    assert meta["input_token_logprobs"][0][0] is None
+    for pos in range(1, len(prompt)):
+        assert meta["input_token_logprobs"][pos][0] == pytest.approx(want[pos][0], abs=1e-6)
+        assert [lp for lp, _, _ in meta["input_top_logprobs"][pos]] == pytest.approx(want[pos][1], abs=1e-6)
+    with Client(stack.grpc_address) as sdk:
+        result = sdk.generate(input_ids=prompt, max_new_tokens=1, prompt_logprobs=2, priority=1, timeout=120)
+    scored = result.choices[0].prompt_logprobs
+    assert [lp.token_id for lp in scored] == prompt[1:]
+    for pos, lp in enumerate(scored, 1):
+        assert lp.logprob == pytest.approx(want[pos][0], abs=1e-6)
+        assert [t.logprob for t in lp.top] == pytest.approx(want[pos][1], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": SERVED_MODEL, "prompt": "Hi", "priority": -1001}, "priority"),
+        ("/generate", {"text": "Hi", "priority": 1001}, "priority"),
+        (
+            "/generate",
+            {"text": "Hi", "sampling_params": {"prompt_logprobs": 21}},
+            "sampling_params.prompt_logprobs",
+        ),
+    ],
+)
+def test_bad_priority_and_native_prompt_logprobs_are_400s(stack, path, body, param):
+    r = httpx.post(f"{stack.base_url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
 
 
 @pytest.mark.parametrize(

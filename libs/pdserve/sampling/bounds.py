@@ -11,6 +11,8 @@ forward step, where one bad value would fail every request of the batch.
   ``logit_bias`` keys, /detokenize) are in [0, vocab).
 - ``speculative_num_draft_tokens`` (a request's cap on its drafts per step) is in [0, 16]: a verify
   step computes ``1 + k`` tokens for the request.
+- ``priority`` (vLLM's: lower is served first) is in [-1000, 1000], and not 0 only under
+  ``--schedule-policy priority`` (``Scheduler.add_request`` refuses it otherwise, as vLLM does).
 - ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits (``prompt_logprobs`` too, on a
   prompt of at most 4,096 tokens); ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
@@ -54,6 +56,7 @@ MAX_TOP_LOGPROBS = 20
 # position returns up to MAX_TOP_LOGPROBS + 1 entries, computed as [chunk, vocab] float32 logits)
 MAX_PROMPT_LOGPROB_TOKENS = 4096
 MAX_LOGIT_BIAS = 100.0
+MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY] (lower is served first)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256

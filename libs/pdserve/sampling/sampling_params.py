@@ -14,6 +14,7 @@ from pdserve.sampling.bounds import (
     INT64_MIN,
     MAX_LOGIT_BIAS,
     MAX_N,
+    MAX_PRIORITY,
     MAX_SPECULATIVE_DRAFT_TOKENS,
     MAX_TOP_LOGPROBS,
     BoundError,
@@ -62,6 +63,10 @@ class SamplingParams:
             server speculates (``--speculative-algorithm``): 0 opts out, None takes the server's
             ``--speculative-num-draft-tokens``; it never raises the server's. What the request
             generates does not depend on it (greedy: the same tokens; sampled: the same distribution).
+        priority: the request's scheduling priority under ``--schedule-policy priority`` (vLLM's:
+            lower is served first, and may preempt a running request of higher value), in
+            [-1000, 1000]; 0 under every other policy. Carried here so that it travels wherever
+            the request does (gateway, decode and prefill workers); it does not change sampling.
     """
 
     temperature: float = 1.0
@@ -90,6 +95,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     speculative_num_draft_tokens: int | None = None
+    priority: int = 0
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -197,6 +203,11 @@ class SamplingParams:
                 "speculative_num_draft_tokens",
                 f"must be in [0, {MAX_SPECULATIVE_DRAFT_TOKENS}] or unset, "
                 f"got {self.speculative_num_draft_tokens!r}",
+            ),
+            (
+                integer(self.priority, -MAX_PRIORITY, MAX_PRIORITY),
+                "priority",
+                f"must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}",
             ),
             (
                 all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),

@@ -86,6 +86,17 @@ class Admission:
                 return
             yield req
 
+    def blocked(self, req: Req) -> bool:
+        """Whether waiting ``req`` cannot be admitted now: ``max_running_requests`` are active, or
+        the pool cannot give it pages for its fill and reserve (its radix-cache match counted)
+        while covering every running request's reserve. Changes nothing."""
+        if self.active() >= self.max_running_requests:
+            return True
+        self.ledger.match(req, use_cache=not self._computes_whole_prompt(req))
+        fits = self._fits(req)
+        self.ledger.unmatch(req)
+        return not fits
+
     def _admit(self, req: Req) -> bool:
         """Match the radix cache, lock the match and allocate pages for the whole fill."""
         prefix = self.ledger.match(req, use_cache=not self._computes_whole_prompt(req))

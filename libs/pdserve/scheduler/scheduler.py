@@ -26,6 +26,7 @@ from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerLoad, SchedulerMetrics
 from pdserve.scheduler.overload import queue_bound, request_capacity
 from pdserve.scheduler.policy import SchedulePolicy
+from pdserve.scheduler.preempt import Preemption
 from pdserve.scheduler.prefill import PrefillManager
 from pdserve.scheduler.remote_prefill import RemotePrefill
 from pdserve.scheduler.req import FinishReason, Req
@@ -116,6 +117,8 @@ class Scheduler:
             if config.role == "decode"
             else PrefillManager(admission, self.outstanding)
         )
+        preempts = config.schedule_policy == "priority" and isinstance(self.decode, DecodeManager)
+        self.preemption = Preemption(admission, self.decode, policy) if preempts else None
 
     # ---- requests in, and what is held ---------------------------------------------------------
     def add_request(self, req: Req) -> int:
@@ -203,7 +206,8 @@ class Scheduler:
         return bool(len(self.queue) or self.prefill.runnable or self.decode.runnable or self.outstanding)
 
     def schedule(self) -> ScheduleBatch | None:
-        """Pick this step's requests (decodes first, then prompt chunks within the token budget),
+        """Pick this step's requests (decodes first, then prompt chunks within the token budget; under
+        the priority policy, lower-priority running requests retracted first where ``Preemption`` says),
         build its forward batch and advance the requests' counters for it.
 
         Returns None when there is nothing to run, or when the step needs the token ids of the
@@ -214,7 +218,8 @@ class Scheduler:
         if any(b.verifies for b in self.outstanding):  # how many tokens it keeps moves every position
             self.needs_results = True
             return None
-        decodes = self.decode.schedule(in_flight=bool(self.outstanding))
+        preempted = self.preemption is None or self.preemption.run(in_flight=bool(self.outstanding))
+        decodes = self.decode.schedule(in_flight=bool(self.outstanding)) if preempted else None
         if decodes is None:
             self.needs_results = True
             return None

@@ -105,8 +105,9 @@ class RequestTable(Mapping[str, Req]):
                 with an id outside the vocabulary, a prompt that cannot fit the context or the pool,
                 a grammar and no grammar backend; or (``BoundError``, naming the field) a sampling
                 parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary,
-                stop or bias token ids outside it, grammar text over its size and prompt logprobs of
-                a prompt over ``MAX_PROMPT_LOGPROB_TOKENS`` included.
+                stop or bias token ids outside it, grammar text over its size, prompt logprobs of
+                a prompt over ``MAX_PROMPT_LOGPROB_TOKENS`` and a priority other than 0 under a
+                policy other than ``priority`` (vLLM refuses it too) included.
         """
         self.queue.check_room()
         lim = self.limits
@@ -120,6 +121,8 @@ class RequestTable(Mapping[str, Req]):
         if not 0 <= min(prompt) <= max(prompt) < lim.vocab_size:
             raise ValueError(f"input_ids must be token ids in [0, {lim.vocab_size})")
         req.sampling_params.validate(lim.vocab_size)
+        if req.sampling_params.priority and self.queue.policy.policy != "priority":
+            raise BoundError("priority", "is only accepted under --schedule-policy priority (send 0)")
         if req.sampling_params.prompt_logprobs is not None and len(prompt) > MAX_PROMPT_LOGPROB_TOKENS:
             raise BoundError(
                 "prompt_logprobs",

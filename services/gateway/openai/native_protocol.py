@@ -13,6 +13,7 @@ from pdserve.sampling.bounds import (
     FLOAT32_MAX,
     INT32_MAX,
     MAX_N,
+    MAX_PRIORITY,
     MAX_RID_CHARS,
     MAX_SPECULATIVE_DRAFT_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -72,6 +73,9 @@ class NativeSamplingParams(RequestModel):
     structural_tag: str | None = GrammarText
     # speculative decoding: the most drafts verified per step (0 opts out; unset: the server's)
     speculative_num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_DRAFT_TOKENS)
+    # vLLM's prompt logprobs: each prompt token's logprob (but the first's) and this many top ones,
+    # answered in meta_info as SGLang's input_token_logprobs / input_top_logprobs
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -94,7 +98,9 @@ class NativeSamplingParams(RequestModel):
             )
         return self
 
-    def to_sampling_params(self, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
+    def to_sampling_params(
+        self, return_logprob: bool, top_logprobs_num: int, priority: int
+    ) -> SamplingParams:
         fields = self.model_dump(exclude={"n", "stop", "include_stop_str_in_output", "no_stop_trim"})
         return SamplingParams(
             **fields,
@@ -102,6 +108,7 @@ class NativeSamplingParams(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
+            priority=priority,
         )
 
 
@@ -110,6 +117,8 @@ class GenerateOptions(RequestModel):
 
     The gRPC servicer validates its request's options through this model, so both check them
     alike; ``top_logprobs_num`` > 0 needs ``return_logprob`` (it would be ignored otherwise).
+    ``priority`` is vLLM's and SGLang's (lower is served first; not 0 only under
+    ``--schedule-policy priority``, which the scheduler checks: a 400 otherwise).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -118,6 +127,7 @@ class GenerateOptions(RequestModel):
     rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     model: str | None = None
 
     @model_validator(mode="after")
@@ -125,6 +135,12 @@ class GenerateOptions(RequestModel):
         if self.top_logprobs_num and not self.return_logprob:
             raise param_error("top_logprobs_num", "'top_logprobs_num' requires 'return_logprob' to be true")
         return self
+
+    def engine_sampling_params(self) -> SamplingParams:
+        """The runtime's sampling parameters of this request (``max_new_tokens`` None = default)."""
+        return self.sampling_params.to_sampling_params(
+            self.return_logprob, self.top_logprobs_num, self.priority
+        )
 
 
 class NativeGenerateRequest(GenerateOptions):
@@ -176,6 +192,10 @@ class MetaInfo(BaseModel):
     # [logprob, token_id, None] per output token, as SGLang returns it.
     output_token_logprobs: list[tuple[float, int, None]] | None = None
     output_top_logprobs: list[list[tuple[float, int, None]]] | None = None
+    # with sampling_params.prompt_logprobs: [logprob, token_id, None] per prompt token (the first's
+    # logprob null), and the top ones of each (the first null), as SGLang's input logprobs
+    input_token_logprobs: list[tuple[float | None, int, None]] | None = None
+    input_top_logprobs: list[list[tuple[float, int, None]] | None] | None = None
 
 
 class NativeGenerateResponse(BaseModel):

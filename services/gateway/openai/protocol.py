@@ -26,6 +26,7 @@ from pdserve.sampling.bounds import (
     INT32_MAX,
     MAX_JSON_DEPTH,
     MAX_N,
+    MAX_PRIORITY,
     MAX_SPECULATIVE_DRAFT_TOKENS,
     MAX_TEMPLATE_KWARGS_CHARS,
     MAX_TOOLS,
@@ -97,6 +98,8 @@ class _OpenAIRequest(RequestModel):
     speculative_num_draft_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_DRAFT_TOKENS)
     # vLLM's prompt logprobs: each prompt token's logprob (but the first's) and this many top ones
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's priority: lower is served first; not 0 only under --schedule-policy priority (else 400)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # OpenAI fields that do not change the output: accepted and ignored.
     prompt_cache_key: str | None = Field(None, max_length=1024)
     safety_identifier: str | None = Field(None, max_length=1024)
@@ -176,6 +179,7 @@ class _OpenAIRequest(RequestModel):
             prompt_logprobs=self.engine_prompt_logprobs,
             logit_bias=dict(self.logit_bias or {}),
             speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            priority=self.priority,
             **grammar,
         )
 

@@ -2,8 +2,9 @@
 
 /generate answers ``{"text", "output_ids", "meta_info": {"id", "finish_reason": {"type", "matched"},
 "prompt_tokens", "completion_tokens", "cached_tokens", ...}}`` (a list of those for a batch of
-prompts or n > 1). Streamed chunks carry the text and ids generated so far (SGLang's default), with
-``index`` for a batch or n > 1.
+prompts or n > 1); with ``sampling_params.prompt_logprobs`` (vLLM's), ``meta_info`` adds SGLang's
+``input_token_logprobs`` and ``input_top_logprobs``. Streamed chunks carry the text and ids
+generated so far (SGLang's default), with ``index`` for a batch or n > 1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class NativeServing:
             tracing.tag_current_span(body.rid)
         rid = request.state.rid
         sp = body.sampling_params
-        sampling = sp.to_sampling_params(body.return_logprob, body.top_logprobs_num)
+        sampling = body.engine_sampling_params()
         obj = GenerateReqInput(rid, body.prompts, sampling, n=sp.n, params_path="sampling_params.")
         handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
@@ -83,6 +84,10 @@ class NativeServing:
         if return_logprob:
             meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in r.logprobs]
             meta.output_top_logprobs = [_top(lp) for lp in r.logprobs]
+        if r.prompt_logprobs:  # asked for (sampling_params.prompt_logprobs): prompt tokens 1..
+            meta.input_token_logprobs = [(None, state.input_ids[0], None)]
+            meta.input_token_logprobs += [(lp.logprob, lp.token_id, None) for lp in r.prompt_logprobs]
+            meta.input_top_logprobs = [None] + [_top(lp) for lp in r.prompt_logprobs]
         return NativeGenerateResponse(text=r.text, output_ids=r.token_ids, meta_info=meta, index=r.index)
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:

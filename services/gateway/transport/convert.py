@@ -261,6 +261,11 @@ def _token_logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top])
 
 
+def _token_logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    top = [common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top]
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+
+
 def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, list[int], int]]:
     """The column rows of ``batch`` (outputs that carry text and ids only), each as
     ``(rid, text_delta, token_ids, completion_tokens)``."""
@@ -281,14 +286,8 @@ def generate_response_to_pb(rid: str, delta: ChoiceDelta) -> api_pb2.GenerateRes
         index=delta.index,
         text=delta.text,
         token_ids=delta.token_ids,
-        logprobs=[
-            common_pb2.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top],
-            )
-            for lp in delta.logprobs
-        ],
+        logprobs=[_token_logprob_to_pb(lp) for lp in delta.logprobs],
+        prompt_logprobs=[_token_logprob_to_pb(lp) for lp in delta.prompt_logprobs],
     )
     if delta.finish_reason is not None:
         resp.finish_reason = _FINISH_TO_PB[delta.finish_reason]

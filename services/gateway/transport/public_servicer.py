@@ -85,21 +85,22 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             raise invalid_request("one of text, input_ids or chat is required", param="input")
         if not prompt:
             raise invalid_request(f"'{which}' must not be empty", param=which)
-        # return_logprob and top_logprobs_num travel in SamplingParams; /generate has them top-level
+        # return_logprob, top_logprobs_num and priority travel in SamplingParams; /generate has them
+        # top-level
         sampling = convert.sampling_params_dict(request.sampling_params)
-        logprob_options = {
-            "return_logprob": sampling.pop("return_logprob", False),
-            "top_logprobs_num": sampling.pop("top_logprobs_num", 0),
+        top_level = {
+            name: sampling.pop(name)
+            for name in ("return_logprob", "top_logprobs_num", "priority")
+            if name in sampling
         }
         options = validate_as_body(
-            GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **logprob_options}
+            GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **top_level}
         )
-        params = options.sampling_params
         return GenerateReqInput(
             rid=options.rid or new_rid(),
             prompts=[prompt],
-            sampling_params=params.to_sampling_params(options.return_logprob, options.top_logprobs_num),
-            n=params.n,
+            sampling_params=options.engine_sampling_params(),
+            n=options.sampling_params.n,
             add_special_tokens=which != "chat",
             params_path="sampling_params.",
         )

@@ -19,7 +19,9 @@ class SamplingKwargs(TypedDict, total=False):
     maps token ids to a value in [-100, 100] added to their logits before sampling. At most one of
     ``json_schema`` (a JSON Schema, as a dict or JSON text), ``regex``, ``ebnf`` (a grammar whose
     start rule is ``root``) and ``structural_tag`` (xgrammar's format, dict or JSON text) holds
-    the output to a grammar.
+    the output to a grammar. ``prompt_logprobs`` (vLLM's) returns each prompt token's logprob (but
+    the first's) with that many alternatives, in the choice's ``prompt_logprobs``. ``priority``
+    (vLLM's; lower is served first) needs a server run with ``--schedule-policy priority``.
     """
 
     temperature: float
@@ -41,6 +43,8 @@ class SamplingKwargs(TypedDict, total=False):
     n: int
     return_logprob: bool
     top_logprobs_num: int
+    prompt_logprobs: int
+    priority: int
     logit_bias: Mapping[int, float]
     json_schema: str | Mapping[str, Any]
     regex: str

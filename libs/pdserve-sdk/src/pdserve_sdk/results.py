@@ -47,7 +47,8 @@ class Delta:
 
     ``finish_reason``, ``matched_stop`` (the stop string that ended it, ``""`` if none),
     ``matched_stop_token`` (the stop token id that ended it: EOS or one of ``stop_token_ids``; None if
-    none) and ``usage`` are set on the last piece of a choice only.
+    none) and ``usage`` are set on the last piece of a choice only; ``prompt_logprobs`` (prompt
+    tokens 1.., when asked for) on its first piece.
     """
 
     rid: str
@@ -55,6 +56,7 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
     matched_stop_token: int | None = None
@@ -69,6 +71,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
     matched_stop_token: int | None = None
@@ -118,10 +121,8 @@ def delta_from_pb(pb: Any) -> Delta:
         index=pb.index,
         text=pb.text,
         token_ids=tuple(pb.token_ids),
-        logprobs=tuple(
-            TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
-            for lp in pb.logprobs
-        ),
+        logprobs=tuple(_token_logprob(lp) for lp in pb.logprobs),
+        prompt_logprobs=tuple(_token_logprob(lp) for lp in pb.prompt_logprobs),
         finish_reason=_FINISH_REASONS.get(pb.finish_reason),
         matched_stop=pb.matched_stop,
         matched_stop_token=pb.matched_stop_token if pb.HasField("matched_stop_token") else None,
@@ -129,6 +130,10 @@ def delta_from_pb(pb: Any) -> Delta:
         if pb.HasField("usage")
         else None,
     )
+
+
+def _token_logprob(lp: Any) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top))
 
 
 def collect(deltas: Iterable[Delta]) -> GenerateResult:
@@ -142,6 +147,7 @@ def collect(deltas: Iterable[Delta]) -> GenerateResult:
         choice.text += delta.text
         choice.token_ids.extend(delta.token_ids)
         choice.logprobs.extend(delta.logprobs)
+        choice.prompt_logprobs.extend(delta.prompt_logprobs)
         if delta.finish_reason is not None:
             choice.finish_reason, choice.matched_stop = delta.finish_reason, delta.matched_stop
             choice.matched_stop_token = delta.matched_stop_token

@@ -3,10 +3,11 @@
 A Responses request is served by the chat path (``serving_chat.start_chat``): ``instructions``
 become a system message, then come the stored conversation of ``previous_response_id`` and the
 ``input`` items (``items.chat_messages``); ``tools`` (function tools), ``tool_choice``,
-``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``top_logprobs`` and
-``text.format`` map onto the chat fields of the same meaning. Every field is bounded here; unknown
-fields are accepted and ignored (logged), as on the chat endpoint. Fields that do not change the
-output (``metadata``, ``reasoning``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``, ``top_logprobs``,
+``text.format`` and vLLM's ``priority`` map onto the chat fields of the same meaning. Every field
+is bounded here; unknown fields are accepted and ignored (logged), as on the chat endpoint. Fields
+that do not change the output (``metadata``, ``reasoning``, ``service_tier``, ``prompt_cache_key``,
+``safety_identifier``,
 ``user``, ``text.verbosity``, ``stream_options``) are accepted and echoed or ignored; those that
 would and are not served (``background``, ``conversation``, ``prompt``, ``truncation: "auto"``,
 tools other than functions, ``allowed_tools`` choices) are a 400 naming the field.
@@ -19,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from pdserve.sampling.bounds import MAX_GRAMMAR_CHARS, MAX_TOOLS, MAX_TOP_LOGPROBS
+from pdserve.sampling.bounds import MAX_GRAMMAR_CHARS, MAX_PRIORITY, MAX_TOOLS, MAX_TOP_LOGPROBS
 from pdserve.services.gateway.errors import validate_as_body
 from pdserve.services.gateway.openai.protocol import ChatCompletionRequest
 from pdserve.services.gateway.openai.protocol_fields import RequestModel, TokenCount, param_error, unsupported
@@ -133,6 +134,8 @@ class ResponsesRequest(RequestModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: lower is served first; not 0 only under --schedule-policy priority (else 400)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     include: list[Includable] | None = Field(None, max_length=16)
     text: TextConfig = Field(default_factory=TextConfig)
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA)
@@ -201,6 +204,7 @@ class ResponsesRequest(RequestModel):
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs,
             "response_format": self.text.format.response_format(),
+            "priority": self.priority,
         }
         optional = {
             "max_completion_tokens": self.max_output_tokens,
