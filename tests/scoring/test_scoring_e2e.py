@@ -2,46 +2,25 @@
 ``echo`` + ``logprobs`` on /v1/completions (OpenAI's legacy shape, streamed and not, ``max_tokens``
 0 and 1) and vLLM's ``prompt_logprobs`` on completions and chat equal HF transformers' float32
 log_softmax within 1e-4, also when the prompt is in the radix cache; bad values are OpenAI-shaped
-400s. Every scheduler's KV pool is conserved after each test."""
+400s. Every scheduler's KV pool is conserved after each test (the stacks: ``conftest.py``)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 
 from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
-from tests.stack import SERVED_MODEL, Stack, launch_stack
+from tests.scoring.conftest import client
+from tests.stack import SERVED_MODEL
 
 TOL = 1e-4
 TEXT = (
     "Question: What is the capital of France? Answer: Paris is the capital and the largest city of "
     "France, on the river Seine, and it has been a centre of finance, diplomacy and the arts."
 )
-FLAGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--chunked-prefill-size", "32")
-
-
-@pytest.fixture(scope="module", params=["colocated", "pd"])
-def served(request) -> Stack:
-    pd = ("--num-prefill", "1", "--num-decode", "1")
-    topology = ("--colocated",) if request.param == "colocated" else pd
-    stack = launch_stack(*topology, *FLAGS, log_name=f"scoring-{request.param}")
-    stack.extra["topology"] = request.param
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture
-def stack(served: Stack) -> Stack:
-    yield served
-    served.check_kv_conservation()
-
-
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
 
 def prompt_ids() -> list[int]:

@@ -62,6 +62,9 @@ class SamplingParams:
             server speculates (``--speculative-algorithm``): 0 opts out, None takes the server's
             ``--speculative-num-draft-tokens``; it never raises the server's. What the request
             generates does not depend on it (greedy: the same tokens; sampled: the same distribution).
+        embed: also return the prompt's pooled, L2-normalised final hidden states (``/v1/embeddings``;
+            ``pdserve.layers.pooler``); such a request generates exactly one token (``max_new_tokens`` 1),
+            which its client does not read.
     """
 
     temperature: float = 1.0
@@ -90,6 +93,7 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     speculative_num_draft_tokens: int | None = None
+    embed: bool = False
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -202,5 +206,10 @@ class SamplingParams:
                 all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),
                 "logit_bias",
                 f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                not self.embed or self.max_new_tokens == 1,
+                "embed",
+                f"needs max_new_tokens 1 (an embedding generates nothing), got {self.max_new_tokens}",
             ),
         ]

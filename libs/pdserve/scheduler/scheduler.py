@@ -102,7 +102,12 @@ class Scheduler:
             else DecodeManager(self.ledger, self.queue, policy, metrics, self.max_req_tokens, self.speculator)
         )
         limits = RequestLimits(
-            model.vocab_size, model.context_length, self.decode.prompt_room, self.usable_pages, self.page_size
+            model.vocab_size,
+            model.context_length,
+            self.decode.prompt_room,
+            self.usable_pages,
+            self.page_size,
+            model.pooling,
         )
         held = lambda rid: rid in self.prefill.draining
         counts = self.decode.finishes_requests
@@ -254,12 +259,14 @@ class Scheduler:
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
                 req.prompt_logprobs += batch.prompt_logprobs(i)
+                batch.pool(i)
                 self.ledger.cache_unfinished(req)
             elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
                 generated += len(kept[i].token_ids)
                 outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
                 req.prompt_logprobs += batch.prompt_logprobs(i)
+                batch.pool(i)
                 token, logprob = batch.row_token(i, kept)
                 self._append_token(req, token, logprob, now)
                 generated += 1

@@ -247,6 +247,7 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         token_ids=list(out.token_ids),
         logprobs=[_token_logprob(lp) for lp in out.logprobs],
         prompt_logprobs=[_token_logprob(lp) for lp in out.prompt_logprobs],
+        embedding=list(out.embedding),
         finish_reason=_FINISH_FROM_PB.get(out.finish_reason),
         matched_stop=matched,
         error=out.error,
