@@ -105,9 +105,7 @@ def test_wheel_stage_generates_protos_like_make_proto() -> None:
     # One pinned grpcio-tools: the Makefile's, the dev extra's, the image's and the environment's.
     (pin,) = re.findall(r"^GRPC_TOOLS := (grpcio-tools==\S+)$", (REPO / "Makefile").read_text(), re.M)
     assert pin in runs(stages()["wheel"])
-    assert (
-        pin in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
-    )
+    assert pin in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     assert pin == f"grpcio-tools=={importlib.metadata.version('grpcio-tools')}"
 
 
