@@ -75,7 +75,7 @@ def test_strings_base64_and_dimensions(stack):
         ({"input": []}, "input", None),
         ({"input": ["a", ""]}, "input", None),
         ({"input": ["a"] * (MAX_EMBEDDING_INPUTS + 1)}, "input", None),
-        ({"input": [-1]}, "input", None),
+        ({"input": [-1]}, "input.0", None),
         ({"input": [1] * 9000}, "input", "context_length_exceeded"),
         ({"input": "Hi", "dimensions": 0}, "dimensions", None),
         ({"input": "Hi", "dimensions": 577}, "dimensions", None),

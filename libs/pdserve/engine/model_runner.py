@@ -178,14 +178,24 @@ class ModelRunner:
         """Run the batch, write its KV, and sample one next token per request from the logits of
         each request's last computed position; where requests embed (``fb.pooling``), their chunk's
         pooled hidden states beside (``GenerationBatchResult.pooled``)."""
-        fb = forward_batch
-        if fb.pooling is None:
-            return self.sample(fb, self.forward_logits(fb))
-        hidden = self._hidden_states(fb)  # an extend: never a CUDA graph replay
-        pooled = fb.pooling.compute(hidden, fb.extend_start_loc, fb.extend_seq_lens)
-        result = self.sample(fb, self.model.compute_logits(hidden[fb.logits_index]))
+        logits, pooled = self.forward_pooled_logits(forward_batch)
+        result = self.sample(forward_batch, logits)
         result.pooled = pooled
         return result
+
+    @torch.inference_mode()
+    def forward_pooled_logits(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+        """``forward_logits``, and where requests embed (``fb.pooling``) what each one's chunk pools
+        (``PoolingRows.compute``: float32 ``[hidden]`` per request, None for the others); None
+        when none does."""
+        fb = forward_batch
+        if fb.pooling is None:
+            return self.forward_logits(fb), None
+        hidden = self._hidden_states(fb)  # an extend: never a CUDA graph replay
+        pooled = fb.pooling.compute(hidden, fb.extend_start_loc, fb.extend_seq_lens)
+        return self.model.compute_logits(hidden[fb.logits_index]), pooled
 
     @torch.inference_mode()
     def forward_logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
