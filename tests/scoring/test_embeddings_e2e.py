@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from pdserve_sdk import Client, InvalidRequestError
 
 from pdserve.sampling.bounds import MAX_EMBEDDING_INPUTS
 from tests.reference import context_length, hf_embedding, hf_tokenizer
@@ -66,6 +67,19 @@ def test_strings_base64_and_dimensions(stack):
     cut = embed(stack, SHORT, dimensions=64, encoding_format="float").data[0].embedding
     expected = torch.nn.functional.normalize(torch.tensor(floats[:64]), dim=0)
     assert len(cut) == 64 and (torch.tensor(cut) - expected).abs().max().item() < 1e-6
+
+
+def test_the_grpc_api_embeds_as_http(stack):
+    ids = hf_tokenizer()(SHORT)["input_ids"]
+    http = embed(stack, [SHORT, LONG], encoding_format="float")
+    with Client(stack.grpc_address) as sdk:
+        out = sdk.embed([SHORT, LONG])
+        assert [list(v) for v in out.embeddings] == [d.embedding for d in http.data]
+        assert out.prompt_tokens == http.usage.prompt_tokens
+        cut = sdk.embed([ids], dimensions=64).embeddings[0]
+        assert list(cut) == embed(stack, ids, dimensions=64, encoding_format="float").data[0].embedding
+        with pytest.raises(InvalidRequestError):
+            sdk.embed([], timeout=60)
 
 
 @pytest.mark.parametrize(

@@ -169,10 +169,9 @@ class Scheduler:
     def waiting_for_kv(self, rid: str) -> Req | None:
         return self.prefill.get(rid)
 
-    def kv_ready(
-        self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0, prompt=()
-    ):
-        return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes, prompt)
+    def kv_ready(self, rid: str, first_token_id: int, *received) -> StepOutput | None:
+        """``RemotePrefill.kv_ready``: the first token, then what else the prefill worker sent."""
+        return self.prefill.kv_ready(rid, first_token_id, *received)
 
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         return self.prefill.kv_failed(rid, error, retryable)

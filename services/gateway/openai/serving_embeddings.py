@@ -30,6 +30,7 @@ from pdserve.services.gateway.errors import GatewayError, invalid_request
 from pdserve.services.gateway.io_struct import GenerateReqInput, SamplingParams
 from pdserve.services.gateway.openai.protocol_fields import RequestModel, TokenId
 from pdserve.services.gateway.openai.serving_common import (
+    ChoiceResult,
     ServingContext,
     collect,
     log_unknown_fields,
@@ -70,6 +71,11 @@ class EmbeddingRequest(RequestModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def generate_req(self, rid: str) -> GenerateReqInput:
+        """The runtime request: each input prefilled once, pooled, with one greedy token it drops."""
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=1, embed=True)
+        return GenerateReqInput(rid, self.inputs(), sampling)
+
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
@@ -89,9 +95,20 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-def shaped(vector: list[float], dimensions: int | None, encoding_format: str) -> list[float] | str:
-    """``vector`` cut to its first ``dimensions`` values and L2-normalised again (None: whole), as
-    floats or as the base64 of its little-endian float32 bytes.
+def vectors(results: list[ChoiceResult], dimensions: int | None) -> list[list[float]]:
+    """Each input's embedding (in input order) from its choice, cut to ``dimensions`` (``truncated``).
+
+    Raises:
+        GatewayError: 500 when the runtime returned no embedding; ``truncated``'s 400.
+    """
+    if any(not r.embedding for r in results):
+        raise GatewayError(500, "the runtime returned no embedding")
+    return [truncated(r.embedding, dimensions) for r in sorted(results, key=lambda r: r.index)]
+
+
+def truncated(vector: list[float], dimensions: int | None) -> list[float]:
+    """``vector`` cut to its first ``dimensions`` values and L2-normalised again in float32 (None:
+    whole).
 
     Raises:
         GatewayError: 400 naming ``dimensions`` when it exceeds the vector's length (the model's
@@ -106,6 +123,11 @@ def shaped(vector: list[float], dimensions: int | None, encoding_format: str) ->
         values = np.asarray(vector[:dimensions], dtype=np.float32)
         norm = float(np.sqrt(np.dot(values.astype(np.float64), values)))
         vector = (values / np.float32(norm) if norm > 0 and math.isfinite(norm) else values).tolist()
+    return vector
+
+
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """``vector`` as floats, or as the base64 of its little-endian float32 bytes."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
@@ -122,16 +144,12 @@ class OpenAIServingEmbedding:
         self.ctx.check_model(body.model)
         rid = request_id(request)
         log_unknown_fields(rid, body.unknown_fields())
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=1, embed=True)
-        handle = await submit(request, self.ctx.manager, GenerateReqInput(rid, body.inputs(), sampling))
+        handle = await submit(request, self.ctx.manager, body.generate_req(rid))
         results = await collect(request, handle)
-        data = []
-        for r in results:
-            if not r.embedding:
-                raise GatewayError(500, "the runtime returned no embedding")
-            data.append(
-                Embedding(index=r.index, embedding=shaped(r.embedding, body.dimensions, body.encoding_format))
-            )
+        data = [
+            Embedding(index=i, embedding=encoded(v, body.encoding_format))
+            for i, v in enumerate(vectors(results, body.dimensions))
+        ]
         tokens = sum(handle.prompt_tokens)
         response = EmbeddingResponse(
             data=data,

@@ -275,6 +275,24 @@ def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, li
         start += n
 
 
+def embed_fields(request: api_pb2.EmbedRequest) -> dict[str, Any]:
+    """``request`` as the JSON fields of /v1/embeddings (``texts`` and ``input_ids`` as one ``input``
+    list: texts first; a mix of both, or neither, the model refuses)."""
+    fields: dict[str, Any] = {"model": request.model, "input": list(request.texts)}
+    fields["input"] += [list(t.ids) for t in request.input_ids]
+    if request.dimensions:
+        fields["dimensions"] = request.dimensions
+    return fields
+
+
+def embed_response_to_pb(vectors: list[list[float]], prompt_tokens: int) -> api_pb2.EmbedResponse:
+    """The public API's answer: each input's vector, in order, and the prompt tokens of all."""
+    return api_pb2.EmbedResponse(
+        data=[api_pb2.Embedding(index=i, values=v) for i, v in enumerate(vectors)],
+        usage=api_pb2.Usage(prompt_tokens=prompt_tokens),
+    )
+
+
 def generate_response_to_pb(rid: str, delta: ChoiceDelta) -> api_pb2.GenerateResponse:
     """The public API's streamed piece for ``delta``; usage is set on a choice's last piece."""
     resp = api_pb2.GenerateResponse(
