@@ -2,8 +2,9 @@
 32-token prefill chunks), read by the official ``openai`` client: last-token pooling (the default
 model has no sentence-transformers config) equals HF transformers' normalised ``last_hidden_state``
 within 1e-5; an input's vector is bit-identical alone and in a batch of several inputs; base64 is
-the same float32 values; ``dimensions`` truncates and re-normalises; bad input is an OpenAI-shaped
-400. Every scheduler's KV pool is conserved after each test."""
+the same float32 values; ``dimensions`` truncates and re-normalises; the public gRPC API's Embed
+(through the SDK) returns the same vectors; bad input is an OpenAI-shaped 400. Every scheduler's KV
+pool is conserved after each test."""
 
 from __future__ import annotations
 
