@@ -29,6 +29,14 @@ def hf_prompt_logprobs(prompt: tuple[int, ...]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)[:-1]
 
 
+def hf_embedding(prompt: list[int]) -> torch.Tensor:
+    """float32 ``[H]``: HF's ``last_hidden_state`` (after the final norm) at the last position of
+    ``prompt``, L2-normalised: the embedding of last-token pooling (``pdserve.layers.pooler``)."""
+    with torch.no_grad():
+        hidden = hf_model().model(torch.tensor([prompt])).last_hidden_state[0, -1].float()
+    return torch.nn.functional.normalize(hidden, dim=0)
+
+
 @functools.cache
 def context_length() -> int:
     """``max_position_embeddings`` of the default model's config.json."""

@@ -45,6 +45,7 @@ _PLAIN_FIELDS = (
     "return_logprob",
     "top_logprobs_num",
     "priority",
+    "embed",
 )
 
 
@@ -144,6 +145,7 @@ def prefill_response_to_pb(req: Req, transferred_bytes: int) -> scheduler_pb2.Pr
         token, logprob, top = req.output_logprobs[-1]
         response.first_logprob.CopyFrom(token_logprob_to_pb(token, logprob, top))
     response.prompt_logprobs.extend(token_logprob_to_pb(*lp) for lp in req.prompt_logprobs)
+    response.embedding.extend(req.embedding)
     return response
 
 
@@ -154,7 +156,9 @@ def kv_ready_from_pb(rid: str, pb: scheduler_pb2.PrefillResponse) -> KVReady:
         lp = pb.first_logprob
         logprob = (lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
     prompt = [token_logprob_from_pb(lp) for lp in pb.prompt_logprobs]
-    return KVReady(rid, pb.first_token_id, logprob, pb.cached_tokens, pb.transferred_bytes, prompt)
+    return KVReady(
+        rid, pb.first_token_id, logprob, pb.cached_tokens, pb.transferred_bytes, prompt, list(pb.embedding)
+    )
 
 
 def finish_reason_from_pb(value: int) -> FinishReason:
@@ -226,6 +230,7 @@ def token_output_to_pb(
         out.min_new_tokens = params.min_new_tokens or 0
         out.traceparent = tracing.traceparent(req)
         out.prompt_logprobs.extend(token_logprob_to_pb(*lp) for lp in req.prompt_logprobs)
+        out.embedding.extend(req.embedding)
     return out
 
 

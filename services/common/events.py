@@ -92,6 +92,8 @@ class KVReady:
     transferred_bytes: int
     # the prompt logprobs prefill computed, when asked (``Req.prompt_logprobs``)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # the embedding prefill pooled, when asked (``Req.embedding``)
+    embedding: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -89,6 +89,7 @@ class PrefillCoordinator:
             event.cached_tokens,
             event.transferred_bytes,
             event.prompt_logprobs,
+            event.embedding,
         )
         return [out] if out is not None else []  # (none: it ended meanwhile)
 

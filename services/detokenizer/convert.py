@@ -121,6 +121,7 @@ def to_str_output(out: output_pb2.TokenIDOutput, delta: TextDelta, index: int) -
         token_ids=out.token_ids,
         logprobs=out.logprobs,
         prompt_logprobs=out.prompt_logprobs,
+        embedding=out.embedding,
         finish_reason=common_pb2.FINISH_REASON_STOP if stopped else out.finish_reason,
         matched_stop=delta.matched_stop or "",
         matched_stop_token=0 if stopped else out.matched_stop_token,

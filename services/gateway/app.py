@@ -53,6 +53,7 @@ from pdserve.services.gateway.openai.responses.store import ResponseStore
 from pdserve.services.gateway.openai.serving_chat import OpenAIServingChat
 from pdserve.services.gateway.openai.serving_common import ServingContext
 from pdserve.services.gateway.openai.serving_completions import OpenAIServingCompletion
+from pdserve.services.gateway.openai.serving_embeddings import EmbeddingRequest, OpenAIServingEmbedding
 from pdserve.services.gateway.openai.serving_generate import NativeServing
 from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
 from pdserve.services.gateway.routing.workers import WorkerPool
@@ -61,7 +62,7 @@ from pdserve.services.gateway.transport.backend_clients import BackendClients
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = (
-    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate",
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/generate",
     "/tokenize", "/detokenize", "/health", "/metrics",
 )  # fmt: skip
 
@@ -91,6 +92,7 @@ def build_app(
     app = FastAPI(title="pdserve gateway", strict_content_type=False, telemetry=tracing.HTTP_TELEMETRY)
     chat = OpenAIServingChat(state.ctx)
     completions = OpenAIServingCompletion(state.ctx)
+    embeddings = OpenAIServingEmbedding(state.ctx)
     native = NativeServing(state.ctx)
     responses = OpenAIServingResponses(state.ctx, state.responses)
 
@@ -110,6 +112,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings.create(body, request)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:

@@ -48,6 +48,7 @@ class SamplingParams:
     structural_tag: str | None = None
     speculative_num_draft_tokens: int | None = None
     priority: int = 0  # lower is served first (--schedule-policy priority)
+    embed: bool = False  # return the prompt's embedding (``/v1/embeddings``; max_new_tokens 1)
 
 
 @dataclass(slots=True)
@@ -118,7 +119,8 @@ class ChoiceDelta:
     ``text`` and ``token_ids`` are deltas; the token counts are totals so far. ``finish_reason`` is
     set on the last piece of a choice only; ``prompt_tokens`` is the gateway's own count of the ids
     it sent. ``prompt_logprobs`` (on a choice's first piece, when asked) score prompt tokens 1.. in
-    order (token 0 has none).
+    order (token 0 has none); so does ``embedding`` (float32 ``[hidden]``, L2-normalised) where the
+    request embeds its prompt.
     """
 
     index: int
@@ -126,6 +128,7 @@ class ChoiceDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str = ""

@@ -4,6 +4,8 @@ request at each bound is taken."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.sampling import bounds
@@ -76,6 +78,7 @@ OUT_OF_BOUNDS = {
     "top_p-zero": ("top_p", lambda v: {"top_p": 0.0}),
     "repetition_penalty-inf": ("repetition_penalty", lambda v: {"repetition_penalty": float("inf")}),
     "presence_penalty": ("presence_penalty", lambda v: {"presence_penalty": 2.5}),
+    "embed-generating": ("embed", lambda v: {"embed": True}),  # an embedding generates 1 token only
 }
 
 
@@ -108,3 +111,17 @@ def test_add_request_takes_every_field_at_its_bound(sched, vocab) -> None:
     assert sched.abort_request("edge") and sched.abort_request("edge-low")
     assert len(sched.pop_aborted()) == 2
     sched.check_invariants()
+
+
+def test_add_request_refuses_an_embedding_where_the_models_pooling_is_not_served(sched) -> None:
+    limits = sched.reqs.limits
+    sched.reqs.limits = dataclasses.replace(limits, pooling=None)  # a sentence-transformers cls model
+    try:
+        with pytest.raises(BoundError) as info:
+            sched.add_request(
+                Req("emb", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=1, embed=True))
+            )
+        assert info.value.field == "embed"
+        assert not sched.reqs and not sched.queue.waiting
+    finally:
+        sched.reqs.limits = limits

@@ -3,54 +3,28 @@
 0 and 1) and vLLM's ``prompt_logprobs`` on completions and chat equal HF transformers' float32
 log_softmax within 1e-4, also when the prompt is in the radix cache; ``prompt_logprobs`` on native
 /generate and the gRPC API (through the SDK) equal the completions' values; bad values are
-OpenAI-shaped 400s. Every scheduler's KV pool is conserved after each test.
-
-The stack runs ``--schedule-policy priority``, so requests with a ``priority`` travel through the
-gateway and, in PD, both schedulers (each of which refuses a priority other than 0 under another
-policy)."""
+OpenAI-shaped 400s. Every scheduler's KV pool is conserved after each test (the stacks: ``conftest.py``,
+run with ``--schedule-policy priority``, so requests with a ``priority`` travel through the gateway
+and, in PD, both schedulers, each of which refuses a priority other than 0 under another policy)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 from pdserve_sdk import Client
 
 from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
-from tests.stack import SERVED_MODEL, Stack, launch_stack
+from tests.scoring.conftest import client
+from tests.stack import SERVED_MODEL
 
 TOL = 1e-4
 TEXT = (
     "Question: What is the capital of France? Answer: Paris is the capital and the largest city of "
     "France, on the river Seine, and it has been a centre of finance, diplomacy and the arts."
 )
-FLAGS = (
-    *("--dtype", "float32", "--max-total-tokens", "8192", "--chunked-prefill-size", "32"),
-    *("--schedule-policy", "priority"),
-)
-
-
-@pytest.fixture(scope="module", params=["colocated", "pd"])
-def served(request) -> Stack:
-    pd = ("--num-prefill", "1", "--num-decode", "1")
-    topology = ("--colocated",) if request.param == "colocated" else pd
-    stack = launch_stack(*topology, *FLAGS, log_name=f"scoring-{request.param}")
-    stack.extra["topology"] = request.param
-    yield stack
-    stack.stop()
-
-
-@pytest.fixture
-def stack(served: Stack) -> Stack:
-    yield served
-    served.check_kv_conservation()
-
-
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
 
 def prompt_ids() -> list[int]:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pdserve.layers.pooler import PoolingRows
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from pdserve.sampling.draft_rows import DraftRows
 from pdserve.sampling.prompt_logprobs import PromptLogprobRows
@@ -78,6 +79,8 @@ class ForwardBatch:
         prompt_logprobs: which logits rows score prompt tokens (requests that asked for prompt
             logprobs have logits at every position of their chunk, and sample from the last), else
             None (``pdserve.sampling.prompt_logprobs``).
+        pooling: which requests pool their chunk's hidden states into an embedding, else None
+            (``pdserve.layers.pooler``).
     """
 
     forward_mode: ForwardMode
@@ -100,6 +103,7 @@ class ForwardBatch:
     token_to_kv_pool: KVPool
     attn_backend: BatchAttention
     prompt_logprobs: PromptLogprobRows | None = None
+    pooling: PoolingRows | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -126,6 +130,7 @@ class ForwardBatch:
         top_logprobs_nums: list[int] | None = None,
         draft_rows: DraftRows | None = None,
         prompt_logprobs: PromptLogprobRows | None = None,
+        pooling: PoolingRows | None = None,
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
@@ -227,4 +232,5 @@ class ForwardBatch:
             token_to_kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
             prompt_logprobs=prompt_logprobs,
+            pooling=pooling,
         )

@@ -11,6 +11,7 @@ import torch
 
 from pdserve.distributed import head_shard
 from pdserve.layers.native import cpu_has
+from pdserve.layers.pooler import model_pooling
 from pdserve.model_source import capped_context_length
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +49,8 @@ class ModelConfig:
             layers attend their window of it: ``RadixAttention.sliding_window``).
         eos_token_ids: ids that end generation (config.json and generation_config.json).
         dtype: weight, activation and KV dtype.
+        pooling: how ``/v1/embeddings`` pools its hidden states (``pdserve.layers.pooler.model_pooling``:
+            ``last``, ``mean``, or None where the checkpoint's pooling is not served).
         tp_size / tp_rank: the tensor-parallel ranks the model is split over and the one this
             config describes; ``num_heads`` / ``num_kv_heads`` are the whole model's,
             ``num_local_heads`` / ``num_local_kv_heads`` this rank's (what its attention backend and
@@ -67,6 +70,7 @@ class ModelConfig:
     dtype: torch.dtype
     tp_size: int = 1
     tp_rank: int = 0
+    pooling: str | None = "last"
 
     @property
     def num_local_heads(self) -> int:
@@ -123,6 +127,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, device),
             tp_size=tp_size,
             tp_rank=tp_rank,
+            pooling=model_pooling(model_path),
         )
 
 

@@ -176,8 +176,26 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_batch_generation(self, forward_batch: ForwardBatch) -> GenerationBatchResult:
         """Run the batch, write its KV, and sample one next token per request from the logits of
-        each request's last computed position."""
-        return self.sample(forward_batch, self.forward_logits(forward_batch))
+        each request's last computed position; where requests embed (``fb.pooling``), their chunk's
+        pooled hidden states beside (``GenerationBatchResult.pooled``)."""
+        logits, pooled = self.forward_pooled_logits(forward_batch)
+        result = self.sample(forward_batch, logits)
+        result.pooled = pooled
+        return result
+
+    @torch.inference_mode()
+    def forward_pooled_logits(
+        self, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+        """``forward_logits``, and where requests embed (``fb.pooling``) what each one's chunk pools
+        (``PoolingRows.compute``: float32 ``[hidden]`` per request, None for the others); None
+        when none does."""
+        fb = forward_batch
+        if fb.pooling is None:
+            return self.forward_logits(fb), None
+        hidden = self._hidden_states(fb)  # an extend: never a CUDA graph replay
+        pooled = fb.pooling.compute(hidden, fb.extend_start_loc, fb.extend_seq_lens)
+        return self.model.compute_logits(hidden[fb.logits_index]), pooled
 
     @torch.inference_mode()
     def forward_logits(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -196,9 +214,13 @@ class ModelRunner:
         fb = forward_batch
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return None, self.cuda_graph_runner.replay(fb)
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)[fb.logits_index]
+        hidden = self._hidden_states(fb)[fb.logits_index]
         return hidden, self.model.compute_logits(hidden)
+
+    def _hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
+        """The final (normed) hidden states ``[T, hidden]`` of every token of the batch."""
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()
     def sample(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:

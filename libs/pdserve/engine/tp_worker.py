@@ -63,9 +63,11 @@ class TpModelWorker:
         if self.tp.size == 1:
             return self.runner.forward_batch_generation(forward_batch)
         fb = forward_batch
-        logits = self.runner.forward_logits(fb)
+        logits, pooled = self.runner.forward_pooled_logits(fb)
         result = self.runner.sample(fb, logits) if self.tp.is_driver else None
-        return self._broadcast(result, fb)
+        result = self._broadcast(result, fb)
+        result.pooled = pooled  # every rank's own: the hidden states are all-reduced, the same on each
+        return result
 
     def _broadcast(self, result: GenerationBatchResult | None, fb: ForwardBatch) -> GenerationBatchResult:
         """Rank 0's result on every rank, as one float64 ``[N, 1 (+1 + 2k)]`` tensor (a row per logits

@@ -55,6 +55,7 @@ MAX_TOP_LOGPROBS = 20
 # prompt logprobs (echo + logprobs, prompt_logprobs): a prompt of at most this many tokens (each
 # position returns up to MAX_TOP_LOGPROBS + 1 entries, computed as [chunk, vocab] float32 logits)
 MAX_PROMPT_LOGPROB_TOKENS = 4096
+MAX_EMBEDDING_INPUTS = 256  # inputs of one /v1/embeddings request (OpenAI allows 2048)
 MAX_LOGIT_BIAS = 100.0
 MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY] (lower is served first)
 MAX_LOGIT_BIAS_ENTRIES = 1024

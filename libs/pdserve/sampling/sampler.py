@@ -36,6 +36,8 @@ class GenerationBatchResult:
             when no request asked for any.
         prompt_logprobs: per request, the prompt tokens its chunk scored (token id, logprob, top
             pairs; ``pdserve.sampling.prompt_logprobs``); None when no request of the batch asked.
+        pooled: per request, what its chunk pooled (float32 ``[H]`` tensors, None for a request
+            that does not embed; ``pdserve.layers.pooler``); None when no request of the batch embeds.
     """
 
     next_token_ids: list[int]
@@ -43,6 +45,7 @@ class GenerationBatchResult:
     next_token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[PromptLogprob]] | None = None
+    pooled: list[torch.Tensor | None] | None = None
 
 
 class Sampler:

@@ -67,6 +67,9 @@ class SamplingParams:
             lower is served first, and may preempt a running request of higher value), in
             [-1000, 1000]; 0 under every other policy. Carried here so that it travels wherever
             the request does (gateway, decode and prefill workers); it does not change sampling.
+        embed: also return the prompt's pooled, L2-normalised final hidden states (``/v1/embeddings``;
+            ``pdserve.layers.pooler``); such a request generates exactly one token (``max_new_tokens`` 1),
+            which its client does not read.
     """
 
     temperature: float = 1.0
@@ -96,6 +99,7 @@ class SamplingParams:
     structural_tag: str | None = None
     speculative_num_draft_tokens: int | None = None
     priority: int = 0
+    embed: bool = False
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -213,5 +217,10 @@ class SamplingParams:
                 all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),
                 "logit_bias",
                 f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                not self.embed or self.max_new_tokens == 1,
+                "embed",
+                f"needs max_new_tokens 1 (an embedding generates nothing), got {self.max_new_tokens}",
             ),
         ]

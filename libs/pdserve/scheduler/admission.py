@@ -11,9 +11,10 @@ prefix of at least ``IN_BATCH_PREFIX_TOKENS`` with a request whose prompt KV is 
 waits for that KV to enter the radix cache, then extends (or in PD, transfers) only its own suffix,
 instead of both computing, and both shipping, the shared part side by side.
 
-A request that wants prompt logprobs (``Req.scores_prompt``) matches nothing where its prompt is
-computed (the mixed and prefill roles), because a cached prefix would skip the
-very positions whose logits it asks for (vLLM skips the prefix cache for such requests too); its KV
+A request that wants prompt logprobs or an embedding (``Req.computes_whole_prompt``) matches nothing
+where its prompt is computed (the mixed and prefill roles), because a cached prefix would skip the
+very positions whose logits or hidden states it asks for (vLLM skips the prefix cache for such
+requests too); its KV
 enters the cache afterwards as any other's. A PD decode worker matches as usual: its prefill
 worker computes the whole prompt, and only the pages decode lacks are written.
 """
@@ -125,7 +126,7 @@ class Admission:
         return max(0, self.ledger.pages_for(min(tokens, self.max_req_tokens)) - len(req.pages))
 
     def _computes_whole_prompt(self, req: Req) -> bool:
-        return self.scores_prompts and req.scores_prompt
+        return self.scores_prompts and req.computes_whole_prompt
 
     def _waits_for_shared_prefix(self, req: Req, in_flight: list[Req]) -> bool:
         if not self.share_prefixes or not in_flight or self._computes_whole_prompt(req):

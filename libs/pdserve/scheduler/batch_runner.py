@@ -114,6 +114,7 @@ def _select(fb: ForwardBatch, rows: list[int], runner) -> ForwardBatch:
         runner=runner,
         logits_lens=None if fb.prompt_logprobs is None else fb.logits_lens[idx],
         prompt_logprobs=None if fb.prompt_logprobs is None else fb.prompt_logprobs.select(rows),
+        pooling=None if fb.pooling is None else fb.pooling.select(rows),
     )
 
 
@@ -126,9 +127,12 @@ def _merge(
     logprobs: list[float] | None = None
     tops: list[list[tuple[int, float]]] | None = None
     prompts = [[] for _ in range(n)] if batch.forward_batch.prompt_logprobs is not None else None
+    pooled = [None] * n if batch.forward_batch.pooling is not None else None
     for row, (result, j) in results.items():
         if prompts is not None:
             prompts[row] = result.prompt_logprobs[j]
+        if pooled is not None:
+            pooled[row] = result.pooled[j]
         ids[row] = result.next_token_ids[j]
         if result.next_token_logprobs is not None:
             logprobs = logprobs or [0.0] * n
@@ -138,7 +142,7 @@ def _merge(
             tops[row] = result.top_logprobs[j]
     device = batch.forward_batch.input_ids.device
     ids_tensor = torch.tensor(ids, dtype=torch.int64, device=device)
-    return GenerationBatchResult(ids, ids_tensor, logprobs, tops, prompts)
+    return GenerationBatchResult(ids, ids_tensor, logprobs, tops, prompts, pooled)
 
 
 def _fail_all(batch: ScheduleBatch, error: Exception) -> None:

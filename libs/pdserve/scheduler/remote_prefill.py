@@ -88,10 +88,12 @@ class RemotePrefill:
         cached_tokens: int = 0,
         transferred_bytes: int = 0,
         prompt_logprobs=(),
+        embedding=(),
     ) -> StepOutput | None:
         """A prefill worker wrote ``rid``'s prompt KV into our pages (``transferred_bytes``; its cache
         held ``cached_tokens`` of the prompt) and sampled its next token (under the request's grammar,
-        if any: our own matcher advances by it), with the prompt logprobs it computed when asked.
+        if any: our own matcher advances by it), with the prompt logprobs and the embedding it
+        computed when asked.
         The request leaves the stage to decode; None if it no longer waits for its KV (it ended
         meanwhile)."""
         req = self.waiting_for_kv.pop(rid, None)
@@ -99,6 +101,8 @@ class RemotePrefill:
             return None
         if req.scores_prompt:
             req.prompt_logprobs = list(prompt_logprobs)
+        if req.embeds_prompt:
+            req.embedding = list(embedding)
         self.metrics.kv_transfer_bytes.inc(transferred_bytes)
         req.cached_tokens = max(req.cached_tokens, cached_tokens)
         req.num_computed = len(req.fill_ids)

@@ -81,6 +81,10 @@ class Req:
     output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # prompt tokens 1.. scored so far (``sampling_params.prompt_logprobs``), sent with the first output
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # ``sampling_params.embed``: what its prompt's chunks pooled so far (float32 [H]), then the
+    # L2-normalised embedding, sent with the first output (``pdserve.layers.pooler``)
+    pooled: Any = None
+    embedding: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     matched_stop_token: int | None = None
     error: str = ""
@@ -120,6 +124,17 @@ class Req:
         """Its prompt's extend must return prompt logprobs: asked for, and not yet computed (a
         request retracted after its first token extends again without them)."""
         return self.sampling_params.prompt_logprobs is not None and not self.output_ids
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt's extend must compute every position, not a cached prefix's: it scores its
+        prompt, or it embeds it (a mean pools every position's hidden state)."""
+        return self.scores_prompt or self.embeds_prompt
+
+    @property
+    def embeds_prompt(self) -> bool:
+        """Its prompt's extend must pool an embedding (``sampling_params.embed``), not yet made."""
+        return self.sampling_params.embed and not self.output_ids
 
     @property
     def seq_len(self) -> int:

@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
+from pdserve.layers.pooler import PoolingRows, accumulate, finish
 from pdserve.sampling.prompt_logprobs import PromptLogprob, PromptLogprobRows, chunk_targets
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -145,6 +146,19 @@ class ScheduleBatch:
         scored = self.result.prompt_logprobs
         return scored[i] if scored is not None else []
 
+    def pool(self, i: int) -> None:
+        """Add what row ``i``'s chunk pooled to its request's ``pooled`` (``pdserve.layers.pooler``),
+        and on the prompt's last chunk make its ``embedding``."""
+        pooled = self.result.pooled
+        if pooled is None or pooled[i] is None:
+            return
+        req, pooling = self.reqs[i], self.forward_batch.pooling.kinds[i]
+        if self.prefix_lens[i] == 0:  # its prompt's first chunk (again, after a retraction)
+            req.pooled = None
+        req.pooled = accumulate(req.pooled, pooled[i], pooling)
+        if self.samples[i]:
+            req.embedding, req.pooled = finish(req.pooled, pooling, len(req.origin_input_ids)), None
+
     def is_last_chunk(self, i: int) -> bool:
         """True when step ``i`` completes the request's fill, so its sampled token counts."""
         return self.samples[i]
@@ -209,6 +223,11 @@ class ScheduleBatch:
         else:
             sampling_info = SamplingBatchInfo.build(params, **rows)
         prompt_rows = self._prompt_logprob_rows(logits_lens)
+        pooling = runner.model_config.pooling
+        kinds = [
+            pooling if i < self.num_extend and r.embeds_prompt else None for i, r in enumerate(self.reqs)
+        ]
+        pooling_rows = PoolingRows(kinds) if any(kinds) else None
         prefix = torch.tensor(self.prefix_lens, dtype=torch.int64)
         extend = torch.tensor(self.extend_lens, dtype=torch.int64)
         self.forward_batch = ForwardBatch.init_new(
@@ -225,6 +244,7 @@ class ScheduleBatch:
             draft_rows=draft_rows,
             runner=runner,
             prompt_logprobs=prompt_rows,
+            pooling=pooling_rows,
         )
 
     def _prompt_logprob_rows(self, logits_lens: list[int] | None) -> PromptLogprobRows | None:

@@ -103,7 +103,12 @@ class Scheduler:
             else DecodeManager(self.ledger, self.queue, policy, metrics, self.max_req_tokens, self.speculator)
         )
         limits = RequestLimits(
-            model.vocab_size, model.context_length, self.decode.prompt_room, self.usable_pages, self.page_size
+            model.vocab_size,
+            model.context_length,
+            self.decode.prompt_room,
+            self.usable_pages,
+            self.page_size,
+            model.pooling,
         )
         held = lambda rid: rid in self.prefill.draining
         counts = self.decode.finishes_requests
@@ -175,10 +180,9 @@ class Scheduler:
     def waiting_for_kv(self, rid: str) -> Req | None:
         return self.prefill.get(rid)
 
-    def kv_ready(
-        self, rid: str, first_token_id: int, logprob=None, cached_tokens=0, transferred_bytes=0, prompt=()
-    ):
-        return self.prefill.kv_ready(rid, first_token_id, logprob, cached_tokens, transferred_bytes, prompt)
+    def kv_ready(self, rid: str, first_token_id: int, *received) -> StepOutput | None:
+        """``RemotePrefill.kv_ready``: the first token, then what else the prefill worker sent."""
+        return self.prefill.kv_ready(rid, first_token_id, *received)
 
     def kv_failed(self, rid: str, error: str, retryable: bool = False) -> StepOutput | None:
         return self.prefill.kv_failed(rid, error, retryable)
@@ -267,12 +271,14 @@ class Scheduler:
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
                 req.prompt_logprobs += batch.prompt_logprobs(i)
+                batch.pool(i)
                 self.ledger.cache_unfinished(req)
             elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
                 generated += len(kept[i].token_ids)
                 outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
                 req.prompt_logprobs += batch.prompt_logprobs(i)
+                batch.pool(i)
                 token, logprob = batch.row_token(i, kept)
                 self._append_token(req, token, logprob, now)
                 generated += 1

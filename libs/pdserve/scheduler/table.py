@@ -38,6 +38,7 @@ class RequestLimits:
         prompt_room: positions a prompt must leave free in the context (1 on a prefill worker, whose
             decode worker goes on from the token it samples).
         usable_pages / page_size: the KV pool, which must hold the prompt and its first token.
+        pooling: the model's embedding pooling (``ModelConfig.pooling``; None: it serves no embeddings).
     """
 
     vocab_size: int
@@ -45,6 +46,7 @@ class RequestLimits:
     prompt_room: int
     usable_pages: int
     page_size: int
+    pooling: str | None = "last"
 
 
 class RequestTable(Mapping[str, Req]):
@@ -106,8 +108,9 @@ class RequestTable(Mapping[str, Req]):
                 a grammar and no grammar backend; or (``BoundError``, naming the field) a sampling
                 parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary,
                 stop or bias token ids outside it, grammar text over its size, prompt logprobs of
-                a prompt over ``MAX_PROMPT_LOGPROB_TOKENS`` and a priority other than 0 under a
-                policy other than ``priority`` (vLLM refuses it too) included.
+                a prompt over ``MAX_PROMPT_LOGPROB_TOKENS``, a priority other than 0 under a
+                policy other than ``priority`` (vLLM refuses it too), and an embedding (``embed``,
+                which needs ``max_new_tokens`` 1) of a model whose pooling is not served included.
         """
         self.queue.check_room()
         lim = self.limits
@@ -128,6 +131,8 @@ class RequestTable(Mapping[str, Req]):
                 "prompt_logprobs",
                 f"needs a prompt of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens, got {len(prompt)}",
             )
+        if req.sampling_params.embed and lim.pooling is None:
+            raise BoundError("embed", "this model's sentence-transformers pooling mode is not served")
         if len(prompt) + lim.prompt_room > lim.context_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; context length is {lim.context_len}")
         if -(-(len(prompt) + 1) // lim.page_size) > lim.usable_pages:

@@ -152,6 +152,7 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    embedding: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     completion_tokens: int = 0
@@ -165,6 +166,7 @@ class ChoiceResult:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.prompt_logprobs += delta.prompt_logprobs
+        self.embedding += delta.embedding
         self.completion_tokens = max(delta.completion_tokens, len(self.token_ids))
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None:

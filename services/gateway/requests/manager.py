@@ -206,7 +206,7 @@ class RequestManager:
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
             admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
-            param = "messages" if isinstance(given, ChatPrompt) else "prompt"
+            param = "messages" if isinstance(given, ChatPrompt) else "input" if sp.embed else "prompt"
             admission.check_prompt_logprobs(obj, len(prompt.input_ids), param)
             max_new = admission.max_new_tokens(
                 obj, len(prompt.input_ids), info.context_length, self.config.default_max_tokens, param

@@ -247,6 +247,7 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         token_ids=list(out.token_ids),
         logprobs=[_token_logprob(lp) for lp in out.logprobs],
         prompt_logprobs=[_token_logprob(lp) for lp in out.prompt_logprobs],
+        embedding=list(out.embedding),
         finish_reason=_FINISH_FROM_PB.get(out.finish_reason),
         matched_stop=matched,
         error=out.error,
@@ -277,6 +278,24 @@ def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, li
     for rid, text, n, completion in rows:
         yield rid, text, ids[start : start + n], completion
         start += n
+
+
+def embed_fields(request: api_pb2.EmbedRequest) -> dict[str, Any]:
+    """``request`` as the JSON fields of /v1/embeddings (``texts`` and ``input_ids`` as one ``input``
+    list: texts first; a mix of both, or neither, the model refuses)."""
+    fields: dict[str, Any] = {"model": request.model, "input": list(request.texts)}
+    fields["input"] += [list(t.ids) for t in request.input_ids]
+    if request.dimensions:
+        fields["dimensions"] = request.dimensions
+    return fields
+
+
+def embed_response_to_pb(vectors: list[list[float]], prompt_tokens: int) -> api_pb2.EmbedResponse:
+    """The public API's answer: each input's vector, in order, and the prompt tokens of all."""
+    return api_pb2.EmbedResponse(
+        data=[api_pb2.Embedding(index=i, values=v) for i, v in enumerate(vectors)],
+        usage=api_pb2.Usage(prompt_tokens=prompt_tokens),
+    )
 
 
 def generate_response_to_pb(rid: str, delta: ChoiceDelta) -> api_pb2.GenerateResponse:

@@ -1,4 +1,7 @@
-"""The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Abort, ListModels.
+"""The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Embed, Abort, ListModels.
+
+Embed answers as /v1/embeddings (``serving_embeddings``: the same request model and bounds), float32
+vectors in input order.
 
 Generate streams ``GenerateResponse`` pieces (index per choice, usage on each choice's last piece).
 A request is validated by the models of the HTTP API and refused with the same message: its options
@@ -28,7 +31,8 @@ from pdserve.services.gateway.errors import (
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.openai.native_protocol import GenerateOptions
 from pdserve.services.gateway.openai.protocol import ChatInput
-from pdserve.services.gateway.openai.serving_common import ServingContext, new_rid
+from pdserve.services.gateway.openai.serving_common import ChoiceResult, ServingContext, new_rid
+from pdserve.services.gateway.openai.serving_embeddings import EmbeddingRequest, vectors
 from pdserve.services.gateway.transport import convert
 from pdserve.v1 import api_pb2, api_pb2_grpc
 
@@ -104,6 +108,31 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             add_special_tokens=which != "chat",
             params_path="sampling_params.",
         )
+
+    async def Embed(
+        self, request: api_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.EmbedResponse:
+        try:
+            if request.model:
+                self.ctx.check_model(request.model)
+            body = validate_as_body(EmbeddingRequest, convert.embed_fields(request))
+            remaining = context.time_remaining()
+            timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
+            owner = grpc_caller(context, self.api_keys)
+            handle = await self.ctx.manager.submit(
+                body.generate_req(request.rid or new_rid()), timeout=timeout, owner=owner
+            )
+        except GatewayError as e:
+            await abort_with(context, e)
+        context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
+        try:
+            results = [ChoiceResult(s.index) for s in handle.states]
+            async with handle:
+                async for delta in handle:
+                    results[delta.index].add(delta)
+            return convert.embed_response_to_pb(vectors(results, body.dimensions), sum(handle.prompt_tokens))
+        except GatewayError as e:
+            await abort_with(context, e)
 
     async def Abort(
         self, request: api_pb2.PublicAbortRequest, context: grpc.aio.ServicerContext

@@ -19,7 +19,16 @@ from pdserve_sdk.errors import (
     ServiceUnavailableError,
 )
 from pdserve_sdk.requests import ChatKwargs, RequestKwargs, SamplingKwargs
-from pdserve_sdk.results import Choice, Delta, GenerateResult, ModelCard, TokenLogprob, TopLogprob, Usage
+from pdserve_sdk.results import (
+    Choice,
+    Delta,
+    EmbedResult,
+    GenerateResult,
+    ModelCard,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 __all__ = [
     "AsyncClient",
@@ -30,6 +39,7 @@ __all__ = [
     "Client",
     "DeadlineExceededError",
     "Delta",
+    "EmbedResult",
     "GenerateResult",
     "InvalidRequestError",
     "ModelCard",

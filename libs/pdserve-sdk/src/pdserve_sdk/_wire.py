@@ -47,6 +47,7 @@ SamplingParams = message_class("pdserve.v1.SamplingParams")
 TokenIds = message_class("pdserve.v1.TokenIds")
 ChatMessages = message_class("pdserve.v1.ChatMessages")
 ChatMessage = message_class("pdserve.v1.ChatMessage")
+EmbedRequest = message_class("pdserve.v1.EmbedRequest")
 PublicAbortRequest = message_class("pdserve.v1.PublicAbortRequest")
 ListModelsRequest = message_class("pdserve.v1.ListModelsRequest")
 HealthCheckRequest = message_class("grpc.health.v1.HealthCheckRequest")
@@ -73,6 +74,7 @@ class Stubs:
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         self.generate = _method(channel, PDSERVE_SERVICE, "Generate")
+        self.embed = _method(channel, PDSERVE_SERVICE, "Embed")
         self.abort = _method(channel, PDSERVE_SERVICE, "Abort")
         self.list_models = _method(channel, PDSERVE_SERVICE, "ListModels")
         self.health_check = _method(channel, HEALTH_SERVICE, "Check")

@@ -10,8 +10,16 @@ import grpc
 from pdserve_sdk import _wire
 from pdserve_sdk._base import ClientBase
 from pdserve_sdk.errors import translated_errors
-from pdserve_sdk.requests import ChatKwargs, RequestKwargs, chat_request, generate_request
-from pdserve_sdk.results import Delta, GenerateResult, ModelCard, collect, delta_from_pb
+from pdserve_sdk.requests import ChatKwargs, RequestKwargs, chat_request, embed_request, generate_request
+from pdserve_sdk.results import (
+    Delta,
+    EmbedResult,
+    GenerateResult,
+    ModelCard,
+    collect,
+    delta_from_pb,
+    embed_result_from_pb,
+)
 
 
 class Stream:
@@ -107,6 +115,22 @@ class Client(ClientBase):
         """Like ``chat``, but yield the answer as it is produced."""
         request = chat_request(messages, self.model, kwargs)
         return Stream(self._stubs.generate(request, **self._call_kwargs(timeout)))
+
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[Sequence[int]],
+        *,
+        dimensions: int | None = None,
+        model: str | None = None,
+        rid: str = "",
+        timeout: float | None = None,
+    ) -> EmbedResult:
+        """Embed a text, a list of texts or a list of token-id lists (as ``/v1/embeddings``;
+        ``dimensions``: the first values only, L2-normalised again)."""
+        request = embed_request(inputs, self.model, dimensions, model, rid)
+        with translated_errors():
+            response = self._stubs.embed(request, **self._call_kwargs(timeout))
+        return embed_result_from_pb(response)
 
     def models(self, *, timeout: float | None = None) -> list[ModelCard]:
         """The models this server serves."""

@@ -115,6 +115,23 @@ def generate_request(
     return request
 
 
+def embed_request(
+    inputs: str | Sequence[str] | Sequence[Sequence[int]],
+    default_model: str,
+    dimensions: int | None,
+    model: str | None,
+    rid: str,
+) -> Any:
+    """An ``EmbedRequest`` for a text, a list of texts or a list of token-id lists."""
+    request = _wire.EmbedRequest(model=model or default_model, rid=rid, dimensions=dimensions or 0)
+    for item in [inputs] if isinstance(inputs, str) else inputs:
+        if isinstance(item, str):
+            request.texts.append(item)
+        else:
+            request.input_ids.add().ids.extend(item)
+    return request
+
+
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 
 

@@ -114,6 +114,20 @@ class ModelCard:
     context_length: int
 
 
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    """Each input's embedding (L2-normalised float32 values, in input order) and the prompt tokens of
+    all inputs."""
+
+    embeddings: tuple[tuple[float, ...], ...]
+    prompt_tokens: int
+
+
+def embed_result_from_pb(pb: Any) -> EmbedResult:
+    """An ``EmbedResult`` from a ``pdserve.v1.EmbedResponse``."""
+    return EmbedResult(tuple(tuple(e.values) for e in pb.data), pb.usage.prompt_tokens)
+
+
 def delta_from_pb(pb: Any) -> Delta:
     """A ``Delta`` from one ``pdserve.v1.GenerateResponse``."""
     return Delta(
