@@ -29,6 +29,12 @@ def test_text_prompt_with_sampling():
     }
 
 
+def test_speculation_opt_out_is_sent_as_set():
+    request = generate_request("Hello", None, "m", {"speculative_num_draft_tokens": 0})
+    # proto3 optional: 0 (opt out of speculation) differs from unset (the server's default)
+    assert as_server_sees(request)["sampling_params"] == {"speculative_num_draft_tokens": 0}
+
+
 def test_input_ids_rid_and_model_override():
     request = generate_request(
         None, [1, 2, 3], "default-model", {"model": "other", "rid": "r1", "top_k": None}

@@ -22,6 +22,8 @@ class SamplingKwargs(TypedDict, total=False):
     the output to a grammar. ``prompt_logprobs`` (vLLM's) returns each prompt token's logprob (but
     the first's) with that many alternatives, in the choice's ``prompt_logprobs``. ``priority``
     (vLLM's; lower is served first) needs a server run with ``--schedule-policy priority``.
+    ``speculative_num_draft_tokens`` caps the draft tokens per step where the server speculates
+    (0 opts out; never above the server's ``--speculative-num-draft-tokens``); the output is the same.
     """
 
     temperature: float
@@ -45,6 +47,7 @@ class SamplingKwargs(TypedDict, total=False):
     top_logprobs_num: int
     prompt_logprobs: int
     priority: int
+    speculative_num_draft_tokens: int
     logit_bias: Mapping[int, float]
     json_schema: str | Mapping[str, Any]
     regex: str
