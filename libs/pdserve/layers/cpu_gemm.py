@@ -28,8 +28,9 @@ float32 where the caller asks (the LM head's logits).
 
 Used where the CPU has AVX512_BF16 and AVX512_VNNI (in the ``amx`` variant with AMX tiles for
 weights whose ``K`` is a multiple of 32: ``c-kernels/amx.c``), for weights with ``N`` a multiple
-of 32 and ``K`` even, with bfloat16 activations; ``pdserve.layers.linear`` falls back to oneDNN otherwise. Built by
-``pdserve.layers.native``; ``load_cpu_gemm`` returns None without a C compiler or such a CPU.
+of 32 and ``K`` even, with bfloat16 activations; ``pdserve.layers.linear`` falls back to oneDNN
+otherwise. Built by ``pdserve.layers.native``; ``load_cpu_gemm`` returns None without a C compiler
+or such a CPU.
 """
 
 from __future__ import annotations
