@@ -219,31 +219,12 @@ void NAME(const T* x, int64_t x_stride, int64_t rows, int64_t cols, uint8_t* q, 
   }                                                                                                \
 }
 
-/* out [rows, cols] = acc * x_scales[r] (+ bias[c]) for float32 acc [rows, cols] (the int8 GEMM's
-   sums, already times the weight's per-channel scales). */
-#define DEFINE_DEQUANTIZE_ROWS(NAME, T, LOAD, STORE)                                               \
-void NAME(const float* acc, int64_t rows, int64_t cols, const float* x_scales, const T* bias,      \
-          T* out, int threads) {                                                                   \
-  PARALLEL_ROWS                                                                                    \
-  for (int64_t r = 0; r < rows; ++r) {                                                             \
-    const float* a = acc + r * cols;                                                               \
-    T* o = out + r * cols;                                                                         \
-    const float xs = x_scales[r];                                                                  \
-    if (bias) {                                                                                    \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs + LOAD(bias[c]));                  \
-    } else {                                                                                       \
-      for (int64_t c = 0; c < cols; ++c) o[c] = STORE(a[c] * xs);                                  \
-    }                                                                                              \
-  }                                                                                                \
-}
-
 #define DEFINE_ALL(SUFFIX, T, LOAD, STORE, ROUND)                                                  \
 DEFINE_ADD_RMSNORM(add_rmsnorm_##SUFFIX, T, LOAD, STORE, ROUND)                                    \
 DEFINE_ROTARY(rotary_##SUFFIX, T, LOAD, STORE, ROUND)                                              \
 DEFINE_SILU_AND_MUL(silu_and_mul_##SUFFIX, T, LOAD, STORE, ROUND)                                  \
 DEFINE_ARGMAX(argmax_##SUFFIX, T, LOAD, vload_##SUFFIX)                                           \
-DEFINE_QUANTIZE_ROWS(quantize_rows_##SUFFIX, T, LOAD)                                              \
-DEFINE_DEQUANTIZE_ROWS(dequantize_rows_##SUFFIX, T, LOAD, STORE)
+DEFINE_QUANTIZE_ROWS(quantize_rows_##SUFFIX, T, LOAD)
 
 DEFINE_ALL(f32, float, load_f32, store_f32, round_f32)
 DEFINE_ALL(bf16, uint16_t, load_bf16, store_bf16, round_bf16)

@@ -1,6 +1,6 @@
-/* Matmuls on weights packed once at load (see pdserve/layers/cpu_gemm.py): the AVX512-BF16 / VNNI
-   kernel over bfloat16 or int8 weight panels, and in the `amx` variant AMX tiles for bfloat16
-   weights whose K is a multiple of 32 (at every M: see amx.c). */
+/* Matmuls on bfloat16 weights packed once at load (see pdserve/layers/cpu_gemm.py): the AVX512-BF16
+   kernel over weight panels, and in the `amx` variant AMX tiles for weights whose K is a multiple of
+   32 (at every M: see amx.c). */
 #include "amx.h"
 #include "common.h"
 
@@ -9,14 +9,13 @@
 #define PANEL 32   /* output columns per panel: two vectors of 16 float32 */
 #define MR 8       /* rows per register tile: 8 x 2 accumulators */
 #define MBLOCK 64  /* rows per block: a block of activations stays in L2 */
-#define EXACT_ROUNDING (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 int gemm_supported(void) { return 1; }
 
 /* A row's two accumulators (+ biases) stored at c0 and c1: as they are (out_f32), or rounded to
    bfloat16; with silu (never with out_f32), silu(c0's values) * c1's values at c0 (silu_mul16_bf16
-   on the rounded gate and up). Never inlined, so the int8 tiles' scale multiply is never fused with
-   the bias add in some tile sizes and not in others (see matmul.h's store_row_f32). */
+   on the rounded gate and up). Never inlined: one copy for every tile size and the AMX path, so a
+   row's result cannot depend on its tile (see matmul.h's store_row_f32). */
 static __attribute__((noinline)) void store_row(int silu, int out_f32, __m512 acc0, __m512 acc1, __m512 bias0, __m512 bias1, char* c0,
                       char* c1) {
   const __m512 v0 = _mm512_add_ps(acc0, bias0), v1 = _mm512_add_ps(acc1, bias1);
@@ -34,10 +33,8 @@ static __attribute__((noinline)) void store_row(int silu, int out_f32, __m512 ac
   }
 }
 
-/* One matmul: activations x [M, K] (bfloat16, or uint8 = int8 + 128 for int8) with a row stride of
-   lda bytes; the packed weight; out [M, ldc] bfloat16, or float32 with out_f32. int8 only:
-   x_scale [M], w_scale [N] and w_comp [N] = 128 * (column sum of the int8 weight), which undoes
-   the activations' offset. */
+/* One matmul: bfloat16 activations x [M, K] with a row stride of lda bytes; the packed weight; out
+   [M, ldc] bfloat16, or float32 with out_f32. */
 typedef struct {
   const char* x;
   int64_t lda;
@@ -46,17 +43,15 @@ typedef struct {
   void* out;
   int64_t ldc;
   int out_f32, M, N, K, halves, silu;
-  const float *x_scale, *w_scale;
-  const int32_t* w_comp;
 } Gemm;
 
 /* Rows m0 .. m0 + rows - 1 (rows <= MR; a constant where inlined, so the accumulators live in
    registers) times panel n, whose two halves are output columns col0 and col1 (16 each). Each
-   step reads 128 bytes of the panel (32 columns x 2 bfloat16 or 4 int8 features) and 4 bytes of
-   each row; meanwhile the tile prefetches pf_lines cache lines from pf into L2. */
-INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, int col0, int col1,
-                 const char* pf, int pf_lines) {
-  const int steps = int8 ? g->K / 4 : g->K / 2;
+   step reads 128 bytes of the panel (32 columns x 2 bfloat16 features) and 4 bytes of each row;
+   meanwhile the tile prefetches pf_lines cache lines from pf into L2. */
+INLINE void tile(const int rows, const Gemm* g, int m0, int n, int col0, int col1, const char* pf,
+                 int pf_lines) {
+  const int steps = g->K / 2;
   const char* panel = g->packed + (int64_t)n * steps * 128;
   const char* a = g->x + m0 * g->lda;
   __m512 acc[MR][2];
@@ -71,47 +66,25 @@ INLINE void tile(const int int8, const int rows, const Gemm* g, int m0, int n, i
       int32_t word;
       memcpy(&word, a + r * g->lda + 4 * p, 4);
       const __m512i av = _mm512_set1_epi32(word);
-      if (int8) {
-        acc[r][0] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][0]), av, b0));
-        acc[r][1] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(acc[r][1]), av, b1));
-      } else {
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
-      }
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)av, (__m512bh)b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)av, (__m512bh)b1);
     }
   }
   const __m512 bias0 = g->bias ? load16_bf16(g->bias + col0) : _mm512_setzero_ps();
   const __m512 bias1 = g->bias ? load16_bf16(g->bias + col1) : _mm512_setzero_ps();
-  __m512i comp0 = _mm512_setzero_si512(), comp1 = comp0;
-  __m512 ws0 = _mm512_setzero_ps(), ws1 = ws0;
-  if (int8) {
-    comp0 = _mm512_loadu_si512(g->w_comp + col0), comp1 = _mm512_loadu_si512(g->w_comp + col1);
-    ws0 = _mm512_loadu_ps(g->w_scale + col0), ws1 = _mm512_loadu_ps(g->w_scale + col1);
-  }
   const int64_t e = g->out_f32 ? 4 : 2; /* bytes per output */
   char* c = (char*)g->out + m0 * g->ldc * e;
   for (int r = 0; r < rows; ++r) {
-    __m512 v0 = acc[r][0], v1 = acc[r][1];
-    if (int8) {  /* (sum of (q_x + 128) q_w - 128 sum q_w) * (x_scale * w_scale) */
-      const __m512 xs = _mm512_set1_ps(g->x_scale[m0 + r]);
-      const __m512i sum0 = _mm512_sub_epi32(_mm512_castps_si512(v0), comp0);
-      const __m512i sum1 = _mm512_sub_epi32(_mm512_castps_si512(v1), comp1);
-      /* multiplies with an explicit rounding mode: -ffast-math may not regroup them, which it did
-         differently in the tile sizes' copies (a row's result then depended on its tile) */
-      v0 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_round_ps(xs, ws0, EXACT_ROUNDING), EXACT_ROUNDING);
-      v1 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_round_ps(xs, ws1, EXACT_ROUNDING), EXACT_ROUNDING);
-    }
     char* row = c + r * g->ldc * e;
-    store_row(g->silu, g->out_f32, v0, v1, bias0, bias1, row + col0 * e, row + col1 * e);
+    store_row(g->silu, g->out_f32, acc[r][0], acc[r][1], bias0, bias1, row + col0 * e, row + col1 * e);
   }
 }
 
-#define TILE_CASE(R)                                    \
-  case R:                                               \
-    if (int8) tile(1, R, g, m0, n, col0, col1, pf, pf_lines); \
-    else tile(0, R, g, m0, n, col0, col1, pf, pf_lines);      \
+#define TILE_CASE(R)                                \
+  case R:                                           \
+    tile(R, g, m0, n, col0, col1, pf, pf_lines);    \
     break;
-static void tile_rows(int int8, int rows, const Gemm* g, int m0, int n, int col0, int col1, const char* pf,
+static void tile_rows(int rows, const Gemm* g, int m0, int n, int col0, int col1, const char* pf,
                       int pf_lines) {
   switch (rows) {
     TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
@@ -160,15 +133,10 @@ static void amx_panels(const void* ctx, int t, int nt) {
 }
 #endif
 
-typedef struct {
-  int int8;
-  const Gemm* g;
-} VectorRun;
 static void vector_panels(const void* ctx, int t, int nt) {
-  const int int8 = ((const VectorRun*)ctx)->int8;
-  const Gemm* g = ((const VectorRun*)ctx)->g;
+  const Gemm* g = ctx;
   const int panels = g->N / PANEL;
-  const int panel_lines = g->K * PANEL * (int8 ? 1 : 2) / 64;
+  const int panel_lines = g->K * PANEL * 2 / 64;
   const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
   for (int m_lo = 0; m_lo < g->M; m_lo += MBLOCK) {
     const int m_hi = g->M < m_lo + MBLOCK ? g->M : m_lo + MBLOCK;
@@ -181,15 +149,10 @@ static void vector_panels(const void* ctx, int t, int nt) {
       for (int i = 0; i < tiles; ++i) {
         const int m0 = m_lo + i * MR, rows = m_hi - m0 < MR ? m_hi - m0 : MR;
         const int l0 = panel_lines * i / tiles, l1 = panel_lines * (i + 1) / tiles;
-        tile_rows(int8, rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
+        tile_rows(rows, g, m0, n, col0, col1, next ? next + 64 * l0 : NULL, next ? l1 - l0 : 0);
       }
     }
   }
-}
-
-static void run(int int8, const Gemm* g, int threads) {
-  const VectorRun args = {int8, g};
-  run_threads(threads, vector_panels, &args);
 }
 
 /* out = x W^T + bias (or silu(gate) * up) for bfloat16 x [M, K] and W packed as [N/32, K/2, 32, 2];
@@ -198,7 +161,7 @@ static void run(int int8, const Gemm* g, int threads) {
 int gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, void* out, int64_t ldc,
                int out_f32, int M, int N, int K, int halves, int silu, int threads) {
   const Gemm g = {(const char*)x, lda * 2, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves,
-                  silu, NULL, NULL, NULL};
+                  silu};
 #ifdef __AMX_BF16__
   if (K % 32 == 0) {
     const int64_t full = M / 32 * 32;
@@ -211,18 +174,8 @@ int gemm_bf16(const bf16* x, int64_t lda, const bf16* packed, const bf16* bias, 
     return 0;
   }
 #endif
-  run(0, &g, threads);
+  run_threads(threads, vector_panels, &g);
   return 0;
-}
-
-/* The same for int8: x_q [M, K] uint8 (int8 + 128; row stride lda bytes) with x_scale [M], W packed
-   as [N/32, K/4, 32, 4] int8 with w_scale [N] and w_comp [N]. */
-void gemm_int8(const uint8_t* x_q, int64_t lda, const float* x_scale, const int8_t* packed,
-               const float* w_scale, const int32_t* w_comp, const bf16* bias, void* out, int64_t ldc,
-               int out_f32, int M, int N, int K, int halves, int silu, int threads) {
-  const Gemm g = {(const char*)x_q, lda, (const char*)packed, bias, out, ldc, out_f32, M, N, K, halves,
-                  silu, x_scale, w_scale, w_comp};
-  run(1, &g, threads);
 }
 #else
 int gemm_supported(void) { return 0; }

@@ -1,6 +1,7 @@
 """Fused element-wise ops for CPUs: residual-add + RMSNorm, in-place rotary embedding, SiLU-and-mul,
-storing a step's K/V rows in the pool, the greedy argmax, and the per-row int8 quantization and
-row-scaled epilogue of W8A8 matmuls (``pdserve.layers.quantization``).
+storing a step's K/V rows in the pool, the greedy argmax, and the per-row int8 quantization of
+W8A8 activations (``quantize.h``, the code ``cpu_matmul``'s ``w8a8`` kernel runs inside; exposed
+so the tests can rebuild that kernel's integers).
 
 A decoder layer is mostly small element-wise steps around its four matmuls; as PyTorch ops each
 costs a dispatch, a temporary and a pass over memory (``rms_norm`` alone is five ops with the
@@ -35,7 +36,6 @@ _SIGNATURES = {
     "rotary": [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _C],
     "silu_and_mul": [_P, _P, _I, _I, _C],
     "quantize_rows": [_P, _I, _I, _I, _P, _P, _C],
-    "dequantize_rows": [_P, _I, _I, _P, _P, _P, _C],
     "argmax": [_P, _I, _I, _P, _C],
 }
 
@@ -122,24 +122,6 @@ class FusedOps:
             x.data_ptr(), x.stride(0), rows, cols, q.data_ptr(), scales.data_ptr(), torch.get_num_threads()
         )
         return q, scales
-
-    def dequantize_rows(
-        self, acc: torch.Tensor, x_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``acc * x_scales[:, None] (+ bias)`` as a new ``dtype`` tensor, for contiguous float32 ``acc``
-        ``[M, N]``, float32 ``x_scales`` ``[M]`` and ``bias`` ``[N]`` in ``dtype``."""
-        rows, cols = acc.shape
-        out = torch.empty((rows, cols), dtype=dtype)
-        self._fns["dequantize_rows", dtype](
-            acc.data_ptr(),
-            rows,
-            cols,
-            x_scales.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return out
 
     @staticmethod
     def stores_kv(k: torch.Tensor, pool_dtype: torch.dtype) -> bool:

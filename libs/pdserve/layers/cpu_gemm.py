@@ -1,5 +1,5 @@
-"""Matmuls for CPUs with AVX512-BF16 and AVX512-VNNI: a small OpenMP C kernel over weights packed once
-at load, bfloat16 (``vdpbf16ps``) or int8 (``vpdpbusd``, for ``--quantization w8a8_int8``).
+"""Matmuls for CPUs with AVX512-BF16 and AVX512-VNNI: a small OpenMP C kernel over bfloat16 weights
+packed once at load (``vdpbf16ps``).
 
 At decode batch sizes a linear layer reads its whole weight from memory for a few dozen rows of
 activations, and the next layer's weight is never in cache (SmolLM2-135M: 270 MB of weights per
@@ -9,32 +9,28 @@ four matmuls took 20-35% longer with their weights cold than warm. This kernel a
 next weight panel while it computes the current one, so the fetch hides behind arithmetic (a
 batch-64 step's decoder matmuls: ~34 ms here against ~43-48 ms through oneDNN's packed weights,
 cold, on a 2-core AMD EPYC with AVX512-BF16; ``benchmarks/engine.py`` shows the whole step). Its
-epilogue also does what would otherwise be separate passes: SiLU-and-mul after gate/up, and the
-int8 path's dequantization (oneDNN's int8 GEMM needed a quantize, a GEMM and a dequantize call).
+epilogue also does what would otherwise be a separate pass: SiLU-and-mul after gate/up.
 
 Layout: a weight ``W`` ``[N, K]`` is packed into panels of 32 output columns, ``[N / 32, K / 2,
-32, 2]`` (bfloat16) or ``[N / 32, K / 4, 32, 4]`` (int8): for each pair (quad) of input features,
-the 32 columns' weights side by side, which is the operand order of ``vdpbf16ps`` (``vpdpbusd``):
-a 512-bit register of 16 columns x 2 bfloat16 (4 int8) features. A panel is one contiguous run of
-``K * 64`` (``K * 32``) bytes.
+32, 2]``: for each pair of input features, the 32 columns' weights side by side, which is the
+operand order of ``vdpbf16ps``: a 512-bit register of 16 columns x 2 bfloat16 features. A panel is
+one contiguous run of ``K * 64`` bytes.
 
 Algorithm (the register-blocked micro-kernel of Goto & van de Geijn, "Anatomy of
 high-performance matrix multiplication", 2008, as BLIS arranges it; written anew here). Threads
 split the panels; rows run in blocks of 64 so a block of activations stays in L2. For each panel,
-tiles of up to 8 rows keep 8 x 2 vectors of accumulators in registers: per feature pair (quad),
-two loads of the panel, then for each row a broadcast of its 4 bytes of activations and two dot
-instructions (bfloat16: products exact in float32, summed in float32; int8: uint8 activations =
-int8 + 128 times int8 weights, summed exactly in int32, the offset undone with 128 x the
-weight's column sums). While a block's tiles walk one panel, they prefetch the thread's next
-panel into L2, a few lines per tile. Results (int8: times the row's and the column's scales;
-plus the bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does, or kept in
+tiles of up to 8 rows keep 8 x 2 vectors of accumulators in registers: per feature pair, two
+loads of the panel, then for each row a broadcast of its 4 bytes of activations and two dot
+instructions (products exact in float32, summed in float32). While a block's tiles walk one
+panel, they prefetch the thread's next panel into L2, a few lines per tile. Results (plus the
+bias, in float32) are rounded to bfloat16 once, to nearest-even, as oneDNN does, or kept in
 float32 where the caller asks (the LM head's logits).
 
-Used where the CPU has AVX512_BF16 and AVX512_VNNI but not AMX (with AMX, oneDNN's tile kernels
-are far faster), for weights with ``N`` a multiple of 32 and ``K`` even (int8: a multiple of 4),
-with bfloat16 activations; ``pdserve.layers.linear`` and ``pdserve.layers.quantization`` fall back
-to oneDNN otherwise. Built by ``pdserve.layers.native``; ``load_cpu_gemm`` returns None without a
-C compiler or such a CPU.
+Used where the CPU has AVX512_BF16 and AVX512_VNNI (in the ``amx`` variant with AMX tiles for
+weights whose ``K`` is a multiple of 32: ``c-kernels/amx.c``), for weights with ``N`` a multiple
+of 32 and ``K`` even, with bfloat16 activations; ``pdserve.layers.linear`` falls back to oneDNN
+otherwise. Built by ``pdserve.layers.native``; ``load_cpu_gemm`` returns None without a C compiler
+or such a CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ import ctypes
 
 import torch
 
-from pdserve.layers.cpu_fused_ops import load_fused_ops
 from pdserve.layers.native import kernel_library, per_variant
 
 PANEL = 32  # output columns per panel
@@ -60,41 +55,33 @@ def _panels(w: torch.Tensor, group: int, halves: bool) -> torch.Tensor:
 
 
 class PanelWeight:
-    """A weight ``W`` ``[N, K]`` packed for ``CpuGemm``, in panels of 32 output columns: bfloat16
-    ``data`` ``[N / 32, K / 2, 32, 2]``, or int8 ``[N / 32, K / 4, 32, 4]`` with per-column float32
-    ``w_scale`` ``[N]`` (``W ≈ q * w_scale``) and ``w_comp`` ``[N]`` = 128 x the column sums of
-    ``q`` (which undo the activations' +128 offset).
+    """A bfloat16 weight ``W`` ``[N, K]`` packed for ``CpuGemm``, in panels of 32 output columns:
+    ``data`` ``[N / 32, K / 2, 32, 2]``.
 
     With ``halves``, panel ``j`` holds rows ``16j..16j+15`` of each half of ``W`` (a merged
     ``[gate; up]`` weight), so that ``silu_and_mul`` can combine a gate row with its up row in the
     epilogue; ``matmul`` gives the same result in either layout.
     """
 
-    def __init__(self, gemm: CpuGemm, data: torch.Tensor, halves: bool, w_scale=None, w_comp=None):
+    def __init__(self, gemm: CpuGemm, data: torch.Tensor, halves: bool):
         panels, steps, _, group = data.shape
         self._gemm = gemm
-        self.data, self.halves, self.w_scale, self.w_comp = data, halves, w_scale, w_comp
+        self.data, self.halves = data, halves
         self.out_features, self.in_features = panels * PANEL, steps * group
-
-    @property
-    def int8(self) -> bool:
-        return self.data.dtype == torch.int8
 
     def to_halves(self) -> PanelWeight:
         """The same weight in the ``halves`` layout (for ``silu_and_mul``)."""
         if self.halves:
             return self
-        group = self.data.shape[-1]
         rows = self.data.permute(0, 2, 1, 3).reshape(self.out_features, self.in_features)
-        return PanelWeight(self._gemm, _panels(rows, group, True), True, self.w_scale, self.w_comp)
+        return PanelWeight(self._gemm, _panels(rows, 2, True), True)
 
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """``F.linear(x, W, bias)`` for bfloat16 ``x`` ``[..., K]`` (unit stride along ``K``) and
         bias ``[N]`` or None: a new ``[..., N]`` of ``out_dtype``, bfloat16 (the default: rounded
-        once from the float32 sums) or float32 (the sums themselves). int8: ``x`` is quantized per row first
-        (symmetric, ``pdserve.layers.cpu_fused_ops.quantize_rows``).
+        once from the float32 sums) or float32 (the sums themselves).
 
         Raises:
             TypeError: ``x`` is not bfloat16, or ``out_dtype`` is neither bfloat16 nor float32.
@@ -135,45 +122,31 @@ class PanelWeight:
             out_f32 = out_dtype == torch.float32
             threads = torch.get_num_threads()
             shape_args = (out.data_ptr(), out_features, out_f32, m, n, k, self.halves, silu, threads)
-            if self.int8:
-                q, x_scale = load_fused_ops().quantize_rows(rows)
-                self._gemm.int8_fn(
-                    q.data_ptr(), q.stride(0), x_scale.data_ptr(), self.data.data_ptr(),
-                    self.w_scale.data_ptr(), self.w_comp.data_ptr(), bias_ptr, *shape_args,
-                )  # fmt: skip
-            else:
-                status = self._gemm.bf16_fn(
-                    rows.data_ptr(), rows.stride(0), self.data.data_ptr(), bias_ptr, *shape_args
-                )
-                if status:
-                    raise MemoryError(f"CPU matmul (bf16, {m} x {k}): no memory for a copy of its last rows")
+            status = self._gemm.bf16_fn(
+                rows.data_ptr(), rows.stride(0), self.data.data_ptr(), bias_ptr, *shape_args
+            )
+            if status:
+                raise MemoryError(f"CPU matmul (bf16, {m} x {k}): no memory for a copy of its last rows")
         return out.view(*shape[:-1], out_features)
 
 
 class CpuGemm:
-    """The built kernel: ``pack`` a bfloat16 weight, ``pack_int8`` a quantized one."""
+    """The built kernel: ``pack`` a bfloat16 weight."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self.bf16_fn, self.int8_fn = lib.gemm_bf16, lib.gemm_int8
+        self.bf16_fn = lib.gemm_bf16
         shape_args = [_P, _I, _C, _C, _C, _C, _C, _C, _C]  # out, ldc, out_f32, M, N, K, halves, silu, threads
         self.bf16_fn.restype, self.bf16_fn.argtypes = _C, [_P, _I, _P, _P, *shape_args]
-        self.int8_fn.restype, self.int8_fn.argtypes = None, [_P, _I, _P, _P, _P, _P, _P, *shape_args]
 
     @staticmethod
-    def supports(weight: torch.Tensor, int8: bool = False) -> bool:
-        """Whether ``weight`` ``[N, K]`` can be packed: on CPU, ``N % 32 == 0``, and ``K`` even
-        (bfloat16) or a multiple of 4 (int8)."""
+    def supports(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` ``[N, K]`` can be packed: on CPU, ``N % 32 == 0`` and ``K`` even."""
         n, k = weight.shape
-        return weight.device.type == "cpu" and n % PANEL == 0 and k % (4 if int8 else 2) == 0
+        return weight.device.type == "cpu" and n % PANEL == 0 and k % 2 == 0
 
     def pack(self, weight: torch.Tensor, halves: bool = False) -> PanelWeight:
         """Pack a bfloat16 ``weight`` ``[N, K]`` (``supports(weight)``)."""
         return PanelWeight(self, _panels(weight.detach().to(torch.bfloat16), 2, halves), halves)
-
-    def pack_int8(self, weight_q: torch.Tensor, w_scale: torch.Tensor) -> PanelWeight:
-        """Pack int8 ``weight_q`` ``[N, K]`` with float32 scales ``[N]`` (``supports(weight_q, True)``)."""
-        comp = weight_q.sum(dim=1, dtype=torch.int32) * 128
-        return PanelWeight(self, _panels(weight_q, 4, False), False, w_scale.float().contiguous(), comp)
 
 
 @per_variant

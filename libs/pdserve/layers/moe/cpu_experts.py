@@ -109,5 +109,5 @@ class CpuExperts:
 def _runs(packed: object, bias: torch.Tensor | None) -> bool:
     """Whether the kernel multiplies by ``packed`` (with ``bias``)."""
     if isinstance(packed, PanelWeight):
-        return not packed.int8 and bias is None
+        return bias is None
     return isinstance(packed, MatmulWeight)
