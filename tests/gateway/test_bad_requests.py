@@ -281,7 +281,7 @@ CASES = [
         param="rid",
     ),
     Case("wrong-method", 405, None, method="GET"),
-    Case("unknown-path", 404, {}, path="/v1/embeddings"),
+    Case("unknown-path", 404, {}, path="/v1/audio/transcriptions"),
 ]
 
 
