@@ -143,12 +143,14 @@ class DecodeManager:
                     batch.append(req)
         return batch, [self.num_tokens(req) for req in batch]
 
-    def retract(self, req: Req) -> None:
-        """Give ``req``'s pages back (its computed KV goes to the radix cache) and re-queue it."""
+    def retract(self, req: Req, why: str = "to free KV pages") -> None:
+        """Give ``req``'s pages back (its computed KV goes to the radix cache) and re-queue it;
+        ``why`` is logged."""
         logger.info(
-            "retracting %s (%d tokens generated) to free KV pages",
+            "retracting %s (%d tokens generated) %s",
             req.rid,
             len(req.output_ids),
+            why,
             extra={"rid": req.rid},
         )
         self.running.remove(req)

@@ -55,4 +55,4 @@ class Preemption:
                 return True
             if in_flight:
                 return False
-            self.decode.retract(victims[-1])
+            self.decode.retract(victims[-1], f"for {head.rid} (priority {head.sampling_params.priority})")
