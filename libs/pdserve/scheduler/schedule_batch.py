@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine.forward_batch import ForwardBatch, ForwardMode
 from pdserve.layers.pooler import PoolingRows, accumulate, finish
-from pdserve.sampling.prompt_logprobs import PromptLogprob, PromptLogprobRows, chunk_targets
+from pdserve.sampling.prompt_logprobs import PromptLogprobRows, chunk_targets
 from pdserve.sampling.sampler import GenerationBatchResult
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
 from pdserve.sampling.verify import Accepted, accept, verify_inputs
@@ -141,18 +141,17 @@ class ScheduleBatch:
             return self.result.next_token_ids[i], self.token_logprob(i)
         return kept[i].token_ids[0], kept[i].logprob(0)
 
-    def prompt_logprobs(self, i: int) -> list[PromptLogprob]:
-        """The prompt tokens row ``i``'s chunk scored (empty unless its request asked for them)."""
-        scored = self.result.prompt_logprobs
-        return scored[i] if scored is not None else []
-
-    def pool(self, i: int) -> None:
-        """Add what row ``i``'s chunk pooled to its request's ``pooled`` (``pdserve.layers.pooler``),
-        and on the prompt's last chunk make its ``embedding``."""
-        pooled = self.result.pooled
+    def take_prompt_outputs(self, i: int) -> None:
+        """Add what row ``i``'s prompt chunk computed for its request: the prompt tokens it scored
+        (``Req.prompt_logprobs``), and what it pooled (``Req.pooled``, ``pdserve.layers.pooler``),
+        the ``embedding`` made on the prompt's last chunk. Nothing for a request that asked for
+        neither."""
+        req, scored, pooled = self.reqs[i], self.result.prompt_logprobs, self.result.pooled
+        if scored is not None:
+            req.prompt_logprobs += scored[i]
         if pooled is None or pooled[i] is None:
             return
-        req, pooling = self.reqs[i], self.forward_batch.pooling.kinds[i]
+        pooling = self.forward_batch.pooling.kinds[i]
         if self.prefix_lens[i] == 0:  # its prompt's first chunk (again, after a retraction)
             req.pooled = None
         req.pooled = accumulate(req.pooled, pooled[i], pooling)

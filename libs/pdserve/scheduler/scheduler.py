@@ -270,15 +270,13 @@ class Scheduler:
                 self.reqs.end(req, reason, req.to_abort or batch.row_errors[i])
                 outputs.append(StepOutput(req, finished=True))
             elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
-                req.prompt_logprobs += batch.prompt_logprobs(i)
-                batch.pool(i)
+                batch.take_prompt_outputs(i)
                 self.ledger.cache_unfinished(req)
             elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
                 generated += len(kept[i].token_ids)
                 outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
             else:
-                req.prompt_logprobs += batch.prompt_logprobs(i)
-                batch.pool(i)
+                batch.take_prompt_outputs(i)
                 token, logprob = batch.row_token(i, kept)
                 self._append_token(req, token, logprob, now)
                 generated += 1

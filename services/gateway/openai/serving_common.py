@@ -174,17 +174,22 @@ class ChoiceResult:
             self.matched_stop = delta.matched_stop
 
 
-async def collect(request: Request, handle: RequestHandle) -> list[ChoiceResult]:
-    """Every choice of ``handle``, whole; aborts the request if the client disconnects first."""
+async def gather(handle: RequestHandle) -> list[ChoiceResult]:
+    """Every choice of ``handle``, whole (``ChoiceResult.add``'s ``GatewayError`` on a failed one)."""
     results = [ChoiceResult(state.index) for state in handle.states]
+    async with handle:
+        async for delta in handle:
+            results[delta.index].add(delta)
+    return results
+
+
+async def collect(request: Request, handle: RequestHandle) -> list[ChoiceResult]:
+    """``gather``; aborts the request if the HTTP client disconnects first."""
     watcher = watch_disconnect(request, handle)
     try:
-        async with handle:
-            async for delta in handle:
-                results[delta.index].add(delta)
+        return await gather(handle)
     finally:
         watcher.cancel()
-    return results
 
 
 def usage_counts(handle: RequestHandle, results: list[ChoiceResult], n: int) -> tuple[int, int, int]:

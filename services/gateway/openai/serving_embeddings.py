@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Annotated, Literal
+from typing import Literal
 
 import numpy as np
 from fastapi import Request
@@ -38,7 +38,10 @@ from pdserve.services.gateway.openai.serving_common import (
     submit,
 )
 
-Inputs = Annotated[list, Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+
+def _as_inputs(v: str | list) -> list:
+    """``input`` as a list of inputs: a string or one token-id list is one input."""
+    return [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else list(v)
 
 
 class EmbeddingRequest(RequestModel):
@@ -56,7 +59,7 @@ class EmbeddingRequest(RequestModel):
     @field_validator("input")
     @classmethod
     def _inputs_within_bounds(cls, v):
-        inputs = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
+        inputs = _as_inputs(v)
         if not inputs or any(not p for p in inputs):
             raise ValueError("input must not be empty (nor any of its inputs)")
         if len(inputs) > MAX_EMBEDDING_INPUTS:
@@ -65,8 +68,7 @@ class EmbeddingRequest(RequestModel):
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs: strings or token-id lists."""
-        v = self.input
-        return [v] if isinstance(v, str) or isinstance(v[0], int) else list(v)
+        return _as_inputs(self.input)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})

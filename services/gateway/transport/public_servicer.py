@@ -31,8 +31,9 @@ from pdserve.services.gateway.errors import (
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.openai.native_protocol import GenerateOptions
 from pdserve.services.gateway.openai.protocol import ChatInput
-from pdserve.services.gateway.openai.serving_common import ChoiceResult, ServingContext, new_rid
+from pdserve.services.gateway.openai.serving_common import ServingContext, gather, new_rid
 from pdserve.services.gateway.openai.serving_embeddings import EmbeddingRequest, vectors
+from pdserve.services.gateway.requests.state import RequestHandle
 from pdserve.services.gateway.transport import convert
 from pdserve.v1 import api_pb2, api_pb2_grpc
 
@@ -57,14 +58,9 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         try:
             obj = self._to_generate_req(request)
-            remaining = context.time_remaining()
-            timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
-            owner = grpc_caller(context, self.api_keys)
-            handle = await self.ctx.manager.submit(obj, timeout=timeout, owner=owner)
+            handle = await self._submit(obj, context)
         except GatewayError as e:
             await abort_with(context, e)
-        # The handle is closed (and its choices aborted) when the call ends for any reason.
-        context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
         try:
             async with handle:
                 async for delta in handle:
@@ -116,23 +112,24 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             if request.model:
                 self.ctx.check_model(request.model)
             body = validate_as_body(EmbeddingRequest, convert.embed_fields(request))
-            remaining = context.time_remaining()
-            timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
-            owner = grpc_caller(context, self.api_keys)
-            handle = await self.ctx.manager.submit(
-                body.generate_req(request.rid or new_rid()), timeout=timeout, owner=owner
-            )
+            handle = await self._submit(body.generate_req(request.rid or new_rid()), context)
         except GatewayError as e:
             await abort_with(context, e)
-        context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
         try:
-            results = [ChoiceResult(s.index) for s in handle.states]
-            async with handle:
-                async for delta in handle:
-                    results[delta.index].add(delta)
+            results = await gather(handle)
             return convert.embed_response_to_pb(vectors(results, body.dimensions), sum(handle.prompt_tokens))
         except GatewayError as e:
             await abort_with(context, e)
+
+    async def _submit(self, obj: GenerateReqInput, context: grpc.aio.ServicerContext) -> RequestHandle:
+        """``obj`` submitted for the call's caller, within its deadline; the handle is closed (and its
+        choices aborted) when the call ends for any reason. Raises ``GatewayError`` as ``submit``."""
+        remaining = context.time_remaining()
+        timeout = None if remaining is None else remaining + DEADLINE_GRACE_S
+        owner = grpc_caller(context, self.api_keys)
+        handle = await self.ctx.manager.submit(obj, timeout=timeout, owner=owner)
+        context.add_done_callback(lambda _ctx: handle.close("rpc ended"))
+        return handle
 
     async def Abort(
         self, request: api_pb2.PublicAbortRequest, context: grpc.aio.ServicerContext
