@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 
 from pdserve.constrained.backend import GrammarBackend
-from pdserve.sampling.verify import Accepted
 from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.config import SchedulerConfig
@@ -24,6 +23,7 @@ from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.handoff import HandOff
 from pdserve.scheduler.kv_ledger import KVLedger
 from pdserve.scheduler.metrics import SchedulerLoad, SchedulerMetrics
+from pdserve.scheduler.output_processor import OutputProcessor
 from pdserve.scheduler.overload import queue_bound, request_capacity
 from pdserve.scheduler.policy import SchedulePolicy
 from pdserve.scheduler.preempt import Preemption
@@ -117,8 +117,11 @@ class Scheduler:
         admission = Admission(
             self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active, running
         )
+        ends = self.eos_token_ids, self.max_req_tokens
+        stages = self.reqs, self.ledger, self.decode, self.speculator
+        self.output = OutputProcessor(*stages, metrics, *ends, clock)
         self.prefill: PrefillManager | RemotePrefill = (
-            RemotePrefill(admission, self._first_token, self.reqs.end)
+            RemotePrefill(admission, self.output.first_token, self.reqs.end)
             if config.role == "decode"
             else PrefillManager(admission, self.outstanding)
         )
@@ -254,38 +257,7 @@ class Scheduler:
         if result is not None:
             batch.result = result
         self.outstanding.remove(batch)
-        now = self.clock()
-        outputs: list[StepOutput] = []
-        generated = 0
-        kept = batch.accepted() if batch.verifies and not batch.row_errors else None
-        if self.speculator is not None:
-            self.speculator.step_processed(batch)
-        for i, req in enumerate(batch.reqs):
-            req.in_batches -= 1
-            req.num_pending -= batch.samples[i]
-            if req.state.done:  # ended while this batch ran: only its KV was waiting for it
-                self.ledger.release_deferred(req)
-            elif req.to_abort or i in batch.row_errors:
-                reason = req.abort_as if req.to_abort else FinishReason.ERROR
-                self.reqs.end(req, reason, req.to_abort or batch.row_errors[i])
-                outputs.append(StepOutput(req, finished=True))
-            elif not batch.samples[i]:  # a non-final chunk of a long prompt: its sample is discarded
-                batch.take_prompt_outputs(i)
-                self.ledger.cache_unfinished(req)
-            elif batch.row_drafts(i):  # a verify row: its accepted drafts and the token after them
-                generated += len(kept[i].token_ids)
-                outputs.append(self._verified(req, batch.row_drafts(i), kept[i], now))
-            else:
-                batch.take_prompt_outputs(i)
-                token, logprob = batch.row_token(i, kept)
-                self._append_token(req, token, logprob, now)
-                generated += 1
-                if i < batch.num_extend:
-                    self.ledger.cache_unfinished(req)
-                    if self.decode.hands_on(req):
-                        continue
-                outputs.append(self._check_finished(req, [token]))
-        self.metrics.generation_tokens.inc(generated)
+        outputs = self.output.process(batch)
         self.metrics.set_load(self.load())
         return outputs
 
@@ -316,37 +288,6 @@ class Scheduler:
         self.queue.remove(req)
         self.decode.remove(req)
         return self.prefill.remove(req)
-
-    def _first_token(self, req: Req, token: int, logprob) -> StepOutput:
-        """Decode role: ``req``'s KV came from a prefill worker, with its first token."""
-        self._append_token(req, token, logprob, self.clock())
-        self.metrics.generation_tokens.inc()
-        self.decode.start(req)
-        return self._check_finished(req, [token])
-
-    def _verified(self, req: Req, drafts: list[int], kept: Accepted, now: float) -> StepOutput:
-        """A verify step's result for ``req``: its KV kept for its last token and the accepted drafts
-        only (``KVLedger.truncate``, before anything caches it), then the kept tokens appended one by
-        one until one finishes it (EOS, stop token, length, its grammar's end)."""
-        self.ledger.truncate(req, len(req.fill_ids) + kept.num_accepted_drafts)
-        self.speculator.observe(req, len(drafts), kept.num_accepted_drafts)
-        for j, token in enumerate(kept.token_ids):
-            self._append_token(req, token, kept.logprob(j), now)
-            out = self._check_finished(req, kept.token_ids[: j + 1])
-            if out.finished:
-                break
-        return out
-
-    def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
-        self.metrics.observe_token(req, now)
-        req.append_token(token, logprob, now)
-
-    def _check_finished(self, req: Req, new_token_ids: list[int]) -> StepOutput:
-        """After ``req``'s new tokens: end it if they finish it (EOS, stop token, length)."""
-        req.check_finished(self.eos_token_ids, self.max_req_tokens)
-        if req.state.done:
-            self.reqs.end(req, req.finish_reason)
-        return StepOutput(req, new_token_ids, finished=req.state.done)
 
     # ---- state ----------------------------------------------------------------------------------
     def load(self) -> SchedulerLoad:
