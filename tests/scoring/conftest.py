@@ -33,3 +33,10 @@ def stack(served: Stack) -> Stack:
 
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+
+
+def computed_prompt_tokens(stack: Stack) -> float:
+    """Prompt tokens the schedulers that compute prompts (mixed, prefill) took from no cache so far."""
+    m = stack.metrics()
+    hits, queries = m["pdserve:prefix_cache_hit_tokens_total"], m["pdserve:prefix_cache_queries_total"]
+    return sum(queries[k] - hits.get(k, 0.0) for k in queries if k[0] in ("mixed", "prefill"))
