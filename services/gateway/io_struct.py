@@ -143,13 +143,14 @@ class WorkerLoad:
     """What a scheduler reports in ``GetLoad``, as the gateway uses it.
 
     ``load``: its queued plus running requests; ``capacity``: the requests it takes before refusing
-    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``incarnation``: changes
-    when its process restarts.
+    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``max_queued``: its
+    waiting-queue bound alone (0 = unbounded); ``incarnation``: changes when its process restarts.
     """
 
     load: int
     capacity: int
     incarnation: str
+    max_queued: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,6 +220,7 @@ def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
         load=info.num_running_reqs + info.num_queue_reqs,
         capacity=info.request_capacity + info.max_queued_requests if bounded else 0,
         incarnation=info.incarnation,
+        max_queued=info.max_queued_requests,
     )
 
 
