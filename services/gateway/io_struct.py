@@ -105,11 +105,13 @@ class TopLogprob:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """Logprob (natural log) of one generated token and its top alternatives."""
+    """Logprob (natural log) of one generated token and its top alternatives; a prompt token's also
+    has its ``rank`` (1 + the tokens more likely than it; 0 = not computed)."""
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass(slots=True)

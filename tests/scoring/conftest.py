@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from tests.stack import Stack, launch_stack
 
@@ -40,3 +41,10 @@ def computed_prompt_tokens(stack: Stack) -> float:
     m = stack.metrics()
     hits, queries = m["pdserve:prefix_cache_hit_tokens_total"], m["pdserve:prefix_cache_queries_total"]
     return sum(queries[k] - hits.get(k, 0.0) for k in queries if k[0] in ("mixed", "prefill"))
+
+
+def ranks_within_tol(ref: torch.Tensor, token: int, tol: float) -> range:
+    """The ranks (vLLM's: 1 + the tokens more likely) ``token`` may have under ``ref`` (``[V]``
+    reference logprobs) for a server whose logprobs are within ``tol`` of them."""
+    lp = float(ref[token])
+    return range(int((ref > lp + tol).sum()) + 1, int((ref > lp - tol).sum()) + 1)

@@ -18,7 +18,7 @@ import torch
 from pdserve_sdk import Client
 
 from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
-from tests.scoring.conftest import client, computed_prompt_tokens
+from tests.scoring.conftest import client, computed_prompt_tokens, ranks_within_tol
 from tests.stack import SERVED_MODEL
 
 TOL = 1e-4
@@ -114,6 +114,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(stack):
     for pos, token in enumerate(prompt[1:], 1):
         entry = scored[pos][str(token)]
         assert abs(entry["logprob"] - float(ref[pos - 1, token])) < TOL
+        assert entry["rank"] in ranks_within_tol(ref[pos - 1], token, TOL)  # also outside the top 2
         ranked = sorted((e for e in scored[pos].values() if e["rank"] in (1, 2)), key=lambda e: e["rank"])
         assert [e["logprob"] for e in ranked] == pytest.approx(ref[pos - 1].topk(2).values.tolist(), abs=TOL)
 

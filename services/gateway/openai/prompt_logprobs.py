@@ -54,7 +54,9 @@ async def vllm_prompt_logprobs(
         ranks = {t.token_id: rank for rank, t in enumerate(lp.top, 1)}
         position = {
             str(lp.token_id): PromptLogprobEntry(
-                logprob=lp.logprob, rank=ranks.get(lp.token_id), decoded_token=texts[lp.token_id].text
+                logprob=lp.logprob,
+                rank=ranks.get(lp.token_id, lp.rank or None),  # (its place among the top ones first)
+                decoded_token=texts[lp.token_id].text,
             )
         }
         for rank, t in enumerate(lp.top[:top], 1):
