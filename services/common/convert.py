@@ -12,6 +12,7 @@ from pdserve.constrained import GRAMMAR_KINDS
 from pdserve.kv_transfer import KVAgentInfo, KVLayout
 from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from pdserve.observability import tracing
+from pdserve.sampling.prompt_logprobs import PromptLogprob
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.metrics import SchedulerLoad
 from pdserve.scheduler.req import FinishReason, Req
@@ -179,16 +180,21 @@ def metrics_to_pb(role: str, worker: str, text: str) -> common_pb2.MetricsRespon
     return common_pb2.MetricsResponse(role=role, worker=worker, text=text)
 
 
-def token_logprob_to_pb(token: int, logprob: float, top: list[tuple[int, float]]) -> common_pb2.TokenLogprob:
+def token_logprob_to_pb(
+    token: int, logprob: float, top: list[tuple[int, float]], rank: int = 0
+) -> common_pb2.TokenLogprob:
+    """A token's logprob, its top alternatives and (a prompt token's, ``PromptLogprob``) its rank."""
     return common_pb2.TokenLogprob(
         token_id=token,
         logprob=logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+        rank=rank,
     )
 
 
-def token_logprob_from_pb(pb: common_pb2.TokenLogprob) -> tuple[int, float, list[tuple[int, float]]]:
-    return pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top]
+def token_logprob_from_pb(pb: common_pb2.TokenLogprob) -> PromptLogprob:
+    """A prompt token's ``PromptLogprob`` (what a prefill worker sent)."""
+    return pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top], pb.rank
 
 
 _FINISH = {

@@ -24,6 +24,10 @@ exchange is the only control-group collective, once per iteration, and the forwa
 all-reduces use the device group) run one after another on the forward thread, the same batches in
 the same order. A failed collective, or states that diverged, fail the whole rank group (the loop
 raises): a rank that skipped a step could never meet the others in their collectives again.
+
+An event whose handler raises answers its future with the exception; an event of one request (it
+has a ``rid``: KVReady, KVWritten, ...) also fails that request (ERROR, its pages released), since
+its poster may await nothing (a prefill task's KVReady) and the request would wait for ever.
 """
 
 from __future__ import annotations
@@ -191,11 +195,16 @@ class SchedulerLoop:
                 if inspect.isawaitable(value):
                     value = await value
             except Exception as e:
-                if done is not None:
-                    if not done.done():
-                        done.set_exception(e)
-                elif self.tp.is_driver:
-                    logger.exception("step input %s failed", type(event).__name__)
+                if done is not None and not done.done():
+                    done.set_exception(e)
+                rid = getattr(event, "rid", None)
+                if (done is None or rid is not None) and self.tp.is_driver:
+                    logger.exception("step input %s failed", type(event).__name__, extra={"rid": rid})
+                if rid is not None:  # logged, and its request fails: a poster that awaits nothing is fine
+                    error = f"internal error applying {type(event).__name__}: {type(e).__name__}: {e}"
+                    self.scheduler.abort_request(rid, error, FinishReason.ERROR)
+                    if done is not None:
+                        done.exception()  # (marks it retrieved; a poster that awaits still gets it)
                 continue
             if isinstance(value, StepOutput):
                 outputs.append(value)

@@ -105,11 +105,13 @@ class TopLogprob:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """Logprob (natural log) of one generated token and its top alternatives."""
+    """Logprob (natural log) of one generated token and its top alternatives; a prompt token's also
+    has its ``rank`` (1 + the tokens more likely than it; 0 = not computed)."""
 
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass(slots=True)
@@ -143,13 +145,14 @@ class WorkerLoad:
     """What a scheduler reports in ``GetLoad``, as the gateway uses it.
 
     ``load``: its queued plus running requests; ``capacity``: the requests it takes before refusing
-    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``incarnation``: changes
-    when its process restarts.
+    (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``max_queued``: its
+    waiting-queue bound alone (0 = unbounded); ``incarnation``: changes when its process restarts.
     """
 
     load: int
     capacity: int
     incarnation: str
+    max_queued: int = 0
 
 
 @dataclass(frozen=True, slots=True)

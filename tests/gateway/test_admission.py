@@ -60,3 +60,21 @@ def test_sub_requests_count_and_a_fan_out_past_the_limit_is_a_400() -> None:
         check_pending(request(prompts=3, n=3), 0, None, decode)
     assert (refused.value.status, refused.value.param) == (400, "n")
     check_pending(request(prompts=100, n=128), 10**6, 0, decode)  # 0: no limit
+
+
+def test_more_sub_requests_than_the_decode_queues_hold_are_a_400() -> None:
+    decode = pool(192)
+    decode.workers[0].max_queued = 128  # they arrive together: only 128 can wait, whatever the limit
+    embed = GenerateReqInput("r", [[t] for t in range(150)], SamplingParams(embed=True))
+    for configured in (None, 1000):
+        with pytest.raises(GatewayError) as refused:
+            check_pending(embed, 0, configured, decode)
+        assert (refused.value.status, refused.value.param) == (400, "input")
+        want = "the request fans out into 150 inputs; this server takes at most 128 at once"
+        assert refused.value.message == want
+    with pytest.raises(GatewayError) as refused:
+        check_pending(request(n=129), 0, None, decode)
+    assert (refused.value.status, refused.value.param) == (400, "n")
+    check_pending(request(n=128), 0, None, decode)
+    decode.workers[0].max_queued = 0  # an unbounded queue: only the limit counts
+    check_pending(request(n=150), 0, None, decode)

@@ -78,6 +78,48 @@ def test_top_logprobs_of_partial_characters_are_distinct_with_their_bytes(stack)
     assert comp.choices[0].logprobs.tokens[0] == list(top)[0]
 
 
+def test_legacy_logprobs_offsets_point_into_the_text_and_leave_the_stop_text_out(stack) -> None:
+    """``text_offset`` counts characters of the text, a character split over byte-fallback tokens
+    once (the offsets come from the HF pieces' bytes here); ``top_logprobs`` hold the chosen token
+    beside the top N (OpenAI's N + 1); a matched stop string's tokens are not in ``tokens``."""
+    prompt = hf_tokenizer()("Café ☕ 東京")["input_ids"]
+    out = client(stack).completions.create(
+        model=SERVED_MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    )
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    assert text == "Café ☕ 東京"
+    data = [piece_bytes(t) for t in prompt]
+    assert any(len(d.decode(errors="ignore")) < len(d.decode(errors="replace")) for d in data)  # split
+    want = [len(b"".join(data[:i]).decode(errors="ignore")) for i in range(len(prompt))]
+    assert lp.text_offset == want and max(want) < len(text)
+    for pos in range(1, len(prompt)):
+        assert lp.tokens[pos] in lp.top_logprobs[pos] and 1 <= len(lp.top_logprobs[pos]) <= 2
+
+    out = client(stack).completions.create(
+        model=SERVED_MODEL, prompt="Count: 1, 2,", max_tokens=8, temperature=0, stop=[","], logprobs=0
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.text.strip().isdigit(), choice
+    assert "".join(choice.logprobs.tokens) == choice.text  # not the ',' it stopped at
+    assert [list(top) for top in choice.logprobs.top_logprobs] == [[t] for t in choice.logprobs.tokens]
+
+
+def test_generate_return_logprob_without_top_logprobs_num(stack) -> None:
+    """SGLang's /generate: ``return_logprob`` alone gives each output token's logprob, and no top ones."""
+    prompt = hf_tokenizer()("The capital of France is")["input_ids"]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True,
+    }
+    out = httpx.post(f"{stack.base_url}/generate", json=body, timeout=120).json()
+    meta = out["meta_info"]
+    assert meta["output_top_logprobs"] is None
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"] == hf_greedy(prompt, 2)
+    [(token, logprob)] = hf_top(prompt, 1)
+    assert meta["output_token_logprobs"][0][:2] == [pytest.approx(logprob, abs=1e-3), token]
+
+
 def test_continue_final_message_needs_an_assistant_message_last(stack) -> None:
     c = client(stack)
     with pytest.raises(openai.BadRequestError) as e:

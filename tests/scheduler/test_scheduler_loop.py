@@ -14,6 +14,7 @@ import pytest
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.req import FinishReason
 from pdserve.scheduler.scheduler import StepOutput
+from pdserve.services.common.events import KVReady
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from tests.reference import hf_greedy
 from tests.scheduler.driver import fresh, ids, make_runner, req
@@ -82,5 +83,36 @@ async def test_inputs_apply_in_arrival_order_and_outputs_match_the_reference(run
     assert tokens == hf_greedy(prompt, 8)
     [b] = [o for o in outputs if o.req.rid == "b"]
     assert b.finished and b.new_token_ids == [] and b.req.finish_reason is FinishReason.ABORT
+    assert not sched.has_work() and sched.ledger.used_pages() == 0
+    sched.check_invariants()
+
+
+async def test_a_request_whose_event_fails_is_failed_not_left_waiting(runner):
+    """A KVReady nobody awaits (a prefill task posts it) whose handler raises (here: a malformed
+    logprob, after the token was appended) fails its request with the error and frees its pages; the
+    other request waiting for its KV is untouched, and lands as usual."""
+    sched = fresh(runner, role="decode")
+    outputs: list[StepOutput] = []
+    loop = SchedulerLoop(sched, outputs.extend)
+    loop.handlers[KVReady] = lambda e: sched.kv_ready(e.rid, e.first_token_id, e.logprob)
+    stop = asyncio.Event()
+    task = asyncio.create_task(loop.run(stop))
+    try:
+        await loop.add(req("bad", ids("The capital of France is"), max_new=4))
+        await loop.add(req("good", ids("Hi"), max_new=1))
+        while sched.waiting_for_kv("good") is None or sched.waiting_for_kv("bad") is None:
+            await asyncio.sleep(0.01)
+        loop.submit(KVReady("bad", 11, logprob=(-0.5,), cached_tokens=0, transferred_bytes=0))
+        loop.submit(KVReady("good", 12, logprob=None, cached_tokens=0, transferred_bytes=0))
+        while not {"bad", "good"} <= {o.req.rid for o in outputs if o.finished}:
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await task
+    [bad] = [o.req for o in outputs if o.req.rid == "bad" and o.finished]
+    assert bad.finish_reason is FinishReason.ERROR
+    assert bad.error.startswith("internal error applying KVReady: IndexError")
+    [good] = [o.req for o in outputs if o.req.rid == "good" and o.finished]
+    assert (good.finish_reason, good.output_ids) == (FinishReason.LENGTH, [12])
     assert not sched.has_work() and sched.ledger.used_pages() == 0
     sched.check_invariants()

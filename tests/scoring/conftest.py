@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from tests.stack import Stack, launch_stack
 
@@ -33,3 +34,17 @@ def stack(served: Stack) -> Stack:
 
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+
+
+def computed_prompt_tokens(stack: Stack) -> float:
+    """Prompt tokens the schedulers that compute prompts (mixed, prefill) took from no cache so far."""
+    m = stack.metrics()
+    hits, queries = m["pdserve:prefix_cache_hit_tokens_total"], m["pdserve:prefix_cache_queries_total"]
+    return sum(queries[k] - hits.get(k, 0.0) for k in queries if k[0] in ("mixed", "prefill"))
+
+
+def ranks_within_tol(ref: torch.Tensor, token: int, tol: float) -> range:
+    """The ranks (vLLM's: 1 + the tokens more likely) ``token`` may have under ``ref`` (``[V]``
+    reference logprobs) for a server whose logprobs are within ``tol`` of them."""
+    lp = float(ref[token])
+    return range(int((ref > lp + tol).sum()) + 1, int((ref > lp - tol).sum()) + 1)

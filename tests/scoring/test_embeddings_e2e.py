@@ -19,7 +19,7 @@ from pdserve_sdk import Client, InvalidRequestError
 
 from pdserve.sampling.bounds import MAX_EMBEDDING_INPUTS
 from tests.reference import context_length, hf_embedding, hf_tokenizer
-from tests.scoring.conftest import client
+from tests.scoring.conftest import client, computed_prompt_tokens
 from tests.stack import SERVED_MODEL
 
 TOL = 1e-5
@@ -51,6 +51,19 @@ def test_embeddings_equal_hf_and_do_not_depend_on_the_batch(stack):
     assert batch.data[1].embedding == alone.data[0].embedding  # bit for bit
     for d, ids in zip(batch.data, [short_ids, long_ids, [7, 8, 9]], strict=True):
         assert (torch.tensor(d.embedding) - hf_embedding(ids)).abs().max().item() < TOL
+
+
+def test_identical_inputs_are_computed_once(stack):
+    long_ids = hf_tokenizer()(LONG)["input_ids"]
+    before = computed_prompt_tokens(stack)
+    out = embed(stack, [long_ids, [7, 8, 9], long_ids, long_ids, [7, 8, 9]], encoding_format="float")
+    assert computed_prompt_tokens(stack) - before == len(long_ids) + 3  # (embeddings use no cache)
+    assert out.usage.prompt_tokens == 3 * len(long_ids) + 2 * 3  # every input counts, as sent
+    assert [d.index for d in out.data] == [0, 1, 2, 3, 4]
+    alone = embed(stack, long_ids, encoding_format="float").data[0].embedding
+    assert out.data[0].embedding == out.data[2].embedding == out.data[3].embedding == alone
+    assert out.data[1].embedding == out.data[4].embedding
+    assert (torch.tensor(out.data[1].embedding) - hf_embedding([7, 8, 9])).abs().max().item() < TOL
 
 
 def test_strings_base64_and_dimensions(stack):
@@ -90,6 +103,8 @@ def test_the_grpc_api_embeds_as_http(stack):
         ({"input": []}, "input", None),
         ({"input": ["a", ""]}, "input", None),
         ({"input": ["a"] * (MAX_EMBEDDING_INPUTS + 1)}, "input", None),
+        # more distinct inputs than the decode worker queues (128) can never be served: not a 429
+        ({"input": [[t] for t in range(1, 151)]}, "input", None),
         ({"input": [-1]}, "input.0", None),
         ({"input": [1] * 9000}, "input", "context_length_exceeded"),
         ({"input": "Hi", "dimensions": 0}, "dimensions", None),

@@ -12,6 +12,7 @@ from pdserve.sampling.prompt_logprobs import PromptLogprobRows
 from pdserve.scheduler.req import Req
 from tests.reference import hf_prompt_logprobs
 from tests.scheduler.driver import drive, fresh, ids, make_runner, req
+from tests.scoring.conftest import ranks_within_tol
 
 TOL = 1e-4
 TEXT = (
@@ -29,9 +30,10 @@ def check(r: Req, top: int) -> None:
     """``r``'s prompt logprobs (tokens 1..L-1, each with its ``top`` alternatives) equal HF's."""
     prompt = r.origin_input_ids
     ref = hf_prompt_logprobs(tuple(prompt))
-    assert [t for t, _, _ in r.prompt_logprobs] == prompt[1:]
-    for pos, (token, logprob, alternatives) in enumerate(r.prompt_logprobs):
+    assert [t for t, _, _, _ in r.prompt_logprobs] == prompt[1:]
+    for pos, (token, logprob, alternatives, rank) in enumerate(r.prompt_logprobs):
         assert abs(logprob - float(ref[pos, token])) < TOL, (pos, logprob, float(ref[pos, token]))
+        assert rank in ranks_within_tol(ref[pos], token, TOL)
         assert len(alternatives) == top
         values, indices = ref[pos].topk(top)
         for (alt, alt_lp), want in zip(alternatives, values.tolist(), strict=True):
@@ -105,9 +107,10 @@ def test_rows_of_a_request_that_does_not_score_are_all_sampled():
     logits = torch.randn(8, 10)
     scored, other, last = rows.compute(logits)
     ref = logits[:3].log_softmax(-1)
-    assert [t for t, _, _ in scored] == [7, 8, 9] and other == last == []
-    for pos, (token, logprob, top) in enumerate(scored):
+    assert [t for t, _, _, _ in scored] == [7, 8, 9] and other == last == []
+    for pos, (token, logprob, top, rank) in enumerate(scored):
         assert logprob == pytest.approx(float(ref[pos, token]), abs=1e-6)
         assert [t for t, _ in top] == ref[pos].topk(2).indices.tolist()
+        assert rank == 1 + int((ref[pos] > ref[pos, token]).sum())  # also outside the top 2
     sub = rows.select([1, 0])
     assert sub.sample_rows(torch.device("cpu")).tolist() == [0, 1, 2, 6]

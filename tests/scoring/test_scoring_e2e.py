@@ -10,6 +10,7 @@ and, in PD, both schedulers, each of which refuses a priority other than 0 under
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ import torch
 from pdserve_sdk import Client
 
 from tests.reference import chat_ids, hf_model, hf_prompt_logprobs, hf_tokenizer
-from tests.scoring.conftest import client
+from tests.scoring.conftest import client, computed_prompt_tokens, ranks_within_tol
 from tests.stack import SERVED_MODEL
 
 TOL = 1e-4
@@ -43,7 +44,9 @@ def check_echo(logprobs, prompt: list[int], top: int) -> None:
     for pos, token in enumerate(prompt[1:], 1):
         assert abs(logprobs.token_logprobs[pos] - float(ref[pos - 1, token])) < TOL
         top_ref = ref[pos - 1].topk(top).values.tolist()
-        assert sorted(logprobs.top_logprobs[pos].values(), reverse=True) == pytest.approx(top_ref, abs=TOL)
+        tops = logprobs.top_logprobs[pos]  # the top ones, and the prompt token where it is not one
+        assert logprobs.tokens[pos] in tops and len(tops) in (top, top + 1)
+        assert sorted(tops.values(), reverse=True)[:top] == pytest.approx(top_ref, abs=TOL)
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
@@ -111,6 +114,7 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(stack):
     for pos, token in enumerate(prompt[1:], 1):
         entry = scored[pos][str(token)]
         assert abs(entry["logprob"] - float(ref[pos - 1, token])) < TOL
+        assert entry["rank"] in ranks_within_tol(ref[pos - 1], token, TOL)  # also outside the top 2
         ranked = sorted((e for e in scored[pos].values() if e["rank"] in (1, 2)), key=lambda e: e["rank"])
         assert [e["logprob"] for e in ranked] == pytest.approx(ref[pos - 1].topk(2).values.tolist(), abs=TOL)
 
@@ -155,6 +159,26 @@ def test_prompt_logprobs_on_generate_and_grpc_equal_the_completions(stack):
     for pos, lp in enumerate(scored, 1):
         assert lp.logprob == pytest.approx(want[pos][0], abs=1e-6)
         assert [t.logprob for t in lp.top] == pytest.approx(want[pos][1], abs=1e-6)
+
+
+def test_n_samples_score_their_prompt_once(stack):
+    prompt = hf_tokenizer()("Scores once: " + TEXT + " " + TEXT)["input_ids"]  # in no cache yet
+    body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 1}
+    body |= {"prompt_logprobs": 2, "temperature": 1.0, "seed": 7}
+    before = computed_prompt_tokens(stack)
+    r = httpx.post(f"{stack.base_url}/v1/completions", json={**body, "n": 4}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    computed = computed_prompt_tokens(stack) - before
+    # one sample computes the whole prompt; the others only what follows its cached pages (< a page)
+    assert computed <= len(prompt) + 3 * 16, computed
+    one = httpx.post(f"{stack.base_url}/v1/completions", json=body, timeout=120)
+    want = one.json()["choices"][0]["prompt_logprobs"]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for choice in out["choices"]:
+        assert choice["prompt_logprobs"] == want
+        lp = choice["logprobs"]
+        check_echo(SimpleNamespace(**lp), prompt, 1)  # HF's, through each choice's echoed logprobs
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,8 @@ def test_grammars_and_tool_turns_reach_the_server():
     [
         (None, None, {}, "exactly one of prompt and input_ids"),
         ("a", [1], {}, "exactly one of prompt and input_ids"),
-        ("a", None, {"max_tokens": 3}, "unknown parameter"),
+        ("a", None, {"max_tokens": 3}, r"unknown parameter\(s\): max_tokens \(the SDK's is max_new_tokens\)"),
+        ("a", None, {"top_logprobs": 3, "bogus": 1}, r"bogus, top_logprobs \(the SDK's is top_logprobs_num"),
         ("a", None, {"temperature": "hot"}, "temperature='hot'"),
     ],
 )

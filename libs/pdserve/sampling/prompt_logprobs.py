@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-# One prompt token's (token id, logprob, [(top token id, logprob), ...]).
-PromptLogprob = tuple[int, float, list[tuple[int, float]]]
+# One prompt token's (token id, logprob, [(top token id, logprob), ...], rank): its rank is 1 + the
+# tokens more likely than it (vLLM's), whether or not it is among the top ones.
+PromptLogprob = tuple[int, float, list[tuple[int, float]], int]
 
 
 def chunk_targets(prompt: list[int], start: int, length: int) -> list[int]:
@@ -67,7 +68,8 @@ class PromptLogprobRows:
     def compute(self, logits: torch.Tensor) -> list[list[PromptLogprob]]:
         """Each request's prompt logprobs from the batch's logits (``[N, V]``, ``N = sum(logits_lens)``,
         the model's dtype): log_softmax of the raw logits in float32 (no temperature, penalty or
-        grammar: the model's own distribution), and the ``top_nums[b]`` most likely tokens.
+        grammar: the model's own distribution), the ``top_nums[b]`` most likely tokens, and each prompt
+        token's rank (1 + the tokens with a greater logprob).
 
         Returns ``[B]`` lists, ``len(targets[b])`` entries each (token order).
         """
@@ -81,7 +83,9 @@ class PromptLogprobRows:
         device = logits.device
         logprobs = torch.log_softmax(logits[torch.tensor(index, device=device)].float(), dim=-1)
         ids = torch.tensor([t for ts in self.targets for t in ts], dtype=torch.int64, device=device)
-        chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+        chosen_t = logprobs.gather(1, ids[:, None])
+        ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         k = min(max(top or 0 for top in self.top_nums), logprobs.shape[-1])
         tops: list[list[tuple[int, float]]] = [[] for _ in index]
         if k:
@@ -93,6 +97,6 @@ class PromptLogprobRows:
         flat = 0
         for b, targets in enumerate(self.targets):
             for token in targets:
-                out[b].append((token, chosen[flat], tops[flat][: self.top_nums[b] or 0]))
+                out[b].append((token, chosen[flat], tops[flat][: self.top_nums[b] or 0], ranks[flat]))
                 flat += 1
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.io_struct import TokenLogprob
+from pdserve.services.gateway.openai.legacy_logprobs import TextOffsets, append_token
 from pdserve.services.gateway.openai.protocol_responses import (
     CompletionLogprobs,
     PromptLogprobEntry,
@@ -29,22 +30,17 @@ def _check(prompt_ids: list[int], scored: list[TokenLogprob]) -> None:
 
 
 async def echo_logprobs(
-    pieces: TokenPieces, prompt_ids: list[int], scored: list[TokenLogprob], top: int
-) -> tuple[CompletionLogprobs, int]:
-    """The legacy logprobs of an echoed prompt (``top`` alternatives per token), and the
-    ``text_offset`` of the first token after it (the token texts' lengths summed)."""
+    pieces: TokenPieces, prompt_ids: list[int], scored: list[TokenLogprob], top: int, offsets: TextOffsets
+) -> CompletionLogprobs:
+    """The legacy logprobs of an echoed prompt (``top`` alternatives per token, ``legacy_logprobs``),
+    its offsets taken from ``offsets`` (a new choice's), which then stand after the prompt."""
     _check(prompt_ids, scored)
     texts = await pieces.get(prompt_ids + [t.token_id for lp in scored for t in lp.top[:top]])
-    out = CompletionLogprobs(token_logprobs=[None], top_logprobs=[None])
-    offset = 0
-    for token in prompt_ids:
-        out.tokens.append(texts[token].text)
-        out.text_offset.append(offset)
-        offset += len(texts[token].text)
+    out = CompletionLogprobs()
+    append_token(out, texts, offsets, prompt_ids[0], None, None)
     for lp in scored:
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({texts[t.token_id].text: t.logprob for t in lp.top[:top]})
-    return out, offset
+        append_token(out, texts, offsets, lp.token_id, lp.logprob, lp.top[:top])
+    return out
 
 
 async def vllm_prompt_logprobs(
@@ -58,7 +54,9 @@ async def vllm_prompt_logprobs(
         ranks = {t.token_id: rank for rank, t in enumerate(lp.top, 1)}
         position = {
             str(lp.token_id): PromptLogprobEntry(
-                logprob=lp.logprob, rank=ranks.get(lp.token_id), decoded_token=texts[lp.token_id].text
+                logprob=lp.logprob,
+                rank=ranks.get(lp.token_id, lp.rank or None),  # (its place among the top ones first)
+                decoded_token=texts[lp.token_id].text,
             )
         }
         for rank, t in enumerate(lp.top[:top], 1):

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
+from pdserve.services.gateway.openai.legacy_logprobs import TextOffsets, append_token, without_stop_text
 from pdserve.services.gateway.openai.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from pdserve.services.gateway.openai.protocol import CompletionRequest
 from pdserve.services.gateway.openai.protocol_responses import (
@@ -60,12 +61,14 @@ class OpenAIServingCompletion:
                 _drop_generated(r)
             prefix = echoes[r.index // body.n] if echoes else ""
             prompt_ids = handle.states[r.index].input_ids
-            logprobs, offset = None, 0
+            logprobs, offsets = None, TextOffsets()
             if body.scores_echo:
-                logprobs, offset = await echo_logprobs(pieces, prompt_ids, r.prompt_logprobs, body.logprobs)
+                logprobs = await echo_logprobs(pieces, prompt_ids, r.prompt_logprobs, body.logprobs, offsets)
             if body.logprobs is not None:
-                generated = await self._logprobs(r.logprobs, offset)
+                generated = await self._logprobs(r.logprobs, offsets)
                 logprobs = _joined(logprobs, generated)
+                if isinstance(r.matched_stop, str):
+                    logprobs = without_stop_text(logprobs, len(prefix + r.text))
             scored = None
             if body.prompt_logprobs is not None:
                 top = body.prompt_logprobs
@@ -100,7 +103,8 @@ class OpenAIServingCompletion:
     ) -> AsyncIterator[bytes]:
         encoder = ChunkEncoder("text_completion", f"cmpl-{handle.rid}", self.ctx.served_model_name)
         results = [ChoiceResult(s.index) for s in handle.states]
-        offsets = [0] * len(results)  # text_offset of each choice's next token
+        offsets = [TextOffsets() for _ in results]  # text_offset of each choice's next token
+        text_lens = [0] * len(results)  # characters of each choice's text sent with logprobs
         if echoes and not body.scores_echo:
             for r in results:
                 yield encoder.encode([completion_choice(r.index, echoes[r.index // body.n])])
@@ -113,17 +117,20 @@ class OpenAIServingCompletion:
                 echoed[delta.index] = True
                 prompt_ids = handle.states[delta.index].input_ids
                 pieces = self.ctx.manager.token_pieces
-                logprobs, offsets[delta.index] = await echo_logprobs(
-                    pieces, prompt_ids, delta.prompt_logprobs, body.logprobs
+                logprobs = await echo_logprobs(
+                    pieces, prompt_ids, delta.prompt_logprobs, body.logprobs, offsets[delta.index]
                 )
                 echo = echoes[delta.index // body.n]
+                text_lens[delta.index] = len(echo)
                 yield encoder.encode([completion_choice(delta.index, echo, logprobs)])
             if not (delta.text or delta.finish_reason or delta.logprobs):
                 continue
             logprobs = None
             if body.logprobs is not None:
                 logprobs = await self._logprobs(delta.logprobs, offsets[delta.index])
-                offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
+                text_lens[delta.index] += len(delta.text)
+                if isinstance(delta.matched_stop, str):
+                    logprobs = without_stop_text(logprobs, text_lens[delta.index])
             choice = completion_choice(
                 delta.index, delta.text, logprobs, delta.finish_reason, delta.matched_stop
             )
@@ -132,19 +139,15 @@ class OpenAIServingCompletion:
         if body.include_usage:
             yield encoder.encode([], UsageInfo.of(*usage_counts(handle, results, body.n)))
 
-    async def _logprobs(self, logprobs: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        """Legacy completions logprobs (token texts distinct: a partial UTF-8 character shows as
-        ``\\xNN``); ``text_offset`` counts token text lengths from ``offset``."""
+    async def _logprobs(self, logprobs: list[TokenLogprob], offsets: TextOffsets) -> CompletionLogprobs:
+        """Legacy completions logprobs of generated tokens (``legacy_logprobs``; token texts distinct:
+        a partial UTF-8 character shows as ``\\xNN``), their offsets taken from ``offsets``."""
         pieces = await self.ctx.manager.token_pieces.get(
             [lp.token_id for lp in logprobs] + [t.token_id for lp in logprobs for t in lp.top]
         )
         out = CompletionLogprobs()
         for lp in logprobs:
-            out.tokens.append(pieces[lp.token_id].text)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({pieces[t.token_id].text: t.logprob for t in lp.top})
-            out.text_offset.append(offset)
-            offset += len(pieces[lp.token_id].text)
+            append_token(out, pieces, offsets, lp.token_id, lp.logprob, lp.top)
         return out
 
 

@@ -6,7 +6,8 @@ last token, or the mean where a sentence-transformers pooling config says mean),
 float32, and the request ends after that prefill: the one token it samples is dropped. No radix
 cache prefix is used for it (its KV enters the cache afterwards as any other prompt's). In PD the
 prefill worker pools, and its answer carries the embedding to the decode worker, which ends the
-request at once.
+request at once. Identical inputs of one request are computed once, and their vector is copied to
+each (``EmbeddingRequest.distinct``): usage still counts every input's tokens.
 
 ``dimensions`` (Matryoshka-style, as OpenAI and vLLM do): the first ``dimensions`` values,
 L2-normalised again; it must be in ``[1, hidden_size]`` (400 otherwise). ``encoding_format``
@@ -73,10 +74,27 @@ class EmbeddingRequest(RequestModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def distinct(self) -> tuple[list[str | list[int]], list[int]]:
+        """The distinct inputs (in first-seen order), and for each input the index of its own among them."""
+        first: dict[str | tuple[int, ...], int] = {}
+        where = [first.setdefault(p if isinstance(p, str) else tuple(p), len(first)) for p in self.inputs()]
+        distinct = [p if isinstance(p, str) else list(p) for p in first]
+        return distinct, where
+
     def generate_req(self, rid: str) -> GenerateReqInput:
-        """The runtime request: each input prefilled once, pooled, with one greedy token it drops."""
+        """The runtime request: each distinct input prefilled once, pooled, with one greedy token it drops."""
         sampling = SamplingParams(temperature=0.0, max_new_tokens=1, embed=True)
-        return GenerateReqInput(rid, self.inputs(), sampling)
+        return GenerateReqInput(rid, self.distinct()[0], sampling)
+
+    def answer(self, results: list[ChoiceResult], prompt_tokens: list[int]) -> tuple[list[list[float]], int]:
+        """Each input's vector (``vectors``, in input order) and the prompt tokens of every input,
+        from the ``results`` and ``prompt_tokens`` of the distinct inputs (``generate_req``).
+
+        Raises:
+            GatewayError: as ``vectors``.
+        """
+        unique, where = vectors(results, self.dimensions), self.distinct()[1]
+        return [unique[i] for i in where], sum(prompt_tokens[i] for i in where)
 
 
 class Embedding(BaseModel):
@@ -148,11 +166,8 @@ class OpenAIServingEmbedding:
         log_unknown_fields(rid, body.unknown_fields())
         handle = await submit(request, self.ctx.manager, body.generate_req(rid))
         results = await collect(request, handle)
-        data = [
-            Embedding(index=i, embedding=encoded(v, body.encoding_format))
-            for i, v in enumerate(vectors(results, body.dimensions))
-        ]
-        tokens = sum(handle.prompt_tokens)
+        vecs, tokens = body.answer(results, handle.prompt_tokens)
+        data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vecs)]
         response = EmbeddingResponse(
             data=data,
             model=self.ctx.served_model_name,

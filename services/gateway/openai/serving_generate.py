@@ -56,21 +56,25 @@ class NativeServing:
         obj = GenerateReqInput(rid, body.prompts, sampling, n=sp.n, params_path="sampling_params.")
         handle = await submit(request, self.ctx.manager, obj)
         if body.stream:
-            return await sse_response(request, handle, self._chunks(handle, body.return_logprob))
+            return await sse_response(request, handle, self._chunks(handle, body))
         results = await collect(request, handle)
-        outs = [self._response(handle, r, body.return_logprob).model_dump() for r in results]
+        outs = [self._response(handle, r, body).model_dump() for r in results]
         return JSONResponse(outs if body.is_batch or sp.n > 1 else outs[0])
 
-    async def _chunks(self, handle: RequestHandle, return_logprob: bool) -> AsyncIterator[str]:
+    async def _chunks(self, handle: RequestHandle, body: NativeGenerateRequest) -> AsyncIterator[str]:
         results = [ChoiceResult(s.index) for s in handle.states]
         async for delta in handle:
             result = results[delta.index]
             result.add(delta)
             if delta.token_ids or delta.text or delta.finish_reason:
-                yield self._response(handle, result, return_logprob).model_dump_json()
+                yield self._response(handle, result, body).model_dump_json()
 
     @staticmethod
-    def _response(handle: RequestHandle, r: ChoiceResult, return_logprob: bool) -> NativeGenerateResponse:
+    def _response(
+        handle: RequestHandle, r: ChoiceResult, body: NativeGenerateRequest
+    ) -> NativeGenerateResponse:
+        """One choice's answer; with ``return_logprob``, ``meta_info`` has the output tokens' logprobs
+        and, when ``top_logprobs_num`` > 0, their top ones (SGLang's: null otherwise)."""
         state = handle.states[r.index]
         finish = FinishReasonInfo(type=r.finish_reason, matched=r.matched_stop) if r.finish_reason else None
         meta = MetaInfo(  # the rid, or one per choice (SGLang's ids); the backends' rids are tagged
@@ -81,8 +85,9 @@ class NativeServing:
             cached_tokens=r.cached_tokens,
             e2e_latency=time.monotonic() - handle.arrival,
         )
-        if return_logprob:
+        if body.return_logprob:
             meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in r.logprobs]
+        if body.return_logprob and body.top_logprobs_num:
             meta.output_top_logprobs = [_top(lp) for lp in r.logprobs]
         if r.prompt_logprobs:  # asked for (sampling_params.prompt_logprobs): prompt tokens 1..
             meta.input_token_logprobs = [(None, state.input_ids[0], None)]

@@ -20,7 +20,9 @@ with ``Retry-After`` from the router, once it is validated). Until the decode wo
 (the first health round, at start), and when one reports an unbounded queue, there is no limit here:
 the schedulers' own queue bounds still refuse (RESOURCE_EXHAUSTED, 429). The limit is per replica:
 N replicas in front of one pool may take N times the pool's capacity, and the schedulers then refuse
-the excess.
+the excess. A request's sub-requests arrive at the schedulers together, before any is admitted, so
+one with more of them than the decode workers' waiting queues hold together can never be served
+either: a 400, whatever the limit.
 """
 
 from __future__ import annotations
@@ -47,24 +49,34 @@ def pending_limit(configured: int | None, decode: WorkerPool) -> int | None:
     return sum(capacities)
 
 
+def queue_room(decode: WorkerPool) -> int | None:
+    """Sub-requests the healthy decode workers' waiting queues hold together (None until each has
+    reported a bounded queue)."""
+    bounds = [w.max_queued for w in decode.healthy()]
+    if not bounds or any(not b for b in bounds):
+        return None
+    return sum(bounds)
+
+
 def check_pending(obj: GenerateReqInput, pending: int, configured: int | None, decode: WorkerPool) -> None:
     """Count ``obj``'s sub-requests against the pending limit with ``pending`` already in flight.
 
     Raises:
-        GatewayError: 400 (naming ``n``) when they alone exceed the limit, so it can never be served;
-            429 with ``Retry-After`` when they would take the replica past it.
+        GatewayError: 400 (naming ``input`` for embeddings, else ``n``) when they alone exceed the
+            limit or the decode workers' waiting queues (``queue_room``), so it can never be served;
+            429 with ``Retry-After`` when they would take the replica past the limit.
     """
     limit = pending_limit(configured, decode)
-    if limit is None:
-        return
     choices = obj.num_choices
-    if choices > limit:
+    most = min((x for x in (limit, queue_room(decode)) if x is not None), default=None)
+    if most is not None and choices > most:
+        embed = obj.sampling_params.embed
+        what = "inputs" if embed else "sub-requests (prompts × n)"
         raise invalid_request(
-            f"the request fans out into {choices} sub-requests (prompts × n); this server takes at "
-            f"most {limit} at once",
-            param=obj.params_path + "n",
+            f"the request fans out into {choices} {what}; this server takes at most {most} at once",
+            param="input" if embed else obj.params_path + "n",
         )
-    if pending + choices > limit:
+    if limit is not None and pending + choices > limit:
         raise GatewayError(
             429,
             f"the server is overloaded: {pending} sub-requests in flight (limit {limit}); retry later",

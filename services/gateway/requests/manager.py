@@ -212,28 +212,39 @@ class RequestManager:
                 obj, len(prompt.input_ids), info.context_length, self.config.default_max_tokens, param
             )
             handle.prompt_tokens.append(len(prompt.input_ids))
+            scorer = None
             for i in range(obj.n):
                 index = j * obj.n + i
                 seed = None if sp.seed is None else wrap_int64(sp.seed + i)
-                handle.add_choice(
-                    ReqState(
-                        rid=backend_rid(obj.rid, index, self.rid_tag, serial),
-                        index=index,
-                        input_ids=prompt.input_ids,
-                        sampling_params=dataclasses.replace(sp, max_new_tokens=max_new, seed=seed),
-                        owner=handle,
-                    )
+                scores = sp.prompt_logprobs if scorer is None else None  # sample 0 scores the prompt
+                state = ReqState(
+                    rid=backend_rid(obj.rid, index, self.rid_tag, serial),
+                    index=index,
+                    input_ids=prompt.input_ids,
+                    sampling_params=dataclasses.replace(
+                        sp, max_new_tokens=max_new, seed=seed, prompt_logprobs=scores
+                    ),
+                    owner=handle,
                 )
+                handle.add_choice(state)
+                if sp.prompt_logprobs is not None and i == 0:
+                    scorer = state
+                elif scorer is not None:  # (``state``'s module docstring: computed once, copied)
+                    state.scorer, state.held = scorer, []
+                    scorer.samples.append(state)
         arrival = time.time()
         deadline = 0.0 if budget is None else arrival + budget
         for state in handle.states:
             state.route = self.router.route(state.input_ids)
-        results = await asyncio.gather(
-            *(self._send(state, arrival, deadline) for state in handle.states), return_exceptions=True
-        )
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
+        # samples that copy prompt logprobs are sent once their scorer is queued, so that they queue
+        # behind it and wait for its prompt KV (the scheduler's in-batch prefix sharing)
+        for wave in ([s for s in handle.states if s.scorer is None], [s for s in handle.states if s.scorer]):
+            results = await asyncio.gather(
+                *(self._send(state, arrival, deadline) for state in wave), return_exceptions=True
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
 
     async def _send(self, state: ReqState, arrival: float, deadline: float) -> None:
         """Send one choice to its decode-scheduler; a choice aborted meanwhile is not sent, or is

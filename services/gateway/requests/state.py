@@ -5,6 +5,11 @@ rid). The ``GatewayOutputServicer`` (``transport.output_servicer``) looks each i
 rid in the ``RequestRegistry`` and pushes it into the owning handle's queue; outputs for rids this
 replica no longer holds (aborted, timed out) are dropped. A choice leaves the registry, and its
 route is released, on its last output or on close.
+
+Prompt logprobs are computed once per prompt, not once per sample: with ``n > 1`` only sample 0 of a
+prompt asks for them (its ``ReqState.samples`` are the others, sent without, so they hit the radix
+cache its prompt KV enters), and each other sample's outputs are held until sample 0's outputs have
+brought them, then carry a copy on their first piece (``RequestHandle.push``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from pdserve.services.gateway.errors import GatewayError, duplicate_rid, generation_failed
-from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams
+from pdserve.services.gateway.io_struct import ChoiceDelta, FinishReason, SamplingParams, TokenLogprob
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.routing.router import Route
 
@@ -36,6 +41,13 @@ class ReqState:
     finished: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # prompt logprobs with n > 1 (see the module docstring): on sample 0, the prompt's other samples
+    # and, once its outputs brought them, the scores they copy; on another sample, sample 0 and the
+    # outputs held until its scores came
+    samples: list[ReqState] = field(default_factory=list)
+    scores: list[TokenLogprob] | None = None
+    scorer: ReqState | None = None
+    held: list[ChoiceDelta] | None = None
 
 
 class RequestRegistry:
@@ -120,6 +132,31 @@ class RequestHandle:
         delta.prompt_tokens = len(state.input_ids)
         if delta.finish_reason is not None:
             self._finish(state)
+        scorer = state.scorer
+        if scorer is not None and state.held is not None:  # waiting for sample 0's prompt logprobs
+            state.held.append(delta)
+            if scorer.scores is not None:
+                self._release(state, scorer.scores)
+            return
+        if state.samples and state.scores is None and (delta.prompt_logprobs or state.finished):
+            state.scores = delta.prompt_logprobs  # sample 0's scores came (or it ended without)
+            self._enqueue(delta)
+            for sample in state.samples:
+                self._release(sample, state.scores)
+            return
+        self._enqueue(delta)
+
+    def _release(self, state: ReqState, scores: list[TokenLogprob]) -> None:
+        """Deliver the outputs ``state`` held, its first piece with a copy of ``scores`` (none held
+        yet: its first piece takes them as it comes)."""
+        if not state.held:
+            return
+        held, state.held = state.held, None
+        held[0].prompt_logprobs = list(scores)
+        for delta in held:
+            self._enqueue(delta)
+
+    def _enqueue(self, delta: ChoiceDelta) -> None:
         if self.first_delta is None:
             self.first_delta = delta
             self._answered.set()

@@ -111,7 +111,7 @@ class WorkerMonitor:
             return
         restarted = bool(worker.incarnation) and report.incarnation != worker.incarnation
         worker.reported_load = report.load
-        worker.capacity = report.capacity
+        worker.capacity, worker.max_queued = report.capacity, report.max_queued
         worker.incarnation = report.incarnation
         if restarted:
             logger.warning("%s worker %s restarted: ending what its old process held", role, worker.address)

@@ -29,6 +29,7 @@ class Worker:
     reported_load: int = 0
     in_flight: int = 0
     capacity: int | None = None  # requests it takes before refusing, as reported (0 = unbounded)
+    max_queued: int | None = None  # its waiting-queue bound, as reported (0 = unbounded)
     incarnation: str = ""  # of its process, as reported
 
     @property

@@ -220,6 +220,7 @@ def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
         load=info.num_running_reqs + info.num_queue_reqs,
         capacity=info.request_capacity + info.max_queued_requests if bounded else 0,
         incarnation=info.incarnation,
+        max_queued=info.max_queued_requests,
     )
 
 
@@ -259,12 +260,12 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
 
 
 def _token_logprob(lp: common_pb2.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top])
+    return TokenLogprob(lp.token_id, lp.logprob, [TopLogprob(t.token_id, t.logprob) for t in lp.top], lp.rank)
 
 
 def _token_logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
     top = [common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top]
-    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top, rank=lp.rank)
 
 
 def str_columns(batch: output_pb2.BatchStrOutput) -> Iterator[tuple[str, str, list[int], int]]:

@@ -32,7 +32,7 @@ from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
 from pdserve.services.gateway.openai.native_protocol import GenerateOptions
 from pdserve.services.gateway.openai.protocol import ChatInput
 from pdserve.services.gateway.openai.serving_common import ServingContext, gather, new_rid
-from pdserve.services.gateway.openai.serving_embeddings import EmbeddingRequest, vectors
+from pdserve.services.gateway.openai.serving_embeddings import EmbeddingRequest
 from pdserve.services.gateway.requests.state import RequestHandle
 from pdserve.services.gateway.transport import convert
 from pdserve.v1 import api_pb2, api_pb2_grpc
@@ -117,7 +117,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             await abort_with(context, e)
         try:
             results = await gather(handle)
-            return convert.embed_response_to_pb(vectors(results, body.dimensions), sum(handle.prompt_tokens))
+            return convert.embed_response_to_pb(*body.answer(results, handle.prompt_tokens))
         except GatewayError as e:
             await abort_with(context, e)
 

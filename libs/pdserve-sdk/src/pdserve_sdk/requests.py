@@ -74,6 +74,15 @@ class ChatKwargs(RequestKwargs, total=False):
     chat_template_kwargs: Mapping[str, Any]
 
 
+# OpenAI's names of sampling parameters the SDK spells as SGLang does, named in the unknown-name error
+_OPENAI_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "logprobs": "return_logprob",
+    "top_logprobs": "top_logprobs_num",
+}
+
+
 def sampling_params(sampling: Mapping[str, Any]) -> Any:
     """A ``SamplingParams`` message from ``SamplingKwargs``; ``None`` values are left unset.
 
@@ -83,7 +92,8 @@ def sampling_params(sampling: Mapping[str, Any]) -> Any:
     """
     unknown = sorted(sampling.keys() - SamplingKwargs.__optional_keys__)
     if unknown:
-        raise TypeError(f"unknown parameter(s): {', '.join(unknown)}")
+        named = [f"{k} (the SDK's is {_OPENAI_NAMES[k]})" if k in _OPENAI_NAMES else k for k in unknown]
+        raise TypeError(f"unknown parameter(s): {', '.join(named)}")
     params = _wire.SamplingParams()
     for name, value in sampling.items():
         if value is None:
