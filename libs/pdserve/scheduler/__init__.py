@@ -13,8 +13,8 @@ beside what every role has: the request table and its checks (table.py), the wai
 policy, grammar queue and overload limits (waiting.py, policy.py, grammar_queue.py, overload.py),
 admission under the KV budget (admission.py), and the KV ledger of request slots, pages and the
 radix cache (kv_ledger.py). A step builds a ``ScheduleBatch`` (schedule_batch.py), runs it on the
-forward thread (batch_runner.py) and applies its result (output_processor.py). A request is a ``Req`` (req.py) carrying
-its ``Route`` (route.py).
+forward thread (batch_runner.py) and applies its result (output_processor.py). A request is a
+``Req`` (req.py) carrying its ``Route`` (route.py).
 
 The interface: what servicers and the scheduler loop use of a ``Scheduler``, and nothing else.
 
