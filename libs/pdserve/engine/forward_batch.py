@@ -20,6 +20,7 @@ import torch
 
 from pdserve.layers.pooler import PoolingRows
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from pdserve.mem_cache.swa_pool import SWAKVPool
 from pdserve.sampling.draft_rows import DraftRows
 from pdserve.sampling.prompt_logprobs import PromptLogprobRows
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -81,6 +82,8 @@ class ForwardBatch:
             None (``pdserve.sampling.prompt_logprobs``).
         pooling: which requests pool their chunk's hidden states into an embedding, else None
             (``pdserve.layers.pooler``).
+        swa_out_cache_loc: int64 ``[T]``: the slots the tokens write in the local pool of an
+            ``SWAKVPool`` (its sliding-window layers), else None.
     """
 
     forward_mode: ForwardMode
@@ -100,10 +103,11 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None
     draft_rows: DraftRows | None
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool: KVPool
+    token_to_kv_pool: KVPool | SWAKVPool
     attn_backend: BatchAttention
     prompt_logprobs: PromptLogprobRows | None = None
     pooling: PoolingRows | None = None
+    swa_out_cache_loc: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -233,4 +237,5 @@ class ForwardBatch:
             attn_backend=runner.attn_backend,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
+            swa_out_cache_loc=pool.swa_slots(loc) if isinstance(pool := runner.kv_pool, SWAKVPool) else None,
         )

@@ -3,17 +3,24 @@
 Every page is in exactly one of three places: the allocator's free list, the radix cache
 (``cached``, locked or not), or owned by one request (``in use``). ``check_conservation`` asserts
 free + cached + in-use == pool size.
+
+With an SWA pool (``pdserve.mem_cache.swa_pool``) a full page in use may also hold a local page (the
+KV of the model's sliding-window layers): allocation takes both, every free gives both back, and
+``slide_windows`` gives back the local pages a request's window has passed while it runs. The radix
+cache is off then: a cached prefix would need the local pages of the window before its end, which
+this ledger does not keep yet (SGLang's SWA radix cache does).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.mem_cache.swa_pool import SWAPageMap
 from pdserve.scheduler.req import Req
 
 
@@ -25,6 +32,8 @@ class KVLedger:
         allocator: the paged KV allocator.
         page_size: tokens per page.
         disable_radix_cache: when true, finished requests free their pages instead of caching them.
+        swa: the local pages of an SWA pool, or None (every layer in the full pages); the radix
+            cache is disabled with one.
     """
 
     def __init__(
@@ -33,11 +42,14 @@ class KVLedger:
         allocator: PagedTokenToKVPoolAllocator,
         page_size: int,
         disable_radix_cache: bool = False,
+        swa: SWAPageMap | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
-        self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
+        self.swa = swa
+        self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache or swa is not None)
+        self._swa_front: dict[Req, int] = {}  # request -> its first page that may still hold a local page
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
 
@@ -56,8 +68,13 @@ class KVLedger:
         return sum(self.in_use.values())
 
     def available_pages(self) -> int:
-        """Pages obtainable now: free plus evictable."""
-        return self.free_pages() + self.tree.evictable_size()
+        """Pages obtainable now: free plus evictable (and, with an SWA pool, as many local ones)."""
+        full = self.free_pages() + self.tree.evictable_size()
+        return full if self.swa is None else min(full, self.swa.available_size())
+
+    def swa_used_pages(self) -> int:
+        """Local pages of an SWA pool held by requests (0 without one)."""
+        return 0 if self.swa is None else self.swa.used_pages()
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -70,6 +87,11 @@ class KVLedger:
                 f"KV pages not conserved: free {self.free_pages()} + cached {self.cached_pages()}"
                 f" + in-use {self.used_pages()} = {total} != {usable_pages}"
             )
+        if self.swa is not None and self.swa.available_size() + self.swa.used_pages() != self.swa.num_pages:
+            raise AssertionError(
+                f"local KV pages not conserved: free {self.swa.available_size()} + held"
+                f" {self.swa.used_pages()} != {self.swa.num_pages}"
+            )
 
     # ---- allocation ---------------------------------------------------------------
     def _alloc(self, n: int) -> list[int] | None:
@@ -77,7 +99,18 @@ class KVLedger:
             return []
         if self.allocator.available_size() < n:
             self.tree.evict(n - self.allocator.available_size())
-        return self.allocator.alloc(n)
+        pages = self.allocator.alloc(n)
+        if pages is not None and self.swa is not None and not self.swa.map(pages):
+            self.allocator.free(pages)
+            return None
+        return pages
+
+    def _free(self, pages: Iterable[int]) -> None:
+        """Give back full pages, and their local pages where they hold some."""
+        pages = list(pages)
+        if self.swa is not None:
+            self.swa.unmap(pages)
+        self.allocator.free(pages)
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
@@ -184,7 +217,7 @@ class KVLedger:
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
-        self.allocator.free(self.tree.insert(key, req.pages[:full]))
+        self._free(self.tree.insert(key, req.pages[:full]))
         match = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(req.last_node)
@@ -215,7 +248,7 @@ class KVLedger:
             )
         freed = req.pages[self.pages_for(num_valid) :]
         if freed:
-            self.allocator.free(freed)
+            self._free(freed)
             del req.pages[len(req.pages) - len(freed) :]
             self.in_use[req] -= len(freed)
         req.num_computed = num_valid
@@ -250,10 +283,10 @@ class KVLedger:
             full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
             duplicates = self.tree.insert(key, req.pages[:full])
-            self.allocator.free(duplicates)
-            self.allocator.free(req.pages[max(full, req.num_prefix_pages) :])
+            self._free(duplicates)
+            self._free(req.pages[max(full, req.num_prefix_pages) :])
         else:
-            self.allocator.free(owned)
+            self._free(owned)
         self.tree.dec_lock_ref(req.last_node)
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
@@ -263,6 +296,27 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
         self.in_use.pop(req, None)
+        self._swa_front.pop(req, None)
+
+    # ---- sliding windows ----------------------------------------------------------
+    def slide_windows(self, reqs: Iterable[Req], computed_tokens: Callable[[Req], int]) -> None:
+        """With an SWA pool, give back the local pages of ``reqs``'s pages that every position of
+        fell behind the request's window (Beltagy et al. 2020's local attention, as in Mistral and
+        Gemma 3's local layers): a query at position ``p`` reads keys ``(p - window, p]``, and every
+        query still to run, in a batch scheduled or later, is at a position of at least
+        ``computed_tokens(req)`` (the tokens whose KV is written; a verify step's rejected drafts
+        are already truncated). The full pages stay, for the global layers and ``req_to_token``;
+        a local layer reads the null page there, behind its window, so never."""
+        if self.swa is None:
+            return
+        for req in reqs:
+            if req not in self.in_use:
+                continue
+            behind = (computed_tokens(req) + 1 - self.swa.window) // self.page_size
+            front = self._swa_front.get(req, req.num_prefix_pages)
+            if behind > front:
+                self.swa.unmap(req.pages[front:behind])
+                self._swa_front[req] = behind
 
 
 def _known_computed(req: Req) -> int:

@@ -1,0 +1,176 @@
+"""Sliding-window-aware KV memory: a page space of its own for the local (sliding-window) layers.
+
+A model that interleaves local layers with global ones (Gemma 3: 5 local to 1 global; gpt-oss:
+alternating; Mistral: all local) needs, in a local layer, only the KV of the last ``window`` tokens
+of a sequence. ``SWAKVPool`` keeps the global layers in a ``KVPool`` of the usual pages (the page
+ids ``req_to_token`` holds) and the local layers in a second, smaller ``KVPool``; ``full_to_swa``
+maps each full page to the local page that holds its tokens in the local layers, or to the null
+page (the local pool's last, never handed out, zeros) once every position of it fell behind the
+window. The mapping is SGLang's ``SWATokenToKVPool`` / ``full_to_swa_index_mapping`` (page-granular
+here); the attention backend translates a batch's page table and KV slots through it once per
+forward, for every local layer.
+
+``SWAPageMap`` is the scheduler's side: the local pages' allocator and which full page holds which.
+A request's full pages get local pages when they are allocated, and give them back when the window
+has passed them (``KVLedger.slide_windows``) or when the request's pages are freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from pdserve.mem_cache.memory_pool import KVPool, PagedTokenToKVPoolAllocator
+
+
+class SWAKVPool:
+    """The KV of global layers in ``full`` (page ids of ``req_to_token``), of local layers in ``swa``.
+
+    Args:
+        num_pages: full pages (the page ids the scheduler hands out).
+        num_swa_pages: local pages (one more, the null page, is allocated).
+        windows: each layer's sliding window in tokens, 0 for a global layer.
+        page_size, num_kv_heads, head_dim, dtype, device: as ``KVPool``'s.
+
+    Attributes:
+        full, swa: the two ``KVPool``; ``swa`` has ``num_swa_pages + 1`` pages.
+        full_to_swa: int64 ``[num_pages]`` on ``device``: the local page of each full page, or
+            ``null_page`` (its local KV is gone, or it has none).
+        window: the longest window of the local layers, in tokens.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_swa_pages: int,
+        windows: list[int],
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        if not any(windows) or num_swa_pages < 1:
+            raise ValueError(f"an SWA pool needs local layers and pages, got {windows}, {num_swa_pages}")
+        self.page_size, self.dtype, self.num_layers = page_size, dtype, len(windows)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.is_local = [w > 0 for w in windows]
+        self.window = max(windows)
+        self._index: list[int] = []  # a layer's index within its own pool
+        counts = [0, 0]
+        for local in self.is_local:
+            self._index.append(counts[local])
+            counts[local] += 1
+        shape = (page_size, num_kv_heads, head_dim, dtype, device)
+        self.full = KVPool(num_pages, page_size, counts[False], *shape[1:])
+        self.swa = KVPool(num_swa_pages + 1, page_size, counts[True], *shape[1:])
+        self.num_swa_pages = self.null_page = num_swa_pages
+        self.full_to_swa = torch.full((num_pages,), self.null_page, dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.nbytes + self.swa.nbytes
+
+    def _pool(self, layer: int) -> tuple[KVPool, int]:
+        return (self.swa if self.is_local[layer] else self.full), self._index[layer]
+
+    def kv_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V pages in its own pool (``KVPool.kv_pages``): local pages for a
+        local layer, read through ``swa_page_table`` / ``swa_slots``."""
+        pool, index = self._pool(layer)
+        return pool.kv_pages(index)
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``KVPool.set_kv`` in ``layer``'s own pool; ``loc`` are slots of that pool (a local layer's
+        from ``swa_slots``)."""
+        pool, index = self._pool(layer)
+        pool.set_kv(index, loc, k, v)
+
+    def swa_page_table(self, page_table: torch.Tensor) -> torch.Tensor:
+        """Full page ids (int64, any shape) -> their local pages (the null page where gone)."""
+        return self.full_to_swa[page_table]
+
+    def swa_slots(self, loc: torch.Tensor) -> torch.Tensor:
+        """Full token slots (int64 ``[T]``) -> the same tokens' slots in the local pool."""
+        return self.full_to_swa[loc // self.page_size] * self.page_size + loc % self.page_size
+
+
+class SWAPageMap:
+    """The local pages' allocator and owner map of an ``SWAKVPool`` (the scheduler's bookkeeping).
+
+    A full page that has a local page owns it: ``map`` gives new full pages theirs, ``unmap`` gives
+    them back (the full page stays, for the global layers). The device map ``full_to_swa`` follows.
+    """
+
+    def __init__(self, pool: SWAKVPool):
+        self.allocator = PagedTokenToKVPoolAllocator(pool.num_swa_pages, pool.page_size)
+        self.window = pool.window
+        self.null_page = pool.null_page
+        self._device_map = pool.full_to_swa
+        self._swa_of = np.full(len(pool.full_to_swa), -1, dtype=np.int64)  # host copy; -1: none
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def used_pages(self) -> int:
+        """Local pages held by full pages (counted from the map, not the allocator)."""
+        return int((self._swa_of >= 0).sum())
+
+    def has(self, page: int) -> bool:
+        return bool(self._swa_of[page] >= 0)
+
+    def map(self, pages: list[int]) -> bool:
+        """Give each of the full ``pages`` (none mapped) a local page; False, nothing taken, when short."""
+        swa = self.allocator.alloc(len(pages))
+        if swa is None:
+            return False
+        if pages:
+            self._set(pages, swa)
+        return True
+
+    def unmap(self, pages: Iterable[int]) -> None:
+        """Free the local pages of those full ``pages`` that have one."""
+        held = [p for p in pages if self._swa_of[p] >= 0]
+        if held:
+            self.allocator.free(self._swa_of[held].tolist())
+            self._set(held, [self.null_page] * len(held))
+
+    def _set(self, pages: list[int], swa: list[int]) -> None:
+        self._swa_of[pages] = [-1 if s == self.null_page else s for s in swa]
+        index = torch.as_tensor(pages, dtype=torch.int64, device=self._device_map.device)
+        self._device_map[index] = torch.as_tensor(swa, dtype=torch.int64, device=self._device_map.device)
+
+
+def layer_windows(model: torch.nn.Module) -> list[int]:
+    """Each layer's sliding window (0: global), from the model's ``RadixAttention`` modules."""
+    from pdserve.layers.radix_attention import RadixAttention
+
+    layers = sorted((m.layer_id, m.sliding_window) for m in model.modules() if isinstance(m, RadixAttention))
+    return [window for _, window in layers]
+
+
+def swa_layer_weight(windows: list[int], swa_full_tokens_ratio: float) -> float:
+    """Layers' worth of KV bytes one full-pool token costs when the local pool holds
+    ``swa_full_tokens_ratio`` tokens per full-pool token (SGLang's ``--swa-full-tokens-ratio``):
+    sizing the full pool by a byte budget over this weight gives both pools that budget.
+
+    Raises:
+        ValueError: a ratio outside (0, 1].
+    """
+    if not 0 < swa_full_tokens_ratio <= 1:
+        raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {swa_full_tokens_ratio}")
+    num_local = sum(w > 0 for w in windows)
+    return len(windows) - num_local + swa_full_tokens_ratio * num_local
+
+
+def num_swa_pages(num_pages: int, swa_full_tokens_ratio: float, context_pages: int) -> int:
+    """Local pages for ``num_pages`` full ones: the ratio's share, and at least what one request of
+    the whole context (or the whole full pool) needs, since a prompt's local pages are all taken
+    at admission and go back only as its window slides (so no request is refused for ever)."""
+    return max(int(num_pages * swa_full_tokens_ratio), min(num_pages, context_pages), 1)
