@@ -161,7 +161,7 @@ class ModelRunner:
                     kv_dtype,
                     self.device,
                 )
-                self.swa_pages = SWAPageMap(self.kv_pool)
+                self.swa_pages = SWAPageMap(self.kv_pool, self.token_to_kv_pool_allocator)
             else:
                 self.kv_pool = KVPool(
                     num_pages + want_graphs,  # the last page: padded rows of graph replays

@@ -10,9 +10,11 @@ window. The mapping is SGLang's ``SWATokenToKVPool`` / ``full_to_swa_index_mappi
 here); the attention backend translates a batch's page table and KV slots through it once per
 forward, for every local layer.
 
-``SWAPageMap`` is the scheduler's side: the local pages' allocator and which full page holds which.
-A request's full pages get local pages when they are allocated, and give them back when the window
-has passed them (``KVLedger.slide_windows``) or when the request's pages are freed.
+``SWAPageMap`` is the scheduler's side: the local pages' allocator, which full page holds which,
+and which running requests still read each (``KVLedger`` drives it). A request's full pages get
+local pages when they are allocated and give them back when its window has passed them; pages in
+the radix cache keep theirs until the local pool runs short, and a prefix hit counts only up to
+the last point whose window still has all its local pages (SGLang's ``SWARadixCache``).
 """
 
 from __future__ import annotations
@@ -98,41 +100,91 @@ class SWAKVPool:
 
 
 class SWAPageMap:
-    """The local pages' allocator and owner map of an ``SWAKVPool`` (the scheduler's bookkeeping).
+    """The local pages of an ``SWAKVPool``: their allocator, which full page holds which, and who
+    still needs them (the scheduler's bookkeeping; the device map ``full_to_swa`` follows).
 
-    A full page that has a local page owns it: ``map`` gives new full pages theirs, ``unmap`` gives
-    them back (the full page stays, for the global layers). The device map ``full_to_swa`` follows.
+    A full page holds its local page from its allocation (``map``) until the full page is freed
+    (``free``: by its request, or by the radix cache's eviction, which calls it), or until its local
+    page is released earlier: a request's own page once its window has passed (``unmap``), a radix
+    cache page (``cache``) once no request needs it (``unuse``) and the local pool runs short
+    (``evict``, least recently needed first; the page then stays cached for the global layers only,
+    a tombstone for the local ones, as in SGLang's ``SWARadixCache``). ``users`` counts the running
+    requests that still read a page in their local layers (it lies inside or ahead of their window).
+
+    Args:
+        pool: the SWA pool.
+        allocator: the full pages' allocator (``free`` gives pages back to it).
     """
 
-    def __init__(self, pool: SWAKVPool):
+    def __init__(self, pool: SWAKVPool, allocator: PagedTokenToKVPoolAllocator):
+        self.full_allocator = allocator
         self.allocator = PagedTokenToKVPoolAllocator(pool.num_swa_pages, pool.page_size)
-        self.window = pool.window
-        self.null_page = pool.null_page
+        self.page_size, self.window, self.null_page = pool.page_size, pool.window, pool.null_page
         self._device_map = pool.full_to_swa
-        self._swa_of = np.full(len(pool.full_to_swa), -1, dtype=np.int64)  # host copy; -1: none
+        n = len(pool.full_to_swa)
+        self._swa_of = np.full(n, -1, dtype=np.int64)  # host copy of the map; -1: none
+        self._users = np.zeros(n, dtype=np.int64)
+        self._cached = np.zeros(n, dtype=bool)  # the radix cache owns the full page
+        self._last_used = np.zeros(n, dtype=np.int64)  # when its users last dropped to 0
+        self._clock = 0
 
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
 
     def available_size(self) -> int:
+        """Free local pages."""
         return self.allocator.available_size()
 
     def used_pages(self) -> int:
+        """Local pages some running request still reads."""
+        return int(((self._swa_of >= 0) & (self._users > 0)).sum())
+
+    def held_pages(self) -> int:
         """Local pages held by full pages (counted from the map, not the allocator)."""
         return int((self._swa_of >= 0).sum())
 
-    def has(self, page: int) -> bool:
-        return bool(self._swa_of[page] >= 0)
+    def evictable_size(self) -> int:
+        """Local pages of radix-cache pages no running request reads (``evict`` can take them)."""
+        return int(self._evictable().sum())
 
+    def check(self) -> None:
+        """Raise AssertionError unless free + held == the local pool and every held local page is
+        read by a running request or cached."""
+        if self.available_size() + self.held_pages() != self.num_pages:
+            raise AssertionError(
+                f"local KV pages not conserved: free {self.available_size()} + held {self.held_pages()}"
+                f" != {self.num_pages}"
+            )
+        if (self._users < 0).any():
+            raise AssertionError("a page has a negative count of local-layer readers")
+        if ((self._swa_of >= 0) & (self._users == 0) & ~self._cached).any():
+            raise AssertionError("a local KV page is held by a full page nothing reads or caches")
+
+    # ---- a request's pages ----------------------------------------------------------
     def map(self, pages: list[int]) -> bool:
-        """Give each of the full ``pages`` (none mapped) a local page; False, nothing taken, when short."""
+        """Give each of the new full ``pages`` of one request a local page (the request is their
+        user); False, nothing taken, when the local pool is short."""
         swa = self.allocator.alloc(len(pages))
         if swa is None:
             return False
         if pages:
             self._set(pages, swa)
+            self._users[pages] = 1
         return True
+
+    def use(self, pages: list[int]) -> None:
+        """One more running request reads these (matched) pages in its local layers."""
+        if pages:
+            np.add.at(self._users, pages, 1)
+
+    def unuse(self, pages: list[int]) -> None:
+        """One request fewer reads these pages (its window passed them, or it ended)."""
+        if not pages:
+            return
+        np.subtract.at(self._users, pages, 1)
+        self._clock += 1
+        self._last_used[pages] = self._clock
 
     def unmap(self, pages: Iterable[int]) -> None:
         """Free the local pages of those full ``pages`` that have one."""
@@ -140,6 +192,51 @@ class SWAPageMap:
         if held:
             self.allocator.free(self._swa_of[held].tolist())
             self._set(held, [self.null_page] * len(held))
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Give full ``pages`` back to their allocator, with their local pages (``PageFreer``)."""
+        pages = list(pages)
+        if not pages:
+            return
+        self.unmap(pages)
+        self._users[pages] = 0
+        self._cached[pages] = False
+        self.full_allocator.free(pages)
+
+    # ---- the radix cache's pages ----------------------------------------------------
+    def cache(self, tree_pages: list[int], own_pages: list[int]) -> None:
+        """``own_pages`` of a request went into the radix cache, which holds ``tree_pages`` for the
+        same tokens (the request's own where the cache took them, else the cache's): where the
+        cache's page lost its local page and the request's has one, the local page moves over
+        (the request's is freed as a duplicate next), so the cache's pages are whole again."""
+        if not tree_pages:
+            return
+        self._cached[tree_pages] = True
+        for tree, own in zip(tree_pages, own_pages, strict=True):
+            if tree != own and self._swa_of[tree] < 0 <= self._swa_of[own]:
+                swa = int(self._swa_of[own])
+                self._set([own, tree], [self.null_page, swa])
+
+    def evict(self, num_pages: int) -> int:
+        """Free the local pages of up to ``num_pages`` radix-cache pages no request reads, least
+        recently read first; their full pages stay cached. Returns local pages freed."""
+        candidates = np.flatnonzero(self._evictable())
+        victims = candidates[np.argsort(self._last_used[candidates], kind="stable")][:num_pages]
+        self.unmap(victims.tolist())
+        return len(victims)
+
+    def whole_prefix(self, pages: list[int]) -> int:
+        """Of a radix match's ``pages``, how many lead a prefix whose window is whole: the largest
+        ``j`` such that the tokens ``[j * page_size - window + 1, j * page_size)`` (which the query
+        at position ``j * page_size`` reads) all still have local pages. 0 when none is."""
+        held = self._swa_of[np.asarray(pages, dtype=np.int64)] >= 0
+        for j in range(len(pages), 0, -1):
+            if held[max(0, (j * self.page_size - self.window + 1) // self.page_size) : j].all():
+                return j
+        return 0
+
+    def _evictable(self) -> np.ndarray:
+        return (self._swa_of >= 0) & (self._users == 0) & self._cached
 
     def _set(self, pages: list[int], swa: list[int]) -> None:
         self._swa_of[pages] = [-1 if s == self.null_page else s for s in swa]

@@ -4,11 +4,13 @@ Every page is in exactly one of three places: the allocator's free list, the rad
 (``cached``, locked or not), or owned by one request (``in use``). ``check_conservation`` asserts
 free + cached + in-use == pool size.
 
-With an SWA pool (``pdserve.mem_cache.swa_pool``) a full page in use may also hold a local page (the
-KV of the model's sliding-window layers): allocation takes both, every free gives both back, and
-``slide_windows`` gives back the local pages a request's window has passed while it runs. The radix
-cache is off then: a cached prefix would need the local pages of the window before its end, which
-this ledger does not keep yet (SGLang's SWA radix cache does).
+With an SWA pool (``pdserve.mem_cache.swa_pool``) a full page may also hold a local page (the KV
+of the model's sliding-window layers): allocation takes both, every free gives both back, and
+``slide_windows`` gives back the local pages a request's window has passed while it runs. A request
+reads, in its local layers, its pages from its window's first on (``_swa_front``); it counts as their
+user (``SWAPageMap.use``), so that the local pages of radix-cache pages it reads are never evicted
+under it. A radix match counts only up to the last page boundary whose window still has all its
+local pages (``SWAPageMap.whole_prefix``; SGLang's ``SWARadixCache``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ class KVLedger:
         allocator: the paged KV allocator.
         page_size: tokens per page.
         disable_radix_cache: when true, finished requests free their pages instead of caching them.
-        swa: the local pages of an SWA pool, or None (every layer in the full pages); the radix
-            cache is disabled with one.
+        swa: the local pages of an SWA pool, or None (every layer in the full pages).
     """
 
     def __init__(
@@ -48,8 +49,9 @@ class KVLedger:
         self.allocator = allocator
         self.page_size = page_size
         self.swa = swa
-        self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache or swa is not None)
-        self._swa_front: dict[Req, int] = {}  # request -> its first page that may still hold a local page
+        # the tree's evictions free a page's local page too
+        self.tree = RadixCache(swa or allocator, page_size, disable=disable_radix_cache)
+        self._swa_front: dict[Req, int] = {}  # request -> its first page its local layers still read
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
 
@@ -70,10 +72,12 @@ class KVLedger:
     def available_pages(self) -> int:
         """Pages obtainable now: free plus evictable (and, with an SWA pool, as many local ones)."""
         full = self.free_pages() + self.tree.evictable_size()
-        return full if self.swa is None else min(full, self.swa.available_size())
+        if self.swa is None:
+            return full
+        return min(full, self.swa.available_size() + self.swa.evictable_size())
 
     def swa_used_pages(self) -> int:
-        """Local pages of an SWA pool held by requests (0 without one)."""
+        """Local pages of an SWA pool that running requests read (0 without one)."""
         return 0 if self.swa is None else self.swa.used_pages()
 
     def pages_for(self, num_tokens: int) -> int:
@@ -87,11 +91,8 @@ class KVLedger:
                 f"KV pages not conserved: free {self.free_pages()} + cached {self.cached_pages()}"
                 f" + in-use {self.used_pages()} = {total} != {usable_pages}"
             )
-        if self.swa is not None and self.swa.available_size() + self.swa.used_pages() != self.swa.num_pages:
-            raise AssertionError(
-                f"local KV pages not conserved: free {self.swa.available_size()} + held"
-                f" {self.swa.used_pages()} != {self.swa.num_pages}"
-            )
+        if self.swa is not None:
+            self.swa.check()
 
     # ---- allocation ---------------------------------------------------------------
     def _alloc(self, n: int) -> list[int] | None:
@@ -99,6 +100,8 @@ class KVLedger:
             return []
         if self.allocator.available_size() < n:
             self.tree.evict(n - self.allocator.available_size())
+        if self.swa is not None and self.swa.available_size() < n:
+            self.swa.evict(n - self.swa.available_size())
         pages = self.allocator.alloc(n)
         if pages is not None and self.swa is not None and not self.swa.map(pages):
             self.allocator.free(pages)
@@ -107,14 +110,20 @@ class KVLedger:
 
     def _free(self, pages: Iterable[int]) -> None:
         """Give back full pages, and their local pages where they hold some."""
-        pages = list(pages)
-        if self.swa is not None:
-            self.swa.unmap(pages)
-        self.allocator.free(pages)
+        (self.swa or self.allocator).free(pages)
+
+    def _usable(self, pages: list[int]) -> list[int]:
+        """The lead of a radix match's pages a request can extend from: all of them, or with an SWA
+        pool up to the last boundary whose window has all its local pages."""
+        return pages if self.swa is None else pages[: self.swa.whole_prefix(pages)]
+
+    def _window_front(self, num_tokens: int) -> int:
+        """The first page a query at position ``num_tokens`` reads in its local layers."""
+        return max(0, (num_tokens + 1 - self.swa.window) // self.page_size)
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
-        return self.tree.match_prefix(req.fill_ids[:-1]).num_tokens
+        return len(self._usable(self.tree.match_prefix(req.fill_ids[:-1]).page_indices)) * self.page_size
 
     def match(self, req: Req, use_cache: bool = True) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
@@ -126,13 +135,18 @@ class KVLedger:
         result = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
-        req.pages = list(result.page_indices)
+        req.pages = list(self._usable(result.page_indices))
         req.num_prefix_pages = len(req.pages)
-        req.num_computed = result.num_tokens
-        return result.num_tokens
+        req.num_computed = len(req.pages) * self.page_size
+        if self.swa is not None:
+            self._swa_front[req] = front = self._window_front(req.num_computed)
+            self.swa.use(req.pages[front:])
+        return req.num_computed
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that could not be admitted."""
+        if self.swa is not None:
+            self.swa.unuse(req.pages[self._swa_front.pop(req) :])
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = None
         req.pages = []
@@ -217,8 +231,14 @@ class KVLedger:
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
-        self._free(self.tree.insert(key, req.pages[:full]))
+        own = req.pages[:full]
+        duplicates = self.tree.insert(key, own)
         match = self.tree.match_prefix(key)
+        if self.swa is not None:
+            self.swa.cache(match.page_indices, own)
+            front = self._swa_front[req]  # the cache's pages it reads now in place of its own
+            self.swa.use([t for t, o in zip(match.page_indices[front:], own[front:], strict=True) if t != o])
+        self._free(duplicates)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
@@ -279,10 +299,14 @@ class KVLedger:
         if req not in self.in_use and req.last_node is None:
             return
         owned = req.pages[req.num_prefix_pages :]
+        if self.swa is not None:
+            self.swa.unuse(req.pages[self._swa_front.pop(req, 0) :])
         if cache:
             full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
             duplicates = self.tree.insert(key, req.pages[:full])
+            if self.swa is not None and not self.tree.disable:
+                self.swa.cache(self.tree.match_prefix(key).page_indices, req.pages[:full])
             self._free(duplicates)
             self._free(req.pages[max(full, req.num_prefix_pages) :])
         else:
@@ -296,26 +320,26 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
         self.in_use.pop(req, None)
-        self._swa_front.pop(req, None)
 
     # ---- sliding windows ----------------------------------------------------------
     def slide_windows(self, reqs: Iterable[Req], computed_tokens: Callable[[Req], int]) -> None:
-        """With an SWA pool, give back the local pages of ``reqs``'s pages that every position of
-        fell behind the request's window (Beltagy et al. 2020's local attention, as in Mistral and
+        """With an SWA pool, ``reqs`` stop reading, in their local layers, the pages whose every
+        position fell behind their window (Beltagy et al. 2020's local attention, as in Mistral and
         Gemma 3's local layers): a query at position ``p`` reads keys ``(p - window, p]``, and every
         query still to run, in a batch scheduled or later, is at a position of at least
         ``computed_tokens(req)`` (the tokens whose KV is written; a verify step's rejected drafts
-        are already truncated). The full pages stay, for the global layers and ``req_to_token``;
-        a local layer reads the null page there, behind its window, so never."""
+        are already truncated). The local pages of the request's own pages go back at once; those
+        of radix-cache pages stay cached until the local pool runs short. The full pages stay, for
+        the global layers and ``req_to_token``; a local layer reads the null page behind its window."""
         if self.swa is None:
             return
         for req in reqs:
-            if req not in self.in_use:
+            if req not in self._swa_front:
                 continue
-            behind = (computed_tokens(req) + 1 - self.swa.window) // self.page_size
-            front = self._swa_front.get(req, req.num_prefix_pages)
+            behind, front = self._window_front(computed_tokens(req)), self._swa_front[req]
             if behind > front:
-                self.swa.unmap(req.pages[front:behind])
+                self.swa.unuse(req.pages[front:behind])
+                self.swa.unmap(req.pages[max(front, req.num_prefix_pages) : behind])
                 self._swa_front[req] = behind
 
 
