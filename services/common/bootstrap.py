@@ -69,6 +69,8 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         )
     proposer = build_proposer(args, role, tp, model_path, runner) if role != "prefill" else None
     metrics = SchedulerMetrics(role, model_name)
+    if runner.swa_pages is not None:
+        metrics.watch_local_pages(runner.swa_pages)
     return Scheduler(TpModelWorker(runner), config, metrics, grammars, proposer)
 
 
@@ -103,13 +105,16 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
 
 
 def swa_ratio(args: argparse.Namespace, role: str) -> float | None:
-    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler.
+    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler of one rank.
 
     Raises:
-        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool).
+        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool), or
+            with ``--tp-size`` > 1 (not tested yet).
     """
     if args.swa_full_tokens_ratio is not None and role != "mixed":
         raise ValueError("--swa-full-tokens-ratio is not supported with prefill/decode disaggregation yet")
+    if args.swa_full_tokens_ratio is not None and args.tp_size > 1:
+        raise ValueError("--swa-full-tokens-ratio is not supported with --tp-size > 1 yet")
     return args.swa_full_tokens_ratio
 
 

@@ -8,14 +8,18 @@ pages in the local pool, and both pools are conserved after every step."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
-from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap
+from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, swa_layer_weight
+from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.services.common.bootstrap import swa_ratio
 from tests.families import WINDOW, hf_greedy, hf_model, make_checkpoint
 from tests.scheduler.driver import drive, fresh, req
 
@@ -53,10 +57,19 @@ def served(runner: ModelRunner, prompts: list[list[int]], **config) -> list:
 
 
 def test_greedy_equals_hf_while_windows_slide(family):
+    """On the C attention kernel (every token a row), then on the gather + SDPA path (masked
+    windows: it reads the null page behind them)."""
     name, runner, hf = family
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     done, sched = served(runner, PROMPTS)
-    assert [r.output_ids for r in done] == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS], name
+    assert [r.output_ids for r in done] == expected, name
     assert sched.ledger.swa_used_pages() == 0
+    kernel_backend = runner.attn_backend
+    runner.attn_backend = TorchNativeAttnBackend(runner, use_cpu_kernels=False)
+    try:
+        assert [r.output_ids for r in served(runner, PROMPTS)[0]] == expected, name
+    finally:
+        runner.attn_backend = kernel_backend
 
 
 def test_radix_hits_past_the_window(family):
@@ -96,8 +109,15 @@ def test_a_long_sequence_holds_about_a_window_of_local_pages(family):
     name, runner, hf = family
     sched = fresh(runner, chunked_prefill_size=16, disable_radix_cache=True)
     sched.add_request(req("long", PROMPTS[2], max_new=NEW_TOKENS))
+    metrics = SchedulerMetrics("mixed")
+    metrics.watch_local_pages(runner.swa_pages)
     held: list[tuple[int, int]] = []  # (local, full) pages held before each step
-    done = drive(sched, on_step=lambda n, s: held.append((s.ledger.swa.held_pages(), s.ledger.used_pages())))
+
+    def on_step(n, s) -> None:
+        held.append((s.ledger.swa.held_pages(), s.ledger.used_pages()))
+        assert metrics.registry.get_sample_value("pdserve:swa_pages_used") == held[-1][0]
+
+    done = drive(sched, on_step=on_step)
     assert done["long"].output_ids == hf_greedy(hf, PROMPTS[2], NEW_TOKENS), name
     assert held[-1] == (0, 0)  # after the request finished
     length = len(PROMPTS[2]) + NEW_TOKENS - 1  # the tokens with KV before the last step
@@ -108,6 +128,18 @@ def test_a_long_sequence_holds_about_a_window_of_local_pages(family):
     assert len(decoding) > 20
     assert max(decoding) <= math.ceil(WINDOW / PAGE) + 1  # the window's pages and a partial one
     assert held[-2][0] / held[-2][1] <= (WINDOW + PAGE) / length
+    assert metrics.registry.get_sample_value("pdserve:swa_pages_total") == 128  # 512 x 0.25
+
+
+def test_refused_where_not_supported():
+    with pytest.raises(ValueError, match="prefill/decode disaggregation"):
+        swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=1), "decode")
+    with pytest.raises(ValueError, match="--tp-size > 1"):
+        swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=2), "mixed")
+    assert swa_ratio(argparse.Namespace(swa_full_tokens_ratio=None, tp_size=2), "decode") is None
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        swa_layer_weight([4, 0], 1.5)
+    assert swa_layer_weight([4, 4, 0], 0.25) == 1.5
 
 
 def test_a_match_backs_off_to_the_last_whole_window():

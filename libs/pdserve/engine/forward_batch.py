@@ -84,6 +84,8 @@ class ForwardBatch:
             (``pdserve.layers.pooler``).
         swa_out_cache_loc: int64 ``[T]``: the slots the tokens write in the local pool of an
             ``SWAKVPool`` (its sliding-window layers), else None.
+        swa_page_rows: int64 ``[B, max_pages]``: each request's pages in that local pool
+            (``SWAKVPool.swa_page_rows``), else None.
     """
 
     forward_mode: ForwardMode
@@ -108,6 +110,7 @@ class ForwardBatch:
     prompt_logprobs: PromptLogprobRows | None = None
     pooling: PoolingRows | None = None
     swa_out_cache_loc: torch.Tensor | None = None
+    swa_page_rows: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -215,6 +218,10 @@ class ForwardBatch:
                 f"a TARGET_VERIFY batch has logits at every token: logits lens "
                 f"{num_logits.tolist()}, extend lens {ext.tolist()}"
             )
+        swa = None
+        if isinstance(pool := runner.kv_pool, SWAKVPool):
+            rows = pool.swa_page_rows(runner.req_to_token_pool.req_to_token, pool_rows, seq)
+            swa = pool.swa_slots(loc), rows
         return cls(
             forward_mode=forward_mode,
             batch_size=len(seq),
@@ -237,5 +244,6 @@ class ForwardBatch:
             attn_backend=runner.attn_backend,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
-            swa_out_cache_loc=pool.swa_slots(loc) if isinstance(pool := runner.kv_pool, SWAKVPool) else None,
+            swa_out_cache_loc=None if swa is None else swa[0],
+            swa_page_rows=None if swa is None else swa[1],
         )

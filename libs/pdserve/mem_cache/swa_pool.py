@@ -7,8 +7,8 @@ ids ``req_to_token`` holds) and the local layers in a second, smaller ``KVPool``
 maps each full page to the local page that holds its tokens in the local layers, or to the null
 page (the local pool's last, never handed out, zeros) once every position of it fell behind the
 window. The mapping is SGLang's ``SWATokenToKVPool`` / ``full_to_swa_index_mapping`` (page-granular
-here); the attention backend translates a batch's page table and KV slots through it once per
-forward, for every local layer.
+here); a step's page table and KV slots are translated through it once, when the step is built
+(``ForwardBatch.swa_page_rows`` / ``swa_out_cache_loc``), for every local layer.
 
 ``SWAPageMap`` is the scheduler's side: the local pages' allocator, which full page holds which,
 and which running requests still read each (``KVLedger`` drives it). A request's full pages get
@@ -80,7 +80,7 @@ class SWAKVPool:
 
     def kv_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V pages in its own pool (``KVPool.kv_pages``): local pages for a
-        local layer, read through ``swa_page_table`` / ``swa_slots``."""
+        local layer, read through ``swa_page_rows`` / ``swa_slots``."""
         pool, index = self._pool(layer)
         return pool.kv_pages(index)
 
@@ -90,9 +90,18 @@ class SWAKVPool:
         pool, index = self._pool(layer)
         pool.set_kv(index, loc, k, v)
 
-    def swa_page_table(self, page_table: torch.Tensor) -> torch.Tensor:
-        """Full page ids (int64, any shape) -> their local pages (the null page where gone)."""
-        return self.full_to_swa[page_table]
+    def swa_page_rows(
+        self, req_to_token: torch.Tensor, pool_rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """int64 ``[B, max_pages]``: the local pages of requests ``pool_rows`` (``req_to_token`` rows)
+        holding ``seq_lens`` tokens (the null page where gone; any page past a request's length).
+
+        Read when a step is built, on the scheduler's thread: the map may change for the next step
+        (a window slides, a page moves into the radix cache) while this one runs.
+        """
+        max_pages = -(-int(seq_lens.max()) // self.page_size)
+        first_slots = req_to_token[pool_rows, : max_pages * self.page_size : self.page_size]
+        return self.full_to_swa[first_slots // self.page_size]
 
     def swa_slots(self, loc: torch.Tensor) -> torch.Tensor:
         """Full token slots (int64 ``[T]``) -> the same tokens' slots in the local pool."""

@@ -145,11 +145,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             requests = torch.arange(fb.batch_size, device=fb.positions.device)
             row_req = requests.repeat_interleave(fb.extend_seq_lens).contiguous()
         page_table = page_table.contiguous()
-        return _KernelRows(page_table, (fb.positions + 1).contiguous(), row_req, self._local(page_table))
+        local = self._local(fb, None, page_table.shape[1])
+        return _KernelRows(page_table, (fb.positions + 1).contiguous(), row_req, local)
 
-    def _local(self, page_table: torch.Tensor) -> torch.Tensor | None:
-        """``page_table`` in the local pool of an SWA pool (None without one)."""
-        return None if self.swa_pool is None else self.swa_pool.swa_page_table(page_table).contiguous()
+    @staticmethod
+    def _local(fb: ForwardBatch, rows: torch.Tensor | None, max_pages: int) -> torch.Tensor | None:
+        """The local pages (an SWA pool's) of requests ``rows`` (all when None), ``max_pages`` wide;
+        None without an SWA pool."""
+        if fb.swa_page_rows is None:
+            return None
+        table = fb.swa_page_rows if rows is None else fb.swa_page_rows[rows]
+        return table[:, :max_pages].contiguous()
 
     def _is_local(self, layer: RadixAttention) -> bool:
         return self.swa_pool is not None and self.swa_pool.is_local[layer.layer_id]
@@ -199,7 +205,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             page_table=page_table.contiguous(),
             seq_lens=seq.contiguous(),
             masks=masks,
-            local_page_table=self._local(page_table),
+            local_page_table=self._local(fb, rows, page_table.shape[1]),
         )
 
     def forward(
