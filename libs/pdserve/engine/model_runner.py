@@ -17,13 +17,14 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
 from pdserve.layers.quantization import resolve_quantization
+from pdserve.layers.radix_attention import layer_windows
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
     ReqToTokenPool,
     num_pages_for_budget,
 )
-from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, layer_windows, num_swa_pages, swa_layer_weight
+from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, num_swa_pages, swa_layer_weight
 from pdserve.models.loader import load_model
 from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 

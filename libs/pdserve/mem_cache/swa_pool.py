@@ -253,14 +253,6 @@ class SWAPageMap:
         self._device_map[index] = torch.as_tensor(swa, dtype=torch.int64, device=self._device_map.device)
 
 
-def layer_windows(model: torch.nn.Module) -> list[int]:
-    """Each layer's sliding window (0: global), from the model's ``RadixAttention`` modules."""
-    from pdserve.layers.radix_attention import RadixAttention
-
-    layers = sorted((m.layer_id, m.sliding_window) for m in model.modules() if isinstance(m, RadixAttention))
-    return [window for _, window in layers]
-
-
 def swa_layer_weight(windows: list[int], swa_full_tokens_ratio: float) -> float:
     """Layers' worth of KV bytes one full-pool token costs when the local pool holds
     ``swa_full_tokens_ratio`` tokens per full-pool token (SGLang's ``--swa-full-tokens-ratio``):
