@@ -19,7 +19,9 @@ from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, swa_layer_weight
 from pdserve.scheduler.metrics import SchedulerMetrics
+from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.services.common.bootstrap import swa_ratio
+from pdserve.speculative.ngram import NgramProposer
 from tests.families import WINDOW, hf_greedy, hf_model, make_checkpoint
 from tests.scheduler.driver import drive, fresh, req
 
@@ -70,6 +72,18 @@ def test_greedy_equals_hf_while_windows_slide(family):
         assert [r.output_ids for r in served(runner, PROMPTS)[0]] == expected, name
     finally:
         runner.attn_backend = kernel_backend
+
+
+def test_speculative_decoding_over_an_swa_pool(family):
+    """n-gram drafts on a repetitive prompt, verified every step: rejected drafts are cut before the
+    window slides (``KVLedger.truncate`` then ``slide_windows``), and the tokens are HF's."""
+    name, runner, hf = family
+    prompt = IDS[:20] * 4
+    sched = Scheduler(runner, SchedulerConfig(speculative_policy="always"), proposer=NgramProposer())
+    sched.add_request(req("spec", prompt, max_new=NEW_TOKENS))
+    assert drive(sched, overlap=True)["spec"].output_ids == hf_greedy(hf, prompt, NEW_TOKENS), name
+    assert sched.metrics.registry.get_sample_value("pdserve:spec_decode_num_draft_tokens_total") > 0
+    sched.ledger.tree.reset()
 
 
 def test_radix_hits_past_the_window(family):
