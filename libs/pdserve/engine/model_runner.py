@@ -24,7 +24,7 @@ from pdserve.mem_cache.memory_pool import (
     ReqToTokenPool,
     num_pages_for_budget,
 )
-from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, num_swa_pages, swa_layer_weight
+from pdserve.mem_cache.swa_pool import make_swa_pool, swa_layer_weight
 from pdserve.models.loader import load_model
 from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 
@@ -150,19 +150,10 @@ class ModelRunner:
         self.swa_pages = None
         try:
             if swa:
-                context_pages = math.ceil(cfg.context_length / page_size)
-                local_pages = num_swa_pages(num_pages, swa_full_tokens_ratio, context_pages)
-                self.kv_pool = SWAKVPool(
-                    num_pages,
-                    local_pages,
-                    windows,
-                    page_size,
-                    cfg.num_local_kv_heads,
-                    cfg.head_dim,
-                    kv_dtype,
-                    self.device,
-                )
-                self.swa_pages = SWAPageMap(self.kv_pool, self.token_to_kv_pool_allocator)
+                self.kv_pool, self.swa_pages = make_swa_pool(
+                    self.token_to_kv_pool_allocator, windows, swa_full_tokens_ratio, cfg.context_length,
+                    cfg.num_local_kv_heads, cfg.head_dim, kv_dtype, self.device,
+                )  # fmt: skip
             else:
                 self.kv_pool = KVPool(
                     num_pages + want_graphs,  # the last page: padded rows of graph replays

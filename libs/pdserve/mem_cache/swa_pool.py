@@ -19,12 +19,15 @@ the last point whose window still has all its local pages (SGLang's ``SWARadixCa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from pdserve.mem_cache.memory_pool import KVPool, PagedTokenToKVPoolAllocator
+
+logger = logging.getLogger(__name__)
 
 
 class SWAKVPool:
@@ -272,3 +275,25 @@ def num_swa_pages(num_pages: int, swa_full_tokens_ratio: float, context_pages: i
     the whole context (or the whole full pool) needs, since a prompt's local pages are all taken
     at admission and go back only as its window slides (so no request is refused for ever)."""
     return max(int(num_pages * swa_full_tokens_ratio), min(num_pages, context_pages), 1)
+
+
+def make_swa_pool(
+    allocator: PagedTokenToKVPoolAllocator,
+    windows: list[int],
+    swa_full_tokens_ratio: float,
+    context_length: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> tuple[SWAKVPool, SWAPageMap]:
+    """The SWA pool of a model whose layers have ``windows`` over ``allocator``'s full pages, its
+    local pool sized by ``num_swa_pages``, and the scheduler's map of it."""
+    num_pages, page_size = allocator.num_pages, allocator.page_size
+    local_pages = num_swa_pages(num_pages, swa_full_tokens_ratio, -(-context_length // page_size))
+    pool = SWAKVPool(num_pages, local_pages, windows, page_size, num_kv_heads, head_dim, dtype, device)
+    logger.info(
+        "%d of %d layers slide a window of up to %d tokens: their KV in %d local pages (%d full pages)",
+        sum(pool.is_local), len(windows), pool.window, local_pages, num_pages,
+    )  # fmt: skip
+    return pool, SWAPageMap(pool, allocator)
