@@ -224,7 +224,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--swa-full-tokens-ratio",
-        type=positive_float,
+        type=fraction,
         default=None,
         help="models with sliding-window layers (Gemma 3, gpt-oss, Mistral): keep those layers' KV in a "
         "pool of their own, this many tokens (0-1] per token of the full pool, freed as windows slide "
