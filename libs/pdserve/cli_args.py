@@ -223,6 +223,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=positive_int, default=None, help="KV pool size per scheduler, in bytes"
     )
     parser.add_argument(
+        "--swa-full-tokens-ratio",
+        type=fraction,
+        default=None,
+        help="models with sliding-window layers (Gemma 3, gpt-oss, Mistral): keep those layers' KV in a "
+        "pool of their own, this many tokens (0-1] per token of the full pool, freed as windows slide "
+        "(colocated, CPU, no radix cache yet); default: every layer keeps every token",
+    )
+    parser.add_argument(
         "--kv-memory-fraction",
         type=fraction,
         default=0.25,

@@ -44,6 +44,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         tp=tp,
         kv_cache_dtype=args.kv_cache_dtype,
         expert_parallel=args.enable_expert_parallel,
+        swa_full_tokens_ratio=swa_ratio(args, role),
     )
     config = SchedulerConfig(
         role=role,
@@ -68,6 +69,8 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         )
     proposer = build_proposer(args, role, tp, model_path, runner) if role != "prefill" else None
     metrics = SchedulerMetrics(role, model_name)
+    if runner.swa_pages is not None:
+        metrics.watch_local_pages(runner.swa_pages)
     return Scheduler(TpModelWorker(runner), config, metrics, grammars, proposer)
 
 
@@ -99,6 +102,20 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
         max_running_requests=args.max_running_requests,
         device=str(runner.device),
     )
+
+
+def swa_ratio(args: argparse.Namespace, role: str) -> float | None:
+    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler of one rank.
+
+    Raises:
+        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool), or
+            with ``--tp-size`` > 1 (not tested yet).
+    """
+    if args.swa_full_tokens_ratio is not None and role != "mixed":
+        raise ValueError("--swa-full-tokens-ratio is not supported with prefill/decode disaggregation yet")
+    if args.swa_full_tokens_ratio is not None and args.tp_size > 1:
+        raise ValueError("--swa-full-tokens-ratio is not supported with --tp-size > 1 yet")
+    return args.swa_full_tokens_ratio
 
 
 def rank_device(device: str, tp: TpGroup) -> str:

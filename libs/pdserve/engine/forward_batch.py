@@ -20,6 +20,7 @@ import torch
 
 from pdserve.layers.pooler import PoolingRows
 from pdserve.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from pdserve.mem_cache.swa_pool import SWAKVPool
 from pdserve.sampling.draft_rows import DraftRows
 from pdserve.sampling.prompt_logprobs import PromptLogprobRows
 from pdserve.sampling.sampling_batch_info import SamplingBatchInfo
@@ -81,6 +82,10 @@ class ForwardBatch:
             None (``pdserve.sampling.prompt_logprobs``).
         pooling: which requests pool their chunk's hidden states into an embedding, else None
             (``pdserve.layers.pooler``).
+        swa_out_cache_loc: int64 ``[T]``: the slots the tokens write in the local pool of an
+            ``SWAKVPool`` (its sliding-window layers), else None.
+        swa_page_rows: int64 ``[B, max_pages]``: each request's pages in that local pool
+            (``SWAKVPool.swa_page_rows``), else None.
     """
 
     forward_mode: ForwardMode
@@ -100,10 +105,12 @@ class ForwardBatch:
     top_logprobs_nums: list[int] | None
     draft_rows: DraftRows | None
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool: KVPool
+    token_to_kv_pool: KVPool | SWAKVPool
     attn_backend: BatchAttention
     prompt_logprobs: PromptLogprobRows | None = None
     pooling: PoolingRows | None = None
+    swa_out_cache_loc: torch.Tensor | None = None
+    swa_page_rows: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -211,6 +218,10 @@ class ForwardBatch:
                 f"a TARGET_VERIFY batch has logits at every token: logits lens "
                 f"{num_logits.tolist()}, extend lens {ext.tolist()}"
             )
+        swa = None
+        if isinstance(pool := runner.kv_pool, SWAKVPool):
+            rows = pool.swa_page_rows(runner.req_to_token_pool.req_to_token, pool_rows, seq)
+            swa = pool.swa_slots(loc), rows
         return cls(
             forward_mode=forward_mode,
             batch_size=len(seq),
@@ -233,4 +244,6 @@ class ForwardBatch:
             attn_backend=runner.attn_backend,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
+            swa_out_cache_loc=None if swa is None else swa[0],
+            swa_page_rows=None if swa is None else swa[1],
         )

@@ -5,6 +5,7 @@ scheduler (of one TP rank of it), and runs one ``ForwardBatch`` into next tokens
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -16,12 +17,14 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
 from pdserve.layers.quantization import resolve_quantization
+from pdserve.layers.radix_attention import layer_windows
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
     ReqToTokenPool,
     num_pages_for_budget,
 )
+from pdserve.mem_cache.swa_pool import make_swa_pool, swa_layer_weight
 from pdserve.models.loader import load_model
 from pdserve.sampling.sampler import GenerationBatchResult, Sampler
 
@@ -74,13 +77,19 @@ class ModelRunner:
             sums, the output widened back).
         expert_parallel: under TP, a mixture-of-experts model's ranks hold whole experts
             (``--enable-expert-parallel``; ``pdserve.distributed.expert_parallel``).
+        swa_full_tokens_ratio: for a model with sliding-window layers, keep their KV in a pool of
+            its own of this many tokens per full-pool token, freed as windows slide
+            (``pdserve.mem_cache.swa_pool``; ``--swa-full-tokens-ratio``); None: every layer in
+            one pool. Ignored for a model without sliding-window layers.
 
     Raises:
-        ValueError: a ``kv_cache_dtype`` other than the model's outside that case.
+        ValueError: a ``kv_cache_dtype`` other than the model's outside that case; an SWA pool on
+            CUDA (not supported yet).
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
-        device, cuda_graph_runner (None when decode runs eagerly).
+        device, cuda_graph_runner (None when decode runs eagerly), swa_pages (``SWAPageMap`` of
+        the SWA pool, None without one).
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class ModelRunner:
         tp: TpGroup = SINGLE_RANK,
         kv_cache_dtype: str = "auto",
         expert_parallel: bool = False,
+        swa_full_tokens_ratio: float | None = None,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -119,8 +129,13 @@ class ModelRunner:
             tp,
             expert_parallel,
         )
-        bytes_per_token = KVPool.bytes_per_token(
-            cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype
+        windows = layer_windows(self.model)
+        swa = swa_full_tokens_ratio is not None and any(windows)
+        if swa and self.device.type != "cpu":
+            raise ValueError("--swa-full-tokens-ratio: the sliding-window KV pool runs on CPU only so far")
+        layers = swa_layer_weight(windows, swa_full_tokens_ratio) if swa else cfg.num_layers
+        bytes_per_token = math.ceil(
+            KVPool.bytes_per_token(1, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype) * layers
         )
         if max_total_tokens is None and kv_cache_memory is None:
             kv_cache_memory = min(
@@ -132,16 +147,23 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, cfg.context_length, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(num_pages, page_size)
         want_graphs = self.device.type == "cuda" and not disable_cuda_graph
+        self.swa_pages = None
         try:
-            self.kv_pool = KVPool(
-                num_pages + want_graphs,  # the last page: padded rows of graph replays
-                page_size,
-                cfg.num_layers,
-                cfg.num_local_kv_heads,
-                cfg.head_dim,
-                kv_dtype,
-                self.device,
-            )
+            if swa:
+                self.kv_pool, self.swa_pages = make_swa_pool(
+                    self.token_to_kv_pool_allocator, windows, swa_full_tokens_ratio, cfg.context_length,
+                    cfg.num_local_kv_heads, cfg.head_dim, kv_dtype, self.device,
+                )  # fmt: skip
+            else:
+                self.kv_pool = KVPool(
+                    num_pages + want_graphs,  # the last page: padded rows of graph replays
+                    page_size,
+                    cfg.num_layers,
+                    cfg.num_local_kv_heads,
+                    cfg.head_dim,
+                    kv_dtype,
+                    self.device,
+                )
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
             gib = num_pages * page_size * bytes_per_token / 2**30
             raise RuntimeError(
@@ -168,7 +190,7 @@ class ModelRunner:
             self.device,
             num_pages,
             page_size,
-            self.kv_pool.kv_data.nbytes / 2**20,
+            self.kv_pool.nbytes / 2**20,
             str(kv_dtype).removeprefix("torch."),
             type(self.attn_backend).__name__,
         )

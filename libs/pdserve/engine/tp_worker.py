@@ -52,6 +52,10 @@ class TpModelWorker:
         return self.runner.kv_pool
 
     @property
+    def swa_pages(self):
+        return self.runner.swa_pages
+
+    @property
     def attn_backend(self):
         return self.runner.attn_backend
 

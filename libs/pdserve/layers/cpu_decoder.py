@@ -121,8 +121,9 @@ class CpuDecoder:
         return cls(model, kernel_library(variant))
 
     def takes(self, fb: ForwardBatch) -> bool:
-        """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token)."""
-        return getattr(fb.attn_backend, "kernel_rows", None) is not None
+        """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token) over
+        one pool (not an ``SWAKVPool``, whose local layers read pages of their own)."""
+        return getattr(fb.attn_backend, "kernel_rows", None) is not None and fb.swa_out_cache_loc is None
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch

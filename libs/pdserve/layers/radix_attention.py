@@ -61,3 +61,10 @@ class RadixAttention(nn.Module):
     ) -> torch.Tensor:
         """``q`` ``[T, Hq * D]``, ``k``/``v`` ``[T, Hkv * D]`` → ``[T, Hq * D]``; stores k/v in the pool."""
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+
+
+def layer_windows(model: torch.nn.Module) -> list[int]:
+    """Each layer's sliding window in tokens (0: a global layer), from ``model``'s ``RadixAttention``
+    modules in ``layer_id`` order."""
+    layers = sorted((m.layer_id, m.sliding_window) for m in model.modules() if isinstance(m, RadixAttention))
+    return [window for _, window in layers]

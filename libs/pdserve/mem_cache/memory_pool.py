@@ -155,6 +155,10 @@ class KVPool:
         self.page_stride = self.kv_data.stride(0)
         self.page_nbytes = self.page_stride * self.kv_data.element_size()
 
+    @property
+    def nbytes(self) -> int:
+        return self.kv_data.nbytes
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """KV bytes one token takes over all layers (K and V)."""

@@ -41,7 +41,8 @@ class Admission:
         metrics: prefix-cache and queue-time metrics.
         clock: the scheduler's clock (admit times).
         config: ``max_running_requests``, ``new_token_reserve`` (tokens reserved per request beyond its
-            fill), ``disable_radix_cache`` (then no request waits for a shared prefix: it saves nothing).
+            fill). Without a radix cache (``ledger.tree.disable``) no request waits for a shared
+            prefix: it saves nothing.
         max_req_tokens: no request grows beyond this many tokens.
         active: how many requests are admitted and not ended (nor handed on).
         running: the requests whose next tokens' reserve admission must leave room for.
@@ -61,7 +62,7 @@ class Admission:
         self.queue, self.ledger, self.metrics, self.clock = queue, ledger, metrics, clock
         self.max_running_requests = config.max_running_requests
         self.new_token_reserve = config.new_token_reserve
-        self.share_prefixes = not config.disable_radix_cache
+        self.share_prefixes = not ledger.tree.disable
         self.max_req_tokens = max_req_tokens
         self.active, self.running = active, running
         # prompts are computed here (not in the PD decode role), so a request that wants prompt

@@ -3,17 +3,26 @@
 Every page is in exactly one of three places: the allocator's free list, the radix cache
 (``cached``, locked or not), or owned by one request (``in use``). ``check_conservation`` asserts
 free + cached + in-use == pool size.
+
+With an SWA pool (``pdserve.mem_cache.swa_pool``) a full page may also hold a local page (the KV
+of the model's sliding-window layers): allocation takes both, every free gives both back, and
+``slide_windows`` gives back the local pages a request's window has passed while it runs. A request
+reads, in its local layers, its pages from its window's first on (``_swa_front``); it counts as their
+user (``SWAPageMap.use``), so that the local pages of radix-cache pages it reads are never evicted
+under it. A radix match counts only up to the last page boundary whose window still has all its
+local pages (``SWAPageMap.whole_prefix``; SGLang's ``SWARadixCache``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.mem_cache.swa_pool import SWAPageMap
 from pdserve.scheduler.req import Req
 
 
@@ -25,6 +34,7 @@ class KVLedger:
         allocator: the paged KV allocator.
         page_size: tokens per page.
         disable_radix_cache: when true, finished requests free their pages instead of caching them.
+        swa: the local pages of an SWA pool, or None (every layer in the full pages).
     """
 
     def __init__(
@@ -33,11 +43,15 @@ class KVLedger:
         allocator: PagedTokenToKVPoolAllocator,
         page_size: int,
         disable_radix_cache: bool = False,
+        swa: SWAPageMap | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
-        self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
+        self.swa = swa
+        # the tree's evictions free a page's local page too
+        self.tree = RadixCache(swa or allocator, page_size, disable=disable_radix_cache)
+        self._swa_front: dict[Req, int] = {}  # request -> its first page its local layers still read
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
 
@@ -56,8 +70,15 @@ class KVLedger:
         return sum(self.in_use.values())
 
     def available_pages(self) -> int:
-        """Pages obtainable now: free plus evictable."""
-        return self.free_pages() + self.tree.evictable_size()
+        """Pages obtainable now: free plus evictable (and, with an SWA pool, as many local ones)."""
+        full = self.free_pages() + self.tree.evictable_size()
+        if self.swa is None:
+            return full
+        return min(full, self.swa.available_size() + self.swa.evictable_size())
+
+    def swa_used_pages(self) -> int:
+        """Local pages of an SWA pool that running requests read (0 without one)."""
+        return 0 if self.swa is None else self.swa.used_pages()
 
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -70,6 +91,8 @@ class KVLedger:
                 f"KV pages not conserved: free {self.free_pages()} + cached {self.cached_pages()}"
                 f" + in-use {self.used_pages()} = {total} != {usable_pages}"
             )
+        if self.swa is not None:
+            self.swa.check()
 
     # ---- allocation ---------------------------------------------------------------
     def _alloc(self, n: int) -> list[int] | None:
@@ -77,11 +100,30 @@ class KVLedger:
             return []
         if self.allocator.available_size() < n:
             self.tree.evict(n - self.allocator.available_size())
-        return self.allocator.alloc(n)
+        if self.swa is not None and self.swa.available_size() < n:
+            self.swa.evict(n - self.swa.available_size())
+        pages = self.allocator.alloc(n)
+        if pages is not None and self.swa is not None and not self.swa.map(pages):
+            self.allocator.free(pages)
+            return None
+        return pages
+
+    def _free(self, pages: Iterable[int]) -> None:
+        """Give back full pages, and their local pages where they hold some."""
+        (self.swa or self.allocator).free(pages)
+
+    def _usable(self, pages: list[int]) -> list[int]:
+        """The lead of a radix match's pages a request can extend from: all of them, or with an SWA
+        pool up to the last boundary whose window has all its local pages."""
+        return pages if self.swa is None else pages[: self.swa.whole_prefix(pages)]
+
+    def _window_front(self, num_tokens: int) -> int:
+        """The first page a query at position ``num_tokens`` reads in its local layers."""
+        return max(0, (num_tokens + 1 - self.swa.window) // self.page_size)
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
-        return self.tree.match_prefix(req.fill_ids[:-1]).num_tokens
+        return len(self._usable(self.tree.match_prefix(req.fill_ids[:-1]).page_indices)) * self.page_size
 
     def match(self, req: Req, use_cache: bool = True) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
@@ -93,13 +135,18 @@ class KVLedger:
         result = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
-        req.pages = list(result.page_indices)
+        req.pages = list(self._usable(result.page_indices))
         req.num_prefix_pages = len(req.pages)
-        req.num_computed = result.num_tokens
-        return result.num_tokens
+        req.num_computed = len(req.pages) * self.page_size
+        if self.swa is not None:
+            self._swa_front[req] = front = self._window_front(req.num_computed)
+            self.swa.use(req.pages[front:])
+        return req.num_computed
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that could not be admitted."""
+        if self.swa is not None:
+            self.swa.unuse(req.pages[self._swa_front.pop(req) :])
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = None
         req.pages = []
@@ -184,8 +231,14 @@ class KVLedger:
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
-        self.allocator.free(self.tree.insert(key, req.pages[:full]))
+        own = req.pages[:full]
+        duplicates = self.tree.insert(key, own)
         match = self.tree.match_prefix(key)
+        if self.swa is not None:
+            self.swa.cache(match.page_indices, own)
+            front = self._swa_front[req]  # the cache's pages it reads now in place of its own
+            self.swa.use([t for t, o in zip(match.page_indices[front:], own[front:], strict=True) if t != o])
+        self._free(duplicates)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
@@ -215,7 +268,7 @@ class KVLedger:
             )
         freed = req.pages[self.pages_for(num_valid) :]
         if freed:
-            self.allocator.free(freed)
+            self._free(freed)
             del req.pages[len(req.pages) - len(freed) :]
             self.in_use[req] -= len(freed)
         req.num_computed = num_valid
@@ -246,14 +299,18 @@ class KVLedger:
         if req not in self.in_use and req.last_node is None:
             return
         owned = req.pages[req.num_prefix_pages :]
+        if self.swa is not None:
+            self.swa.unuse(req.pages[self._swa_front.pop(req, 0) :])
         if cache:
             full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
             duplicates = self.tree.insert(key, req.pages[:full])
-            self.allocator.free(duplicates)
-            self.allocator.free(req.pages[max(full, req.num_prefix_pages) :])
+            if self.swa is not None and not self.tree.disable:
+                self.swa.cache(self.tree.match_prefix(key).page_indices, req.pages[:full])
+            self._free(duplicates)
+            self._free(req.pages[max(full, req.num_prefix_pages) :])
         else:
-            self.allocator.free(owned)
+            self._free(owned)
         self.tree.dec_lock_ref(req.last_node)
         if req.req_pool_idx is not None:
             self.req_to_token_pool.free(req.req_pool_idx)
@@ -263,6 +320,27 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
         self.in_use.pop(req, None)
+
+    # ---- sliding windows ----------------------------------------------------------
+    def slide_windows(self, reqs: Iterable[Req], computed_tokens: Callable[[Req], int]) -> None:
+        """With an SWA pool, ``reqs`` stop reading, in their local layers, the pages whose every
+        position fell behind their window (Beltagy et al. 2020's local attention, as in Mistral and
+        Gemma 3's local layers): a query at position ``p`` reads keys ``(p - window, p]``, and every
+        query still to run, in a batch scheduled or later, is at a position of at least
+        ``computed_tokens(req)`` (the tokens whose KV is written; a verify step's rejected drafts
+        are already truncated). The local pages of the request's own pages go back at once; those
+        of radix-cache pages stay cached until the local pool runs short. The full pages stay, for
+        the global layers and ``req_to_token``; a local layer reads the null page behind its window."""
+        if self.swa is None:
+            return
+        for req in reqs:
+            if req not in self._swa_front:
+                continue
+            behind, front = self._window_front(computed_tokens(req)), self._swa_front[req]
+            if behind > front:
+                self.swa.unuse(req.pages[front:behind])
+                self.swa.unmap(req.pages[max(front, req.num_prefix_pages) : behind])
+                self._swa_front[req] = behind
 
 
 def _known_computed(req: Req) -> int:

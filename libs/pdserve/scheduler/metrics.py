@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.mem_cache.swa_pool import SWAPageMap
 from pdserve.observability.metrics_http import exposition, labelled
 from pdserve.scheduler.req import Req
 
@@ -168,6 +169,18 @@ class SchedulerMetrics:
         if finished_here:
             self.finished.labels(finish_reason=req.finish_reason.value).inc()
             self.request_generation_tokens.observe(len(req.output_ids))
+
+    def watch_local_pages(self, swa: SWAPageMap) -> None:
+        """Gauges of an SWA pool's local pages (its sliding-window layers' KV), read at each scrape:
+        those running requests read (inside their windows), those held only by the radix cache
+        (evictable), and all of them."""
+        r = self.registry
+        used = Gauge("pdserve:swa_pages_used", "Local KV pages running requests read", registry=r)
+        cached = Gauge("pdserve:swa_pages_cached", "Local KV pages held by the radix cache only", registry=r)
+        total = Gauge("pdserve:swa_pages_total", "Local KV pages of the sliding-window layers", registry=r)
+        used.set_function(swa.used_pages)
+        cached.set_function(lambda: swa.held_pages() - swa.used_pages())
+        total.set_function(lambda: swa.num_pages)
 
     def text(self) -> str:
         """Prometheus text exposition of this registry, ``model_name`` labelled."""

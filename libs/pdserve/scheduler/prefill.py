@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.req import Req, ReqState
-from pdserve.scheduler.schedule_batch import ScheduleBatch
+from pdserve.scheduler.schedule_batch import ScheduleBatch, kv_written
 
 
 class PrefillManager:
@@ -70,11 +70,7 @@ class PrefillManager:
     def computed_tokens(self, req: Req) -> int:
         """Tokens of ``req`` whose KV is in the pool now: ``num_computed`` less the tokens of the
         scheduled batches not processed yet (their forwards may still be writing them)."""
-        n = req.num_computed
-        if req.in_batches:
-            for batch in self.outstanding:
-                n -= sum(batch.extend_lens[i] for i, r in enumerate(batch.reqs) if r is req)
-        return n
+        return kv_written(req, self.outstanding)
 
     def launched(self, req: Req) -> None:
         """``req``'s last chunk is scheduled: it leaves this stage."""

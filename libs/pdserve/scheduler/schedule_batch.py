@@ -278,6 +278,16 @@ class ScheduleBatch:
         self.prev = None  # free it: its tensors are not needed any more
 
 
+def kv_written(req: Req, outstanding: list[ScheduleBatch]) -> int:
+    """Tokens of ``req`` whose KV is in the pool now: ``num_computed`` less the tokens of the
+    ``outstanding`` batches (scheduled, not processed yet: their forwards may still be writing them)."""
+    n = req.num_computed
+    if req.in_batches:
+        for batch in outstanding:
+            n -= sum(batch.extend_lens[i] for i, r in enumerate(batch.reqs) if r is req)
+    return n
+
+
 def prepare_batch(
     batch: ScheduleBatch, runner, prev: ScheduleBatch | None
 ) -> tuple[ScheduleBatch | None, list[tuple[Req, str]]]:

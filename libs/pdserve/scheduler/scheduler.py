@@ -30,7 +30,7 @@ from pdserve.scheduler.preempt import Preemption
 from pdserve.scheduler.prefill import PrefillManager
 from pdserve.scheduler.remote_prefill import RemotePrefill
 from pdserve.scheduler.req import FinishReason, Req
-from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput, prepare_batch
+from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput, kv_written, prepare_batch
 from pdserve.scheduler.speculator import Speculator
 from pdserve.scheduler.table import RequestLimits, RequestTable
 from pdserve.scheduler.waiting import WaitingQueue
@@ -72,7 +72,7 @@ class Scheduler:
         self.page_size = runner.token_to_kv_pool_allocator.page_size
         self.metrics = metrics = metrics or SchedulerMetrics(config.role)
         pools = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-        self.ledger = KVLedger(*pools, self.page_size, config.disable_radix_cache)
+        self.ledger = KVLedger(*pools, self.page_size, config.disable_radix_cache, runner.swa_pages)
         self.usable_pages = self.ledger.free_pages()
         model = runner.model_config
         # a request ends with "length" when it reaches the context or fills the whole pool alone
@@ -258,6 +258,7 @@ class Scheduler:
             batch.result = result
         self.outstanding.remove(batch)
         outputs = self.output.process(batch)
+        self.ledger.slide_windows(batch.reqs, lambda req: kv_written(req, self.outstanding))
         self.metrics.set_load(self.load())
         return outputs
 

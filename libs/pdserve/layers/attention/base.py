@@ -68,6 +68,9 @@ class AttentionBackend(ABC):
         """Write this step's ``k``/``v`` (``[T, Hkv * D]``) at ``out_cache_loc`` of ``layer``'s pool
         pages; returns that layer's K and V pages, ``[num_pages, page_size, Hkv, D]`` each."""
         pool = forward_batch.token_to_kv_pool
+        loc = forward_batch.out_cache_loc
+        if forward_batch.swa_out_cache_loc is not None and pool.is_local[layer.layer_id]:
+            loc = forward_batch.swa_out_cache_loc  # a sliding-window layer's slots in the local pool
         ops = load_fused_ops()
         if (
             ops is not None
@@ -76,12 +79,12 @@ class AttentionBackend(ABC):
             and k.stride(1) == v.stride(1) == 1
         ):
             # one C call, reading k/v in place from the fused qkv output
-            ops.store_kv(k, v, *pool.kv_pages(layer.layer_id), forward_batch.out_cache_loc)
+            ops.store_kv(k, v, *pool.kv_pages(layer.layer_id), loc)
         else:
             num_tokens = k.shape[0]
             pool.set_kv(
                 layer.layer_id,
-                forward_batch.out_cache_loc,
+                loc,
                 k.view(num_tokens, self.num_kv_heads, self.head_dim),
                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
             )

@@ -42,6 +42,7 @@ from pdserve.layers.attention.base import AttentionBackend
 from pdserve.layers.attention.cpu_decode_kernel import load_decode_kernel
 from pdserve.layers.attention.score_mods import attend_with_score_mods, needs_score_mods
 from pdserve.layers.radix_attention import RadixAttention
+from pdserve.mem_cache.swa_pool import SWAKVPool
 
 if TYPE_CHECKING:
     from pdserve.engine.forward_batch import ForwardBatch
@@ -60,6 +61,8 @@ class _Group:
         seq_lens: int64 ``[Bg]``: keys of each request.
         masks: per sliding window of the model's layers (0: full causal), bool ``[Bg, 1, G * Lq,
             Lk]``: True where the query may attend to the key.
+        local_page_table: ``page_table`` in the local pool of an ``SWAKVPool`` (its sliding-window
+            layers' pages), else None.
     """
 
     query_index: torch.Tensor
@@ -68,6 +71,7 @@ class _Group:
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     masks: dict[int, torch.Tensor]
+    local_page_table: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -79,11 +83,16 @@ class _KernelRows:
         seq_lens: int64 ``[T]``: keys each token attends to (its position + 1).
         row_req: int64 ``[T]``: each token's request (row of ``page_table``), or None when every
             request has one token (token ``t`` is request ``t``).
+        local_page_table: ``page_table`` in the local pool of an ``SWAKVPool``, else None.
     """
 
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     row_req: torch.Tensor | None
+    local_page_table: torch.Tensor | None
+
+    def table(self, local: bool) -> torch.Tensor:
+        return self.local_page_table if local else self.page_table
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -110,6 +119,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.num_kv_heads = config.num_local_kv_heads
         self.head_dim = config.head_dim
         self.page_size = runner.kv_pool.page_size
+        self.swa_pool = runner.kv_pool if isinstance(runner.kv_pool, SWAKVPool) else None
         self.groups: list[_Group] = []
         self.kernel_rows: _KernelRows | None = None
 
@@ -134,7 +144,21 @@ class TorchNativeAttnBackend(AttentionBackend):
         if len(fb.positions) != fb.batch_size:
             requests = torch.arange(fb.batch_size, device=fb.positions.device)
             row_req = requests.repeat_interleave(fb.extend_seq_lens).contiguous()
-        return _KernelRows(page_table.contiguous(), (fb.positions + 1).contiguous(), row_req)
+        page_table = page_table.contiguous()
+        local = self._local(fb, None, page_table.shape[1])
+        return _KernelRows(page_table, (fb.positions + 1).contiguous(), row_req, local)
+
+    @staticmethod
+    def _local(fb: ForwardBatch, rows: torch.Tensor | None, max_pages: int) -> torch.Tensor | None:
+        """The local pages (an SWA pool's) of requests ``rows`` (all when None), ``max_pages`` wide;
+        None without an SWA pool."""
+        if fb.swa_page_rows is None:
+            return None
+        table = fb.swa_page_rows if rows is None else fb.swa_page_rows[rows]
+        return table[:, :max_pages].contiguous()
+
+    def _is_local(self, layer: RadixAttention) -> bool:
+        return self.swa_pool is not None and self.swa_pool.is_local[layer.layer_id]
 
     def _page_table(self, fb: ForwardBatch, pool_rows: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """int64 ``[B, max_pages]``: the KV pages of requests ``pool_rows`` (``req_to_token`` rows)
@@ -181,6 +205,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             page_table=page_table.contiguous(),
             seq_lens=seq.contiguous(),
             masks=masks,
+            local_page_table=self._local(fb, rows, page_table.shape[1]),
         )
 
     def forward(
@@ -205,7 +230,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if self.kernel_rows is not None:
             rows = self.kernel_rows
-            table, lens = rows.page_table, rows.seq_lens
+            table, lens = rows.table(self._is_local(layer)), rows.seq_lens
             sinks = None if layer.sinks is None else layer.sinks.detach().float().contiguous()
             out = self.decode_kernel(
                 q, k_pages, v_pages, table, lens, scaling, rows.row_req, window=window, cap=layer.logit_cap,
@@ -235,7 +260,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # [Bg, Lq, Hkv, G, D] -> [Bg, Hkv, G * Lq, D]: the G heads sharing a KV head become extra queries
         qg = q[group.query_index].view(rows, max_q, hkv, g, d)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(rows, hkv, g * max_q, d)
-        pages = group.page_table.view(-1)
+        pages = (group.local_page_table if self._is_local(layer) else group.page_table).view(-1)
         kg = k_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)  # [Bg, Hkv, Lk, D]
         vg = v_pages.index_select(0, pages).view(rows, -1, hkv, d).transpose(1, 2)
         if self.score_mods:
