@@ -131,7 +131,7 @@ class KVAwarePolicy:
         for w in workers:
             overlap = 0.0
             index = self.indexes.get(w.address)
-            if index is not None and index.block_size and index.usable(now, self.weights.lag_s):
+            if index is not None and index.usable(now, self.weights.lag_s) and index.block_size:
                 prompt = hashes.get(index.block_size)
                 if prompt is None:
                     prompt = hashes[index.block_size] = block_hashes(input_ids, index.block_size)

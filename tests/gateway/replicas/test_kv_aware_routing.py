@@ -40,7 +40,9 @@ INDEX_BLOCKS = "pdserve:router_kv_index_blocks"
 def kv_replicas(two_decode_stack: Stack) -> list[Stack]:
     """Two kv_aware gateway replicas over ``two_decode_stack``'s workers (stopped after the module)."""
     replicas = [
-        start_gateway(two_decode_stack, "--router-policy", "kv_aware", log_name=f"gateway-kv-aware-{i}")
+        start_gateway(
+            two_decode_stack, "--router-policy", "kv_aware", log_name=f"gateway-kv-aware-{i}", timeout=180
+        )
         for i in range(2)
     ]
     yield replicas
@@ -49,7 +51,7 @@ def kv_replicas(two_decode_stack: Stack) -> list[Stack]:
 
 
 def decode_addresses(stack: Stack) -> list[str]:
-    return httpx.get(f"{stack.base_url}/health", timeout=10).json()["roles"]["decode"]
+    return list(httpx.get(f"{stack.base_url}/health", timeout=10).json()["roles"]["decode"])
 
 
 def flush(address: str) -> None:
@@ -138,7 +140,7 @@ async def test_an_index_that_cannot_be_trusted_is_routed_by_load_and_logged(
     clients = BackendClients()
     indexes = KVIndexes(clients, pool, interval=0.2)
     policy = KVAwarePolicy(indexes, KVAwareWeights(lag_s=0.5))
-    caplog.set_level(logging.WARNING, logger="pdserve.services.gateway.routing.kv_index")
+    caplog.set_level(logging.WARNING)
     indexes.start()
     try:
         while indexes.get(live).seq is None:
