@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import pytest
 
@@ -141,7 +142,7 @@ async def test_a_gap_or_another_incarnation_is_refused_until_a_snapshot() -> Non
 async def test_usable_only_while_connected_in_step_and_of_one_block_size(caplog) -> None:
     worker, index = Worker(), KVIndex("decode", "w:1")
     sub = worker.publisher.subscribe()
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.INFO, logger="pdserve.services.gateway.routing.kv_index")
     assert not index.usable(0.0, 30.0)  # never subscribed
     assert not index.usable(0.5, 30.0)  # (logged once)
     index.connected = True
@@ -154,7 +155,7 @@ async def test_usable_only_while_connected_in_step_and_of_one_block_size(caplog)
     worker.cache_prompt(list(range(8)))
     await catch_up(index, worker, sub, now=41.0)
     assert index.usable(41.0, 30.0)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith(".kv_index")]
     assert lines[0] == "decode worker w:1: its KV event stream is down; routing it by load alone"
     assert len(lines) == 4 and "KV index in step" in lines[1] and "KV index in step" in lines[3]
     lag = "its KV events lag: none for 30.5 s since a request went there"
@@ -188,6 +189,8 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     prompt = system + [7, 7, 7]  # 16 whole pages
     assert p.scores(pool.workers, prompt) == {"a:1": 1.0, "b:1": 0.25}
     assert {p.select(pool.workers, prompt).address for _ in range(4)} == {"a:1"}
+    later = time.monotonic() + 100
+    assert indexes["a:1"].usable(later, 30.0)  # a held every page of those prompts: no batch is due
     wa.in_flight = 4  # a's score: 1.0 - 0.5 * 4/4; b's 0.25
     assert p.scores(pool.workers, prompt) == {"a:1": 0.5, "b:1": 0.25}
     assert p.select(pool.workers, prompt) is wa
@@ -195,6 +198,7 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     assert heavy.select(pool.workers, prompt) is wb
     # no prefix anywhere: the least loaded, then in turn among equals
     assert {p.select(pool.workers, [1, 2, 3, 4, 5]).address for _ in range(4)} == {"b:1"}
+    assert not indexes["b:1"].usable(later, 30.0)  # b lacked that page: a batch was due
     wa.in_flight = 0
     assert {p.select(pool.workers, [1, 2, 3, 4, 5]).address for _ in range(4)} == {"a:1", "b:1"}
     # a's stream is down: its index is unknown and it is scored on load alone

@@ -7,8 +7,9 @@ holds from what was sent to it (``prefix_tree``), the gateway applies the worker
 a prompt is the longest leading run of its block hashes that the index holds.
 
 The index also knows whether it can be trusted (``usable``): it must be subscribed, have applied a
-snapshot or every batch since one, and not be lagging (a request routed to the worker longer than
-``lag_s`` ago with no batch since). The first verdict and each change of it are logged once.
+snapshot or every batch since one, and not be lagging (a request with whole prompt pages the worker
+did not hold routed to it longer than ``lag_s`` ago, with no batch since). The first verdict and
+each change of it are logged once.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class KVIndex:
         self._unanswered_since = None
 
     def routed(self, now: float) -> None:
-        """A request was just sent to the worker: a batch is due within the lag bound."""
+        """A request whose prompt has whole pages the worker does not hold was just sent to it: a
+        batch is due within the lag bound."""
         if self._unanswered_since is None:
             self._unanswered_since = now
 
@@ -124,7 +126,7 @@ class KVIndex:
             if why:
                 logger.warning("%s worker %s: %s; routing it by load alone", self.role, self.address, why)
             else:
-                logger.warning(
+                logger.info(
                     "%s worker %s: KV index in step (%d blocks)", self.role, self.address, len(self.blocks)
                 )
         return not why

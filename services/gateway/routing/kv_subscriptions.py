@@ -49,6 +49,10 @@ class KVIndexes:
     def get(self, address: str) -> KVIndex | None:
         return self.indexes.get(address)
 
+    def block_size(self) -> int | None:
+        """The block size of the first worker that stored a block (None: none has yet)."""
+        return next((i.block_size for i in self.indexes.values() if i.block_size), None)
+
     def start(self) -> None:
         """Subscribe to every worker now and follow the pool's membership in the background."""
         self.sync()

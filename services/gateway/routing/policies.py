@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.services.gateway.routing.kv_index import KVIndex
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.prefix_tree import ApproxPrefixTree
 from pdserve.services.gateway.routing.workers import Worker, rotate
@@ -146,8 +147,17 @@ class KVAwarePolicy:
         chosen = max(rotate(workers, next(self._turn)), key=lambda w: (scores[w.address], -w.load))
         index = self.indexes.get(chosen.address)
         if index is not None:
-            index.routed(time.monotonic())
+            self._expect_batch(index, input_ids)
         return chosen
+
+    def _expect_batch(self, index: KVIndex, input_ids: Sequence[int]) -> None:
+        """Start ``index``'s lag clock when the prompt has whole pages its worker does not hold (only
+        those are sure to raise a ``BlockStored``); the block size is the pool's until it has its own."""
+        block_size = index.block_size or self.indexes.block_size()
+        if block_size:
+            prompt = block_hashes(input_ids, block_size)
+            if index.cached_blocks(prompt) < len(prompt):
+                index.routed(time.monotonic())
 
     def forget(self, worker: Worker) -> None:
         index = self.indexes.get(worker.address)

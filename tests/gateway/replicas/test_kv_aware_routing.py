@@ -132,33 +132,35 @@ def test_replicas_route_a_shared_prefix_to_the_worker_its_events_name(
 
 
 async def test_an_index_that_cannot_be_trusted_is_routed_by_load_and_logged(
-    two_decode_stack: Stack, caplog
+    two_decode: Stack, caplog
 ) -> None:
-    live = decode_addresses(two_decode_stack)[0]
+    tok = hf_tokenizer()
+    live = served_by(two_decode, two_decode, tok("A prompt of a few whole pages. " * 8)["input_ids"])
+    two_decode.wait_idle()
     dead = f"127.0.0.1:{free_port_block(1)}"  # nothing listens: its stream never opens
     pool = WorkerPool("decode", [live, dead])
     clients = BackendClients()
     indexes = KVIndexes(clients, pool, interval=0.2)
     policy = KVAwarePolicy(indexes, KVAwareWeights(lag_s=0.5))
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.INFO, logger="pdserve.services.gateway.routing.kv_index")
     indexes.start()
     try:
-        while indexes.get(live).seq is None:
+        while indexes.get(live).block_size is None:  # its snapshot has the prompt's blocks
             await asyncio.sleep(0.05)
         healthy, down = pool.workers
         healthy.in_flight, down.in_flight = 0, 3
-        prompt = list(range(1, 40))
+        prompt = list(range(1, 40))  # two whole pages no worker holds
         assert all(policy.select(pool.workers, prompt) is healthy for _ in range(3))
         healthy.in_flight, down.in_flight = 3, 0  # less loaded: the unknown worker gets it, by load
         assert all(policy.select(pool.workers, prompt) is down for _ in range(3))
-        # requests went to the live worker (select above) and no batch came: it lags after 0.5 s
+        # requests with pages it lacks went to the live worker (above), and no batch came: it lags
         await asyncio.sleep(0.7)
         assert policy.scores(pool.workers, prompt) == {live: -0.5, dead: 0.0}
         assert policy.scores(pool.workers, prompt) == {live: -0.5, dead: 0.0}
     finally:
         await indexes.stop()
         await clients.close()
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith(".kv_index")]
     assert len(lines) == 3, lines
     assert re.fullmatch(rf"decode worker {live}: KV index in step \(\d+ blocks\)", lines[0])
     assert lines[1] == f"decode worker {dead}: its KV event stream is down; routing it by load alone"
