@@ -39,15 +39,17 @@ INDEX_BLOCKS = "pdserve:router_kv_index_blocks"
 @pytest.fixture(scope="module")
 def kv_replicas(two_decode_stack: Stack) -> list[Stack]:
     """Two kv_aware gateway replicas over ``two_decode_stack``'s workers (stopped after the module)."""
-    replicas = [
-        start_gateway(
-            two_decode_stack, "--router-policy", "kv_aware", log_name=f"gateway-kv-aware-{i}", timeout=180
-        )
-        for i in range(2)
-    ]
-    yield replicas
-    for replica in replicas:
-        replica.stop()
+    replicas: list[Stack] = []
+    try:
+        for i in range(2):
+            name = f"gateway-kv-aware-{i}"
+            replicas.append(
+                start_gateway(two_decode_stack, "--router-policy", "kv_aware", log_name=name, timeout=180)
+            )
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
 
 
 def decode_addresses(stack: Stack) -> list[str]:
