@@ -165,6 +165,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def weight(text: str) -> float:
+    """argparse type: a number in [0, 100]."""
+    value = float(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100], got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in (0, 1]."""
     value = float(text)

@@ -29,6 +29,7 @@ from pdserve.cli_args import (
     positive_float,
     positive_int,
     setup_service,
+    weight,
 )
 from pdserve.model_source import served_model_names
 from pdserve.observability.metrics_http import labelled, serve_metrics
@@ -46,7 +47,8 @@ from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, 
 from pdserve.services.gateway.requests.manager import ManagerConfig, RequestManager
 from pdserve.services.gateway.requests.state import RequestRegistry
 from pdserve.services.gateway.routing.discovery import DEFAULT_INTERVAL_S, Discovery
-from pdserve.services.gateway.routing.policies import POLICIES
+from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
+from pdserve.services.gateway.routing.policies import DEFAULT_POLICY, POLICIES, KVAwareWeights
 from pdserve.services.gateway.routing.router import Router
 from pdserve.services.gateway.routing.worker_monitor import WorkerMonitor
 from pdserve.services.gateway.transport import output_servicer, public_servicer
@@ -102,7 +104,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer <key>' (HTTP and gRPC); several keys comma-separated, one "
         "per client: a request can be aborted only with the key it was sent with",
     )
-    p.add_argument("--router-policy", default="cache_aware", choices=POLICIES)
+    p.add_argument(
+        "--router-policy",
+        default=DEFAULT_POLICY,
+        choices=POLICIES,
+        help="how each request's workers are picked; kv_aware: cached prefix (from the workers' KV "
+        "events) against load; cache_aware: the gateway's own guess of the caches (docs/api.md)",
+    )
+    defaults = KVAwareWeights()
+    p.add_argument(
+        "--router-kv-overlap-weight",
+        type=weight,
+        default=defaults.overlap_weight,
+        help="kv_aware: weight (0-100) of the prompt's cached fraction on a worker",
+    )
+    p.add_argument(
+        "--router-load-weight",
+        type=weight,
+        default=defaults.load_weight,
+        help="kv_aware: weight (0-100) of a worker's load over the most loaded candidate's",
+    )
+    p.add_argument(
+        "--router-kv-event-lag",
+        type=positive_float,
+        default=defaults.lag_s,
+        help="kv_aware: seconds a worker may send no KV event batch after a request went to it before "
+        "its index is distrusted (it is then routed by load alone until its next batch)",
+    )
     p.add_argument(
         "--max-pending-requests",
         type=non_negative_int,
@@ -219,7 +247,17 @@ class Gateway:
         self.clients = BackendClients()
         self.metrics = GatewayMetrics(args.model_names[0])
         self.registry = RequestRegistry()
-        self.router = Router(pools["decode"], pools["prefill"], args.router_policy)
+        self.kv_indexes = {
+            role: KVIndexes(self.clients, pools[role], args.health_check_interval)
+            for role in ("decode", "prefill")
+            if args.router_policy == "kv_aware"
+        }
+        for indexes in self.kv_indexes.values():
+            self.metrics.registry.register(indexes)
+        weights = KVAwareWeights(
+            args.router_kv_overlap_weight, args.router_load_weight, args.router_kv_event_lag
+        )
+        self.router = Router(pools["decode"], pools["prefill"], args.router_policy, self.kv_indexes, weights)
         # the API key is checked first: a call without it is UNAUTHENTICATED, however malformed
         keys = [ApiKeyInterceptor(args.api_keys)] if args.api_keys else []
         self.grpc = GrpcServer(
@@ -310,6 +348,8 @@ class Gateway:
         await self.grpc.start()
         await self.grpc.set_serving(True)
         self.monitor.start()
+        for indexes in self.kv_indexes.values():
+            indexes.start()
         exposed = labelled(self.metrics.registry, REGISTRY, model_name=self.ctx.served_model_name)
         self._metrics_server = serve_metrics(self.args, self.args.host, exposed)
         sockets = [reuse_port_socket(self.args.host, self.args.port)] if self.args.reuse_port else None
@@ -344,6 +384,8 @@ class Gateway:
             with contextlib.suppress(SystemExit, Exception):
                 await self._http_task
         await self.monitor.stop()
+        for indexes in self.kv_indexes.values():
+            await indexes.stop()
         await self.discovery.stop()
         if self._metrics_server is not None:
             self._metrics_server.close()

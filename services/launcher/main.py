@@ -109,9 +109,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--router-policy",
-        default="cache_aware",
-        choices=["round_robin", "least_load", "cache_aware"],
-        help="how the gateway picks workers",
+        default="kv_aware",
+        choices=["round_robin", "least_load", "cache_aware", "kv_aware"],
+        help="how the gateway picks workers (kv_aware: from the workers' KV events)",
     )
     p.add_argument(
         "--stream-interval",

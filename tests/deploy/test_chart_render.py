@@ -147,6 +147,6 @@ def test_gpu_values_are_a_pd_deployment_over_rdma(gpu_chart: Rendered) -> None:
         assert (env["PDSERVE_DTYPE"], env["PDSERVE_ATTENTION_BACKEND"]) == ("bfloat16", "flashinfer")
         assert env["UCX_TLS"].startswith("rc")
         assert "PDSERVE_COLOCATED" not in env
-    assert gpu_chart.env("gateway")["PDSERVE_ROUTER_POLICY"] == "cache_aware"
+    assert gpu_chart.env("gateway")["PDSERVE_ROUTER_POLICY"] == "kv_aware"
     assert gpu_chart.kind("Service")[f"{prefix}gateway"]["spec"]["type"] == "LoadBalancer"
     assert len(gpu_chart.kind("NetworkPolicy")) == 5

@@ -6,19 +6,31 @@
   (``ApproxPrefixTree``) holds the longest prefix of the prompt, unless that match covers less than
   ``cache_threshold`` of the prompt or the worker's load exceeds the least-loaded worker's by more
   than ``balance_threshold`` requests; then the least-loaded worker.
+- ``kv_aware`` (the default): Dynamo KV router's cost shape over exact per-worker indexes built from
+  the workers' KV events (``kv_index``, ``kv_subscriptions``). Each healthy worker scores
+  ``overlap_weight * cached_prefix_blocks / prompt_blocks - load_weight * load / max_load`` (``load``
+  as ``Worker.load``, ``max_load`` the largest among the candidates, at least 1); the best wins, ties
+  go to the least loaded, then in turn. A worker whose index cannot be trusted (stream down or
+  lagging) scores on load alone.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.services.gateway.routing.kv_index import KVIndex
+from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.prefix_tree import ApproxPrefixTree
 from pdserve.services.gateway.routing.workers import Worker, rotate
 
-PolicyName = Literal["round_robin", "least_load", "cache_aware"]
-POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "cache_aware")
+PolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_aware"]
+POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "cache_aware", "kv_aware")
+DEFAULT_POLICY: PolicyName = "kv_aware"
 
 
 class Policy(Protocol):
@@ -86,7 +98,81 @@ class CacheAwarePolicy:
         self.tree.remove_tenant(worker.address)
 
 
-def make_policy(name: PolicyName) -> Policy:
+@dataclass(frozen=True, slots=True)
+class KVAwareWeights:
+    """``kv_aware``'s knobs: ``overlap_weight`` (``--router-kv-overlap-weight``) and ``load_weight``
+    (``--router-load-weight``), each in [0, 100]; ``lag_s`` (``--router-kv-event-lag``): seconds a
+    worker may go without a KV event batch after a request was routed to it before its index is
+    distrusted."""
+
+    overlap_weight: float = 1.0
+    load_weight: float = 0.5
+    lag_s: float = 30.0
+
+
+class KVAwarePolicy:
+    """Cached prefix (from KV events) against load, as Dynamo's KV router scores (module docstring).
+
+    Args:
+        indexes: the pool's ``KVIndexes``.
+        weights: the score's weights and the lag bound.
+    """
+
+    def __init__(self, indexes: KVIndexes, weights: KVAwareWeights) -> None:
+        self.indexes = indexes
+        self.weights = weights
+        self._turn = itertools.count()
+
+    def scores(self, workers: list[Worker], input_ids: Sequence[int]) -> dict[str, float]:
+        """address -> score of each of ``workers`` for the prompt ``input_ids``."""
+        now = time.monotonic()
+        max_load = max(1, *(w.load for w in workers))
+        hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
+        out = {}
+        for w in workers:
+            overlap = 0.0
+            index = self.indexes.get(w.address)
+            if index is not None and index.usable(now, self.weights.lag_s) and index.block_size:
+                prompt = hashes.get(index.block_size)
+                if prompt is None:
+                    prompt = hashes[index.block_size] = block_hashes(input_ids, index.block_size)
+                overlap = index.cached_blocks(prompt) / len(prompt) if prompt else 0.0
+            out[w.address] = (
+                self.weights.overlap_weight * overlap - self.weights.load_weight * w.load / max_load
+            )
+        return out
+
+    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
+        scores = self.scores(workers, input_ids)
+        chosen = max(rotate(workers, next(self._turn)), key=lambda w: (scores[w.address], -w.load))
+        index = self.indexes.get(chosen.address)
+        if index is not None:
+            self._expect_batch(index, input_ids)
+        return chosen
+
+    def _expect_batch(self, index: KVIndex, input_ids: Sequence[int]) -> None:
+        """Start ``index``'s lag clock when the prompt has whole pages its worker does not hold (only
+        those are sure to raise a ``BlockStored``); the block size is the pool's until it has its own."""
+        block_size = index.block_size or self.indexes.block_size()
+        if block_size:
+            prompt = block_hashes(input_ids, block_size)
+            if index.cached_blocks(prompt) < len(prompt):
+                index.routed(time.monotonic())
+
+    def forget(self, worker: Worker) -> None:
+        index = self.indexes.get(worker.address)
+        if index is not None:
+            index.reset()
+
+
+def make_policy(
+    name: PolicyName, indexes: KVIndexes | None = None, weights: KVAwareWeights | None = None
+) -> Policy:
+    """The policy ``name``; ``kv_aware`` needs the pool's ``indexes`` (ValueError otherwise)."""
+    if name == "kv_aware":
+        if indexes is None:
+            raise ValueError("the kv_aware router policy needs the workers' KV indexes")
+        return KVAwarePolicy(indexes, weights or KVAwareWeights())
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "least_load":

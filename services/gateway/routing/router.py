@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.services.gateway.routing.policies import PolicyName, make_policy
+from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
+from pdserve.services.gateway.routing.policies import KVAwareWeights, PolicyName, make_policy
 from pdserve.services.gateway.routing.workers import Worker, WorkerPool
 
 
@@ -37,14 +38,23 @@ class Router:
     """Routes tokenized requests over the decode pool and the (optional) prefill pool.
 
     With no prefill workers configured, ``Route.prefill`` is None and decode prefills locally.
+    ``kv_indexes`` (role -> ``KVIndexes``, for ``kv_aware``) and ``weights`` go to each pool's policy.
     """
 
-    def __init__(self, decode: WorkerPool, prefill: WorkerPool, policy: PolicyName) -> None:
+    def __init__(
+        self,
+        decode: WorkerPool,
+        prefill: WorkerPool,
+        policy: PolicyName,
+        kv_indexes: dict[str, KVIndexes] | None = None,
+        weights: KVAwareWeights | None = None,
+    ) -> None:
         self.decode = decode
         self.prefill = prefill
         self.policy_name = policy
-        self._decode_policy = make_policy(policy)
-        self._prefill_policy = make_policy(policy)
+        kv_indexes = kv_indexes or {}
+        self._decode_policy = make_policy(policy, kv_indexes.get("decode"), weights)
+        self._prefill_policy = make_policy(policy, kv_indexes.get("prefill"), weights)
 
     def route(self, input_ids: Sequence[int]) -> Route:
         """Pick (decode, prefill) for ``input_ids`` and count the request in flight on both.

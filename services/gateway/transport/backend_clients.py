@@ -7,13 +7,14 @@ answers read in ``convert``; this module holds the generated stubs only.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 
+from pdserve.mem_cache.kv_events import KVEventBatch
 from pdserve.rpc import tls
 from pdserve.rpc.server import GRPC_OPTIONS
 from pdserve.services.gateway.errors import from_rpc_error
@@ -129,6 +130,25 @@ class BackendClients:
         """The scheduler's load, capacity and incarnation (``GetLoad``)."""
         resp = await self._stub(role, address).GetLoad(convert.load_request(), timeout=self.probe_timeout)
         return convert.worker_load_from_pb(resp)
+
+    async def kv_events(
+        self, role: Literal["decode", "prefill"], address: str, from_seq: int | None, incarnation: str
+    ) -> AsyncIterator[tuple[str, KVEventBatch]]:
+        """The scheduler's KV event batches as ``(incarnation, batch)`` (``SubscribeKVEvents``): a
+        replay from ``from_seq`` of ``incarnation``, or a snapshot first; waits for the channel to be
+        ready (the channel's reconnect backoff) instead of failing while the worker is down.
+
+        Raises:
+            grpc.aio.AioRpcError: the stream broke (the worker died, or cut this consumer off).
+        """
+        call = self._stub(role, address).SubscribeKVEvents(
+            convert.kv_events_request(from_seq, incarnation), wait_for_ready=True
+        )
+        try:
+            async for pb in call:
+                yield convert.kv_event_batch_from_pb(pb)
+        finally:
+            call.cancel()
 
     async def metrics(self, role: Role, address: str) -> tuple[str, str, str]:
         """``(role, worker, prometheus text)`` of one scheduler or detokenizer (``GetMetrics``)."""

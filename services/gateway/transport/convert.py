@@ -11,6 +11,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2_grpc
 
+from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from pdserve.services.gateway.errors import invalid_request
 from pdserve.services.gateway.io_struct import (
     ChatPrompt,
@@ -222,6 +223,30 @@ def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
         incarnation=info.incarnation,
         max_queued=info.max_queued_requests,
     )
+
+
+def kv_events_request(from_seq: int | None, incarnation: str) -> scheduler_pb2.KVEventsRequest:
+    """Subscribe from batch ``from_seq`` of ``incarnation`` (replay), or from a snapshot (None)."""
+    return scheduler_pb2.KVEventsRequest(from_seq=from_seq, incarnation=incarnation)
+
+
+def kv_event_batch_from_pb(pb: scheduler_pb2.KVEventBatch) -> tuple[str, KVEventBatch]:
+    """``(incarnation, batch)`` of one ``KVEventBatch`` message (the inverse of the scheduler's
+    ``kv_event_batch_to_pb``)."""
+    events: list[KVEvent] = []
+    for event in pb.events:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            e = event.block_stored
+            parent = e.parent_block_hash if e.HasField("parent_block_hash") else None
+            events.append(
+                BlockStored(list(e.block_hashes), parent, list(e.token_ids), e.block_size, e.medium)
+            )
+        elif kind == "block_removed":
+            events.append(BlockRemoved(list(event.block_removed.block_hashes), event.block_removed.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return pb.incarnation, KVEventBatch(pb.seq, pb.timestamp_unix_s, events, pb.snapshot)
 
 
 def metrics_request() -> common_pb2.MetricsRequest:
