@@ -81,6 +81,8 @@ class ForwardBatch:
             None (``pdserve.sampling.prompt_logprobs``).
         pooling: which requests pool their chunk's hidden states into an embedding, else None
             (``pdserve.layers.pooler``).
+        lora_slots: int64 ``[T]``: each token's LoRA adapter slot (``pdserve.lora``; -1 for the base
+            model), or None when no token has an adapter.
     """
 
     forward_mode: ForwardMode
@@ -104,6 +106,7 @@ class ForwardBatch:
     attn_backend: BatchAttention
     prompt_logprobs: PromptLogprobRows | None = None
     pooling: PoolingRows | None = None
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -131,6 +134,7 @@ class ForwardBatch:
         draft_rows: DraftRows | None = None,
         prompt_logprobs: PromptLogprobRows | None = None,
         pooling: PoolingRows | None = None,
+        lora_slots: IntSeq | None = None,
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
@@ -139,7 +143,8 @@ class ForwardBatch:
         ``logits_lens`` defaults to 1 per request (its last token). ``forward_mode`` defaults to
         DECODE when every request computes one token, else TARGET_VERIFY when logits are computed
         at every token of every request, else EXTEND (MIXED when some, not all, have logits at
-        several positions).
+        several positions). ``lora_slots`` (``[B]``, -1 for the base model) is each request's
+        LoRA adapter slot, spread to its tokens (None when every slot is -1).
 
         Raises:
             ValueError: lengths disagree (``T`` tokens, ids and KV slots), both
@@ -233,4 +238,14 @@ class ForwardBatch:
             attn_backend=runner.attn_backend,
             prompt_logprobs=prompt_logprobs,
             pooling=pooling,
+            lora_slots=_token_slots(lora_slots, ext, device),
         )
+
+
+def _token_slots(
+    request_slots: IntSeq | None, ext: torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
+    """Each token's LoRA slot (int64 ``[T]``) from each request's (``[B]``); None when none has one."""
+    if request_slots is None or all(int(s) < 0 for s in request_slots):
+        return None
+    return torch.as_tensor(request_slots, dtype=torch.int64).to(device).repeat_interleave(ext)

@@ -16,6 +16,7 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
 from pdserve.layers.quantization import resolve_quantization
+from pdserve.lora.manager import LoraManager
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
@@ -74,13 +75,16 @@ class ModelRunner:
             sums, the output widened back).
         expert_parallel: under TP, a mixture-of-experts model's ranks hold whole experts
             (``--enable-expert-parallel``; ``pdserve.distributed.expert_parallel``).
+        max_loras: LoRA adapter slots (``--max-loras``; ``pdserve.lora.manager``); 0: no adapters.
+        max_lora_rank: the largest adapter rank accepted (``--max-lora-rank``).
 
     Raises:
         ValueError: a ``kv_cache_dtype`` other than the model's outside that case.
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
-        device, cuda_graph_runner (None when decode runs eagerly).
+        device, cuda_graph_runner (None when decode runs eagerly), lora_manager (None without
+        ``max_loras``).
     """
 
     def __init__(
@@ -100,6 +104,8 @@ class ModelRunner:
         tp: TpGroup = SINGLE_RANK,
         kv_cache_dtype: str = "auto",
         expert_parallel: bool = False,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -118,6 +124,9 @@ class ModelRunner:
             quantization,
             tp,
             expert_parallel,
+        )
+        self.lora_manager = (
+            LoraManager(self.model, max_loras, max_lora_rank, cfg.dtype) if max_loras else None
         )
         bytes_per_token = KVPool.bytes_per_token(
             cfg.num_layers, cfg.num_local_kv_heads, cfg.head_dim, kv_dtype
@@ -212,7 +221,11 @@ class ModelRunner:
         rows beside the logits: what the LM head read, which an EAGLE / MTP draft head takes as its
         input (``pdserve.speculative.proposer``); None for a batch replayed from a CUDA graph."""
         fb = forward_batch
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+        if (
+            fb.lora_slots is None
+            and self.cuda_graph_runner is not None
+            and self.cuda_graph_runner.can_run(fb)
+        ):
             return None, self.cuda_graph_runner.replay(fb)
         hidden = self._hidden_states(fb)[fb.logits_index]
         return hidden, self.model.compute_logits(hidden)
@@ -220,6 +233,8 @@ class ModelRunner:
     def _hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
         """The final (normed) hidden states ``[T, hidden]`` of every token of the batch."""
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(fb.lora_slots)
         return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()

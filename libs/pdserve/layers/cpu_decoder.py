@@ -121,8 +121,9 @@ class CpuDecoder:
         return cls(model, kernel_library(variant))
 
     def takes(self, fb: ForwardBatch) -> bool:
-        """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token)."""
-        return getattr(fb.attn_backend, "kernel_rows", None) is not None
+        """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token), and
+        no token of ``fb`` has a LoRA adapter (those batches run the modules, which add the deltas)."""
+        return getattr(fb.attn_backend, "kernel_rows", None) is not None and fb.lora_slots is None
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch

@@ -1,0 +1,120 @@
+"""Multi-LoRA in the engine: two random PEFT adapters and the base model in one batch, every greedy
+output equal to HF PEFT's fp32 output for its adapter; the adapter checks and the slots' LRU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.lora.adapter import LoraAdapterError
+from pdserve.lora.manager import LoraInUseError, LoraNotFoundError, LoraSlotsFullError
+from pdserve.model_source import resolve_model
+from tests.engine.driver import Driver
+from tests.lora.adapters import make_adapters, peft_greedy
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    torch.set_num_threads(1)  # the CI machine is shared
+    model, paths = make_adapters(tmp_path_factory.mktemp("adapters"))
+    yield model, paths
+    del model
+
+
+@pytest.fixture(scope="module")
+def runner(adapters) -> ModelRunner:
+    runner = ModelRunner(
+        resolve_model(),
+        dtype="float32",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    for name, path in adapters[1].items():
+        runner.lora_manager.add(name, path)
+    yield runner
+    del runner
+
+
+def test_mixed_batch_equals_hf_peft(runner, adapters, tokenizer_prompts):
+    """Base, adapter pirate and adapter poet, two prompts each, prefilled and decoded in one batch."""
+    peft_model, _ = adapters
+    manager = runner.lora_manager
+    driver = Driver(runner)
+    work = [(prompt, name) for prompt in tokenizer_prompts for name in (None, "pirate", "poet")]
+    seqs = [driver.add(p, lora_slot=-1 if n is None else manager.acquire(n)) for p, n in work]
+    try:
+        driver.generate(seqs, NEW_TOKENS)
+    finally:
+        driver.release(*seqs)
+        for _, name in work:
+            if name is not None:
+                manager.release(name)
+    expected = [peft_greedy(peft_model, name, prompt, NEW_TOKENS) for prompt, name in work]
+    assert [s.output_ids for s in seqs] == expected
+    for i in range(0, len(work), 3):  # not vacuous: each adapter changes the base's tokens
+        base, a, b = expected[i : i + 3]
+        assert base != a and base != b and a != b
+    pages = runner.token_to_kv_pool_allocator
+    assert pages.available_size() == pages.num_pages
+    assert not manager.pins
+
+
+@pytest.fixture(scope="module")
+def tokenizer_prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model())
+    return [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n    ")]
+
+
+def test_slots_are_lru_over_unpinned_adapters(runner, adapters, tmp_path):
+    manager = runner.lora_manager
+    manager.add("c", adapters[1]["pirate"])
+    try:
+        slot_a, slot_b = manager.acquire("pirate"), manager.acquire("poet")
+        with pytest.raises(LoraSlotsFullError):
+            manager.acquire("c")  # both slots pinned by running requests
+        with pytest.raises(LoraInUseError):
+            manager.remove("pirate")
+        manager.release("pirate")
+        assert manager.acquire("c") == slot_a  # pirate was the unpinned one: evicted
+        assert manager.resident == {"poet": slot_b, "c": slot_a}
+        manager.release("poet")
+        manager.release("c")
+    finally:
+        manager.remove("c")
+    with pytest.raises(LoraNotFoundError):
+        manager.acquire("c")
+
+
+def test_adapters_that_do_not_fit_are_refused(runner, adapters, tmp_path):
+    manager = runner.lora_manager
+    with pytest.raises(LoraAdapterError, match="adapter_config.json"):
+        manager.add("x", tmp_path / "missing")
+    too_big = tmp_path / "rank"
+    too_big.mkdir()
+    for file in adapters[1]["pirate"].iterdir():
+        (too_big / file.name).write_bytes(file.read_bytes())
+    config = json.loads((too_big / "adapter_config.json").read_text())
+    (too_big / "adapter_config.json").write_text(json.dumps({**config, "r": 64}))
+    with pytest.raises(LoraAdapterError, match="rank 64"):
+        manager.add("x", too_big)
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tiny = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(resolve_model(), num_hidden_layers=1, vocab_size=64)
+    )
+    head = get_peft_model(tiny, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(LoraAdapterError, match="lm_head"):
+        manager.add("x", tmp_path / "head")
+    assert "x" not in manager.adapters
