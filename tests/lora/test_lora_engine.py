@@ -118,3 +118,32 @@ def test_adapters_that_do_not_fit_are_refused(runner, adapters, tmp_path):
     with pytest.raises(LoraAdapterError, match="lm_head"):
         manager.add("x", tmp_path / "head")
     assert "x" not in manager.adapters
+
+
+def test_quantized_base_takes_the_adapters(adapters, tokenizer_prompts):
+    """On a w4a8 base (``make run``'s CPU default), where base-only steps run the fused C decoder: a
+    batch with adapter tokens runs the modules (the delta on top of the quantized matmuls), its base
+    rows equal the base-only batch's tokens, and its adapter rows their adapter-only batch's."""
+    runner = ModelRunner(
+        resolve_model(),
+        dtype="float32",
+        quantization="w4a8",
+        max_total_tokens=1024,
+        max_loras=1,
+        max_lora_rank=8,
+    )
+    assert runner.model.model.cpu_decoder is not None
+    runner.lora_manager.add("pirate", adapters[1]["pirate"])
+    slot = runner.lora_manager.acquire("pirate")
+    prompt = tokenizer_prompts[0]
+
+    def greedy(slots: list[int]) -> list[list[int]]:
+        driver = Driver(runner)
+        seqs = [driver.add(prompt, lora_slot=s) for s in slots]
+        driver.generate(seqs, NEW_TOKENS)
+        driver.release(*seqs)
+        return [s.output_ids for s in seqs]
+
+    base, adapted = greedy([-1])[0], greedy([slot])[0]
+    assert greedy([-1, slot]) == [base, adapted]
+    assert base != adapted

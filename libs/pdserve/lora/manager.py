@@ -68,8 +68,8 @@ class LoraManager:
         self.pins: Counter[str] = Counter()
 
     def _attach(self, layer: int, name: str, module: Linear, dtype: torch.dtype) -> None:
-        shards = getattr(module, "shards", None) or {name.removesuffix("_proj"): (0, module.weight.shape[0])}
-        in_features = module.weight.shape[1]
+        shards = getattr(module, "shards", None) or {name.removesuffix("_proj"): (0, module.out_features)}
+        in_features = module.in_features
         module.lora = LoraSlots(
             in_features, list(shards.values()), self.max_loras, self.max_rank, dtype, self.state
         )
