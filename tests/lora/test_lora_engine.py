@@ -1,5 +1,6 @@
-"""Multi-LoRA in the engine: two random PEFT adapters and the base model in one batch, every greedy
-output equal to HF PEFT's fp32 output for its adapter; the adapter checks and the slots' LRU."""
+"""Multi-LoRA in the engine and the scheduler: two random PEFT adapters and the base model in one
+batch, every greedy output equal to HF PEFT's fp32 output for its adapter; the adapter checks, the
+slots' LRU, a quantized base, and the radix cache keyed on the adapter."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.lora.adapter import LoraAdapterError
 from pdserve.lora.manager import LoraInUseError, LoraNotFoundError, LoraSlotsFullError
 from pdserve.model_source import resolve_model
+from pdserve.sampling.bounds import BoundError
 from tests.engine.driver import Driver
 from tests.lora.adapters import make_adapters, peft_greedy
+from tests.scheduler.driver import drive, fresh, req
 
 NEW_TOKENS = 10
 
@@ -147,3 +150,29 @@ def test_quantized_base_takes_the_adapters(adapters, tokenizer_prompts):
     base, adapted = greedy([-1])[0], greedy([slot])[0]
     assert greedy([-1, slot]) == [base, adapted]
     assert base != adapted
+
+
+def test_scheduler_keeps_adapters_kv_apart(runner, adapters, tokenizer_prompts):
+    """Through the scheduler: the same prompt under the base model and each adapter gives HF PEFT's
+    tokens; a radix-cache hit is found under the same adapter only (never across adapters); an
+    unknown adapter is refused at ``add_request``; no slot stays pinned and no page leaks."""
+    peft_model, _ = adapters
+    prompt = tokenizer_prompts[0] * 4  # 2+ pages of 16 tokens
+    sched = fresh(runner)
+    first = [req(f"first-{n}", prompt, NEW_TOKENS, lora_name=n) for n in ("", "pirate")]
+    second = [req(f"second-{n}", prompt, NEW_TOKENS, lora_name=n) for n in ("pirate", "poet", "")]
+    for r in first:
+        sched.add_request(r)
+    done = drive(sched)
+    for r in second:
+        sched.add_request(r)
+    done |= drive(sched)
+    for r in first + second:
+        name = r.sampling_params.lora_name or None
+        assert done[r.rid].output_ids == peft_greedy(peft_model, name, prompt, NEW_TOKENS), r.rid
+    hits = {r.rid: r.cached_tokens for r in second}
+    assert hits["second-pirate"] > 0 and hits["second-"] > 0  # its own adapter's (the base's) prefix
+    assert hits["second-poet"] == 0  # the base's and pirate's pages hold other KV
+    with pytest.raises(BoundError, match="lora_name"):
+        sched.add_request(req("unknown", prompt, NEW_TOKENS, lora_name="nobody"))
+    assert not runner.lora_manager.pins

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.lora.manager import LoraManager, LoraSlotsFullError
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.scheduler.req import Req
@@ -25,6 +26,9 @@ class KVLedger:
         allocator: the paged KV allocator.
         page_size: tokens per page.
         disable_radix_cache: when true, finished requests free their pages instead of caching them.
+        lora: the runner's ``LoraManager`` (None: no adapters). A request of an adapter
+            (``sampling_params.lora_name``) pins its adapter's slot from admission to release, and its
+            KV is matched and cached in the adapter's radix namespace only.
     """
 
     def __init__(
@@ -33,11 +37,13 @@ class KVLedger:
         allocator: PagedTokenToKVPoolAllocator,
         page_size: int,
         disable_radix_cache: bool = False,
+        lora: LoraManager | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
         self.tree = RadixCache(allocator, page_size, disable=disable_radix_cache)
+        self.lora = lora
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
 
@@ -81,7 +87,7 @@ class KVLedger:
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
-        return self.tree.match_prefix(req.fill_ids[:-1]).num_tokens
+        return self.tree.match_prefix(req.fill_ids[:-1], req.sampling_params.lora_name).num_tokens
 
     def match(self, req: Req, use_cache: bool = True) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
@@ -90,7 +96,7 @@ class KVLedger:
         Returns the number of prefix tokens found (a multiple of page_size).
         """
         key = req.fill_ids[:-1] if use_cache else []
-        result = self.tree.match_prefix(key)
+        result = self.tree.match_prefix(key, req.sampling_params.lora_name)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
         req.pages = list(result.page_indices)
@@ -184,8 +190,9 @@ class KVLedger:
         if self.tree.disable or full <= req.num_prefix_pages:
             return
         key = req.fill_ids[: full * self.page_size]
-        self.allocator.free(self.tree.insert(key, req.pages[:full]))
-        match = self.tree.match_prefix(key)
+        namespace = req.sampling_params.lora_name
+        self.allocator.free(self.tree.insert(key, req.pages[:full], namespace))
+        match = self.tree.match_prefix(key, namespace)
         self.tree.inc_lock_ref(match.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
@@ -249,7 +256,7 @@ class KVLedger:
         if cache:
             full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
-            duplicates = self.tree.insert(key, req.pages[:full])
+            duplicates = self.tree.insert(key, req.pages[:full], req.sampling_params.lora_name)
             self.allocator.free(duplicates)
             self.allocator.free(req.pages[max(full, req.num_prefix_pages) :])
         else:
@@ -263,6 +270,25 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
         self.in_use.pop(req, None)
+        self.unpin_adapter(req)
+
+    def pin_adapter(self, req: Req) -> bool:
+        """Pin the slot of ``req``'s LoRA adapter (``req.lora_slot``) for its time admitted; False
+        (nothing pinned) while every slot holds another adapter that running requests use."""
+        name = req.sampling_params.lora_name
+        if not name or req.lora_slot >= 0:
+            return True
+        try:
+            req.lora_slot = self.lora.acquire(name)
+        except LoraSlotsFullError:
+            return False
+        return True
+
+    def unpin_adapter(self, req: Req) -> None:
+        """Undo ``pin_adapter`` (nothing when ``req`` holds no slot)."""
+        if req.lora_slot >= 0:
+            self.lora.release(req.sampling_params.lora_name)
+            req.lora_slot = -1
 
 
 def _known_computed(req: Req) -> int:
