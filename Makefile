@@ -12,7 +12,7 @@ ARGS    ?=
 # One grpcio-tools for every generator (here, pyproject's dev extra, deploy/Dockerfile), so generated code never differs.
 GRPC_TOOLS := grpcio-tools==1.85.1
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec bench-lora clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -71,6 +71,10 @@ bench: install
 
 bench-engine: install
 	$(PYTHON) -m benchmarks.engine $(ARGS)
+
+# multi-LoRA at the engine: decode tok/s with 1, 4 and 16 adapters in the batch against the base model
+bench-lora: install
+	$(PYTHON) -m benchmarks.lora $(ARGS)
 
 # speculative decoding at the engine: verify-step times by batch and draft count, n-gram acceptance
 bench-spec: install

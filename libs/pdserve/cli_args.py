@@ -9,6 +9,7 @@ from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.metrics_http import add_metrics_args
 from pdserve.observability.tracing import add_tracing_args, configure_tracing
 from pdserve.rpc import tls
+from pdserve.sampling.bounds import MAX_LORA_NAME_CHARS
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # a scheduler step this long means the worker is stuck
@@ -189,9 +190,43 @@ def device_name(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:<index>, got {text!r}")
 
 
+def lora_module(text: str) -> tuple[str, str]:
+    """A ``--lora-modules`` entry ``name=path`` → ``(name, path)``; the name has 1 to 128 characters."""
+    name, sep, path = text.partition("=")
+    if not sep or not 0 < len(name) <= MAX_LORA_NAME_CHARS or not path:
+        raise argparse.ArgumentTypeError(
+            f"expected name=path (a name of 1 to {MAX_LORA_NAME_CHARS} characters), got {text!r}"
+        )
+    return name, path
+
+
+def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
+    """``--lora-modules``: the schedulers load the adapters, the gateway serves their names."""
+    parser.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served beside the base model; a request picks one by "
+        "its model name (docs/lora.md)",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, KV pool and scheduling flags of every scheduler, shared by ``pdserve launch`` (which
     passes them on) and the scheduler services (``pdserve prefill`` / ``pdserve decode``)."""
+    add_lora_modules_arg(parser)
+    parser.add_argument(
+        "--max-loras",
+        type=positive_int,
+        default=4,
+        help="with --lora-modules: LoRA adapters held in a worker's adapter slots at once (the least "
+        "recently used one no running request uses makes room)",
+    )
+    parser.add_argument(
+        "--max-lora-rank", type=positive_int, default=16, help="the largest LoRA adapter rank accepted"
+    )
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="weights dtype"
     )

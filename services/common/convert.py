@@ -47,6 +47,7 @@ _PLAIN_FIELDS = (
     "top_logprobs_num",
     "priority",
     "embed",
+    "lora_name",
 )
 
 

@@ -98,7 +98,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[await _model_card(state.ctx, name) for name in state.ctx.model_names])
+        names = state.ctx.model_names + state.ctx.lora_names
+        return ModelList(data=[await _model_card(state.ctx, name) for name in names])
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:

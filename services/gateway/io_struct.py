@@ -49,6 +49,7 @@ class SamplingParams:
     speculative_num_draft_tokens: int | None = None
     priority: int = 0  # lower is served first (--schedule-policy priority)
     embed: bool = False  # return the prompt's embedding (``/v1/embeddings``; max_new_tokens 1)
+    lora_name: str = ""  # the LoRA adapter the request's ``model`` names ("": the base model)
 
 
 @dataclass(slots=True)

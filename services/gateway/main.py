@@ -22,6 +22,7 @@ import uvicorn
 from prometheus_client import REGISTRY
 
 from pdserve.cli_args import (
+    add_lora_modules_arg,
     add_model_arg,
     add_observability_args,
     apply_env_defaults,
@@ -67,6 +68,7 @@ ROLES = ("tokenizer", "detokenizer", "decode", "prefill")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve gateway", description=__doc__)
     add_model_arg(p)
+    add_lora_modules_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address the public servers (HTTP, gRPC API) bind")
     p.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port; 0 = any free")
     p.add_argument("--grpc-port", type=int, default=50051, help="public gRPC API port (PdServe); 0 = any")
@@ -206,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model_names = served_model_names(args.model, args.served_model_name)
     except ValueError as e:
         parser.error(str(e))
+    args.lora_names = [name for name, _ in args.lora_modules]
+    if set(args.lora_names) & set(args.model_names) or len(set(args.lora_names)) < len(args.lora_names):
+        parser.error("--lora-modules names must differ from each other and from the served model names")
     return args
 
 
@@ -301,6 +306,7 @@ class Gateway:
             args.model_names,
             TOOL_PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
             ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
+            args.lora_names,
         )
         self.grpc.add(public_servicer.add_to_server, PdServeServicer(ctx, args.api_keys))
         self.internal.add(output_servicer.add_to_server, GatewayOutputServicer(self.registry))

@@ -65,7 +65,19 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-overlap-schedule")
     if args.enable_expert_parallel:
         flags.append("--enable-expert-parallel")
+    if args.lora_modules:
+        flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        flags += lora_modules_flag(args)
     return flags
+
+
+def lora_modules_flag(args: argparse.Namespace) -> list[str]:
+    """``--lora-modules name=path ...`` as given (schedulers load them, the gateway serves the names)."""
+    return (
+        ["--lora-modules", *(f"{name}={path}" for name, path in args.lora_modules)]
+        if args.lora_modules
+        else []
+    )
 
 
 def scheduler_env() -> dict[str, str]:
@@ -247,6 +259,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     ]  # fmt: skip
     if args.public_client_ca:
         gateway += ["--public-client-ca", args.public_client_ca]
+    gateway += lora_modules_flag(args)
     for flag in ("tool_call_parser", "reasoning_parser"):
         if getattr(args, flag, None):
             gateway += ["--" + flag.replace("_", "-"), getattr(args, flag)]

@@ -33,6 +33,7 @@ class Seq:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    lora_slot: int = -1  # the LoRA adapter slot (pdserve.lora), -1: the base model
     rid: str = field(default_factory=lambda: f"seq-{next(_RIDS)}")
 
     @property
@@ -47,10 +48,10 @@ class Driver:
         self.runner = runner
         self.page_size = runner.token_to_kv_pool_allocator.page_size
 
-    def add(self, prompt: list[int], params: SamplingParams | None = None) -> Seq:
+    def add(self, prompt: list[int], params: SamplingParams | None = None, lora_slot: int = -1) -> Seq:
         idx = self.runner.req_to_token_pool.alloc()
         assert idx is not None, "out of request slots"
-        return Seq(list(prompt), params or SamplingParams(temperature=0.0), idx)
+        return Seq(list(prompt), params or SamplingParams(temperature=0.0), idx, lora_slot=lora_slot)
 
     def release(self, *seqs: Seq) -> None:
         for seq in seqs:
@@ -91,6 +92,7 @@ class Driver:
             return_logprob=any(p.return_logprob for p in params),
             top_logprobs_nums=[p.top_logprobs_num for p in params],
             runner=self.runner,
+            lora_slots=[seq.lora_slot for seq in seqs],
         )
 
     def step(

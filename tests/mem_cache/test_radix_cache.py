@@ -2,6 +2,7 @@
 
 import pytest
 
+from pdserve.mem_cache.block_hash import namespace_hash
 from pdserve.mem_cache.radix_cache import RadixCache
 
 
@@ -138,3 +139,27 @@ def test_disabled_cache_keeps_nothing():
     cache.dec_lock_ref(result.last_node)
     assert cache.evict(4) == 0 and log.pages == []
     assert cache.total_size() == 0
+
+
+def test_lora_namespaces_never_share_pages():
+    """Each LoRA adapter's prefixes live under a root of their own: the same tokens match only in
+    the namespace that cached them; locks, eviction and KV events treat every namespace alike, and
+    an adapter's first blocks chain from its name's hash, so no block hash is shared either."""
+    cache, log = make_cache(page_size=2)
+    events = []
+    cache.set_event_sink(events.append)
+    assert cache.insert([1, 2, 3, 4], [10, 11]) == []
+    assert cache.match_prefix([1, 2, 3, 4, 5], "pirate").num_tokens == 0
+    assert cache.insert([1, 2, 3, 4], [20, 21], "pirate") == []  # not duplicates: other KV
+    assert cache.match_prefix([1, 2, 3, 4, 5], "pirate").page_indices == [20, 21]
+    assert cache.match_prefix([1, 2, 3, 4, 5]).page_indices == [10, 11]
+    base, pirate = events[0], events[1]
+    assert base.parent_block_hash is None and pirate.parent_block_hash == namespace_hash("pirate")
+    assert not set(base.block_hashes) & set(pirate.block_hashes)
+    node = cache.match_prefix([1, 2, 3, 4], "pirate").last_node
+    cache.inc_lock_ref(node)
+    assert (cache.protected_size(), cache.evictable_size()) == (2, 2)
+    assert cache.evict(4) == 2 and log.pages == [10, 11]  # the locked namespace's pages stay
+    cache.dec_lock_ref(node)
+    cache.reset()
+    assert cache.total_size() == 0 and log.pages == [10, 11, 20, 21]

@@ -86,6 +86,8 @@ class ForwardBatch:
             ``SWAKVPool`` (its sliding-window layers), else None.
         swa_page_rows: int64 ``[B, max_pages]``: each request's pages in that local pool
             (``SWAKVPool.swa_page_rows``), else None.
+        lora_slots: int64 ``[T]``: each token's LoRA adapter slot (``pdserve.lora``; -1 for the base
+            model), or None when no token has an adapter.
     """
 
     forward_mode: ForwardMode
@@ -111,6 +113,7 @@ class ForwardBatch:
     pooling: PoolingRows | None = None
     swa_out_cache_loc: torch.Tensor | None = None
     swa_page_rows: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -138,6 +141,7 @@ class ForwardBatch:
         draft_rows: DraftRows | None = None,
         prompt_logprobs: PromptLogprobRows | None = None,
         pooling: PoolingRows | None = None,
+        lora_slots: IntSeq | None = None,
     ) -> ForwardBatch:
         """Build from plain tensors or lists; positions (and whichever of ``extend_prefix_lens`` /
         ``extend_seq_lens`` is missing) are derived. ``runner`` is the ``ModelRunner`` owning the
@@ -146,7 +150,8 @@ class ForwardBatch:
         ``logits_lens`` defaults to 1 per request (its last token). ``forward_mode`` defaults to
         DECODE when every request computes one token, else TARGET_VERIFY when logits are computed
         at every token of every request, else EXTEND (MIXED when some, not all, have logits at
-        several positions).
+        several positions). ``lora_slots`` (``[B]``, -1 for the base model) is each request's
+        LoRA adapter slot, spread to its tokens (None when every slot is -1).
 
         Raises:
             ValueError: lengths disagree (``T`` tokens, ids and KV slots), both
@@ -246,4 +251,14 @@ class ForwardBatch:
             pooling=pooling,
             swa_out_cache_loc=None if swa is None else swa[0],
             swa_page_rows=None if swa is None else swa[1],
+            lora_slots=_token_slots(lora_slots, ext, device),
         )
+
+
+def _token_slots(
+    request_slots: IntSeq | None, ext: torch.Tensor, device: torch.device
+) -> torch.Tensor | None:
+    """Each token's LoRA slot (int64 ``[T]``) from each request's (``[B]``); None when none has one."""
+    if request_slots is None or all(int(s) < 0 for s in request_slots):
+        return None
+    return torch.as_tensor(request_slots, dtype=torch.int64).to(device).repeat_interleave(ext)

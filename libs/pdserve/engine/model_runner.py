@@ -18,6 +18,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
 from pdserve.layers.quantization import resolve_quantization
 from pdserve.layers.radix_attention import layer_windows
+from pdserve.lora.manager import LoraManager
 from pdserve.mem_cache.memory_pool import (
     KVPool,
     PagedTokenToKVPoolAllocator,
@@ -81,6 +82,8 @@ class ModelRunner:
             its own of this many tokens per full-pool token, freed as windows slide
             (``pdserve.mem_cache.swa_pool``; ``--swa-full-tokens-ratio``); None: every layer in
             one pool. Ignored for a model without sliding-window layers.
+        max_loras: LoRA adapter slots (``--max-loras``; ``pdserve.lora.manager``); 0: no adapters.
+        max_lora_rank: the largest adapter rank accepted (``--max-lora-rank``).
 
     Raises:
         ValueError: a ``kv_cache_dtype`` other than the model's outside that case; an SWA pool on
@@ -90,6 +93,8 @@ class ModelRunner:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
         device, cuda_graph_runner (None when decode runs eagerly), swa_pages (``SWAPageMap`` of
         the SWA pool, None without one).
+        device, cuda_graph_runner (None when decode runs eagerly), lora_manager (None without
+        ``max_loras``).
     """
 
     def __init__(
@@ -110,6 +115,8 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         expert_parallel: bool = False,
         swa_full_tokens_ratio: float | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -128,6 +135,9 @@ class ModelRunner:
             quantization,
             tp,
             expert_parallel,
+        )
+        self.lora_manager = (
+            LoraManager(self.model, max_loras, max_lora_rank, cfg.dtype) if max_loras else None
         )
         windows = layer_windows(self.model)
         swa = swa_full_tokens_ratio is not None and any(windows)
@@ -234,7 +244,11 @@ class ModelRunner:
         rows beside the logits: what the LM head read, which an EAGLE / MTP draft head takes as its
         input (``pdserve.speculative.proposer``); None for a batch replayed from a CUDA graph."""
         fb = forward_batch
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+        if (
+            fb.lora_slots is None
+            and self.cuda_graph_runner is not None
+            and self.cuda_graph_runner.can_run(fb)
+        ):
             return None, self.cuda_graph_runner.replay(fb)
         hidden = self._hidden_states(fb)[fb.logits_index]
         return hidden, self.model.compute_logits(hidden)
@@ -242,6 +256,8 @@ class ModelRunner:
     def _hidden_states(self, fb: ForwardBatch) -> torch.Tensor:
         """The final (normed) hidden states ``[T, hidden]`` of every token of the batch."""
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(fb.lora_slots)
         return self.model(fb.input_ids, fb.positions, fb)
 
     @torch.inference_mode()

@@ -59,6 +59,10 @@ class TpModelWorker:
     def attn_backend(self):
         return self.runner.attn_backend
 
+    @property
+    def lora_manager(self):
+        return self.runner.lora_manager
+
     def forward_batch_generation(self, forward_batch: ForwardBatch) -> GenerationBatchResult:
         """Forward on every rank, sample on rank 0, the result broadcast to all ranks.
 

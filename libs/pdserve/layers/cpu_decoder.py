@@ -122,8 +122,10 @@ class CpuDecoder:
 
     def takes(self, fb: ForwardBatch) -> bool:
         """Whether the backend runs all of ``fb``'s attention on its C kernel (a row per token) over
-        one pool (not an ``SWAKVPool``, whose local layers read pages of their own)."""
-        return getattr(fb.attn_backend, "kernel_rows", None) is not None and fb.swa_out_cache_loc is None
+        one pool (not an ``SWAKVPool``, whose local layers read pages of their own), and no token of
+        ``fb`` has a LoRA adapter (those batches run the modules, which add the deltas)."""
+        kernel_rows = getattr(fb.attn_backend, "kernel_rows", None) is not None
+        return kernel_rows and fb.swa_out_cache_loc is None and fb.lora_slots is None
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch

@@ -110,16 +110,21 @@ class Linear(nn.Module):
     Attributes:
         packed: the packed copy of ``weight`` (``prepack_weight``) once ``process_weights_after_loading``
             ran (bfloat16 on CPU only; None otherwise).
+        lora: the stacked LoRA adapter weights of this layer (``pdserve.lora.layer.LoraSlots``), set
+            by a ``LoraManager``; each token of an adapter gets its low-rank delta on top of the base
+            output (after any quantized matmul). None: no adapters.
         quant_method: set by the loader before ``process_weights_after_loading`` when the model is
             quantized (``pdserve.layers.quantization``); it then transforms the weight and runs the matmul.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
         self.quant_method = None
+        self.lora = None
 
     def process_weights_after_loading(self) -> None:
         if self.quant_method is not None:
@@ -129,8 +134,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x)
-        return linear(x, self.weight, self.bias, self.packed)
+            y = self.quant_method.apply(self, x)
+        else:
+            y = linear(x, self.weight, self.bias, self.packed)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class MergedLinear(Linear):

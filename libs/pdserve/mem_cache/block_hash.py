@@ -72,3 +72,10 @@ def _chain(packed: tuple[bytes, bytes], page_size: int) -> list[bytes]:
         ).digest()
         digests.append(previous)
     return digests
+
+
+def namespace_hash(namespace: str) -> int:
+    """The parent hash (an int in ``[0, 2**64)``) of the first blocks of a LoRA adapter's prefixes
+    (``namespace``: its name): BLAKE2b (8 bytes, person ``pdserve-lora-v1``) of the UTF-8 name."""
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8, person=b"pdserve-lora-v1").digest()
+    return int.from_bytes(digest, "little")

@@ -25,7 +25,9 @@ MEDIUM_DEVICE = "device"  # the scheduler's KV pool (GPU or CPU memory, wherever
 @dataclass(frozen=True, slots=True)
 class BlockStored:
     """Blocks ``block_hashes`` (one per page, chained) now cached, after block ``parent_block_hash``
-    (None: they start a prefix); ``token_ids`` holds their ``len(block_hashes) * block_size`` ids."""
+    (None: they start a prefix of the base model; a LoRA adapter's prefixes start after
+    ``block_hash.namespace_hash(adapter name)``); ``token_ids`` holds their
+    ``len(block_hashes) * block_size`` ids."""
 
     block_hashes: list[int]
     parent_block_hash: int | None

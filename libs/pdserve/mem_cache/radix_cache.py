@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.mem_cache.block_hash import block_hashes, namespace_hash
 from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
@@ -90,6 +90,12 @@ class RadixCache:
     - A :class:`MatchResult`'s pages are safe to use only while its ``last_node`` is locked (or
       until the next :meth:`evict` / :meth:`reset`).
 
+    Namespaces: requests of a LoRA adapter (``pdserve.lora``) compute different KV for the same
+    tokens, so each adapter's prefixes hang under a root of their own (``namespace``: the adapter's
+    name; ``""``, the base model's, is ``root``) and a match never crosses adapters; in KV events an
+    adapter's first blocks chain from ``namespace_hash(name)`` (the base model's from no parent). Eviction and
+    locks treat every root alike (no parent); a namespace's root stays once made (one per adapter).
+
     With ``disable=True`` (``--disable-radix-cache``) nothing is cached: matches are empty misses,
     and insert hands every page back to the caller to free.
 
@@ -112,6 +118,7 @@ class RadixCache:
         self._node_ids = itertools.count()
         self._clock = itertools.count(1)
         self.root = TreeNode((), [], None, next(self._node_ids))
+        self._roots: dict[str, TreeNode] = {"": self.root}  # namespace -> its root
         self._evictable = 0
         self._protected = 0
         self._events: Callable[[KVEvent], None] | None = None
@@ -123,17 +130,18 @@ class RadixCache:
         for node in self._parents_first():
             node.hashes = block_hashes(node.key, self.page_size, self._parent_hash(node))
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``token_ids`` in whole pages; a trailing partial page never matches.
+    def match_prefix(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
+        """Longest cached prefix of ``token_ids`` in whole pages, in ``namespace`` (a LoRA adapter's
+        name; ``""``: the base model); a trailing partial page never matches.
 
         Splits an edge at the page boundary where the match ends inside it, so ``last_node`` ends
         exactly at the match, and marks the matched path as just used (LRU).
         """
+        node = self._root(namespace)
         if self.disable:
-            return MatchResult([], self.root, 0)
+            return MatchResult([], node, 0)
         key = self._page_aligned(token_ids)
         tick = next(self._clock)
-        node = self.root
         pages: list[int] = []
         pos = 0
         while pos < len(key) and (child := node.children.get(key[pos : pos + self.page_size])):
@@ -146,8 +154,9 @@ class RadixCache:
             node = child
         return MatchResult(pages, node, pos)
 
-    def insert(self, token_ids: Sequence[int], page_indices: Sequence[int]) -> list[int]:
-        """Cache the KV pages of ``token_ids``'s whole pages; returns the caller's pages to free.
+    def insert(self, token_ids: Sequence[int], page_indices: Sequence[int], namespace: str = "") -> list[int]:
+        """Cache the KV pages of ``token_ids``'s whole pages in ``namespace`` (as ``match_prefix``);
+        returns the caller's pages to free.
 
         ``page_indices`` must hold exactly ``len(token_ids) // page_size`` pages, the one for tokens
         ``[i * page_size, (i + 1) * page_size)`` at position i; tokens of a trailing partial page are
@@ -169,7 +178,7 @@ class RadixCache:
             return list(page_indices)
         key = self._page_aligned(token_ids)
         tick = next(self._clock)
-        node = self.root
+        node = self._root(namespace)
         duplicates: list[int] = []
         pos = 0
         while pos < len(key):
@@ -195,7 +204,7 @@ class RadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` and its ancestors against eviction (the root is never evicted anyway)."""
-        while node is not self.root:
+        while node.parent is not None:  # a root is never evicted
             if node.lock_ref == 0:
                 self._evictable -= node.num_pages
                 self._protected += node.num_pages
@@ -204,9 +213,9 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one :meth:`inc_lock_ref` on ``node``; raises ValueError if ``node`` is not locked."""
-        if node is not self.root and node.lock_ref == 0:
+        if node.key and node.lock_ref == 0:  # a root's key is empty (and it is never locked)
             raise ValueError("dec_lock_ref on a node that is not locked")
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._protected -= node.num_pages
@@ -235,7 +244,7 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.key[: self.page_size]]
             node.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
 
@@ -267,7 +276,7 @@ class RadixCache:
         return self._evictable + self._protected
 
     def _parents_first(self) -> Iterator[TreeNode]:
-        stack = list(self.root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node
@@ -287,6 +296,14 @@ class RadixCache:
             return
         leaf.hashes = block_hashes(leaf.key, self.page_size, self._parent_hash(leaf))
         self._events(self._stored(leaf))
+
+    def _root(self, namespace: str) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            # the adapter's hash is its first blocks' parent: no block hash is shared across adapters
+            hashes = [namespace_hash(namespace)]
+            root = self._roots[namespace] = TreeNode((), [], None, next(self._node_ids), hashes)
+        return root
 
     def _page_aligned(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(token_ids[: len(token_ids) // self.page_size * self.page_size])
@@ -320,7 +337,7 @@ class RadixCache:
         return upper
 
     def _evictable_leaves(self) -> Iterator[TreeNode]:
-        stack = list(self.root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:

@@ -156,7 +156,8 @@ class LlamaMLP(nn.Module):
             gate_up.packed = self.fused_act = gate_up.packed.to_halves()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_act is not None:
+        lora = self.gate_up_proj.lora
+        if self.fused_act is not None and (lora is None or not lora.active):  # LoRA needs [gate | up]
             return self.down_proj(self.fused_act.silu_and_mul(x, self.gate_up_proj.bias))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 

@@ -13,6 +13,8 @@ forward step, where one bad value would fail every request of the batch.
   step computes ``1 + k`` tokens for the request.
 - ``priority`` (vLLM's: lower is served first) is in [-1000, 1000], and not 0 only under
   ``--schedule-policy priority`` (``Scheduler.add_request`` refuses it otherwise, as vLLM does).
+- ``lora_name`` (the LoRA adapter a request runs under) has at most 128 characters, and names an
+  adapter the worker serves (``Scheduler.add_request``).
 - ``n`` <= 128 and ``top_logprobs`` <= 20 are OpenAI's limits (``prompt_logprobs`` too, on a
   prompt of at most 4,096 tokens); ``logit_bias`` values are in
   [-100, 100] (OpenAI's range).
@@ -57,6 +59,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_PROMPT_LOGPROB_TOKENS = 4096
 MAX_EMBEDDING_INPUTS = 256  # inputs of one /v1/embeddings request (OpenAI allows 2048)
 MAX_LOGIT_BIAS = 100.0
+MAX_LORA_NAME_CHARS = 128  # a LoRA adapter's name (the request's ``model``)
 MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY] (lower is served first)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64

@@ -13,6 +13,7 @@ from pdserve.sampling.bounds import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGIT_BIAS,
+    MAX_LORA_NAME_CHARS,
     MAX_N,
     MAX_PRIORITY,
     MAX_SPECULATIVE_DRAFT_TOKENS,
@@ -70,6 +71,9 @@ class SamplingParams:
         embed: also return the prompt's pooled, L2-normalised final hidden states (``/v1/embeddings``;
             ``pdserve.layers.pooler``); such a request generates exactly one token (``max_new_tokens`` 1),
             which its client does not read.
+        lora_name: the LoRA adapter the request runs under (``pdserve.lora``; the ``model`` it
+            named), at most ``MAX_LORA_NAME_CHARS`` characters; ``""``: the base model. Carried here
+            so that prefill and decode workers both apply it.
     """
 
     temperature: float = 1.0
@@ -100,6 +104,7 @@ class SamplingParams:
     speculative_num_draft_tokens: int | None = None
     priority: int = 0
     embed: bool = False
+    lora_name: str = ""
 
     @property
     def grammar(self) -> GrammarSpec | None:
@@ -217,6 +222,11 @@ class SamplingParams:
                 all(real(v, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for v in self.logit_bias.values()),
                 "logit_bias",
                 f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            ),
+            (
+                isinstance(self.lora_name, str) and len(self.lora_name) <= MAX_LORA_NAME_CHARS,
+                "lora_name",
+                f"must be a string of at most {MAX_LORA_NAME_CHARS} characters",
             ),
             (
                 not self.embed or self.max_new_tokens == 1,

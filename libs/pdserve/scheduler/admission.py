@@ -102,8 +102,12 @@ class Admission:
     def _admit(self, req: Req) -> bool:
         """Match the radix cache, lock the match and allocate pages for the whole fill."""
         prefix = self.ledger.match(req, use_cache=not self._computes_whole_prompt(req))
-        if not self._fits(req) or not self.ledger.admit(req, req.seq_len):
+        if not self._fits(req) or not self.ledger.pin_adapter(req):
             self.ledger.unmatch(req)
+            return False
+        if not self.ledger.admit(req, req.seq_len):
+            self.ledger.unmatch(req)
+            self.ledger.unpin_adapter(req)
             return False
         if not req.output_ids:  # a retracted request re-admitted is not a new prompt
             req.cached_tokens = prefix
@@ -132,7 +136,9 @@ class Admission:
     def _waits_for_shared_prefix(self, req: Req, in_flight: list[Req]) -> bool:
         if not self.share_prefixes or not in_flight or self._computes_whole_prompt(req):
             return False
-        shared = max(_common_prefix_len(req.fill_ids, other.fill_ids) for other in in_flight)
+        adapter = req.sampling_params.lora_name  # another adapter's KV is never shared
+        mates = [other for other in in_flight if other.sampling_params.lora_name == adapter]
+        shared = max((_common_prefix_len(req.fill_ids, other.fill_ids) for other in mates), default=0)
         if shared < IN_BATCH_PREFIX_TOKENS:
             return False
         return shared - self.ledger.cached_prefix_len(req) >= IN_BATCH_PREFIX_TOKENS

@@ -115,6 +115,7 @@ def _select(fb: ForwardBatch, rows: list[int], runner) -> ForwardBatch:
         logits_lens=None if fb.prompt_logprobs is None else fb.logits_lens[idx],
         prompt_logprobs=None if fb.prompt_logprobs is None else fb.prompt_logprobs.select(rows),
         pooling=None if fb.pooling is None else fb.pooling.select(rows),
+        lora_slots=None if fb.lora_slots is None else fb.lora_slots[starts],
     )
 
 

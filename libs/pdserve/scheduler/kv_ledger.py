@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from pdserve.lora.manager import LoraManager, LoraSlotsFullError
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.mem_cache.swa_pool import SWAPageMap
@@ -35,6 +36,9 @@ class KVLedger:
         page_size: tokens per page.
         disable_radix_cache: when true, finished requests free their pages instead of caching them.
         swa: the local pages of an SWA pool, or None (every layer in the full pages).
+        lora: the runner's ``LoraManager`` (None: no adapters). A request of an adapter
+            (``sampling_params.lora_name``) pins its adapter's slot from admission to release, and its
+            KV is matched and cached in the adapter's radix namespace only.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class KVLedger:
         page_size: int,
         disable_radix_cache: bool = False,
         swa: SWAPageMap | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -51,6 +56,7 @@ class KVLedger:
         self.swa = swa
         # the tree's evictions free a page's local page too
         self.tree = RadixCache(swa or allocator, page_size, disable=disable_radix_cache)
+        self.lora = lora
         self._swa_front: dict[Req, int] = {}  # request -> its first page its local layers still read
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
@@ -123,7 +129,8 @@ class KVLedger:
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
-        return len(self._usable(self.tree.match_prefix(req.fill_ids[:-1]).page_indices)) * self.page_size
+        match = self.tree.match_prefix(req.fill_ids[:-1], req.sampling_params.lora_name)
+        return len(self._usable(match.page_indices)) * self.page_size
 
     def match(self, req: Req, use_cache: bool = True) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
@@ -132,7 +139,7 @@ class KVLedger:
         Returns the number of prefix tokens found (a multiple of page_size).
         """
         key = req.fill_ids[:-1] if use_cache else []
-        result = self.tree.match_prefix(key)
+        result = self.tree.match_prefix(key, req.sampling_params.lora_name)
         self.tree.inc_lock_ref(result.last_node)
         req.last_node = result.last_node
         req.pages = list(self._usable(result.page_indices))
@@ -232,8 +239,9 @@ class KVLedger:
             return
         key = req.fill_ids[: full * self.page_size]
         own = req.pages[:full]
-        duplicates = self.tree.insert(key, own)
-        match = self.tree.match_prefix(key)
+        namespace = req.sampling_params.lora_name
+        duplicates = self.tree.insert(key, own, namespace)
+        match = self.tree.match_prefix(key, namespace)
         if self.swa is not None:
             self.swa.cache(match.page_indices, own)
             front = self._swa_front[req]  # the cache's pages it reads now in place of its own
@@ -304,9 +312,10 @@ class KVLedger:
         if cache:
             full = min(_known_computed(req) // self.page_size, len(req.pages))
             key = req.fill_ids[: full * self.page_size]
-            duplicates = self.tree.insert(key, req.pages[:full])
+            namespace = req.sampling_params.lora_name
+            duplicates = self.tree.insert(key, req.pages[:full], namespace)
             if self.swa is not None and not self.tree.disable:
-                self.swa.cache(self.tree.match_prefix(key).page_indices, req.pages[:full])
+                self.swa.cache(self.tree.match_prefix(key, namespace).page_indices, req.pages[:full])
             self._free(duplicates)
             self._free(req.pages[max(full, req.num_prefix_pages) :])
         else:
@@ -320,6 +329,25 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
         self.in_use.pop(req, None)
+        self.unpin_adapter(req)
+
+    def pin_adapter(self, req: Req) -> bool:
+        """Pin the slot of ``req``'s LoRA adapter (``req.lora_slot``) for its time admitted; False
+        (nothing pinned) while every slot holds another adapter that running requests use."""
+        name = req.sampling_params.lora_name
+        if not name or req.lora_slot >= 0:
+            return True
+        try:
+            req.lora_slot = self.lora.acquire(name)
+        except LoraSlotsFullError:
+            return False
+        return True
+
+    def unpin_adapter(self, req: Req) -> None:
+        """Undo ``pin_adapter`` (nothing when ``req`` holds no slot)."""
+        if req.lora_slot >= 0:
+            self.lora.release(req.sampling_params.lora_name)
+            req.lora_slot = -1
 
     # ---- sliding windows ----------------------------------------------------------
     def slide_windows(self, reqs: Iterable[Req], computed_tokens: Callable[[Req], int]) -> None:

@@ -76,6 +76,7 @@ class Req:
     num_prefix_pages: int = 0
     last_node: Any = None
     num_computed: int = 0
+    lora_slot: int = -1  # its LoRA adapter's slot while admitted (pinned; -1: the base model)
     # accounting
     cached_tokens: int = 0
     output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)

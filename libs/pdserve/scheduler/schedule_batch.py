@@ -244,6 +244,7 @@ class ScheduleBatch:
             runner=runner,
             prompt_logprobs=prompt_rows,
             pooling=pooling_rows,
+            lora_slots=[r.lora_slot for r in self.reqs],
         )
 
     def _prompt_logprob_rows(self, logits_lens: list[int] | None) -> PromptLogprobRows | None:

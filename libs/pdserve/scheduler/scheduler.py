@@ -72,7 +72,8 @@ class Scheduler:
         self.page_size = runner.token_to_kv_pool_allocator.page_size
         self.metrics = metrics = metrics or SchedulerMetrics(config.role)
         pools = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-        self.ledger = KVLedger(*pools, self.page_size, config.disable_radix_cache, runner.swa_pages)
+        kv_extras = runner.swa_pages, runner.lora_manager
+        self.ledger = KVLedger(*pools, self.page_size, config.disable_radix_cache, *kv_extras)
         self.usable_pages = self.ledger.free_pages()
         model = runner.model_config
         # a request ends with "length" when it reaches the context or fills the whole pool alone
@@ -102,14 +103,9 @@ class Scheduler:
             if hands_on
             else DecodeManager(self.ledger, self.queue, policy, metrics, self.max_req_tokens, self.speculator)
         )
-        limits = RequestLimits(
-            model.vocab_size,
-            model.context_length,
-            self.decode.prompt_room,
-            self.usable_pages,
-            self.page_size,
-            model.pooling,
-        )
+        adapters = {} if runner.lora_manager is None else runner.lora_manager.adapters
+        sizes = (model.vocab_size, model.context_length, self.decode.prompt_room, self.usable_pages)
+        limits = RequestLimits(*sizes, self.page_size, model.pooling, adapters)
         held = lambda rid: rid in self.prefill.draining
         counts = self.decode.finishes_requests
         self.reqs = RequestTable(limits, self.queue, self.ledger, metrics, clock, self._leave, held, counts)

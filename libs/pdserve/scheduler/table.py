@@ -12,7 +12,7 @@ drained (``RemotePrefill``). Then it is counted and ``on_request_end`` runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 
 from pdserve.sampling.bounds import MAX_PROMPT_LOGPROB_TOKENS, MAX_SCHEDULER_RID_CHARS, BoundError
@@ -39,6 +39,8 @@ class RequestLimits:
             decode worker goes on from the token it samples).
         usable_pages / page_size: the KV pool, which must hold the prompt and its first token.
         pooling: the model's embedding pooling (``ModelConfig.pooling``; None: it serves no embeddings).
+        adapters: the LoRA adapters served, by name (``LoraManager.adapters``, which run-time loads
+            change; empty: none).
     """
 
     vocab_size: int
@@ -47,6 +49,7 @@ class RequestLimits:
     usable_pages: int
     page_size: int
     pooling: str | None = "last"
+    adapters: Container[str] = ()
 
 
 class RequestTable(Mapping[str, Req]):
@@ -110,7 +113,8 @@ class RequestTable(Mapping[str, Req]):
                 stop or bias token ids outside it, grammar text over its size, prompt logprobs of
                 a prompt over ``MAX_PROMPT_LOGPROB_TOKENS``, a priority other than 0 under a
                 policy other than ``priority`` (vLLM refuses it too), and an embedding (``embed``,
-                which needs ``max_new_tokens`` 1) of a model whose pooling is not served included.
+                which needs ``max_new_tokens`` 1) of a model whose pooling is not served, and a
+                ``lora_name`` this worker does not serve, included.
         """
         self.queue.check_room()
         lim = self.limits
@@ -131,6 +135,8 @@ class RequestTable(Mapping[str, Req]):
                 "prompt_logprobs",
                 f"needs a prompt of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens, got {len(prompt)}",
             )
+        if req.sampling_params.lora_name and req.sampling_params.lora_name not in lim.adapters:
+            raise BoundError("lora_name", f"no LoRA adapter {req.sampling_params.lora_name!r} is served here")
         if req.sampling_params.embed and lim.pooling is None:
             raise BoundError("embed", "this model's sentence-transformers pooling mode is not served")
         if len(prompt) + lim.prompt_room > lim.context_len:

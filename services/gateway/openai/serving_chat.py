@@ -134,11 +134,12 @@ async def start_chat(
     Raises:
         GatewayError: what ``plan_chat`` and ``submit`` raise; 404 for a model not served.
     """
-    ctx.check_model(body.model)
+    adapter = ctx.check_model(body.model)
     log_unknown_fields(rid, body.unknown_fields())
     parsers = await ctx.chat_parsers()
     plan = plan_chat(body, parsers.tools, parsers.reasoning, parsers.think_tokens)
     sampling = body.sampling_params(body.logprobs, body.top_logprobs or 0, plan.constraint)
+    sampling.lora_name = adapter
     if plan.tools is not None and not plan.tools.skip_special_tokens:
         sampling.skip_special_tokens = False  # the call marker is a special token
     obj = GenerateReqInput(rid, [body.chat_prompt()], sampling, n=body.n, add_special_tokens=False)

@@ -43,7 +43,8 @@ class ServingContext:
     its chat template implies: ``chat_parsers``).
 
     ``model_names``: every id a client may send (``--served-model-name``, aliases included); the
-    first, ``served_model_name``, is the one responses report.
+    first, ``served_model_name``, is the one responses report. ``lora_names``: the LoRA adapters
+    served (``--lora-modules``), which a request names as its model.
     """
 
     def __init__(
@@ -52,9 +53,11 @@ class ServingContext:
         model_names: str | list[str],
         tool_parser: ToolParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
+        lora_names: list[str] | None = None,
     ) -> None:
         self.manager = manager
         self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.lora_names = list(lora_names or [])
         self.served_model_name = self.model_names[0]
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
@@ -75,15 +78,23 @@ class ServingContext:
             reasoning = ReasoningParser(info.reasoning_parser)
         return ChatParsers(tools, reasoning, info.think_tokens)
 
-    def check_model(self, model: str | None, required: bool = True) -> None:
-        """Raises ``GatewayError`` 404 unless ``model`` is a served name (or absent where optional)."""
-        if model is None and not required:
-            return
-        if model not in self.model_names:
-            raise GatewayError(
-                404, f"The model '{model}' does not exist (served: '{', '.join(self.model_names)}')",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+    def check_model(self, model: str | None, required: bool = True) -> str:
+        """The LoRA adapter ``model`` names (``""``: the base model, or ``model`` absent where optional).
+
+        Raises:
+            GatewayError: 404 ``model_not_found`` unless ``model`` is a served name or adapter.
+        """
+        if (model is None and not required) or model in self.model_names:
+            return ""
+        if model in self.lora_names:
+            return model
+        served = ", ".join(self.model_names + self.lora_names)
+        raise GatewayError(
+            404,
+            f"The model '{model}' does not exist (served: '{served}')",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def log_unknown_fields(rid: str, fields: list[str]) -> None:

@@ -44,11 +44,12 @@ class OpenAIServingCompletion:
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Serve one completions request. Raises ``GatewayError`` for every failure before streaming."""
-        self.ctx.check_model(body.model)
+        adapter = self.ctx.check_model(body.model)
         rid = request_id(request)
         log_unknown_fields(rid, body.unknown_fields())
         prompts = body.prompts()
         sampling = body.sampling_params(body.logprobs is not None, body.logprobs or 0, body.constraint)
+        sampling.lora_name = adapter
         echoes = [await self._prompt_text(p) for p in prompts] if body.echo else None
         handle = await submit(request, self.ctx.manager, GenerateReqInput(rid, prompts, sampling, n=body.n))
         if body.stream:

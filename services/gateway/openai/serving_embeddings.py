@@ -161,10 +161,12 @@ class OpenAIServingEmbedding:
         """Serve one embeddings request. Raises ``GatewayError``: 400 for an input over the context
         (``context_length_exceeded``, naming ``input``) or a ``dimensions`` over the hidden size, the
         runtime's errors as for completions."""
-        self.ctx.check_model(body.model)
+        adapter = self.ctx.check_model(body.model)
         rid = request_id(request)
         log_unknown_fields(rid, body.unknown_fields())
-        handle = await submit(request, self.ctx.manager, body.generate_req(rid))
+        obj = body.generate_req(rid)
+        obj.sampling_params.lora_name = adapter
+        handle = await submit(request, self.ctx.manager, obj)
         results = await collect(request, handle)
         vecs, tokens = body.answer(results, handle.prompt_tokens)
         data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vecs)]

@@ -45,7 +45,7 @@ class NativeServing:
 
     async def generate(self, body: NativeGenerateRequest, request: Request) -> Response:
         """Serve POST /generate; ``rid`` in the body replaces the ``X-Request-Id`` rid."""
-        self.ctx.check_model(body.model, required=False)
+        adapter = self.ctx.check_model(body.model, required=False)
         if body.rid:
             request.state.rid = body.rid
             bind_rid(body.rid)
@@ -53,6 +53,7 @@ class NativeServing:
         rid = request.state.rid
         sp = body.sampling_params
         sampling = body.engine_sampling_params()
+        sampling.lora_name = adapter
         obj = GenerateReqInput(rid, body.prompts, sampling, n=sp.n, params_path="sampling_params.")
         handle = await submit(request, self.ctx.manager, obj)
         if body.stream:

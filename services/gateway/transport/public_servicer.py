@@ -71,8 +71,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             await abort_with(context, e)
 
     def _to_generate_req(self, request: api_pb2.GenerateRequest) -> GenerateReqInput:
-        if request.model:
-            self.ctx.check_model(request.model)
+        adapter = self.ctx.check_model(request.model) if request.model else ""
         which = request.WhichOneof("input")
         prompt: Prompt
         if which == "text":
@@ -88,6 +87,7 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         # return_logprob, top_logprobs_num and priority travel in SamplingParams; /generate has them
         # top-level
         sampling = convert.sampling_params_dict(request.sampling_params)
+        sampling.pop("lora_name", None)  # the adapter is the request's model
         top_level = {
             name: sampling.pop(name)
             for name in ("return_logprob", "top_logprobs_num", "priority")
@@ -96,10 +96,12 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         options = validate_as_body(
             GenerateOptions, {"sampling_params": sampling, "rid": request.rid or None, **top_level}
         )
+        engine_params = options.engine_sampling_params()
+        engine_params.lora_name = adapter
         return GenerateReqInput(
             rid=options.rid or new_rid(),
             prompts=[prompt],
-            sampling_params=options.engine_sampling_params(),
+            sampling_params=engine_params,
             n=options.sampling_params.n,
             add_special_tokens=which != "chat",
             params_path="sampling_params.",
@@ -109,10 +111,11 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
         self, request: api_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.EmbedResponse:
         try:
-            if request.model:
-                self.ctx.check_model(request.model)
+            adapter = self.ctx.check_model(request.model) if request.model else ""
             body = validate_as_body(EmbeddingRequest, convert.embed_fields(request))
-            handle = await self._submit(body.generate_req(request.rid or new_rid()), context)
+            obj = body.generate_req(request.rid or new_rid())
+            obj.sampling_params.lora_name = adapter
+            handle = await self._submit(obj, context)
         except GatewayError as e:
             await abort_with(context, e)
         try:

@@ -1,0 +1,100 @@
+"""The low-rank delta of one base linear layer, for a batch that mixes adapters (Punica's SGMV,
+Chen et al. 2023; S-LoRA, Sheng et al. 2023): a shrink ``x @ A[slot]^T`` and an expand
+``@ B[slot]^T`` per adapter segment of the batch, added to the base layer's output.
+
+Every adapter the worker holds has a slot of fixed stacked buffers (``A`` ``[max_loras, S * R, in]``
+for the ``S`` fused shards of the layer, ``B`` ``[max_loras, size_s, R]`` per shard, ``R`` =
+``--max-lora-rank``; an adapter of lower rank, or one that does not target a shard, leaves zeros).
+Tokens of the base model (slot -1) get no delta. On CPU the segments run as torch matmuls, one per
+adapter present in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BASE_SLOT = -1  # a token of the base model: no delta
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """A step's tokens grouped by adapter: ``(slot, token indices int64 [n])`` per adapter present."""
+
+    groups: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, token_slots: torch.Tensor) -> LoraBatch | None:
+        """Group ``token_slots`` (int64 ``[T]``, ``BASE_SLOT`` for base tokens); None when no token
+        has an adapter."""
+        slots = [s for s in torch.unique(token_slots).tolist() if s != BASE_SLOT]
+        if not slots:
+            return None
+        return cls([(s, (token_slots == s).nonzero().squeeze(1)) for s in slots])
+
+
+class LoraState:
+    """What every adapted layer of one model reads during a forward: the step's ``LoraBatch`` (None:
+    no token has an adapter), set by ``LoraManager.prepare`` before the layers run."""
+
+    def __init__(self) -> None:
+        self.batch: LoraBatch | None = None
+
+
+class LoraSlots:
+    """The stacked adapter weights of one base linear layer and the delta they add.
+
+    Args:
+        in_features: the layer's input features.
+        shards: ``(offset, size)`` of each fused output shard (one for an unfused layer).
+        max_loras / max_rank: slots and rank ``R`` of the buffers.
+        dtype: the activations' dtype (the buffers' too).
+        state: the model's shared ``LoraState``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Sequence[tuple[int, int]],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        state: LoraState,
+    ):
+        self.shards = list(shards)
+        self.rank = max_rank
+        self.a = torch.zeros(max_loras, len(self.shards) * max_rank, in_features, dtype=dtype)
+        self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype) for _, size in self.shards]
+        self.state = state
+
+    def write(self, slot: int, shard: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put shard ``shard``'s ``A`` ``[r, in]`` and ``B`` ``[size, r]`` (scaling folded in) into
+        ``slot``; None for both clears it (the adapter does not target this shard)."""
+        rows = self.a[slot, shard * self.rank : (shard + 1) * self.rank]
+        cols = self.b[shard][slot]
+        rows.zero_()
+        cols.zero_()
+        if a is not None:
+            rows[: a.shape[0]] = a
+            cols[:, : b.shape[1]] = b
+
+    @property
+    def active(self) -> bool:
+        """Whether the running step has tokens of an adapter (the layer must run unfused)."""
+        return self.state.batch is not None
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` ``[T, out]`` (the base layer's output for ``x`` ``[T, in]``) plus each token's delta
+        ``(x @ A[slot]^T) @ B[slot]^T``, in place; returns ``y``."""
+        batch = self.state.batch
+        if batch is None:
+            return y
+        r = self.rank
+        for slot, index in batch.groups:
+            shrunk = x.index_select(0, index).to(self.a.dtype) @ self.a[slot].T
+            for s, (offset, size) in enumerate(self.shards):
+                delta = shrunk[:, s * r : (s + 1) * r] @ self.b[s][slot].T
+                y[:, offset : offset + size].index_add_(0, index, delta.to(y.dtype))
+        return y

@@ -1,0 +1,157 @@
+"""``LoraManager``: the adapters one worker serves over its base model (SGLang's lora manager, S-LoRA's
+memory scheme).
+
+Every adapter named at start (``--lora-modules``) or loaded at run time is read and checked once and
+kept in host memory (``LoraAdapter``); at most ``max_loras`` of them sit in the model's stacked
+slot buffers (``LoraSlots``) at a time. A request pins its adapter's slot from admission to its end
+(``acquire`` / ``release``); an adapter no running request uses is evicted least recently used
+first when another needs a slot. ``prepare`` hands each forward step its per-token slots.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdserve.layers.linear import Linear
+from pdserve.lora.adapter import TARGET_MODULES, LoraAdapter, LoraAdapterError, load_adapter
+from pdserve.lora.layer import BASE_SLOT, LoraBatch, LoraSlots, LoraState
+
+_FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # our module names of the targets
+
+
+class LoraNotFoundError(KeyError):
+    """No adapter of that name is served (HTTP 404 ``model_not_found``)."""
+
+
+class LoraInUseError(RuntimeError):
+    """The adapter cannot be unloaded or replaced: running requests use it (HTTP 409)."""
+
+
+class LoraSlotsFullError(RuntimeError):
+    """Every one of the ``max_loras`` slots holds an adapter a running request uses: a request of
+    another adapter waits until one ends."""
+
+
+class LoraManager:
+    """The adapters of one model replica (of one TP rank of it).
+
+    Args:
+        model: a loaded Llama-family ``...ForCausalLM`` (``model.model.layers``).
+        max_loras: adapter slots held at once (``--max-loras``), >= 1.
+        max_rank: the largest rank accepted (``--max-lora-rank``); the buffers' rank.
+        dtype: the model's activation dtype.
+
+    Raises:
+        ValueError: ``max_loras`` < 1, or a model under tensor parallelism (not supported yet).
+    """
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype):
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} must be >= 1")
+        if getattr(model, "tp", None) is not None and model.tp.size > 1:
+            raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.state = LoraState()
+        # (layer, PEFT module name) -> (the layer's slots, shard index); and its full (out, in) shape
+        self.targets: dict[tuple[int, str], tuple[LoraSlots, int]] = {}
+        self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
+        for i, layer in enumerate(model.model.layers):
+            for name, module in layer.named_modules():
+                if name.rsplit(".", 1)[-1] in _FUSED and isinstance(module, Linear):
+                    self._attach(i, name.rsplit(".", 1)[-1], module, dtype)
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self.pins: Counter[str] = Counter()
+
+    def _attach(self, layer: int, name: str, module: Linear, dtype: torch.dtype) -> None:
+        shards = getattr(module, "shards", None) or {name.removesuffix("_proj"): (0, module.out_features)}
+        in_features = module.in_features
+        module.lora = LoraSlots(
+            in_features, list(shards.values()), self.max_loras, self.max_rank, dtype, self.state
+        )
+        for index, (shard, (_, size)) in enumerate(shards.items()):
+            peft_name = f"{shard}_proj"
+            assert peft_name in TARGET_MODULES, peft_name
+            self.targets[(layer, peft_name)] = (module.lora, index)
+            self.shapes[(layer, peft_name)] = (size, in_features)
+
+    def add(self, name: str, path: str | Path) -> None:
+        """Read, check and register the PEFT adapter at ``path`` as ``name`` (replacing an unused
+        adapter of that name).
+
+        Raises:
+            LoraAdapterError: the adapter does not fit the base (``load_adapter``).
+            LoraInUseError: running requests use the adapter ``name`` replaces.
+        """
+        if self.pins[name]:
+            raise LoraInUseError(f"adapter {name!r} is in use by {self.pins[name]} running request(s)")
+        adapter = load_adapter(name, path, self.max_rank, self.shapes)
+        self._evict(name)
+        self.adapters[name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name``.
+
+        Raises:
+            LoraNotFoundError: no adapter of that name.
+            LoraInUseError: running requests use it.
+        """
+        if name not in self.adapters:
+            raise LoraNotFoundError(name)
+        if self.pins[name]:
+            raise LoraInUseError(f"adapter {name!r} is in use by {self.pins[name]} running request(s)")
+        self._evict(name)
+        del self.adapters[name]
+
+    def acquire(self, name: str) -> int:
+        """Pin adapter ``name`` for one request and return its slot, loading it into a free slot or
+        the least recently used unpinned one.
+
+        Raises:
+            LoraNotFoundError: no adapter of that name.
+            LoraSlotsFullError: every slot is pinned by running requests of other adapters.
+        """
+        if name not in self.adapters:
+            raise LoraNotFoundError(name)
+        if name not in self.resident:
+            self.resident[name] = self._free_slot()
+            self._write(self.resident[name], self.adapters[name])
+        self.resident.move_to_end(name)
+        self.pins[name] += 1
+        return self.resident[name]
+
+    def release(self, name: str) -> None:
+        """Unpin one request's use of ``name`` (from ``acquire``)."""
+        self.pins[name] -= 1
+        if self.pins[name] <= 0:
+            del self.pins[name]
+
+    def prepare(self, token_slots: torch.Tensor | None) -> None:
+        """Set the next forward step's per-token slots (int64 ``[T]``, ``BASE_SLOT`` for base tokens;
+        None: every token is the base model's)."""
+        self.state.batch = None if token_slots is None else LoraBatch.of(token_slots)
+
+    def _free_slot(self) -> int:
+        used = set(self.resident.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            return free[0]
+        for name in self.resident:  # least recently used first
+            if not self.pins[name]:
+                return self.resident.pop(name)
+        raise LoraSlotsFullError(f"all {self.max_loras} LoRA slots are used by running requests")
+
+    def _evict(self, name: str) -> None:
+        self.resident.pop(name, None)
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        for key, (slots, shard) in self.targets.items():
+            a, b = adapter.weights.get(key, (None, None))
+            slots.write(slot, shard, a, b)
+
+
+__all__ = ["BASE_SLOT", "LoraAdapterError", "LoraManager"]
