@@ -271,7 +271,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="models with sliding-window layers (Gemma 3, gpt-oss, Mistral): keep those layers' KV in a "
         "pool of their own, this many tokens (0-1] per token of the full pool, freed as windows slide "
-        "(colocated, CPU, no radix cache yet); default: every layer keeps every token",
+        "(colocated, CPU; a radix hit backs off to where the window has its pages); default: every "
+        "layer keeps every token",
     )
     parser.add_argument(
         "--kv-memory-fraction",

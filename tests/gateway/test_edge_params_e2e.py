@@ -104,6 +104,25 @@ def test_legacy_logprobs_offsets_point_into_the_text_and_leave_the_stop_text_out
     assert [list(top) for top in choice.logprobs.top_logprobs] == [[t] for t in choice.logprobs.tokens]
 
 
+def test_a_streamed_stop_string_leaves_its_tokens_out_as_the_whole_answer_does(stack) -> None:
+    """A stop string that starts inside a token and spans the next: the stream sends each token's
+    logprobs with the text it starts in, so the stop text's tokens (whose text the detokenizer held
+    back) never go out, and the stream's entries equal the whole answer's."""
+    c = client(stack)
+    args = {"model": SERVED_MODEL, "prompt": "Write a sentence about the sea", "max_tokens": 12}
+    args |= {"temperature": 0, "logprobs": 1}
+    free = c.completions.create(**args).choices[0].logprobs.tokens
+    stop = free[2][-1:] + free[3] + free[4][:1]
+    whole = c.completions.create(**args, stop=[stop]).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(**args, stop=[stop], stream=True) if ch.choices]
+    text = "".join(ch.text for ch in chunks)
+    tokens = [t for ch in chunks if ch.logprobs for t in ch.logprobs.tokens]
+    offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset]
+    assert whole.finish_reason == chunks[-1].finish_reason == "stop" and text == whole.text, (stop, text)
+    assert tokens == whole.logprobs.tokens == free[:3] and offsets == whole.logprobs.text_offset
+    assert max(offsets) < len(text)
+
+
 def test_generate_return_logprob_without_top_logprobs_num(stack) -> None:
     """SGLang's /generate: ``return_logprob`` alone gives each output token's logprob, and no top ones."""
     prompt = hf_tokenizer()("The capital of France is")["input_ids"]

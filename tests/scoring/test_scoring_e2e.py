@@ -208,6 +208,9 @@ def test_bad_priority_and_native_prompt_logprobs_are_400s(stack, path, body, par
         ({"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
         ({"prompt": [1] * 4097, "echo": True, "logprobs": 0, "max_tokens": 1}, "prompt"),
+        # every choice carries the prompt's logprobs: 3 x 4,000 positions > 8,192 in one response
+        ({"prompt": [1] * 4000, "prompt_logprobs": 1, "n": 3, "max_tokens": 1}, "n"),
+        ({"prompt": [[1] * 3000] * 3, "echo": True, "logprobs": 0, "max_tokens": 1}, "n"),
     ],
 )
 def test_bad_scoring_requests_are_400s(stack, body, param):

@@ -57,6 +57,9 @@ MAX_TOP_LOGPROBS = 20
 # prompt logprobs (echo + logprobs, prompt_logprobs): a prompt of at most this many tokens (each
 # position returns up to MAX_TOP_LOGPROBS + 1 entries, computed as [chunk, vocab] float32 logits)
 MAX_PROMPT_LOGPROB_TOKENS = 4096
+# ... and at most this many scored positions in one response (prompt tokens x n over its prompts:
+# every choice carries its prompt's logprobs, built and serialised on the gateway's event loop)
+MAX_PROMPT_LOGPROB_POSITIONS = 2 * MAX_PROMPT_LOGPROB_TOKENS
 MAX_EMBEDDING_INPUTS = 256  # inputs of one /v1/embeddings request (OpenAI allows 2048)
 MAX_LOGIT_BIAS = 100.0
 MAX_LORA_NAME_CHARS = 128  # a LoRA adapter's name (the request's ``model``)

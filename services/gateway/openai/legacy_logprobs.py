@@ -8,7 +8,8 @@
 - ``top_logprobs``: the ``N`` most likely tokens plus the chosen one when it is not among them (up to
   ``N + 1``, as OpenAI's); ``logprobs`` 0 gives the chosen token alone.
 - After a stop string, the tokens of the matched stop text, which the text leaves out, are left out
-  too (``without_stop_text``).
+  too; a stream sends a token's entry with the text it starts in (``split_at``), so it never sends
+  one of the stop text, which the detokenizer holds back until it knows.
 """
 
 from __future__ import annotations
@@ -55,13 +56,30 @@ def append_token(
     out.top_logprobs.append(entries)
 
 
-def without_stop_text(out: CompletionLogprobs, text_end: int) -> CompletionLogprobs:
-    """``out`` without its tokens that start at or after ``text_end`` (the length of the choice's
-    text): those of a matched stop string the text leaves out."""
+def split_at(out: CompletionLogprobs, text_end: int) -> tuple[CompletionLogprobs, CompletionLogprobs]:
+    """``out``'s tokens that start before ``text_end`` (characters of the choice's text), and the
+    rest: the tokens of text not released yet (a stream holds them until it is), or of a matched
+    stop string, which the text leaves out."""
     keep = sum(1 for offset in out.text_offset if offset < text_end)
+    return _sliced(out, slice(None, keep)), _sliced(out, slice(keep, None))
+
+
+def joined(first: CompletionLogprobs | None, then: CompletionLogprobs) -> CompletionLogprobs:
+    """``first``'s tokens (None: none) followed by ``then``'s."""
+    if first is None:
+        return then
     return CompletionLogprobs(
-        tokens=out.tokens[:keep],
-        token_logprobs=out.token_logprobs[:keep],
-        top_logprobs=out.top_logprobs[:keep],
-        text_offset=out.text_offset[:keep],
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
+def _sliced(out: CompletionLogprobs, part: slice) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=out.tokens[part],
+        token_logprobs=out.token_logprobs[part],
+        top_logprobs=out.top_logprobs[part],
+        text_offset=out.text_offset[part],
     )

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.services.gateway.io_struct import ChoiceDelta, GenerateReqInput, TokenLogprob
-from pdserve.services.gateway.openai.legacy_logprobs import TextOffsets, append_token, without_stop_text
+from pdserve.services.gateway.openai.legacy_logprobs import TextOffsets, append_token, joined, split_at
 from pdserve.services.gateway.openai.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from pdserve.services.gateway.openai.protocol import CompletionRequest
 from pdserve.services.gateway.openai.protocol_responses import (
@@ -67,9 +67,9 @@ class OpenAIServingCompletion:
                 logprobs = await echo_logprobs(pieces, prompt_ids, r.prompt_logprobs, body.logprobs, offsets)
             if body.logprobs is not None:
                 generated = await self._logprobs(r.logprobs, offsets)
-                logprobs = _joined(logprobs, generated)
+                logprobs = joined(logprobs, generated)
                 if isinstance(r.matched_stop, str):
-                    logprobs = without_stop_text(logprobs, len(prefix + r.text))
+                    logprobs = split_at(logprobs, len(prefix + r.text))[0]
             scored = None
             if body.prompt_logprobs is not None:
                 top = body.prompt_logprobs
@@ -106,6 +106,7 @@ class OpenAIServingCompletion:
         results = [ChoiceResult(s.index) for s in handle.states]
         offsets = [TextOffsets() for _ in results]  # text_offset of each choice's next token
         text_lens = [0] * len(results)  # characters of each choice's text sent with logprobs
+        held = [CompletionLogprobs() for _ in results]  # entries of tokens whose text is not sent yet
         if echoes and not body.scores_echo:
             for r in results:
                 yield encoder.encode([completion_choice(r.index, echoes[r.index // body.n])])
@@ -128,10 +129,15 @@ class OpenAIServingCompletion:
                 continue
             logprobs = None
             if body.logprobs is not None:
-                logprobs = await self._logprobs(delta.logprobs, offsets[delta.index])
-                text_lens[delta.index] += len(delta.text)
-                if isinstance(delta.matched_stop, str):
-                    logprobs = without_stop_text(logprobs, text_lens[delta.index])
+                i = delta.index
+                pending = joined(held[i], await self._logprobs(delta.logprobs, offsets[i]))
+                text_lens[i] += len(delta.text)
+                if delta.finish_reason is not None and not isinstance(delta.matched_stop, str):
+                    logprobs, held[i] = pending, CompletionLogprobs()
+                else:  # a token waits for its text; a matched stop string's tokens never go out
+                    logprobs, held[i] = split_at(pending, text_lens[i])
+                if not (delta.text or delta.finish_reason or logprobs.tokens):
+                    continue
             choice = completion_choice(
                 delta.index, delta.text, logprobs, delta.finish_reason, delta.matched_stop
             )
@@ -157,15 +163,3 @@ def _drop_generated(out: ChoiceResult | ChoiceDelta) -> None:
     out.text, out.token_ids, out.logprobs, out.completion_tokens = "", [], [], 0
     if out.finish_reason is not None and out.finish_reason != "error":
         out.finish_reason, out.matched_stop = "length", None
-
-
-def _joined(prompt: CompletionLogprobs | None, generated: CompletionLogprobs) -> CompletionLogprobs:
-    """The echoed prompt's legacy logprobs followed by the generated tokens'."""
-    if prompt is None:
-        return generated
-    return CompletionLogprobs(
-        tokens=prompt.tokens + generated.tokens,
-        token_logprobs=prompt.token_logprobs + generated.token_logprobs,
-        top_logprobs=prompt.top_logprobs + generated.top_logprobs,
-        text_offset=prompt.text_offset + generated.text_offset,
-    )

@@ -27,7 +27,12 @@ either: a 400, whatever the limit.
 
 from __future__ import annotations
 
-from pdserve.sampling.bounds import MAX_PROMPT_LOGPROB_TOKENS, BoundError, check_vocab_fields
+from pdserve.sampling.bounds import (
+    MAX_PROMPT_LOGPROB_POSITIONS,
+    MAX_PROMPT_LOGPROB_TOKENS,
+    BoundError,
+    check_vocab_fields,
+)
 from pdserve.services.gateway.errors import (
     GatewayError,
     context_length_exceeded,
@@ -99,15 +104,16 @@ def check_sampling(obj: GenerateReqInput, vocab_size: int) -> None:
         raise invalid_request(obj.params_path + str(e), param=obj.params_path + e.field) from None
 
 
-def check_ids(input_ids: list[int], vocab_size: int) -> None:
-    """400 for an empty prompt, a negative token id, or one at or above ``vocab_size`` (0 = unknown)."""
+def check_ids(input_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    """400 naming ``param`` for an empty prompt, a negative token id, or one at or above
+    ``vocab_size`` (0 = unknown)."""
     if not input_ids:
-        raise invalid_request("the prompt is empty (no tokens)", param="prompt")
+        raise invalid_request("the prompt is empty (no tokens)", param=param)
     low, high = min(input_ids), max(input_ids)
     bad = low if low < 0 else high
     if bad < 0 or (vocab_size and bad >= vocab_size):
         vocab = f"[0, {vocab_size})" if vocab_size else "(token ids are never negative)"
-        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param="prompt")
+        raise invalid_request(f"token id {bad} is outside the vocabulary {vocab}", param=param)
 
 
 def check_prompt_logprobs(obj: GenerateReqInput, prompt_len: int, param: str) -> None:
@@ -118,6 +124,23 @@ def check_prompt_logprobs(obj: GenerateReqInput, prompt_len: int, param: str) ->
             f"prompt logprobs are returned for prompts of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens; "
             f"this prompt has {prompt_len}",
             param=param,
+        )
+
+
+def check_prompt_logprob_positions(obj: GenerateReqInput, prompt_lens: list[int]) -> None:
+    """400 naming ``n`` when the request's prompt logprobs would fill more than
+    ``MAX_PROMPT_LOGPROB_POSITIONS`` scored positions in its response: each of a prompt's ``n``
+    choices carries that prompt's logprobs (up to 21 entries a position), all built and serialised
+    by the gateway, so a 4,096-token prompt with ``n`` 128 would hold the event loop for minutes."""
+    if max(prompt_lens, default=0) > MAX_PROMPT_LOGPROB_TOKENS:
+        return  # ``check_prompt_logprobs`` names the prompt that is too long
+    positions = obj.n * sum(prompt_lens)
+    if obj.sampling_params.prompt_logprobs is not None and positions > MAX_PROMPT_LOGPROB_POSITIONS:
+        raise invalid_request(
+            f"prompt logprobs are returned for at most {MAX_PROMPT_LOGPROB_POSITIONS} prompt tokens "
+            f"in all (prompt tokens x n over the prompts, each choice carrying its prompt's); "
+            f"this request asks for {positions}",
+            param=obj.params_path + "n",
         )
 
 

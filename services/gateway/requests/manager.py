@@ -202,11 +202,12 @@ class RequestManager:
         tokenized = await self.tokenize(obj.prompts, obj.add_special_tokens)
         if handle.abort_reason:  # aborted (public Abort) while it was being tokenized
             raise GatewayError(499, f"request {obj.rid} was aborted: {handle.abort_reason}")
+        admission.check_prompt_logprob_positions(obj, [len(p.input_ids) for p in tokenized])
         serial = next(self._serials)
         for j, (given, prompt) in enumerate(zip(obj.prompts, tokenized, strict=True)):
-            admission.check_ids(prompt.input_ids, info.vocab_size)
             sp = obj.sampling_params
             param = "messages" if isinstance(given, ChatPrompt) else "input" if sp.embed else "prompt"
+            admission.check_ids(prompt.input_ids, info.vocab_size, param)
             admission.check_prompt_logprobs(obj, len(prompt.input_ids), param)
             max_new = admission.max_new_tokens(
                 obj, len(prompt.input_ids), info.context_length, self.config.default_max_tokens, param
