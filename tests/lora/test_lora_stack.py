@@ -135,3 +135,15 @@ def test_adapter_loaded_and_unloaded_at_run_time(lora_stack, adapters, tmp_path)
         api.completions.create(model="sailor", prompt=prompt, max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
     lora_stack.wait_idle()
+
+
+def test_loading_needs_lora_enabled(colocated):
+    """A server started without --enable-lora / --lora-modules: the worker refuses (400 naming the
+    flag) and nothing is served under the name (the session's colocated stack, one request)."""
+    r = httpx.post(
+        f"{colocated.base_url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}, timeout=60
+    )
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"], r.text
+    assert "a" not in [
+        m["id"] for m in httpx.get(f"{colocated.base_url}/v1/models", timeout=60).json()["data"]
+    ]
