@@ -218,10 +218,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     passes them on) and the scheduler services (``pdserve prefill`` / ``pdserve decode``)."""
     add_lora_modules_arg(parser)
     parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (implied by --lora-modules); POST /v1/load_lora_adapter loads them "
+        "at run time (docs/lora.md)",
+    )
+    parser.add_argument(
         "--max-loras",
         type=positive_int,
         default=4,
-        help="with --lora-modules: LoRA adapters held in a worker's adapter slots at once (the least "
+        help="with LoRA enabled: LoRA adapters held in a worker's adapter slots at once (the least "
         "recently used one no running request uses makes room)",
     )
     parser.add_argument(

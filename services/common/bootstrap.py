@@ -45,7 +45,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         kv_cache_dtype=args.kv_cache_dtype,
         expert_parallel=args.enable_expert_parallel,
         swa_full_tokens_ratio=swa_ratio(args, role),
-        max_loras=args.max_loras if args.lora_modules else 0,
+        max_loras=args.max_loras if args.enable_lora or args.lora_modules else 0,
         max_lora_rank=args.max_lora_rank,
     )
     for name, path in args.lora_modules:  # a bad adapter stops the start, naming it

@@ -336,6 +336,10 @@ def kv_event_batch_to_pb(batch: KVEventBatch) -> scheduler_pb2.KVEventBatch:
     )
 
 
+def lora_adapter_response_to_pb() -> scheduler_pb2.LoraAdapterResponse:
+    return scheduler_pb2.LoraAdapterResponse()
+
+
 def flush_cache_response_to_pb(flushed: bool) -> scheduler_pb2.FlushCacheResponse:
     message = "radix cache flushed" if flushed else "requests are held: the radix cache was not flushed"
     return scheduler_pb2.FlushCacheResponse(flushed=flushed, message=message)

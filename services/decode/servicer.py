@@ -24,6 +24,7 @@ from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, NewRequest
 from pdserve.services.common.intake import check_tp, queue_request
 from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
+from pdserve.services.common.lora_calls import load_lora_adapter, unload_lora_adapter
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.kv_ranks import KVRanks
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
@@ -131,6 +132,12 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
 
     async def FlushCache(self, request, context) -> scheduler_pb2.FlushCacheResponse:
         return await flush_cache(self.loop)
+
+    async def LoadLoraAdapter(self, request, context) -> scheduler_pb2.LoraAdapterResponse:
+        return await load_lora_adapter(self.loop, request, context)
+
+    async def UnloadLoraAdapter(self, request, context) -> scheduler_pb2.LoraAdapterResponse:
+        return await unload_lora_adapter(self.loop, request, context)
 
     def busy(self) -> bool:
         """Requests still held (queued for the next step, waiting for KV, running, or ended with their

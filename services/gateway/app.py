@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +27,7 @@ from pdserve.services.gateway.errors import (
     validation_to_gateway_error,
 )
 from pdserve.services.gateway.health import check_health
+from pdserve.services.gateway.lora_admin import LoadLoraAdapterRequest, LoraAdmin, UnloadLoraAdapterRequest
 from pdserve.services.gateway.metrics import (
     GatewayMetrics,
     RequestCountMiddleware,
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 ENDPOINTS = (
     "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/generate",
-    "/tokenize", "/detokenize", "/health", "/metrics",
+    "/tokenize", "/detokenize", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 )  # fmt: skip
 
 
@@ -78,6 +79,7 @@ class GatewayState:
     metrics: GatewayMetrics
     metric_pools: list[WorkerPool]
     worker_name: str
+    lora: LoraAdmin
     responses: ResponseStore = field(default_factory=ResponseStore)
 
 
@@ -105,6 +107,14 @@ def build_app(
     async def retrieve_model(model: str) -> ModelCard:
         state.ctx.check_model(model)
         return await _model_card(state.ctx, model)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await state.lora.load(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await state.lora.unload(body))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

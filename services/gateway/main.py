@@ -39,6 +39,7 @@ from pdserve.rpc.server import GrpcServer, run_service
 from pdserve.services.common.chat_parser_args import add_chat_parser_args
 from pdserve.services.gateway.app import GatewayState, build_app
 from pdserve.services.gateway.auth import ApiKeyInterceptor, parse_api_keys
+from pdserve.services.gateway.lora_admin import LoraAdmin
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.openai.reasoning_parser import ReasoningParser
 from pdserve.services.gateway.openai.responses.store import DEFAULT_MAX_PER_KEY, DEFAULT_TTL_S, ResponseStore
@@ -308,6 +309,13 @@ class Gateway:
             ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
             args.lora_names,
         )
+        lora_admin = LoraAdmin(
+            ctx,
+            self.clients,
+            {"prefill": pools["prefill"], "decode": pools["decode"]},
+            dict(args.lora_modules),
+            "run-time LoRA loading needs one gateway (--gateway-workers 1)" if args.workers > 1 else "",
+        )
         self.grpc.add(public_servicer.add_to_server, PdServeServicer(ctx, args.api_keys))
         self.internal.add(output_servicer.add_to_server, GatewayOutputServicer(self.registry))
         state = GatewayState(
@@ -318,6 +326,7 @@ class Gateway:
             metric_pools=[pools["decode"], pools["prefill"], pools["detokenizer"]],
             worker_name=self.internal_address,
             responses=ResponseStore(args.responses_store_size, args.responses_ttl),
+            lora=lora_admin,
         )
         app = build_app(
             state,

@@ -65,8 +65,9 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-overlap-schedule")
     if args.enable_expert_parallel:
         flags.append("--enable-expert-parallel")
-    if args.lora_modules:
-        flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    if args.enable_lora or args.lora_modules:
+        flags += ["--enable-lora", "--max-loras", str(args.max_loras)]
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
         flags += lora_modules_flag(args)
     return flags
 

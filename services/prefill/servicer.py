@@ -23,6 +23,7 @@ from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, AddKVPeers
 from pdserve.services.common.intake import check_tp, queue_request
 from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
+from pdserve.services.common.lora_calls import load_lora_adapter, unload_lora_adapter
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.prefill.kv_sends import TRANSFER_TIMEOUT_S, KVSends
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -158,6 +159,12 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
 
     async def FlushCache(self, request, context) -> scheduler_pb2.FlushCacheResponse:
         return await flush_cache(self.loop)
+
+    async def LoadLoraAdapter(self, request, context) -> scheduler_pb2.LoraAdapterResponse:
+        return await load_lora_adapter(self.loop, request, context)
+
+    async def UnloadLoraAdapter(self, request, context) -> scheduler_pb2.LoraAdapterResponse:
+        return await unload_lora_adapter(self.loop, request, context)
 
     def busy(self) -> bool:
         """Prefills taken and not yet answered (queued, computing, or writing their KV)."""

@@ -280,6 +280,22 @@ CASES = [
         path="/generate",
         param="rid",
     ),
+    Case("load-lora-missing-key", 401, {}, path="/v1/load_lora_adapter", headers={}, code="invalid_api_key"),
+    Case("load-lora-no-path", 400, {"lora_name": "a"}, path="/v1/load_lora_adapter", param="lora_path"),
+    Case(
+        "load-lora-extra-field",
+        400,
+        {"lora_name": "a", "lora_path": "/p", "x": 1},
+        path="/v1/load_lora_adapter",
+    ),
+    Case(
+        "unload-lora-unknown",
+        404,
+        {"lora_name": "nobody"},
+        path="/v1/unload_lora_adapter",
+        param="lora_name",
+        code="model_not_found",
+    ),
     Case("wrong-method", 405, None, method="GET"),
     Case("unknown-path", 404, {}, path="/v1/audio/transcriptions"),
 ]

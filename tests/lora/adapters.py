@@ -12,9 +12,9 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ADAPTERS = {"pirate": (8, 16, ALL_TARGETS, False), "poet": (4, 8, ["q_proj", "v_proj", "down_proj"], True)}
 
 
-def make_adapters(root: Path) -> tuple[object, dict[str, Path]]:
-    """Save ``ADAPTERS`` (non-zero random ``A`` and ``B``) under ``root``; returns the fp32 PEFT model
-    holding all of them (eval) and each adapter's directory."""
+def make_adapters(root: Path, adapters: dict = ADAPTERS) -> tuple[object, dict[str, Path]]:
+    """Save ``adapters`` (as ``ADAPTERS``; non-zero random ``A`` and ``B``) under ``root``; returns the
+    fp32 PEFT model holding all of them (eval) and each adapter's directory."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -24,7 +24,7 @@ def make_adapters(root: Path) -> tuple[object, dict[str, Path]]:
     model: PeftModel | None = None
     paths = {}
     torch.manual_seed(0)
-    for name, (rank, alpha, targets, rslora) in ADAPTERS.items():
+    for name, (rank, alpha, targets, rslora) in adapters.items():
         config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora)
         if model is None:
             model = get_peft_model(base, config, adapter_name=name)

@@ -1,35 +1,42 @@
 """Multi-LoRA through a PD stack (one prefill and one decode worker, KV over NIXL) and the official
 ``openai`` client: ``--lora-modules`` adapters listed by /v1/models, picked by the request's
 ``model``, mixed with the base model in flight, applied by both the prefill and the decode worker,
-each output equal to HF PEFT's fp32 greedy tokens; an unknown model is a 404 ``model_not_found``."""
+each output equal to HF PEFT's fp32 greedy tokens; an unknown model is a 404 ``model_not_found``.
+A third adapter loaded at run time (``/v1/load_lora_adapter``) is served the same way until it is
+unloaded (``/v1/unload_lora_adapter``), and each refusal has its status."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from tests.lora.adapters import make_adapters, peft_greedy
+from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
 from tests.reference import hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
 
 NEW_TOKENS = 8
+# loaded at run time, not at start: rank 2 on four projections none of the others pairs alike
+LATE = {"sailor": (2, 4, ["k_proj", "o_proj", "gate_proj", "up_proj"], False)}
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     torch.set_num_threads(1)
-    model, paths = make_adapters(tmp_path_factory.mktemp("stack-adapters"))
+    model, paths = make_adapters(tmp_path_factory.mktemp("stack-adapters"), {**ADAPTERS, **LATE})
     yield model, paths
     del model
 
 
 @pytest.fixture(scope="module")
 def lora_stack(adapters) -> Stack:
-    modules = [f"{name}={path}" for name, path in adapters[1].items()]
+    modules = [f"{name}={path}" for name, path in adapters[1].items() if name not in LATE]
     stack = launch_stack(
         "--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", "--max-total-tokens", "4096",
         "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", *modules, log_name="lora",
@@ -68,3 +75,75 @@ def test_adapters_are_served_beside_the_base(lora_stack, adapters):
         api.completions.create(model="nobody", prompt="hi", max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
     lora_stack.wait_idle()
+
+
+def test_adapter_loaded_and_unloaded_at_run_time(lora_stack, adapters, tmp_path):
+    peft_model, paths = adapters
+    api, http = client(lora_stack), httpx.Client(base_url=lora_stack.base_url, timeout=600)
+    load = lambda **body: http.post("/v1/load_lora_adapter", json=body)
+    unload = lambda name: http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    # refusals, each of one request, before anything changed
+    bad_rank, lm_head = tmp_path / "rank16", tmp_path / "lm_head"
+    for bad in (bad_rank, lm_head):
+        shutil.copytree(paths["sailor"], bad)
+    config = json.loads((bad_rank / "adapter_config.json").read_text())
+    (bad_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))  # --max-lora-rank 8
+    weights = load_file(lm_head / "adapter_model.safetensors")
+    weights["base_model.model.lm_head.lora_A.weight"] = torch.zeros(2, 576)
+    save_file(weights, lm_head / "adapter_model.safetensors")
+    for body, status, words in [
+        ({"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "no readable"),
+        ({"lora_name": "x", "lora_path": str(bad_rank)}, 400, "rank 16"),
+        ({"lora_name": "x", "lora_path": str(lm_head)}, 400, "does not have"),
+        ({"lora_name": "x" * 129, "lora_path": str(paths["sailor"])}, 400, "lora_name"),
+        ({"lora_name": "pirate", "lora_path": str(paths["sailor"])}, 409, "already served"),
+        ({"lora_name": SERVED_MODEL, "lora_path": str(paths["sailor"])}, 409, "already served"),
+    ]:
+        r = load(**body)
+        assert (r.status_code, r.json()["error"]["type"] != "") == (status, True), r.text
+        assert words in r.json()["error"]["message"], r.text
+    r = unload("sailor")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found"), r.text
+
+    r = load(lora_name="sailor", lora_path=str(paths["sailor"]))
+    assert r.status_code == 200, r.text
+    assert [m.id for m in api.models.list().data] == [SERVED_MODEL, "pirate", "poet", "sailor"]
+    prompt = hf_tokenizer().encode("The capital of France is")
+    out = api.completions.create(model="sailor", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    assert out.choices[0].text == hf_tokenizer().decode(peft_greedy(peft_model, "sailor", prompt, NEW_TOKENS))
+    assert load(lora_name="sailor", lora_path=str(paths["sailor"])).status_code == 409
+
+    # in use by a running request: 409 naming the worker, and the adapter still served
+    stream = api.completions.create(
+        model="sailor",
+        prompt=prompt,
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    r = unload("sailor")
+    assert r.status_code == 409 and "decode-scheduler" in r.json()["error"]["message"], r.text
+    assert len("".join(chunk.choices[0].text for chunk in stream)) > 0
+    lora_stack.wait_idle()
+
+    r = unload("sailor")
+    assert r.status_code == 200, r.text
+    assert [m.id for m in api.models.list().data] == [SERVED_MODEL, "pirate", "poet"]
+    with pytest.raises(openai.NotFoundError) as info:
+        api.completions.create(model="sailor", prompt=prompt, max_tokens=1)
+    assert info.value.body["code"] == "model_not_found"
+    lora_stack.wait_idle()
+
+
+def test_loading_needs_lora_enabled(colocated):
+    """A server started without --enable-lora / --lora-modules: the worker refuses (400 naming the
+    flag) and nothing is served under the name (the session's colocated stack, one request)."""
+    r = httpx.post(
+        f"{colocated.base_url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}, timeout=60
+    )
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"], r.text
+    assert "a" not in [
+        m["id"] for m in httpx.get(f"{colocated.base_url}/v1/models", timeout=60).json()["data"]
+    ]

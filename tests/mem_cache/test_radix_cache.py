@@ -163,3 +163,23 @@ def test_lora_namespaces_never_share_pages():
     cache.dec_lock_ref(node)
     cache.reset()
     assert cache.total_size() == 0 and log.pages == [10, 11, 20, 21]
+
+
+def test_drop_namespace_frees_only_that_adapters_pages():
+    """An unloaded adapter's namespace is emptied (its pages freed, removals reported); the base
+    model's and other adapters' cached pages stay, and the same tokens under the name miss after."""
+    cache, log = make_cache(page_size=2)
+    events = []
+    cache.set_event_sink(events.append)
+    cache.insert([1, 2, 3, 4], [10, 11])
+    cache.insert([1, 2, 3, 4], [20, 21], "pirate")
+    cache.insert([1, 2, 5, 6], [20, 22], "pirate")  # a split: two nodes under "pirate"
+    cache.insert([1, 2], [30], "poet")
+    assert cache.drop_namespace("pirate") == 3 and sorted(log.pages) == [20, 21, 22]
+    assert sorted(h for e in events[4:] for h in e.block_hashes) == sorted(
+        h for e in events[1:3] for h in e.block_hashes
+    )  # every stored pirate block is reported removed
+    assert cache.match_prefix([1, 2, 3, 4], "pirate").num_tokens == 0
+    assert cache.match_prefix([1, 2, 3, 4]).page_indices == [10, 11]
+    assert cache.match_prefix([1, 2], "poet").page_indices == [30]
+    assert cache.total_size() == 3 and cache.drop_namespace("nobody") == 0

@@ -230,8 +230,14 @@ class RadixCache:
         """
         return self._evict(num_pages, report=True)
 
-    def _evict(self, num_pages: int, report: bool) -> int:
-        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
+    def drop_namespace(self, namespace: str) -> int:
+        """Free every unlocked page cached in ``namespace`` (an unloaded LoRA adapter's: an adapter
+        loaded later under its name must not read that KV), reporting the removals; pages freed."""
+        root = self._roots.get(namespace)
+        return 0 if root is None else self._evict(self._evictable, report=True, roots=[root])
+
+    def _evict(self, num_pages: int, report: bool, roots: Iterable[TreeNode] | None = None) -> int:
+        heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves(roots)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -336,8 +342,9 @@ class RadixCache:
         child.parent = upper
         return upper
 
-    def _evictable_leaves(self) -> Iterator[TreeNode]:
-        stack = [child for root in self._roots.values() for child in root.children.values()]
+    def _evictable_leaves(self, roots: Iterable[TreeNode] | None = None) -> Iterator[TreeNode]:
+        roots = self._roots.values() if roots is None else roots
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             if node.children:

@@ -63,6 +63,7 @@ MAX_PROMPT_LOGPROB_POSITIONS = 2 * MAX_PROMPT_LOGPROB_TOKENS
 MAX_EMBEDDING_INPUTS = 256  # inputs of one /v1/embeddings request (OpenAI allows 2048)
 MAX_LOGIT_BIAS = 100.0
 MAX_LORA_NAME_CHARS = 128  # a LoRA adapter's name (the request's ``model``)
+MAX_LORA_PATH_CHARS = 4096  # a LoRA adapter's directory (``/v1/load_lora_adapter``'s ``lora_path``)
 MAX_PRIORITY = 1000  # a request's priority is in [-MAX_PRIORITY, MAX_PRIORITY] (lower is served first)
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_STRINGS = 64

@@ -126,6 +126,18 @@ class BackendClients:
         resp = await self._call(method, convert.abort_request(rid, reason), f"decode-scheduler {address}")
         return resp.found
 
+    async def load_lora_adapter(
+        self, role: Literal["decode", "prefill"], address: str, name: str, path: str
+    ) -> None:
+        """``LoadLoraAdapter`` on one scheduler (``lora_calls.load_adapter``)."""
+        request = convert.load_lora_adapter_request(name, path)
+        await self._call(self._stub(role, address).LoadLoraAdapter, request, f"{role}-scheduler {address}")
+
+    async def unload_lora_adapter(self, role: Literal["decode", "prefill"], address: str, name: str) -> None:
+        """``UnloadLoraAdapter`` on one scheduler (``lora_calls.unload_adapter``)."""
+        request = convert.unload_lora_adapter_request(name)
+        await self._call(self._stub(role, address).UnloadLoraAdapter, request, f"{role}-scheduler {address}")
+
     async def load(self, role: Literal["decode", "prefill"], address: str) -> WorkerLoad:
         """The scheduler's load, capacity and incarnation (``GetLoad``)."""
         resp = await self._stub(role, address).GetLoad(convert.load_request(), timeout=self.probe_timeout)

@@ -210,6 +210,14 @@ def abort_request(rid: str, reason: str) -> scheduler_pb2.AbortRequest:
     return scheduler_pb2.AbortRequest(rid=rid, reason=reason)
 
 
+def load_lora_adapter_request(name: str, path: str) -> scheduler_pb2.LoadLoraAdapterRequest:
+    return scheduler_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+
+
+def unload_lora_adapter_request(name: str) -> scheduler_pb2.UnloadLoraAdapterRequest:
+    return scheduler_pb2.UnloadLoraAdapterRequest(lora_name=name)
+
+
 def load_request() -> scheduler_pb2.LoadRequest:
     return scheduler_pb2.LoadRequest()
 
