@@ -11,7 +11,9 @@ per adapter present in the batch, into one float32 ``[T, out]`` delta added to t
 end. Each choice dodges a slow path of torch's CPU ops measured on a Sapphire Rapids-class Xeon
 (docs/lora.md "Measured"): matmuls of a few bfloat16 rows (milliseconds each, float32's take
 microseconds), a matmul against a transposed weight (``F.linear``; stalls of milliseconds with two
-threads), and ``index_add_`` into a column slice of the output (~0.5 ms each).
+threads), a matmul of 8 rows split over two threads (~1.6 ms each when another job holds a
+core; the delta's matmuls run on one thread), and ``index_add_`` into a column slice of the output
+(~0.5 ms each).
 """
 
 from __future__ import annotations
@@ -101,8 +103,13 @@ class LoraSlots:
         r = self.rank
         x = x.float()
         delta = x.new_zeros(y.shape)  # base tokens' rows stay zero
-        for slot, index in batch.groups:
-            shrunk = x.index_select(0, index) @ self.a[slot]
-            rows = [shrunk[:, s * r : (s + 1) * r] @ self.b[s][slot] for s in range(len(self.shards))]
-            delta.index_copy_(0, index, torch.cat(rows, dim=1))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # too small to split: a parallel one waits on a busy core
+        try:
+            for slot, index in batch.groups:
+                shrunk = x.index_select(0, index) @ self.a[slot]
+                rows = [shrunk[:, s * r : (s + 1) * r] @ self.b[s][slot] for s in range(len(self.shards))]
+                delta.index_copy_(0, index, torch.cat(rows, dim=1))
+        finally:
+            torch.set_num_threads(threads)
         return y.add_(delta)
