@@ -136,9 +136,7 @@ class ModelRunner:
             tp,
             expert_parallel,
         )
-        self.lora_manager = (
-            LoraManager(self.model, max_loras, max_lora_rank, cfg.dtype) if max_loras else None
-        )
+        self.lora_manager = LoraManager(self.model, max_loras, max_lora_rank) if max_loras else None
         windows = layer_windows(self.model)
         swa = swa_full_tokens_ratio is not None and any(windows)
         if swa and self.device.type != "cpu":

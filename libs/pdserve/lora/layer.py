@@ -2,11 +2,18 @@
 Chen et al. 2023; S-LoRA, Sheng et al. 2023): a shrink ``x @ A[slot]^T`` and an expand
 ``@ B[slot]^T`` per adapter segment of the batch, added to the base layer's output.
 
-Every adapter the worker holds has a slot of fixed stacked buffers (``A`` ``[max_loras, S * R, in]``
-for the ``S`` fused shards of the layer, ``B`` ``[max_loras, size_s, R]`` per shard, ``R`` =
-``--max-lora-rank``; an adapter of lower rank, or one that does not target a shard, leaves zeros).
-Tokens of the base model (slot -1) get no delta. On CPU the segments run as torch matmuls, one per
-adapter present in the batch.
+Every adapter the worker holds has a slot of fixed stacked float32 buffers, stored transposed
+(``A^T`` ``[max_loras, in, S * R]`` for the ``S`` fused shards of the layer, which must tile its
+output in order; ``B^T`` ``[max_loras, R, size_s]`` per shard; ``R`` = ``--max-lora-rank``; an
+adapter of lower rank, or one that does not target a shard, leaves zeros). Tokens of the base model
+(slot -1) get no delta. On CPU the segments run as torch matmuls, one shrink and one expand per shard
+per adapter present in the batch, into one float32 ``[T, out]`` delta added to the output at the
+end. Each choice dodges a slow path of torch's CPU ops measured on a Sapphire Rapids-class Xeon
+(docs/lora.md "Measured"): matmuls of a few bfloat16 rows (milliseconds each, float32's take
+microseconds), a matmul against a transposed weight (``F.linear``; stalls of milliseconds with two
+threads), a matmul of 8 rows split over two threads (~1.6 ms each when another job holds a
+core; the delta's matmuls run on one thread), and ``index_add_`` into a column slice of the output
+(~0.5 ms each).
 """
 
 from __future__ import annotations
@@ -49,8 +56,7 @@ class LoraSlots:
     Args:
         in_features: the layer's input features.
         shards: ``(offset, size)`` of each fused output shard (one for an unfused layer).
-        max_loras / max_rank: slots and rank ``R`` of the buffers.
-        dtype: the activations' dtype (the buffers' too).
+        max_loras / max_rank: slots and rank ``R`` of the buffers (float32).
         state: the model's shared ``LoraState``.
     """
 
@@ -60,25 +66,28 @@ class LoraSlots:
         shards: Sequence[tuple[int, int]],
         max_loras: int,
         max_rank: int,
-        dtype: torch.dtype,
         state: LoraState,
     ):
         self.shards = list(shards)
         self.rank = max_rank
-        self.a = torch.zeros(max_loras, len(self.shards) * max_rank, in_features, dtype=dtype)
-        self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype) for _, size in self.shards]
+        if [offset for offset, _ in self.shards] != [
+            sum(size for _, size in self.shards[:i]) for i in range(len(self.shards))
+        ]:
+            raise ValueError(f"shards {self.shards} do not tile the output in order")
+        self.a = torch.zeros(max_loras, in_features, len(self.shards) * max_rank)
+        self.b = [torch.zeros(max_loras, max_rank, size) for _, size in self.shards]
         self.state = state
 
     def write(self, slot: int, shard: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put shard ``shard``'s ``A`` ``[r, in]`` and ``B`` ``[size, r]`` (scaling folded in) into
         ``slot``; None for both clears it (the adapter does not target this shard)."""
-        rows = self.a[slot, shard * self.rank : (shard + 1) * self.rank]
-        cols = self.b[shard][slot]
-        rows.zero_()
-        cols.zero_()
+        a_t = self.a[slot, :, shard * self.rank : (shard + 1) * self.rank]
+        b_t = self.b[shard][slot]
+        a_t.zero_()
+        b_t.zero_()
         if a is not None:
-            rows[: a.shape[0]] = a
-            cols[:, : b.shape[1]] = b
+            a_t[:, : a.shape[0]] = a.T
+            b_t[: b.shape[1]] = b.T
 
     @property
     def active(self) -> bool:
@@ -87,14 +96,20 @@ class LoraSlots:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` ``[T, out]`` (the base layer's output for ``x`` ``[T, in]``) plus each token's delta
-        ``(x @ A[slot]^T) @ B[slot]^T``, in place; returns ``y``."""
+        ``(x @ A[slot]^T) @ B[slot]^T`` (computed in float32), in place; returns ``y``."""
         batch = self.state.batch
         if batch is None:
             return y
         r = self.rank
-        for slot, index in batch.groups:
-            shrunk = x.index_select(0, index).to(self.a.dtype) @ self.a[slot].T
-            for s, (offset, size) in enumerate(self.shards):
-                delta = shrunk[:, s * r : (s + 1) * r] @ self.b[s][slot].T
-                y[:, offset : offset + size].index_add_(0, index, delta.to(y.dtype))
-        return y
+        x = x.float()
+        delta = x.new_zeros(y.shape)  # base tokens' rows stay zero
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # too small to split: a parallel one waits on a busy core
+        try:
+            for slot, index in batch.groups:
+                shrunk = x.index_select(0, index) @ self.a[slot]
+                rows = [shrunk[:, s * r : (s + 1) * r] @ self.b[s][slot] for s in range(len(self.shards))]
+                delta.index_copy_(0, index, torch.cat(rows, dim=1))
+        finally:
+            torch.set_num_threads(threads)
+        return y.add_(delta)

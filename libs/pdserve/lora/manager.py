@@ -43,13 +43,12 @@ class LoraManager:
         model: a loaded Llama-family ``...ForCausalLM`` (``model.model.layers``).
         max_loras: adapter slots held at once (``--max-loras``), >= 1.
         max_rank: the largest rank accepted (``--max-lora-rank``); the buffers' rank.
-        dtype: the model's activation dtype.
 
     Raises:
         ValueError: ``max_loras`` < 1, or a model under tensor parallelism (not supported yet).
     """
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} must be >= 1")
         if getattr(model, "tp", None) is not None and model.tp.size > 1:
@@ -62,17 +61,15 @@ class LoraManager:
         for i, layer in enumerate(model.model.layers):
             for name, module in layer.named_modules():
                 if name.rsplit(".", 1)[-1] in _FUSED and isinstance(module, Linear):
-                    self._attach(i, name.rsplit(".", 1)[-1], module, dtype)
+                    self._attach(i, name.rsplit(".", 1)[-1], module)
         self.adapters: dict[str, LoraAdapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.pins: Counter[str] = Counter()
 
-    def _attach(self, layer: int, name: str, module: Linear, dtype: torch.dtype) -> None:
+    def _attach(self, layer: int, name: str, module: Linear) -> None:
         shards = getattr(module, "shards", None) or {name.removesuffix("_proj"): (0, module.out_features)}
         in_features = module.in_features
-        module.lora = LoraSlots(
-            in_features, list(shards.values()), self.max_loras, self.max_rank, dtype, self.state
-        )
+        module.lora = LoraSlots(in_features, list(shards.values()), self.max_loras, self.max_rank, self.state)
         for index, (shard, (_, size)) in enumerate(shards.items()):
             peft_name = f"{shard}_proj"
             assert peft_name in TARGET_MODULES, peft_name
