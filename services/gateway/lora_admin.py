@@ -88,7 +88,7 @@ class LoraAdmin:
                     await self.clients.load_lora_adapter(role, address, name, path)
                 except GatewayError as e:
                     await self._undo(done, lambda r, a: self.clients.unload_lora_adapter(r, a, name))
-                    raise _naming(e, role, address) from e
+                    raise _naming(e, role, address, undone=bool(done)) from e
                 done.append((role, address))
             self.ctx.lora_names.append(name)
             self.paths[name] = path
@@ -115,7 +115,7 @@ class LoraAdmin:
                     await self.clients.unload_lora_adapter(role, address, name)
                 except GatewayError as e:
                     await self._undo(done, lambda r, a: self.clients.load_lora_adapter(r, a, name, path))
-                    raise _naming(e, role, address) from e
+                    raise _naming(e, role, address, undone=bool(done)) from e
                 done.append((role, address))
             self.ctx.lora_names.remove(name)
             del self.paths[name]
@@ -131,9 +131,11 @@ class LoraAdmin:
                 logger.error("could not undo a LoRA change on %s-scheduler %s: %s", role, address, e.message)
 
 
-def _naming(err: GatewayError, role: Role, address: str) -> GatewayError:
-    """``err`` with the worker that raised it in its message (undone on the others)."""
+def _naming(err: GatewayError, role: Role, address: str, undone: bool) -> GatewayError:
+    """``err`` with the worker that raised it in its message, and, where workers before it had taken
+    the change (``undone``), that it was undone on them."""
     where = f"{role}-scheduler {address}"
     message = err.message if where in err.message else f"{where}: {err.message}"
-    message = f"{message} (undone on the other workers)"
+    if undone:
+        message = f"{message} (undone on the workers that had taken it)"
     return GatewayError(err.status, message, param=err.param, code=err.code)
