@@ -70,9 +70,9 @@ def unload_adapter(scheduler: Scheduler, name: str) -> None:
     """
     manager = _manager(scheduler)
     users = sum(req.sampling_params.lora_name == name for req in scheduler.reqs.values())
+    if users:  # queued requests too (the manager counts only the admitted ones)
+        raise LoraCallError(grpc.StatusCode.ABORTED, f"LoRA adapter {name!r} is in use by {users} request(s)")
     try:
-        if users:
-            raise LoraInUseError(f"LoRA adapter {name!r} is in use by {users} request(s)")
         manager.remove(name)
     except LoraNotFoundError as e:
         raise LoraCallError(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is loaded") from e

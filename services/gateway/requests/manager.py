@@ -217,7 +217,7 @@ class RequestManager:
             for i in range(obj.n):
                 index = j * obj.n + i
                 seed = None if sp.seed is None else wrap_int64(sp.seed + i)
-                scores = sp.prompt_logprobs if scorer is None else None  # sample 0 scores the prompt
+                scores = sp.prompt_logprobs if i == 0 else None  # sample 0 scores the prompt
                 state = ReqState(
                     rid=backend_rid(obj.rid, index, self.rid_tag, serial),
                     index=index,

@@ -16,9 +16,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -31,6 +32,7 @@ from pdserve.services.gateway.routing.workers import Worker, rotate
 PolicyName = Literal["round_robin", "least_load", "cache_aware", "kv_aware"]
 POLICIES: tuple[PolicyName, ...] = ("round_robin", "least_load", "cache_aware", "kv_aware")
 DEFAULT_POLICY: PolicyName = "kv_aware"
+PromptHashes = Callable[[int], list[int]]  # block size -> a prompt's block hashes
 
 
 class Policy(Protocol):
@@ -123,19 +125,20 @@ class KVAwarePolicy:
         self.weights = weights
         self._turn = itertools.count()
 
-    def scores(self, workers: list[Worker], input_ids: Sequence[int]) -> dict[str, float]:
-        """address -> score of each of ``workers`` for the prompt ``input_ids``."""
+    def scores(
+        self, workers: list[Worker], input_ids: Sequence[int], prompt_hashes: PromptHashes | None = None
+    ) -> dict[str, float]:
+        """address -> score of each of ``workers`` for the prompt ``input_ids``; ``prompt_hashes``:
+        its block hashes by block size (``_prompt_hashes``), computed once per size."""
+        hashes_of = prompt_hashes or _prompt_hashes(input_ids)
         now = time.monotonic()
         max_load = max(1, *(w.load for w in workers))
-        hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
         out = {}
         for w in workers:
             overlap = 0.0
             index = self.indexes.get(w.address)
             if index is not None and index.usable(now, self.weights.lag_s) and index.block_size:
-                prompt = hashes.get(index.block_size)
-                if prompt is None:
-                    prompt = hashes[index.block_size] = block_hashes(input_ids, index.block_size)
+                prompt = hashes_of(index.block_size)
                 overlap = index.cached_blocks(prompt) / len(prompt) if prompt else 0.0
             out[w.address] = (
                 self.weights.overlap_weight * overlap - self.weights.load_weight * w.load / max_load
@@ -143,19 +146,20 @@ class KVAwarePolicy:
         return out
 
     def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
-        scores = self.scores(workers, input_ids)
+        hashes_of = _prompt_hashes(input_ids)  # shared by the scores and the lag clock
+        scores = self.scores(workers, input_ids, hashes_of)
         chosen = max(rotate(workers, next(self._turn)), key=lambda w: (scores[w.address], -w.load))
         index = self.indexes.get(chosen.address)
         if index is not None:
-            self._expect_batch(index, input_ids)
+            self._expect_batch(index, hashes_of)
         return chosen
 
-    def _expect_batch(self, index: KVIndex, input_ids: Sequence[int]) -> None:
+    def _expect_batch(self, index: KVIndex, hashes_of: PromptHashes) -> None:
         """Start ``index``'s lag clock when the prompt has whole pages its worker does not hold (only
         those are sure to raise a ``BlockStored``); the block size is the pool's until it has its own."""
         block_size = index.block_size or self.indexes.block_size()
         if block_size:
-            prompt = block_hashes(input_ids, block_size)
+            prompt = hashes_of(block_size)
             if index.cached_blocks(prompt) < len(prompt):
                 index.routed(time.monotonic())
 
@@ -163,6 +167,11 @@ class KVAwarePolicy:
         index = self.indexes.get(worker.address)
         if index is not None:
             index.reset()
+
+
+def _prompt_hashes(input_ids: Sequence[int]) -> PromptHashes:
+    """A prompt's chained block hashes (``block_hashes``) for a block size, each size hashed once."""
+    return functools.cache(lambda block_size: block_hashes(input_ids, block_size))
 
 
 def make_policy(
