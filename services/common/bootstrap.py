@@ -84,15 +84,18 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
     a KV pool as large as the target's.
 
     Raises:
-        ValueError: speculation under TP (not supported yet), ``draft`` without a draft model path,
+        ValueError: a draft model under TP (not supported yet), ``draft`` without a draft model path,
             or a draft model whose tokenizer or vocabulary differs from the target's (both named).
     """
     if args.speculative_algorithm == "none":
         return None
-    if tp.size > 1:
-        raise ValueError("--speculative-algorithm is not supported with --tp-size > 1 yet")
     if args.speculative_algorithm == "ngram":
-        return NgramProposer()
+        return NgramProposer()  # deterministic in the tokens: every TP rank drafts the same
+    if tp.size > 1:
+        raise ValueError(
+            "--speculative-algorithm draft is not supported with --tp-size > 1 yet (each rank would "
+            "run the draft model and sample its drafts alone); use ngram"
+        )
     if not args.speculative_draft_model_path:
         raise ValueError("--speculative-algorithm draft needs --speculative-draft-model-path")
     draft_path = resolve_model(args.speculative_draft_model_path)

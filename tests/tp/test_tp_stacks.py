@@ -1,10 +1,10 @@
 """Issue 21 on the real stack: a scheduler of two tensor-parallel ranks (gloo, two processes each),
-colocated and in PD (prefill rank i writes its KV heads into decode rank i over NIXL), gives HF's
-greedy tokens through chunked prefill, radix hits, retraction and aborts, with every scheduler's
-ranks comparing their state digests after every step and every pool conserved; a killed rank takes
-its group down, every client gets an answer within 10 s, and the group restarts and serves again;
-a prefill worker of another TP size is refused at the handshake, naming both sides' values; a
-constrained request is a clear 400."""
+colocated and in PD (prefill rank i writes its KV heads into decode rank i over NIXL; the decode
+group speculates with n-gram drafts, issue 38), gives HF's greedy tokens through chunked prefill,
+radix hits, retraction and aborts, with every scheduler's ranks comparing their state digests after
+every step and every pool conserved; a killed rank takes its group down, every client gets an
+answer within 10 s, and the group restarts and serves again; a prefill worker of another TP size is
+refused at the handshake, naming both sides' values; a constrained request is a clear 400."""
 
 from __future__ import annotations
 
@@ -43,9 +43,12 @@ COMMON = (
     "--chunked-prefill-size",
     "64",
 )
+# PD's decode group also speculates (n-gram drafts, the adaptive policy): every rank must draft,
+# time its steps and verify identically, which the state digests check after every step
+SPECULATIVE = ("--speculative-algorithm", "ngram")
 MODES = {
     "colocated": ("--colocated", *COMMON),
-    "pd": ("--num-prefill", "1", "--num-decode", "1", *COMMON),
+    "pd": ("--num-prefill", "1", "--num-decode", "1", *COMMON, *SPECULATIVE),
 }
 
 
@@ -57,6 +60,7 @@ def tp_stack(request: pytest.FixtureRequest) -> Stack:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PDSERVE_TP_WATCHDOG", str(WATCHDOG_S))
         stack = launch_stack(*MODES[request.param], log_name=f"tp-{request.param}")
+    stack.extra["speculative"] = "--speculative-algorithm" in MODES[request.param]
     yield stack
     stack.stop()
 
@@ -68,8 +72,16 @@ def tp(tp_stack: Stack) -> Stack:
     check_group(tp_stack, before)
 
 
+def spec_drafts(stack: Stack) -> float:
+    """Verify steps of every scheduler (the decode group's, where it speculates)."""
+    return sum(stack.scheduler_values("pdserve:spec_decode_num_drafts_total").values())
+
+
 def test_greedy_equals_hf(tp):
+    drafts_before = spec_drafts(tp)
     check_greedy_equals_hf(tp)
+    if tp.extra["speculative"]:  # its verify steps ran, on both ranks alike
+        assert spec_drafts(tp) > drafts_before
 
 
 def test_chunked_prefill_and_radix_hit(tp):

@@ -92,9 +92,7 @@ class ModelRunner:
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
         device, cuda_graph_runner (None when decode runs eagerly), swa_pages (``SWAPageMap`` of
-        the SWA pool, None without one).
-        device, cuda_graph_runner (None when decode runs eagerly), lora_manager (None without
-        ``max_loras``).
+        the SWA pool, None without one), lora_manager (None without ``max_loras``).
     """
 
     def __init__(

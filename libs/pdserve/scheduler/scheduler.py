@@ -97,7 +97,7 @@ class Scheduler:
         self.speculator = None
         if proposer is not None and not hands_on:
             k, spec_policy = config.speculative_num_draft_tokens, config.speculative_policy
-            self.speculator = Speculator(proposer, k, spec_policy, metrics, model.vocab_size)
+            self.speculator = Speculator(proposer, k, spec_policy, metrics, model.vocab_size, clock)
         self.decode: DecodeManager | HandOff = (
             HandOff()
             if hands_on

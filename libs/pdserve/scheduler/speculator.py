@@ -28,9 +28,8 @@ last drafts cheaper than the forward's slope says.)
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.scheduler.config import SPECULATIVE_POLICIES
 from pdserve.scheduler.metrics import SchedulerMetrics
@@ -60,6 +59,9 @@ class Speculator:
             or ``always`` (every request verifies what the proposer offers, up to ``k``).
         metrics: the spec_decode counters.
         vocab_size: the logits' width (a grammar's masks).
+        clock: seconds; the scheduler's clock, whose readings every rank of a tensor-parallel
+            scheduler shares (rank 0's of each step), so that every rank fits the same step times
+            and makes the same decisions.
 
     Raises:
         ValueError: ``num_draft_tokens < 1``, an unknown policy.
@@ -72,13 +74,14 @@ class Speculator:
         policy: str,
         metrics: SchedulerMetrics,
         vocab_size: int,
+        clock: Callable[[], float],
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {num_draft_tokens}")
         if policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"speculative policy must be one of {SPECULATIVE_POLICIES}, got {policy!r}")
         self.proposer, self.k, self.policy = proposer, num_draft_tokens, policy
-        self.metrics, self.vocab_size = metrics, vocab_size
+        self.metrics, self.vocab_size, self.clock = metrics, vocab_size, clock
         self.tracker = AcceptanceTracker()
         # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
         self.step_time = {False: PRIOR_STEP_TIME, True: PRIOR_SPEC_STEP_TIME}
@@ -172,7 +175,7 @@ class Speculator:
     def step_processed(self, batch: ScheduleBatch) -> None:
         """``batch`` was processed: time a decode-only step from the previous one's processing to its
         own (the wall clock of the loop, which a speculative step pays in full)."""
-        now, last = time.perf_counter(), self._last_decode_done
+        now, last = self.clock(), self._last_decode_done
         decoding = batch.num_extend == 0 and not batch.row_errors
         self._last_decode_done = now if decoding else None
         if decoding and last is not None:
