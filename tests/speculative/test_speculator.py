@@ -4,6 +4,8 @@ adaptive policy steps aside (a speculative step slower per token than a plain on
 
 from __future__ import annotations
 
+import time
+
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
@@ -21,7 +23,7 @@ def running(rid: str, max_new: int = 64, **params) -> Req:
 
 
 def speculator(policy: str = "adaptive") -> Speculator:
-    return Speculator(NgramProposer(), 4, policy, SchedulerMetrics("mixed"), vocab_size=100)
+    return Speculator(NgramProposer(), 4, policy, SchedulerMetrics("mixed"), vocab_size=100, clock=time.time)
 
 
 def test_drafts_are_cut_by_max_tokens_the_cap_and_the_opt_out():
