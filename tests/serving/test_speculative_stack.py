@@ -1,8 +1,8 @@
 """Speculative decoding through real stacks (``pdserve launch``, the official ``openai`` client):
-colocated and PD (the decode worker drafts and verifies; the prefill worker is unchanged), n-gram
-drafts verified always. Greedy answers are HF transformers fp32's token for token, the
-spec_decode counters move, a per-request opt-out and an out-of-range value are honoured / refused
-with a 400, and KV pages are conserved on every scheduler after each test."""
+colocated with n-gram drafts and PD with a draft model (the decode worker drafts and verifies; the
+prefill worker is unchanged), drafts verified always. Greedy answers are HF transformers fp32's
+token for token, the spec_decode counters move, a per-request opt-out and an out-of-range value are
+honoured / refused with a 400, and KV pages are conserved on every scheduler after each test."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from tests.conftest import COMMON
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
 
-SPEC = (
-    "--speculative-algorithm",
-    "ngram",
-    "--speculative-num-draft-tokens",
-    "4",
-    "--speculative-policy",
-    "always",
-)
+SPEC = ("--speculative-num-draft-tokens", "4", "--speculative-policy", "always")
+# colocated: n-gram drafts; PD: the decode worker drafts with a draft model of its own (the target
+# itself, which must accept every greedy draft), whose KV it computes there: prefill ships only the
+# target's (n-gram drafts in PD run in tests/tp, under TP)
+MODES = {
+    "colocated-ngram": ("--colocated", "--speculative-algorithm", "ngram"),
+    "pd-draft": (
+        "--num-prefill", "1", "--num-decode", "1",
+        "--speculative-algorithm", "draft", "--speculative-draft-model-path", "smollm2-135m-instruct",
+    ),
+}  # fmt: skip
 PASSAGE = (
     "The lighthouse keeper climbed the stairs every evening at dusk, trimmed the wick, polished the "
     "great lens and watched the ships pass the rocks until morning."
@@ -30,12 +33,9 @@ QUESTIONS = (f"Repeat this sentence exactly:\n\n{PASSAGE}", "Name three colors."
 MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=["colocated", "pd"])
+@pytest.fixture(scope="module", params=sorted(MODES))
 def stack(request) -> Stack:
-    topology = (
-        ("--colocated",) if request.param == "colocated" else ("--num-prefill", "1", "--num-decode", "1")
-    )
-    stack = launch_stack(*topology, *SPEC, *COMMON, log_name=f"spec-{request.param}")
+    stack = launch_stack(*MODES[request.param], *SPEC, *COMMON, log_name=f"spec-{request.param}")
     yield stack
     stack.stop()
 
