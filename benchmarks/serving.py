@@ -10,6 +10,11 @@ on free ports), or ``--compare "A=FLAGS" "B=FLAGS"`` (each pdserve configuration
 run, with ratios to the first; ``"A@CHECKOUT=FLAGS"`` runs another checkout of pdserve, with its own
 ``.venv``, for before / after comparisons). With none of them, pdserve is launched ``--colocated``.
 
+``--workload tenants`` gives each of ``--tenants`` tenants its own ``--prefix-tokens`` system prompt
+and sends their requests in random order; the table's ``cached`` column is the share of prompt
+tokens served from the workers' prefix caches (issue 40's routing workload: several decode workers
+whose pools hold only some of the prefixes, one or two gateways, one router policy per label).
+
 ``--workload priority`` measures a high-priority request's TTFT under a saturating low-priority load
 against an idle server's (``serving_lib/priority.py``; launch with ``--schedule-policy priority``).
 
@@ -55,6 +60,7 @@ class BenchConfig:
     workload: WorkloadKind = "random"
     prompt_tokens: int = 128
     prefix_tokens: int = 1000
+    tenants: int = 16
     output_tokens: int = 64
     mode: LoadMode = "concurrency"
     levels: list[float] = field(default_factory=lambda: [1, 16, 64])
@@ -94,7 +100,8 @@ async def bench_server(
         async with await TokenCounter.connect(base_url.removesuffix("/v1"), model, api_key) as counter:
             tokens_per_word = await counter.tokens_per_word(cfg.seed)
             kind = "random" if cfg.priority else cfg.workload
-            source = PromptSource(kind, cfg.prompt_tokens, cfg.prefix_tokens, cfg.seed, tokens_per_word)
+            lengths = cfg.prompt_tokens, cfg.prefix_tokens
+            source = PromptSource(kind, *lengths, cfg.seed, tokens_per_word, cfg.tenants)
             target = CompletionTarget(client, model, cfg.output_tokens, cfg.temperature, cfg.ignore_eos)
             root = base_url.removesuffix("/v1")
             run = {"label": label, "base_url": base_url, "model": model, "token_counter": counter.source}
@@ -158,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="model name to request (default: the first of /v1/models)")
     p.add_argument(
         "--workload",
-        choices=["random", "shared-prefix", "grounded", "priority"],
+        choices=["random", "shared-prefix", "tenants", "grounded", "priority"],
         default="random",
         help="grounded: answers that copy spans of the prompt (where speculative drafts stand); "
         "priority: high-priority probes' TTFT under a low-priority load (its first --concurrency "
@@ -171,8 +178,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-priority", type=int, default=-10, help="priority workload: the probes' priority")
     p.add_argument("--load-priority", type=int, default=10, help="priority workload: the load's priority")
     p.add_argument("--prompt-tokens", type=int, default=128, help="random workload: prompt length in tokens")
-    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix workload: preamble tokens")
-    p.add_argument("--output-tokens", type=int, help="tokens per request (default 64; shared-prefix 32)")
+    p.add_argument(
+        "--prefix-tokens", type=int, default=1000, help="shared-prefix / tenants workloads: preamble tokens"
+    )
+    p.add_argument("--tenants", type=int, default=16, help="tenants workload: tenants (one preamble each)")
+    p.add_argument(
+        "--output-tokens", type=int, help="tokens per request (default 64; shared-prefix and tenants 32)"
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default="1,16,64", help="comma-separated concurrency levels")
     load.add_argument("--request-rate", help="comma-separated Poisson request rates (req/s)")
@@ -189,7 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    shared = args.workload == "shared-prefix"
+    shared = args.workload in ("shared-prefix", "tenants")
     mode: LoadMode = "request_rate" if args.request_rate else "concurrency"
     levels = [float(v) for v in (args.request_rate or args.concurrency).split(",") if v.strip()]
     if mode == "concurrency":
@@ -203,6 +215,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         workload=args.workload,
         prompt_tokens=args.prompt_tokens,
         prefix_tokens=args.prefix_tokens,
+        tenants=args.tenants,
         output_tokens=args.output_tokens or (32 if shared else 64),
         mode=mode,
         levels=levels,

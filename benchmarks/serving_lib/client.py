@@ -31,7 +31,8 @@ class CompletionTarget:
 async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens: int) -> RequestRecord:
     """Send ``prompt`` as a streaming ``/v1/completions`` request and time every text chunk.
 
-    Output and prompt token counts come from the final usage chunk (``stream_options.include_usage``);
+    Output, prompt and cached prompt token counts come from the final usage chunk
+    (``stream_options.include_usage``; ``prompt_tokens_details.cached_tokens``);
     a server that sends none gets its output counted as one token per non-empty chunk and keeps
     ``prompt_tokens``. Errors do not raise: they end up in ``RequestRecord.error``. A completion that
     finished with tokens that all decode to no text (a random-weight model can repeat a special token,
@@ -66,6 +67,8 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
             if chunk.usage is not None:
                 record.output_tokens = chunk.usage.completion_tokens
                 record.prompt_tokens = chunk.usage.prompt_tokens or prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                record.cached_tokens = (details.cached_tokens or 0) if details else 0
     except (openai.OpenAIError, httpx.HTTPError) as e:
         record.error = f"{type(e).__name__}: {e}"[:300]
     record.end = time.perf_counter()

@@ -46,7 +46,8 @@ def comparison(results: Sequence[LevelResult]) -> list[dict]:
 
 
 def table(results: Sequence[LevelResult]) -> str:
-    """One row per (label, level): counts, throughputs and TTFT / ITL / E2E p50/p90/p99 in ms.
+    """One row per (label, level): counts, throughputs and TTFT / ITL / E2E p50/p90/p99 in ms (and
+    the cached share of prompt tokens where a server reported cache hits).
 
     With more than one label, a ``tput x`` column gives the output-throughput ratio to the first label.
     """
@@ -60,6 +61,10 @@ def table(results: Sequence[LevelResult]) -> str:
     for metric in ("TTFT", "ITL", "E2E"):
         headers += [f"{metric} p50", f"{metric} p90", f"{metric} p99"]
         floatfmt += [".1f"] * 3
+    caches = any(r.cached_share for r in results)
+    if caches:  # the share of prompt tokens served from the prefix cache
+        headers.append("cached")
+        floatfmt.append(".3f")
     speculates = any(r.spec for r in results)
     if speculates:  # speculative decoding: acceptance rate and mean accepted length per drafting step
         headers += ["accept", "acc len"]
@@ -71,6 +76,8 @@ def table(results: Sequence[LevelResult]) -> str:
             row.append(ratios.get((r.label, r.mode, r.level)))
         for pcts in (r.ttft_ms, r.itl_ms, r.e2e_ms):
             row += [pcts["p50"], pcts["p90"], pcts["p99"]]
+        if caches:
+            row.append(r.cached_share)
         if speculates:
             row += [r.spec.get("acceptance_rate"), r.spec.get("mean_accepted_len")]
         rows.append(row)

@@ -23,7 +23,8 @@ class RequestRecord:
 
     ``ttft`` is the time from sending to the first non-empty text chunk; ``itl`` the gaps between
     successive non-empty chunks (a chunk may carry several tokens); ``error`` is set (and the
-    timings are meaningless) when the request failed.
+    timings are meaningless) when the request failed. ``cached_tokens``: prompt tokens the server
+    reported served from its prefix cache (0 where it reports none).
     """
 
     prompt_tokens: int
@@ -33,6 +34,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def latency(self) -> float:
@@ -73,7 +75,8 @@ class LevelResult:
     """Summary of one load level (one concurrency or one request rate) of one server configuration.
 
     Throughputs are over ``duration_s`` (first request sent to last response finished); latency
-    percentiles are in milliseconds over the successful requests only.
+    percentiles are in milliseconds over the successful requests only; ``cached_share`` is the
+    share of their prompt tokens the server served from its prefix cache.
     """
 
     label: str
@@ -88,6 +91,7 @@ class LevelResult:
     output_throughput: float
     mean_prompt_tokens: float
     mean_output_tokens: float
+    cached_share: float
     ttft_ms: dict[str, float | None]
     itl_ms: dict[str, float | None]
     tpot_ms: dict[str, float | None]
@@ -128,6 +132,7 @@ def summarize(label: str, mode: str, level: float, records: Sequence[RequestReco
         output_throughput=round(out_tokens * per_s, 2),
         mean_prompt_tokens=round(in_tokens / len(ok), 2) if ok else 0.0,
         mean_output_tokens=round(out_tokens / len(ok), 2) if ok else 0.0,
+        cached_share=round(sum(r.cached_tokens for r in ok) / in_tokens, 4) if in_tokens else 0.0,
         ttft_ms=_ms(r.ttft for r in ok if r.ttft is not None),
         itl_ms=_ms(gap for r in ok for gap in r.itl),
         tpot_ms=_ms(t for r in ok if (t := r.tpot) is not None),

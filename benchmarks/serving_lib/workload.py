@@ -1,12 +1,15 @@
-"""Deterministic prompt workloads: ``random`` (prompts of about N tokens), ``shared-prefix`` and
-``grounded`` (answers that copy spans of the prompt: ``grounded.py``).
+"""Deterministic prompt workloads: ``random`` (prompts of about N tokens), ``shared-prefix``,
+``tenants`` and ``grounded`` (answers that copy spans of the prompt: ``grounded.py``).
 
 Prompts are built from common English words that BPE vocabularies (SmolLM2, Llama, Qwen, GPT-2)
 hold as a single token with their leading space, so a prompt of ``n`` words is about ``n`` tokens;
 :func:`benchmarks.serving_lib.tokens.TokenCounter.tokens_per_word` measures the exact ratio on the
 served tokenizer when the server can tokenize. The shared-prefix workload is the few-shot /
 system-prompt pattern that RadixAttention (SGLang, Zheng et al. 2024) targets: one long preamble
-followed by distinct short questions.
+followed by distinct short questions. The tenants workload is many of those at once: each tenant
+has its own system prompt, and requests of the tenants arrive in random order, so that workers whose
+pools hold only some of the prefixes reward a router that sends each tenant where its prefix is
+cached (Dynamo's KV router, llm-d's precise prefix-cache scorer; issue 40).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Literal
 
 from benchmarks.serving_lib.grounded import TASKS, grounded_prompt
 
-WorkloadKind = Literal["random", "shared-prefix", "grounded"]
+WorkloadKind = Literal["random", "shared-prefix", "tenants", "grounded"]
 
 _WORD_TEXT = """
 time year people way day man thing woman life child world school state family student group country problem
@@ -51,15 +54,20 @@ class PromptSource:
     built with the same arguments yield identical sequences, which keeps ``--compare`` runs fair.
 
     Args:
-        kind: ``"random"``, ``"shared-prefix"`` or ``"grounded"`` (the tasks of ``grounded.TASKS``
-            in turn, their grounding text about ``prompt_tokens`` long).
+        kind: ``"random"``, ``"shared-prefix"``, ``"tenants"`` (a preamble per tenant, each
+            request of a tenant drawn uniformly) or ``"grounded"`` (the tasks of
+            ``grounded.TASKS`` in turn, their grounding text about ``prompt_tokens`` long).
         prompt_tokens: target length of a random prompt (a grounded prompt's text), in tokens.
-        prefix_tokens: target length of the shared preamble, in tokens (shared-prefix only).
+        prefix_tokens: target length of a preamble, in tokens (shared-prefix and tenants).
         seed: seed of the word choices.
         tokens_per_word: the served tokenizer's tokens per word of :data:`WORDS` (1.0 if unknown).
+        tenants: how many tenants (tenants only).
+
+    Attributes:
+        preambles: the preambles (one for shared-prefix, one per tenant; none otherwise).
 
     Raises:
-        ValueError: for an unknown ``kind`` or a non-positive length.
+        ValueError: for an unknown ``kind``, a non-positive length or tenant count.
     """
 
     def __init__(
@@ -69,19 +77,19 @@ class PromptSource:
         prefix_tokens: int,
         seed: int,
         tokens_per_word: float = 1.0,
+        tenants: int = 16,
     ) -> None:
-        if kind not in ("random", "shared-prefix", "grounded"):
+        if kind not in ("random", "shared-prefix", "tenants", "grounded"):
             raise ValueError(f"unknown workload {kind!r}")
-        if prompt_tokens < 1 or prefix_tokens < 1 or tokens_per_word <= 0:
-            raise ValueError("prompt_tokens, prefix_tokens and tokens_per_word must be positive")
+        if prompt_tokens < 1 or prefix_tokens < 1 or tokens_per_word <= 0 or tenants < 1:
+            raise ValueError("prompt_tokens, prefix_tokens, tokens_per_word and tenants must be positive")
         self.kind = kind
         self._rng = random.Random(seed)
         self._prompt_words = words_for(prompt_tokens, tokens_per_word)
         self._taken = 0
-        self.preamble = ""
-        if kind == "shared-prefix":
-            body_words = words_for(prefix_tokens, tokens_per_word) - len(PREAMBLE_HEAD.split())
-            self.preamble = PREAMBLE_HEAD + random_words(self._rng, max(1, body_words)) + "."
+        count = {"shared-prefix": 1, "tenants": tenants}.get(kind, 0)
+        body_words = max(1, words_for(prefix_tokens, tokens_per_word) - len(PREAMBLE_HEAD.split()))
+        self.preambles = [PREAMBLE_HEAD + random_words(self._rng, body_words) + "." for _ in range(count)]
 
     def take(self, count: int) -> list[str]:
         """The next ``count`` prompts."""
@@ -94,6 +102,7 @@ class PromptSource:
         if self.kind == "grounded":
             task = TASKS[(self._taken - 1) % len(TASKS)]
             return grounded_prompt(self._rng, WORDS, task, self._prompt_words)
+        preamble = self._rng.choice(self.preambles)
         a, b = self._rng.sample(WORDS, 2)
         question = f"Question {self._taken}: what do the notes say about the {a} and the {b}?"
-        return f"{self.preamble}{QUESTION_SEP}{question}"
+        return f"{preamble}{QUESTION_SEP}{question}"

@@ -39,15 +39,15 @@ def test_percentiles_empty_and_out_of_range():
         percentiles([1.0, 2.0], (100,))
 
 
-def _record(start, ttft, gaps, tokens, prompt=100, error=None):
+def _record(start, ttft, gaps, tokens, prompt=100, error=None, cached=0):
     end = start + ttft + sum(gaps)
-    return RequestRecord(prompt, start, end, ttft, list(gaps), tokens, error)
+    return RequestRecord(prompt, start, end, ttft, list(gaps), tokens, error, cached)
 
 
 def test_summarize_known_records():
     ok = [
         _record(0.0, 0.10, [0.02, 0.03, 0.05], 4, prompt=120),
-        _record(0.05, 0.20, [0.04, 0.04], 3, prompt=80),
+        _record(0.05, 0.20, [0.04, 0.04], 3, prompt=80, cached=64),
         _record(0.30, 0.15, [0.01] * 9, 10, prompt=100),
     ]
     failed = RequestRecord(100, 0.1, 0.2, error="APIConnectionError: refused")
@@ -61,6 +61,7 @@ def test_summarize_known_records():
     assert result.input_throughput == pytest.approx(300 / duration, rel=1e-3)
     assert result.request_throughput == pytest.approx(3 / duration, rel=1e-3)
     assert result.mean_output_tokens == pytest.approx(17 / 3, abs=0.01)
+    assert result.cached_share == pytest.approx(64 / 300, abs=1e-4)  # of the completed requests' prompts
 
     ttfts = np.array([0.10, 0.20, 0.15]) * 1000
     gaps = np.array([0.02, 0.03, 0.05, 0.04, 0.04] + [0.01] * 9) * 1000

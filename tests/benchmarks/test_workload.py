@@ -43,16 +43,28 @@ def test_random_prompts_are_fresh_and_reproducible():
 def test_shared_prefix_prompts_share_the_preamble_tokens():
     source = PromptSource("shared-prefix", 128, 1000, seed=0)
     prompts = source.take(6) + source.take(6)
-    preamble_ids = hf_tokenizer()(source.preamble)["input_ids"]
+    [preamble] = source.preambles
+    preamble_ids = hf_tokenizer()(preamble)["input_ids"]
     assert abs(len(preamble_ids) - 1000) <= 50
     assert len(set(prompts)) == len(prompts)
     for prompt in prompts:
-        assert prompt.startswith(source.preamble)
+        assert prompt.startswith(preamble)
         ids = hf_tokenizer()(prompt)["input_ids"]
         # the radix cache matches token ids, so the shared part must survive tokenization intact
         assert ids[: len(preamble_ids)] == preamble_ids
         assert 5 < len(ids) - len(preamble_ids) < 40
-    assert PromptSource("shared-prefix", 128, 1000, seed=0).preamble == source.preamble
+    assert PromptSource("shared-prefix", 128, 1000, seed=0).preambles == [preamble]
+
+
+def test_tenants_prompts_start_with_their_tenants_preamble_in_random_order():
+    source = PromptSource("tenants", 128, 200, seed=0, tenants=4)
+    assert len(set(source.preambles)) == 4
+    prompts = source.take(64)
+    owners = [[i for i, p in enumerate(source.preambles) if prompt.startswith(p)] for prompt in prompts]
+    assert all(len(o) == 1 for o in owners)  # each prompt is exactly one tenant's
+    order = [o[0] for o in owners]
+    assert set(order) == {0, 1, 2, 3} and order != sorted(order)
+    assert PromptSource("tenants", 128, 200, seed=0, tenants=4).take(64) == prompts
 
 
 def test_estimate_is_close_to_the_real_count():
