@@ -14,12 +14,14 @@ import torch
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.model_source import resolve_model
+from pdserve.sampling.sampling_batch_info import step_seed
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig, StepOutput
 from tests.reference import hf_tokenizer
 
 PAGE = 16
+POISON_SEED = 424_242  # a request seeded with it breaks the forward of any batch it is in
 
 
 def make_runner(max_total_tokens: int) -> ModelRunner:
@@ -98,3 +100,22 @@ def cached_sequences(tree: RadixCache) -> list[tuple[int, ...]]:
             out.append(key)
             stack.append((child, key))
     return out
+
+
+class PoisonedSampler:
+    """The real sampler, except that a batch holding a request seeded with ``POISON_SEED`` raises
+    (as a forward that one request's inputs break would); ``verify_failures`` counts the batches it
+    failed that verified drafts."""
+
+    def __init__(self, real):
+        self.real = real
+        self.poisoned = {step_seed(POISON_SEED, k) for k in range(256)}
+        self.calls = 0
+        self.verify_failures = 0
+
+    def __call__(self, logits, info, return_logprob=False, top_logprobs_nums=None, drafts=None):
+        self.calls += 1
+        if info is not None and self.poisoned.intersection(info.step_seeds):
+            self.verify_failures += drafts is not None
+            raise RuntimeError("injected failure")
+        return self.real(logits, info, return_logprob, top_logprobs_nums, drafts)

@@ -6,12 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.sampling.sampling_batch_info import step_seed
 from pdserve.scheduler.req import FinishReason, ReqState
 from tests.reference import hf_greedy
-from tests.scheduler.driver import drive, fresh, ids, make_runner, req, step
-
-POISON_SEED = 424_242
+from tests.scheduler.driver import POISON_SEED, PoisonedSampler, drive, fresh, ids, make_runner, req, step
 
 
 @pytest.fixture(scope="module")
@@ -65,22 +62,6 @@ def test_requests_arriving_while_a_step_runs_join_the_next_one(runner):
     for rid, prompt in prompts.items():
         assert done[rid].output_ids == hf_greedy(prompt, 6), rid
     assert sched.ledger.used_pages() == 0
-
-
-class PoisonedSampler:
-    """The real sampler, except that a batch holding a request seeded with ``POISON_SEED`` raises
-    (as a forward that one request's inputs break would)."""
-
-    def __init__(self, real):
-        self.real = real
-        self.poisoned = {step_seed(POISON_SEED, k) for k in range(256)}
-        self.calls = 0
-
-    def __call__(self, logits, info, *args):
-        self.calls += 1
-        if info is not None and self.poisoned.intersection(info.step_seeds):
-            raise RuntimeError("injected failure")
-        return self.real(logits, info, *args)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

@@ -20,7 +20,7 @@ from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.speculative.draft_model import DraftModelProposer
 from pdserve.speculative.ngram import NgramProposer
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
-from tests.scheduler.driver import PAGE, cached_sequences, drive, make_runner
+from tests.scheduler.driver import PAGE, POISON_SEED, PoisonedSampler, cached_sequences, drive, make_runner
 
 NEW = 32
 PASSAGE = (
@@ -145,6 +145,31 @@ def test_abort_mid_verify_releases_everything(runner, prompts):
     done = drive(sched, overlap=True, on_step=abort_in_verify)
     assert done["x"].state is ReqState.ABORTED and len(done["x"].output_ids) < NEW
     assert sched.ledger.used_pages() == 0 and sched.ledger.req_to_token_pool.available_size() > 0
+    assert_cache_verified(sched, done)
+
+
+def test_a_forward_failure_in_a_verify_batch_fails_only_the_request_responsible(runner, prompts, monkeypatch):
+    """A request that breaks the forward joins while the others verify drafts: the verify batch is
+    bisected with each request's per-position sampling rows, the bad request fails alone, and the
+    others keep HF's greedy tokens, their drafts still verified."""
+    sampler = PoisonedSampler(runner.sampler)
+    monkeypatch.setattr(runner, "sampler", sampler)
+    sched = scheduler(runner, NgramProposer(), speculative_policy="always")
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy(rid, prompt))
+
+    def poison_while_verifying(n: int, s: Scheduler) -> None:
+        if "bad" not in added and any(b.verifies for b in s.outstanding):
+            added.add("bad")
+            s.add_request(greedy("bad", prompts["colors"], max_new=8, temperature=1.0, seed=POISON_SEED))
+
+    added: set[str] = set()
+    done = drive(sched, overlap=True, on_step=poison_while_verifying)
+    assert sampler.verify_failures > 0  # the failing batches verified drafts
+    assert done["bad"].state is ReqState.FAILED and "injected failure" in done["bad"].error
+    for rid, prompt in prompts.items():
+        assert done[rid].output_ids == hf_greedy(prompt, NEW), rid
+    assert counts(sched)[2] > 0
     assert_cache_verified(sched, done)
 
 

@@ -45,3 +45,16 @@ class DraftRows:
         if not rows:
             return cls(token_ids)
         return cls(token_ids, torch.tensor(rows, dtype=torch.int64, device=device), torch.cat(qs))
+
+    def select(self, rows: Sequence[int]) -> DraftRows:
+        """The rows ``rows`` (in that order) alone: a sub-batch's draft rows, its ``q`` rows kept."""
+        token_ids = self.token_ids[torch.tensor(list(rows), dtype=torch.int64, device=self.token_ids.device)]
+        if self.prob_rows is None:
+            return DraftRows(token_ids)
+        where = {r: j for j, r in enumerate(self.prob_rows.tolist())}
+        kept = [(new, where[r]) for new, r in enumerate(rows) if r in where]
+        if not kept:
+            return DraftRows(token_ids)
+        device = self.prob_rows.device
+        new_rows = torch.tensor([new for new, _ in kept], dtype=torch.int64, device=device)
+        return DraftRows(token_ids, new_rows, self.probs[torch.tensor([j for _, j in kept], device=device)])

@@ -59,7 +59,9 @@ class OutputProcessor:
         now = self.clock()
         outputs: list[StepOutput] = []
         generated = 0
-        kept = batch.accepted() if batch.verifies and not batch.row_errors else None
+        # (failed rows' samples are zeros, never read; with every row failed there are none at all)
+        survived = len(batch.row_errors) < len(batch.reqs)
+        kept = batch.accepted() if batch.verifies and survived else None
         if self.speculator is not None:
             self.speculator.step_processed(batch)
         for i, req in enumerate(batch.reqs):
