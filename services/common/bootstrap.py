@@ -109,16 +109,13 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
 
 
 def swa_ratio(args: argparse.Namespace, role: str) -> float | None:
-    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler of one rank.
+    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler.
 
     Raises:
-        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool), or
-            with ``--tp-size`` > 1 (not tested yet).
+        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool).
     """
     if args.swa_full_tokens_ratio is not None and role != "mixed":
         raise ValueError("--swa-full-tokens-ratio is not supported with prefill/decode disaggregation yet")
-    if args.swa_full_tokens_ratio is not None and args.tp_size > 1:
-        raise ValueError("--swa-full-tokens-ratio is not supported with --tp-size > 1 yet")
     return args.swa_full_tokens_ratio
 
 
