@@ -9,7 +9,6 @@ replicated) give the same tokens, and both pools are conserved after every step.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -23,7 +22,6 @@ from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, swa_layer_weight
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from pdserve.services.common.bootstrap import swa_ratio
 from pdserve.speculative.ngram import NgramProposer
 from tests.engine.test_tensor_parallel import run_ranks
 from tests.families import WINDOW, hf_greedy, hf_model, make_checkpoint
@@ -200,10 +198,7 @@ def test_two_tensor_parallel_ranks(tmp_path):
         )
 
 
-def test_refused_where_not_supported():
-    with pytest.raises(ValueError, match="prefill/decode disaggregation"):
-        swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=1), "decode")
-    assert swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=2), "mixed") == 0.5
+def test_the_ratio_is_checked():
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         swa_layer_weight([4, 0], 1.5)
     assert swa_layer_weight([4, 4, 0], 0.25) == 1.5
@@ -225,3 +220,23 @@ def test_a_match_backs_off_to_the_last_whole_window():
     pages.unmap([3])
     assert pages.whole_prefix(match) == 0
     assert pages.available_size() == 8 - 2
+
+
+def test_a_pd_decode_worker_maps_only_the_last_window(family):
+    """A PD decode worker's prompt KV arrives whole from a prefill worker: of its full pages only
+    those the first decode step's window reads get local pages (``arriving_local_pages``, where the
+    prefill worker writes them); the others never do. An abort gives every page back."""
+    name, runner, hf = family
+    sched = fresh(runner, role="decode")
+    pd = req("pd", PROMPTS[2], max_new=NEW_TOKENS)
+    sched.add_request(pd)
+    assert sched.schedule() is None and sched.prefill.pop_requests() == [pd]
+    pages, behind = math.ceil(len(PROMPTS[2]) / PAGE), (len(PROMPTS[2]) + 1 - WINDOW) // PAGE
+    local = sched.ledger.arriving_local_pages(pd)
+    assert len(pd.pages) == pages and len(local) == pages - behind == sched.ledger.swa.held_pages(), name
+    assert sched.ledger.swa.local_pages(pd.pages[behind:]) == local
+    with pytest.raises(ValueError, match="hold no local KV page"):
+        sched.ledger.swa.local_pages(pd.pages[behind - 1 :])
+    assert sched.abort_request("pd")
+    sched.ledger.check_conservation(sched.usable_pages)
+    assert sched.ledger.swa.held_pages() == 0 and sched.ledger.free_pages() == sched.usable_pages
