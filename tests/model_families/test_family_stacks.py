@@ -2,11 +2,12 @@
 tokenizer) served by ``pdserve launch`` through the gateway, colocated on one rank and disaggregated
 (PD) on two tensor-parallel ranks per scheduler (one KV head replicated on both where the family has
 one; experts spread over the ranks with ``--enable-expert-parallel`` for the MoE families), and
-Gemma 3 in PD with its local layers' KV in a page pool of their own (``--swa-full-tokens-ratio``:
-the prompt's full pages and its last window's local pages shipped, in both page spaces): greedy
-tokens equal HF transformers fp32 for prompts chunked by a small prefill budget and long enough that
-every sliding window slides several times, a repeated prompt is a radix-cache hit with the same
-tokens, and every scheduler's KV pages (both page spaces of an SWA pool) are conserved after each test."""
+Gemma 3 so (PD, TP=2) with its local layers' KV in a page pool of their own
+(``--swa-full-tokens-ratio``: the prompt's full pages and its last window's local pages shipped, in
+both page spaces, each rank its KV head): greedy tokens equal HF transformers fp32 for prompts
+chunked by a small prefill budget and long enough that every sliding window slides several times, a
+repeated prompt is a radix-cache hit with the same tokens, and every scheduler's KV pages (both page
+spaces of an SWA pool) are conserved after each test."""
 
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ COMMON = (
     "--chunked-prefill-size",
     "32",
 )
+PD_TP2 = ("--num-prefill", "1", "--num-decode", "1", "--tp-size", "2")
 MODES = {
     "colocated": ("--colocated",),
-    "pd-tp2": ("--num-prefill", "1", "--num-decode", "1", "--tp-size", "2"),
+    "pd-tp2": PD_TP2,
     # the local layers' KV in a page pool of their own on both workers: full and local pages shipped
-    "pd-swa": ("--num-prefill", "1", "--num-decode", "1", "--swa-full-tokens-ratio", "0.25"),
+    "pd-tp2-swa": (*PD_TP2, "--swa-full-tokens-ratio", "0.25"),
 }
-STACKS = [(f, m) for f in SERVED for m in ("colocated", "pd-tp2")] + [("gemma3", "pd-swa")]
+STACKS = [(f, m) for f in SERVED for m in ("colocated", "pd-tp2")] + [("gemma3", "pd-tp2-swa")]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_greedy_equals_hf(served, stack, prompts, checkpoints):
     results = generate_all(stack, prompts, NEW_TOKENS)
     for prompt, result in zip(prompts, results, strict=True):
         assert result["output_ids"] == hf_greedy(hf, prompt, NEW_TOKENS), f"prompt of {len(prompt)} tokens"
-    if served[2] == "pd-swa":
+    if served[2] == "pd-tp2-swa":
         shipped = sum(decode_values(stack, "pdserve:kv_transfer_bytes_total")) - before
         assert shipped == swa_transfer_bytes(hf.config, [len(p) for p in prompts])
         assert decode_values(stack, "pdserve:swa_pages_total")  # the decode worker has the local pool
