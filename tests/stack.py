@@ -122,13 +122,17 @@ class Stack:
             time.sleep(0.1)
 
     def check_kv_conservation(self) -> None:
-        """free + cached + used == total on every scheduler (and nothing used when idle)."""
+        """free + cached + used == total on every scheduler, in both page spaces of an SWA pool (and
+        nothing used when idle)."""
         m = self.wait_idle()
         totals = m["pdserve:kv_pages_total"]
         assert totals, "no scheduler reported kv_pages_total"
         for key, total in totals.items():
             parts = [m[f"pdserve:kv_pages_{p}"][key] for p in ("free", "cached", "used")]
             assert sum(parts) == total, f"{key}: free+cached+used = {parts} != total {total}"
+        for key, total in m.get("pdserve:swa_pages_total", {}).items():  # an SWA pool's local pages
+            parts = [m[f"pdserve:swa_pages_{p}"][key] for p in ("free", "cached", "used")]
+            assert sum(parts) == total and parts[2] == 0, f"{key}: local pages free+cached+used = {parts}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -16,6 +16,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.kv_transfer import POOL_LAYOUT, KVAgentInfo, KVLayout, KVTransferAgent
 from pdserve.kv_transfer.net_devices import restrict_ucx_to
+from pdserve.mem_cache.swa_pool import SWAKVPool
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -44,7 +45,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         tp=tp,
         kv_cache_dtype=args.kv_cache_dtype,
         expert_parallel=args.enable_expert_parallel,
-        swa_full_tokens_ratio=swa_ratio(args, role),
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         max_loras=args.max_loras if args.enable_lora or args.lora_modules else 0,
         max_lora_rank=args.max_lora_rank,
     )
@@ -111,20 +112,6 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
     )
 
 
-def swa_ratio(args: argparse.Namespace, role: str) -> float | None:
-    """``--swa-full-tokens-ratio``, where it is supported: a colocated scheduler of one rank.
-
-    Raises:
-        ValueError: the flag on a PD prefill or decode worker (the KV transfer ships one pool), or
-            with ``--tp-size`` > 1 (not tested yet).
-    """
-    if args.swa_full_tokens_ratio is not None and role != "mixed":
-        raise ValueError("--swa-full-tokens-ratio is not supported with prefill/decode disaggregation yet")
-    if args.swa_full_tokens_ratio is not None and args.tp_size > 1:
-        raise ValueError("--swa-full-tokens-ratio is not supported with --tp-size > 1 yet")
-    return args.swa_full_tokens_ratio
-
-
 def rank_device(device: str, tp: TpGroup) -> str:
     """The device of ``tp.rank``: ``device`` itself without TP, else GPU ``rank`` of those visible
     (``auto`` / ``cuda``: the launcher gives a TP scheduler one GPU per rank) or the CPU.
@@ -162,9 +149,11 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
     restrict_ucx_to(host)
     runner = scheduler.runner
     cfg = runner.model_config
+    pool = runner.kv_pool
+    local = pool.swa if isinstance(pool, SWAKVPool) else None  # the local layers' pages
     layout = KVLayout(
         model=f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:vocab{cfg.vocab_size}",
-        dtype=str(runner.kv_pool.dtype).removeprefix("torch."),
+        dtype=str(pool.dtype).removeprefix("torch."),
         page_size=scheduler.page_size,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_local_kv_heads,
@@ -172,9 +161,11 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
         layout=POOL_LAYOUT,
         tp_size=cfg.tp_size,
         tp_rank=cfg.tp_rank,
+        num_local_layers=0 if local is None else local.num_layers,
     )
     name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
-    return KVTransferAgent(name, runner.kv_pool.kv_data, layout)
+    full = pool if local is None else pool.full
+    return KVTransferAgent(name, full.kv_data, layout, None if local is None else local.kv_data)
 
 
 async def gather_agents(agent: KVTransferAgent, tp: TpGroup) -> list[KVAgentInfo]:

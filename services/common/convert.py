@@ -106,6 +106,7 @@ def prefill_req_from_pb(pb: scheduler_pb2.PrefillRequest) -> Req:
         kv_dst_agent=pb.dst_agent_name,
         kv_dst_pages=tuple(pb.dst_page_indices),
         kv_dst_start_page=pb.dst_start_page,
+        kv_dst_local_pages=tuple(pb.dst_local_page_indices),
         kv_transfer_id=(pb.kv_transfer_id or pb.rid).encode(),
     )
     return Req(
@@ -118,9 +119,12 @@ def prefill_req_from_pb(pb: scheduler_pb2.PrefillRequest) -> Req:
     )
 
 
-def prefill_request_to_pb(req: Req, tid: bytes, dst: KVAgentInfo) -> scheduler_pb2.PrefillRequest:
+def prefill_request_to_pb(
+    req: Req, tid: bytes, dst: KVAgentInfo, local_pages: list[int]
+) -> scheduler_pb2.PrefillRequest:
     """Ask a prefill worker for ``req``'s prompt KV, written as transfer ``tid`` into the pages of
-    ``req`` the radix cache did not give (agent ``dst``'s pool)."""
+    ``req`` the radix cache did not give (agent ``dst``'s pool) and, with an SWA pool, into
+    ``local_pages`` (``KVLedger.arriving_local_pages``)."""
     return scheduler_pb2.PrefillRequest(
         rid=req.rid,
         input_ids=req.fill_ids,
@@ -132,6 +136,7 @@ def prefill_request_to_pb(req: Req, tid: bytes, dst: KVAgentInfo) -> scheduler_p
         deadline_unix_s=req.deadline,
         num_output_ids=len(req.output_ids),
         kv_transfer_id=tid.decode(),
+        dst_local_page_indices=local_pages,
     )
 
 

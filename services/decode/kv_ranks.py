@@ -182,7 +182,9 @@ class KVRanks:
         peer = self.peer_names.get(address)
         if peer is None:
             raise KVTransferError(f"no KV peer for prefill worker {address}")
-        receive = self.receives[rid] = self.agent.expect(peer, tid, req.pages[req.num_prefix_pages :])
+        local_pages = self.scheduler.ledger.arriving_local_pages(req)
+        receive = self.agent.expect(peer, tid, req.pages[req.num_prefix_pages :], local_pages)
+        self.receives[rid] = receive
         if not self.tp.is_driver:
             asyncio.get_running_loop().create_task(self._report_landed(rid, receive, timeout_s))
 

@@ -126,7 +126,8 @@ class PrefillPeer:
         self.peer_incarnation = ""
 
     async def _prefill(self, req: Req, tid: bytes, timeout: float) -> KVReady:
-        request = prefill_request_to_pb(req, tid, self.agent.local_info())
+        local_pages = self.ranks.scheduler.ledger.arriving_local_pages(req)
+        request = prefill_request_to_pb(req, tid, self.agent.local_info(), local_pages)
         try:
             return kv_ready_from_pb(req.rid, await self.stub.Prefill(request, timeout=timeout))
         except grpc.aio.AioRpcError as e:

@@ -4,7 +4,8 @@ A request's transfer opens when it is queued (rank 0 opens its own in the Prefil
 bad destination fails the call at once; the other ranks open theirs when the request reaches them).
 After every scheduling step the pages its processed chunks filled are sent (``stream_chunks``; with
 the overlapped loop a chunk whose batch is still outstanding is not), so they move while later
-chunks compute; the rest go once the last chunk has sampled the first token. Each rank reports when
+chunks compute; the rest go once the last chunk has sampled the first token, and with them, over
+an SWA pool, the local-layer pages of the prompt's last window (``_send_local_pages``). Each rank reports when
 its own write ended (``KVWritten``); once every rank's write landed (or one failed) every rank
 caches or frees the pages at the same step, and rank 0 answers the call. A transfer is cancelled (no
 page of it read any more) before the scheduler's pages of an ended request can go to another one:
@@ -97,9 +98,8 @@ class KVSends:
         """
         route = req.route
         peer = self.rank_peer.get(route.kv_dst_agent, route.kv_dst_agent)
-        return self.agent.start_transfer(
-            peer, route.kv_transfer_id, list(route.kv_dst_pages), self.transfer_timeout_s
-        )
+        dst, local = list(route.kv_dst_pages), list(route.kv_dst_local_pages)
+        return self.agent.start_transfer(peer, route.kv_transfer_id, dst, self.transfer_timeout_s, local)
 
     def cancel(self, rid: str) -> None:
         """Stop ``rid``'s transfer at once (no page of it is read any more)."""
@@ -191,6 +191,10 @@ class KVSends:
                 continue
             out.prefilled_at = time.monotonic()
             self._send_ready_pages(req, len(req.pages))
+            try:
+                self._send_local_pages(req, out.transfer)
+            except ValueError as e:
+                out.transfer.fail(KVTransferError(str(e)))
             out.transfer.finish()
             self.finishing[req.rid] = asyncio.create_task(self._finish(req, out))
 
@@ -200,10 +204,23 @@ class KVSends:
         if out is None:
             return
         start = req.route.kv_dst_start_page
-        end = min(ready_pages - start, len(out.transfer.dst_pages))
+        end = min(ready_pages - start, len(out.transfer.dst_pages) - out.transfer.num_local)
         if end > out.sent_pages:
             out.transfer.send(req.pages[start + out.sent_pages : start + end], out.sent_pages)
             out.sent_pages = end
+
+    def _send_local_pages(self, req: Req, transfer: KVTransfer) -> None:
+        """With an SWA pool, send the local-layer pages of the prompt's last pages (as many as the
+        decode worker gave: those its first decode step's window reads), once the prompt is computed.
+
+        Raises:
+            ValueError: one of them holds no local page here.
+        """
+        if transfer.num_local:
+            route = req.route
+            end = route.kv_dst_start_page + len(route.kv_dst_pages)
+            pages = req.pages[end - transfer.num_local : end]
+            transfer.send_local(self.scheduler.ledger.swa.local_pages(pages))
 
     async def _finish(self, req: Req, out: Outbound) -> None:
         """Await the end of this rank's write of ``req``'s KV; report it (every rank learns it at the

@@ -113,11 +113,15 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         await check_tp(req, self.loop, context)
         route = req.route
         prompt_pages = -(-len(request.input_ids) // self.scheduler.page_size)
-        if route.kv_dst_start_page < 0 or route.kv_dst_start_page + len(route.kv_dst_pages) > prompt_pages:
+        if (
+            route.kv_dst_start_page < 0
+            or route.kv_dst_start_page + len(route.kv_dst_pages) > prompt_pages
+            or len(route.kv_dst_local_pages) > len(route.kv_dst_pages)
+        ):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"destination pages [{route.kv_dst_start_page}, +{len(route.kv_dst_pages)}) exceed the"
-                f" prompt's {prompt_pages} pages",
+                f"destination pages [{route.kv_dst_start_page}, +{len(route.kv_dst_pages)}) (local layers':"
+                f" the last {len(route.kv_dst_local_pages)}) exceed the prompt's {prompt_pages} pages",
             )
         try:
             transfer = self.sends.open(req)

@@ -173,3 +173,57 @@ async def test_close_fails_pending_receives():
     side.agent.close()
     with pytest.raises(KVTransferError, match="closed"):
         await waiter
+
+
+def _swa_side(role: str, layout: KVLayout, pages: tuple[int, int], seed: int) -> tuple[KVTransferAgent, ...]:
+    """An agent over a full pool and a local layers' pool (``SWAKVPool``'s two), random contents."""
+    full = seeded_pool(
+        dataclasses.replace(layout, num_layers=layout.num_layers - layout.num_local_layers), pages[0], seed
+    )
+    local = seeded_pool(dataclasses.replace(layout, num_layers=layout.num_local_layers), pages[1], seed + 1)
+    return KVTransferAgent(f"{role}-{uuid.uuid4().hex[:8]}", full, layout, local), full, local
+
+
+@pytest.mark.parametrize("num_local_layers", [2, 3], ids=["interleaved", "every-layer-local"])
+async def test_both_page_spaces_of_an_swa_pool_land_exactly(num_local_layers):
+    """A transfer into a decode worker's full pages and local-layer pages (the prompt's last window):
+    each pool's pages land where named, byte counts per pool; with every layer local (Mistral) the
+    full pages hold no KV and are not shipped. A side without a local pool is refused by name."""
+    layout = dataclasses.replace(LAYOUT, num_local_layers=num_local_layers)
+    (prefill, p_full, p_local), (decode, d_full, d_local) = (
+        _swa_side("prefill", layout, (12, 7), seed=1),
+        _swa_side("decode", layout, (20, 9), seed=5),
+    )
+    try:
+        prefill.add_peer(decode.local_info())
+        decode.add_peer(prefill.local_info())
+        src, dst, src_local, dst_local = [3, 4, 5, 11], [0, 1, 2, 19], [2, 3], [0, 1]
+        expected_full, expected_local = d_full.clone(), d_local.clone()
+        expected_full[dst], expected_local[dst_local] = p_full[src], p_local[src_local]
+        receive = decode.expect(prefill.name, b"swa", dst, dst_local)
+        transfer = prefill.start_transfer(decode.name, b"swa", dst, 5, dst_local)
+        if layout.page_bytes:
+            transfer.send(src, 0)
+        else:  # no full page is named: they hold no KV
+            assert len(transfer.dst_pages) == 2
+            with pytest.raises(ValueError, match="outside"):
+                transfer.send(src, 0)
+        transfer.send_local(src_local)
+        transfer.finish()
+        nbytes = await transfer.wait(10)
+        assert await receive.wait(10) == nbytes == (p_full[src].numel() + p_local[src_local].numel()) * 2
+        assert torch.equal(d_full, expected_full) and torch.equal(d_local, expected_local)
+        assert transfer.descriptors == (3 if layout.page_bytes else 1)  # [3-5 -> 0-2], [11 -> 19], local
+        with pytest.raises(ValueError, match="local pages for 2 local destinations"):
+            prefill.start_transfer(decode.name, b"x", [], 5, dst_local).send_local([1])
+        plain = KVTransferAgent(f"plain-{uuid.uuid4().hex[:8]}", seeded_pool(LAYOUT, 2, 0), LAYOUT)
+        try:
+            with pytest.raises(
+                KVLayoutMismatch, match=r"num_local_layers: local \d, remote 0.*same --swa-full"
+            ):
+                decode.add_peer(plain.local_info())
+        finally:
+            plain.close()
+    finally:
+        prefill.close()
+        decode.close()

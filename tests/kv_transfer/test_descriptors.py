@@ -65,3 +65,34 @@ def test_descriptor_addresses_are_torch_page_addresses():
         for start, n in zip(starts, counts, strict=True)
     ]
     assert [tuple(int(x) for x in row) for row in descs] == expected
+
+
+def test_runs_and_addresses_over_the_two_pools_of_an_swa_pool():
+    """Transfer-space pages ``num_pages + q`` are page ``q`` of the local layers' pool (its own base
+    and page bytes), and no run crosses from one pool into the other."""
+    layout = KVLayout(**{**vars(LAYOUT), "num_local_layers": 2})
+    full = torch.zeros(3, 1, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    local = torch.zeros(4, 2, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    info = KVAgentInfo(
+        "a",
+        b"",
+        layout,
+        full.data_ptr(),
+        full.numel() * 4,
+        -1,
+        3,
+        "x",
+        local.data_ptr(),
+        local.numel() * 4,
+        4,
+    )
+    assert info.transfer_pages([2, 0], [1, 3]) == [2, 0, 4, 6]
+    assert coalesce([2, 3, 4], [2, 3, 4], src_split=3, dst_split=3) == [(2, 2, 1), (3, 3, 2)]
+    descs = page_run_descs(info, np.array([1, 4]), np.array([2, 3]))
+    expected = [
+        (full[1].data_ptr(), full[1:3].numel() * 4, 0),
+        (local[1].data_ptr(), local[1:4].numel() * 4, 0),
+    ]
+    assert [tuple(int(x) for x in row) for row in descs] == expected
+    no_full = KVAgentInfo(**{**vars(info), "layout": KVLayout(**{**vars(layout), "num_local_layers": 3})})
+    assert no_full.transfer_pages([2, 0], [1]) == [4]  # every layer local: the full pages hold nothing

@@ -126,8 +126,6 @@ def test_bad_engine_flags_fail_before_anything_starts(capsys, monkeypatch) -> No
         (["--max-total-tokens", "-4"], "--max-total-tokens: must be a positive integer, got -4"),
         (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction: must be in (0, 1], got 1.5"),
         (["--swa-full-tokens-ratio", "0"], "--swa-full-tokens-ratio: must be in (0, 1], got 0"),
-        (["--swa-full-tokens-ratio", "0.5"], "--swa-full-tokens-ratio needs --colocated and --tp-size 1"),
-        (["--colocated", "--tp-size", "2", "--swa-full-tokens-ratio", "1"], "and --tp-size 1"),
         (["--device", "tpu"], "expected auto, cpu, cuda or cuda:<index>, got 'tpu'"),
         (["--device", "cuda"], "--device cuda needs a CUDA GPU and none is visible"),
         (["--device", "cuda:1"], "--device cuda:1 needs a CUDA GPU and none is visible"),

@@ -4,24 +4,26 @@ checkpoints (``tests.families``: window 12, pages of 4 tokens), through the sche
 and chunked prefill: greedy tokens equal HF transformers fp32 while the local layers' pages behind
 each window are given back, radix-cache hits past the window (and after the local pool evicted
 cached local pages) give the same tokens, a long sequence holds about window / length of its full
-pages in the local pool, and both pools are conserved after every step."""
+pages in the local pool, two tensor-parallel ranks (Gemma 3's two KV heads split, Mistral's one
+replicated) give the same tokens, and both pools are conserved after every step."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 import torch
 
+from pdserve.distributed import TpGroup
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.tp_worker import TpModelWorker
 from pdserve.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.swa_pool import SWAKVPool, SWAPageMap, swa_layer_weight
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from pdserve.services.common.bootstrap import swa_ratio
 from pdserve.speculative.ngram import NgramProposer
+from tests.engine.test_tensor_parallel import run_ranks
 from tests.families import WINDOW, hf_greedy, hf_model, make_checkpoint
 from tests.scheduler.driver import drive, fresh, req
 
@@ -145,12 +147,58 @@ def test_a_long_sequence_holds_about_a_window_of_local_pages(family):
     assert metrics.registry.get_sample_value("pdserve:swa_pages_total") == 128  # 512 x 0.25
 
 
-def test_refused_where_not_supported():
-    with pytest.raises(ValueError, match="prefill/decode disaggregation"):
-        swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=1), "decode")
-    with pytest.raises(ValueError, match="--tp-size > 1"):
-        swa_ratio(argparse.Namespace(swa_full_tokens_ratio=0.5, tp_size=2), "mixed")
-    assert swa_ratio(argparse.Namespace(swa_full_tokens_ratio=None, tp_size=2), "decode") is None
+def pages_held(sched: Scheduler) -> tuple[int, int]:
+    return sched.ledger.swa.held_pages(), sched.ledger.used_pages()
+
+
+def served_on_rank(tp: TpGroup, root, names: list[str]) -> dict:
+    """Each family's ``PROMPTS`` through a scheduler on this rank's shard (every rank schedules the
+    same; rank 0 samples): tokens, this rank's KV heads, and the most local pages held at once."""
+    out = {}
+    for name in names:
+        runner = ModelRunner(
+            root / name, dtype="float32", page_size=PAGE, max_total_tokens=2048, max_running_requests=4,
+            swa_full_tokens_ratio=0.25, tp=tp,
+        )  # fmt: skip
+        config = SchedulerConfig(chunked_prefill_size=16, disable_radix_cache=True)
+        sched = Scheduler(TpModelWorker(runner), config)
+        reqs = [req(f"r{i}", p, max_new=NEW_TOKENS) for i, p in enumerate(PROMPTS)]
+        for r in reqs:
+            sched.add_request(r)
+        held: list[tuple[int, int]] = []  # (local, full) pages held before each step
+        done = drive(sched, overlap=True, on_step=lambda n, s, held=held: held.append(pages_held(s)))
+        out[name] = {
+            "tokens": [done[r.rid].output_ids for r in reqs],
+            "kv_heads": (runner.kv_pool.full.num_kv_heads, runner.kv_pool.swa.num_kv_heads),
+            "pages": (runner.token_to_kv_pool_allocator.num_pages, runner.swa_pages.num_pages),
+            "local_free": runner.swa_pages.available_size(),
+            "last_step_held": held[-2],
+        }
+    return out
+
+
+def test_two_tensor_parallel_ranks(tmp_path):
+    """TP=2 over both page spaces: Gemma 3's two KV heads one a rank, Mistral's one on both; every
+    rank's pools alike, conserved after every step and whole at the end, HF's tokens while the long
+    prompt's windows slide, and at its last step a window's local pages against its every full page."""
+    names = ["gemma3", "mistral"]
+    for name in names:
+        make_checkpoint(name, tmp_path / name)
+    ranks = run_ranks(2, served_on_rank, (tmp_path, names), tmp_path)
+    assert ranks[0] == ranks[1]
+    for name in names:
+        got = ranks[0][name]
+        hf = hf_model(tmp_path / name)
+        assert got["tokens"] == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS], name
+        assert got["kv_heads"] == (1, 1), name
+        assert got["pages"] == (512, 128) and got["local_free"] == 128, name
+        local, full = got["last_step_held"]  # the long request's last step (its windows slid)
+        assert local <= math.ceil(WINDOW / PAGE) + 1 and full == math.ceil(
+            (len(PROMPTS[2]) + NEW_TOKENS - 1) / PAGE
+        )
+
+
+def test_the_ratio_is_checked():
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         swa_layer_weight([4, 0], 1.5)
     assert swa_layer_weight([4, 4, 0], 0.25) == 1.5
@@ -172,3 +220,23 @@ def test_a_match_backs_off_to_the_last_whole_window():
     pages.unmap([3])
     assert pages.whole_prefix(match) == 0
     assert pages.available_size() == 8 - 2
+
+
+def test_a_pd_decode_worker_maps_only_the_last_window(family):
+    """A PD decode worker's prompt KV arrives whole from a prefill worker: of its full pages only
+    those the first decode step's window reads get local pages (``arriving_local_pages``, where the
+    prefill worker writes them); the others never do. An abort gives every page back."""
+    name, runner, hf = family
+    sched = fresh(runner, role="decode")
+    pd = req("pd", PROMPTS[2], max_new=NEW_TOKENS)
+    sched.add_request(pd)
+    assert sched.schedule() is None and sched.prefill.pop_requests() == [pd]
+    pages, behind = math.ceil(len(PROMPTS[2]) / PAGE), (len(PROMPTS[2]) + 1 - WINDOW) // PAGE
+    local = sched.ledger.arriving_local_pages(pd)
+    assert len(pd.pages) == pages and len(local) == pages - behind == sched.ledger.swa.held_pages(), name
+    assert sched.ledger.swa.local_pages(pd.pages[behind:]) == local
+    with pytest.raises(ValueError, match="hold no local KV page"):
+        sched.ledger.swa.local_pages(pd.pages[behind - 1 :])
+    assert sched.abort_request("pd")
+    sched.ledger.check_conservation(sched.usable_pages)
+    assert sched.ledger.swa.held_pages() == 0 and sched.ledger.free_pages() == sched.usable_pages

@@ -49,6 +49,8 @@ class KVTransferAgent:
         kv_data: the pool tensor ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``,
             contiguous, in the model dtype, on CPU (NIXL ``DRAM``) or one CUDA device (``VRAM``).
         layout: its layout facts; they must agree with the tensor's shape and dtype.
+        local_kv_data: with ``layout.num_local_layers``, the local layers' pool (``SWAKVPool.swa``), laid
+            out as ``kv_data`` with their layers, registered beside it.
 
     Raises:
         ValueError: ``kv_data`` does not match ``layout`` or is not contiguous.
@@ -58,8 +60,15 @@ class KVTransferAgent:
     any thread; ``KVTransfer.wait`` and ``KVReceive.wait`` run on the caller's event loop.
     """
 
-    def __init__(self, name: str, kv_data: torch.Tensor, layout: KVLayout):
-        _check_pool(kv_data, layout)
+    def __init__(
+        self, name: str, kv_data: torch.Tensor, layout: KVLayout, local_kv_data: torch.Tensor | None = None
+    ):
+        _check_pool(kv_data, layout, layout.num_layers - layout.num_local_layers)
+        if layout.num_local_layers or local_kv_data is not None:
+            if local_kv_data is None:
+                raise ValueError("a layout with local layers needs their pool (local_kv_data)")
+            _check_pool(local_kv_data, layout, layout.num_local_layers)
+        pools = [t for t in (kv_data, local_kv_data) if t is not None and t.numel()]
         self.name = name
         self.layout = layout
         config = nixl_agent_config(
@@ -71,11 +80,18 @@ class KVTransferAgent:
             self._agent = nixl_agent(name, config)
             if "UCX" not in self._agent.backends:
                 raise KVTransferError("the NIXL UCX backend is not available")
-            self._registration = self._agent.register_memory(kv_data)
+            self._registration = self._agent.register_memory(pools)
             metadata = self._agent.get_agent_metadata()
         except NIXL_ERRORS as e:
             raise KVTransferError(f"cannot set up NIXL agent {name!r}: {e}") from e
-        self._kv_data = kv_data  # keeps the registered memory alive
+        self._kv_data = pools  # keeps the registered memory alive
+        local = {}
+        if local_kv_data is not None:
+            local = dict(
+                local_base_addr=local_kv_data.data_ptr(),
+                local_num_bytes=local_kv_data.numel() * local_kv_data.element_size(),
+                local_num_pages=local_kv_data.shape[0],
+            )
         self._info = KVAgentInfo(
             agent_name=name,
             agent_metadata=metadata,
@@ -85,9 +101,11 @@ class KVTransferAgent:
             device_id=kv_data.get_device(),
             num_pages=kv_data.shape[0],
             incarnation=uuid.uuid4().hex,
+            **local,
         )
         self._peers: dict[str, KVAgentInfo] = {}
-        self._receiver = KVReceiver(layout.page_bytes, kick=lambda: self._pump.kick())
+        page_bytes = lambda pages: self._info.page_addrs(pages)[1]
+        self._receiver = KVReceiver(page_bytes, kick=lambda: self._pump.kick())
         self._sender = KVSender(self._call, self._agent, self._info)
         self._pump = NotificationPump(
             self._agent.get_new_notifs, self._on_notification, self._busy, name=f"nixl-progress-{name}"
@@ -141,9 +159,15 @@ class KVTransferAgent:
 
     # ---- sender side --------------------------------------------------------------------------
     def start_transfer(
-        self, peer_name: str, tid: bytes, dst_pages: Sequence[int], stall_s: float
+        self,
+        peer_name: str,
+        tid: bytes,
+        dst_pages: Sequence[int],
+        stall_s: float,
+        dst_local_pages: Sequence[int] = (),
     ) -> KVTransfer:
-        """Open a transfer into the peer's ``dst_pages``; ``send`` pages into it as they are ready.
+        """Open a transfer into the peer's ``dst_pages`` (of its pool) and ``dst_local_pages`` (of its
+        local layers' pool); ``send`` / ``send_local`` pages into it as they are ready.
 
         ``stall_s`` bounds each WRITE's wait for completion.
 
@@ -153,12 +177,14 @@ class KVTransferAgent:
         peer = self._peers.get(peer_name)
         if peer is None:
             raise KVTransferError(f"unknown KV peer {peer_name!r}: add_peer() it first")
-        if len(set(dst_pages)) != len(dst_pages):
-            raise ValueError("a destination page appears more than once")
-        if dst_pages and (min(dst_pages) < 0 or max(dst_pages) >= peer.num_pages):
-            raise ValueError(f"a destination page is outside [0, {peer.num_pages})")
+        for pages, limit in ((dst_pages, peer.num_pages), (dst_local_pages, peer.local_num_pages)):
+            if len(set(pages)) != len(pages):
+                raise ValueError("a destination page appears more than once")
+            if pages and (min(pages) < 0 or max(pages) >= limit):
+                raise ValueError(f"a destination page is outside [0, {limit})")
         self._pump.kick()
-        return KVTransfer(self._sender, peer, tid, dst_pages, stall_s)
+        dst = peer.transfer_pages(dst_pages, dst_local_pages)
+        return KVTransfer(self._sender, peer, tid, dst, stall_s, num_local=len(dst_local_pages))
 
     async def write_pages(
         self, peer_name: str, src_pages: Sequence[int], dst_pages: Sequence[int], tid: bytes, timeout_s: float
@@ -180,13 +206,17 @@ class KVTransferAgent:
             transfer.cancel()  # no-op once complete; aborts it on error and cancellation alike
 
     # ---- receiver side ------------------------------------------------------------------------
-    def expect(self, peer_name: str, tid: bytes, dst_pages: Sequence[int]) -> KVReceive:
-        """Expect transfer ``tid`` from ``peer_name`` into our ``dst_pages`` (call before asking for it).
+    def expect(
+        self, peer_name: str, tid: bytes, dst_pages: Sequence[int], dst_local_pages: Sequence[int] = ()
+    ) -> KVReceive:
+        """Expect transfer ``tid`` from ``peer_name`` into our ``dst_pages`` and ``dst_local_pages`` (of
+        the local layers' pool; ``start_transfer``'s), as the transfer names them (call before asking
+        for it).
 
         Raises:
             KVTransferError: ``tid`` is already expected.
         """
-        receive = self._receiver.expect(peer_name, tid, dst_pages)
+        receive = self._receiver.expect(peer_name, tid, self._info.transfer_pages(dst_pages, dst_local_pages))
         self._pump.kick()
         return receive
 
@@ -224,10 +254,10 @@ class KVTransferAgent:
             raise KVTransferError(f"KV transfer to {peer_name!r} failed: {e}") from e
 
 
-def _check_pool(kv_data: torch.Tensor, layout: KVLayout) -> None:
+def _check_pool(kv_data: torch.Tensor, layout: KVLayout, num_layers: int) -> None:
     if layout.layout != POOL_LAYOUT:
         raise ValueError(f"unsupported KV pool layout {layout.layout!r}; expected {POOL_LAYOUT!r}")
-    expected = (layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+    expected = (num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
     shape = tuple(kv_data.shape)
     if len(shape) != 6 or shape[1:] != expected:
         raise ValueError(f"kv_data shape {shape} does not match [pages, L, 2, slot, head, dim] = {expected}")

@@ -1,7 +1,8 @@
 """Page lists → NIXL transfer descriptors over the page-major pool ``[page, layer, kv, slot, head, dim]``.
 
 Page ``p`` of every layer (K and V) is the byte range ``[base + p * page_bytes, base + (p + 1) *
-page_bytes)``, so a run of ``n`` pages that is consecutive on both sides moves as one descriptor.
+page_bytes)``, so a run of ``n`` pages that is consecutive on both sides moves as one descriptor
+(likewise in the local layers' pool of an SWA pool, ``KVAgentInfo.transfer_pages``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ PageRun = tuple[int, int, int]
 """``(src_start, dst_start, n)``: pages ``src_start + i`` go to ``dst_start + i`` for ``i < n``."""
 
 
-def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
+def coalesce(
+    src_pages: Sequence[int], dst_pages: Sequence[int], src_split: int = -1, dst_split: int = -1
+) -> list[PageRun]:
     """Merge page pairs into runs that are consecutive on both sides.
 
     Pairs are ordered by source page first (a WRITE does not depend on order), so
-    ``src=[5, 3, 4], dst=[7, 5, 6]`` is the single run ``(3, 5, 3)``.
+    ``src=[5, 3, 4], dst=[7, 5, 6]`` is the single run ``(3, 5, 3)``. A run never crosses
+    ``src_split`` / ``dst_split`` (the first local-pool page of each side's transfer space,
+    ``KVAgentInfo.transfer_pages``): the two pools are two byte ranges.
 
     Raises:
         ValueError: the lists differ in length, or a destination page appears twice.
@@ -33,7 +38,7 @@ def coalesce(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun
     for src, dst in sorted(zip(src_pages, dst_pages, strict=True)):
         if runs:
             src_start, dst_start, n = runs[-1]
-            if src == src_start + n and dst == dst_start + n:
+            if src == src_start + n and dst == dst_start + n and src != src_split and dst != dst_split:
                 runs[-1] = (src_start, dst_start, n + 1)
                 continue
         runs.append((src, dst, 1))
@@ -44,15 +49,16 @@ def page_run_descs(pool: KVAgentInfo, starts: np.ndarray, counts: np.ndarray) ->
     """NIXL ``(addr, len, dev_id)`` rows for runs of ``counts[i]`` pages from ``starts[i]`` in ``pool``.
 
     Args:
-        pool: the pool's agent info (base address, layout, device).
-        starts, counts: int64 arrays ``[num_runs]``.
+        pool: the pool's agent info (base addresses, layout, device).
+        starts, counts: int64 arrays ``[num_runs]``, pages of its transfer space (a run within one
+            of its two pools: ``coalesce``'s splits).
 
     Returns:
         uint64 array ``[num_runs, 3]``: one descriptor per run, every layer's K and V in it.
     """
-    page_bytes = np.uint64(pool.layout.page_bytes)
+    addrs, page_bytes = pool.page_addrs(starts)
     descs = np.empty((len(starts), 3), dtype=np.uint64)
-    descs[:, 0] = np.uint64(pool.base_addr) + starts.astype(np.uint64) * page_bytes
+    descs[:, 0] = addrs
     descs[:, 1] = counts.astype(np.uint64) * page_bytes
     descs[:, 2] = max(pool.device_id, 0)
     return descs

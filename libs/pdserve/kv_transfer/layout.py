@@ -6,8 +6,10 @@ field for field, so the servicers convert them with ``Message(**vars(obj))``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from pdserve.kv_transfer.errors import KVLayoutMismatch
@@ -29,6 +31,8 @@ class KVLayout:
         tp_size / tp_rank: the tensor-parallel ranks of the scheduler and the rank owning this pool
             (``num_kv_heads`` are that rank's heads); rank ``i`` of a prefill worker writes into rank
             ``i`` of a decode worker, so both sizes and the ranks must agree.
+        num_local_layers: of ``num_layers``, the sliding-window layers whose KV is in a page space
+            of its own (``SWAKVPool.swa``, ``--swa-full-tokens-ratio``); 0: every layer in one pool.
     """
 
     model: str
@@ -40,15 +44,24 @@ class KVLayout:
     layout: str = POOL_LAYOUT
     tp_size: int = 1
     tp_rank: int = 0
+    num_local_layers: int = 0
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page, every layer's K and V:
-        ``num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize``."""
+        """Bytes of one page of the (full) pool, every layer's K and V but the local layers':
+        ``(num_layers - num_local_layers) * 2 * page_size * num_kv_heads * head_dim * itemsize``."""
+        return (self.num_layers - self.num_local_layers) * self._layer_page_bytes()
+
+    @property
+    def local_page_bytes(self) -> int:
+        """Bytes of one page of the local layers' pool (0 without one)."""
+        return self.num_local_layers * self._layer_page_bytes()
+
+    def _layer_page_bytes(self) -> int:
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown KV dtype {self.dtype!r}")
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
@@ -58,6 +71,8 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         for f in fields(KVLayout)
         if getattr(local, f.name) != getattr(remote, f.name)
     ]
+    if local.num_local_layers != remote.num_local_layers:
+        diffs.append("give both workers the same --swa-full-tokens-ratio (a local layers' pool or none)")
     if diffs:
         raise KVLayoutMismatch("KV layouts differ: " + "; ".join(diffs))
 
@@ -75,6 +90,11 @@ class KVAgentInfo:
         device_id: CUDA device index of the pool, or -1 for host memory (NIXL ``DRAM``).
         num_pages: pages of the pool.
         incarnation: random id of this agent instance; a restarted scheduler has a new one.
+        local_base_addr, local_num_bytes, local_num_pages: the local layers' pool (``num_local_layers``
+            of the layout; zeros without one).
+
+    A transfer names pages in one index space: ``p < num_pages`` is page ``p`` of the pool, and
+    ``num_pages + q`` is page ``q`` of the local layers' pool (``transfer_pages``).
     """
 
     agent_name: str
@@ -85,8 +105,30 @@ class KVAgentInfo:
     device_id: int
     num_pages: int
     incarnation: str
+    local_base_addr: int = 0
+    local_num_bytes: int = 0
+    local_num_pages: int = 0
 
     @property
     def mem_type(self) -> str:
         """NIXL memory segment of the pool: ``"DRAM"`` or ``"VRAM"``."""
         return "DRAM" if self.device_id < 0 else "VRAM"
+
+    @property
+    def num_transfer_pages(self) -> int:
+        """Pages a transfer may name: the pool's, then the local layers' pool's."""
+        return self.num_pages + self.local_num_pages
+
+    def transfer_pages(self, pages: Sequence[int], local_pages: Sequence[int] = ()) -> list[int]:
+        """The transfer's index space for the KV of ``pages`` (of the pool; left out where its pages
+        hold no KV: a model whose every layer is local) and ``local_pages`` (of the local pool)."""
+        full = list(pages) if self.layout.page_bytes else []
+        return full + [self.num_pages + int(q) for q in local_pages]
+
+    def page_addrs(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Transfer-space ``pages`` (int64) -> (uint64 address of each page, uint64 bytes a page)."""
+        local = pages >= self.num_pages
+        base = np.where(local, self.local_base_addr, self.base_addr).astype(np.uint64)
+        index = np.where(local, pages - self.num_pages, pages).astype(np.uint64)
+        nbytes = np.where(local, self.layout.local_page_bytes, self.layout.page_bytes).astype(np.uint64)
+        return base + index * nbytes, nbytes

@@ -36,6 +36,7 @@ class KVReceive:
         self.tid = tid
         self.dst_pages = [int(p) for p in dst_pages]
         self.nbytes = 0
+        self._bytes = receiver.page_bytes(np.asarray(self.dst_pages, dtype=np.int64)).astype(np.int64)
         self._landed = np.zeros(len(self.dst_pages), dtype=bool)
         self._missing = len(self.dst_pages)
         self._completion = Completion()
@@ -73,12 +74,13 @@ class KVReceiver:
     """Routes LANDED and ABORT notifications to expected transfers.
 
     Args:
-        page_bytes: bytes of one pool page (every layer's K and V).
+        page_bytes: the bytes of each of a transfer's destination pages (int64 array, its transfer
+            space) -> bytes of one such page (every layer's K and V in its pool).
         kick: fetches notifications now (``NotificationPump.kick``).
     """
 
-    def __init__(self, page_bytes: int, kick: Callable[[], None]):
-        self._page_bytes = page_bytes
+    def __init__(self, page_bytes: Callable[[np.ndarray], np.ndarray], kick: Callable[[], None]):
+        self.page_bytes = page_bytes
         self.kick = kick
         self._lock = threading.Lock()
         self._expected: dict[bytes, KVReceive] = {}
@@ -113,10 +115,10 @@ class KVReceiver:
             if count < 0 or first < 0 or first + count > len(receive.dst_pages):
                 logger.warning("KV transfer %r: LANDED pages out of range from %r", landed.tid, sender)
                 return
-            fresh = int(np.count_nonzero(~receive._landed[first : first + count]))
+            fresh = ~receive._landed[first : first + count]
             receive._landed[first : first + count] = True
-            receive._missing -= fresh
-            receive.nbytes += fresh * self._page_bytes
+            receive._missing -= int(np.count_nonzero(fresh))
+            receive.nbytes += int(receive._bytes[first : first + count][fresh].sum())
             if receive._missing == 0:
                 del self._expected[landed.tid]
                 receive._completion.set_result(receive.nbytes)

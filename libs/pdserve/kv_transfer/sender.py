@@ -72,7 +72,8 @@ class KVSender:
         self._call = call
         self._nixl = nixl
         self._local = local
-        self.num_pages = local.num_pages
+        self.num_pages = local.num_transfer_pages
+        self.local_offset = local.num_pages
         self._post_q: queue.SimpleQueue[_Group | None] = queue.SimpleQueue()
         self._active = 0  # groups queued or in flight
         self._active_lock = threading.Lock()
@@ -135,7 +136,8 @@ class KVSender:
         """Post the group's WRITE (one descriptor per run of pages) with its LANDED notification."""
         t, nixl = group.transfer, self._nixl
         dst = t.dst_pages[group.first : group.first + len(group.src)].tolist()
-        runs = np.array(coalesce(group.src, dst), dtype=np.int64).reshape(-1, 3)
+        runs = coalesce(group.src, dst, self._local.num_pages, t.peer.num_pages)
+        runs = np.array(runs, dtype=np.int64).reshape(-1, 3)
         local = page_run_descs(self._local, runs[:, 0], runs[:, 2])
         remote = page_run_descs(t.peer, runs[:, 1], runs[:, 2])
         group.nbytes = int(local[:, 1].sum())

@@ -21,7 +21,8 @@ from pdserve.kv_transfer.layout import KVAgentInfo
 class PostQueue(Protocol):
     """What a transfer hands its pages to: the agent's post thread (``sender.KVSender``)."""
 
-    num_pages: int  # pages of the local pool (a source page is below it)
+    num_pages: int  # pages of this side's transfer space (a source page is below it)
+    local_offset: int  # the first page of the local layers' pool in that space
 
     def enqueue(self, transfer: KVTransfer, src: list[int], first: int) -> None:
         """Post ``src`` (local pages) for ``transfer.dst_pages[first:]``; ``group_left`` reports back."""
@@ -41,15 +42,24 @@ class KVTransfer:
     Attributes:
         peer_name, tid: the receiver and the transfer id its notifications name.
         peer: the receiver's agent info (its pool's address and layout).
-        dst_pages: the receiver's destination pages.
+        dst_pages: the receiver's destination pages, in its transfer space
+            (``KVAgentInfo.transfer_pages``): its pool's, then ``num_local`` of its local
+            layers' pool.
         nbytes: bytes written so far.
         descriptors: NIXL descriptors posted so far (one per run of pages consecutive on both sides).
     """
 
     def __init__(
-        self, sender: PostQueue, peer: KVAgentInfo, tid: bytes, dst_pages: Sequence[int], stall_s: float
+        self,
+        sender: PostQueue,
+        peer: KVAgentInfo,
+        tid: bytes,
+        dst_pages: Sequence[int],
+        stall_s: float,
+        num_local: int = 0,
     ):
         self.peer_name = peer.agent_name
+        self.num_local = num_local
         self.tid = tid
         self.dst_pages = np.asarray(dst_pages, dtype=np.int64)
         self.nbytes = 0
@@ -66,20 +76,33 @@ class KVTransfer:
         self._completion = Completion()
 
     def send(self, src_pages: Sequence[int], first: int) -> None:
-        """Queue our pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
+        """Queue our pool's pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
 
         Raises:
             ValueError: a page out of range, ``first`` out of range, or ``send`` after ``finish``.
         """
-        src = [int(p) for p in src_pages]
+        full = len(self.dst_pages) - self.num_local
+        self._send([int(p) for p in src_pages], first, full, 0, self._sender.local_offset)
+
+    def send_local(self, src_pages: Sequence[int]) -> None:
+        """Queue our local layers' pages ``src_pages[i]`` (of ``SWAKVPool.swa``) for the receiver's
+        local destinations, in order (``ValueError`` as ``send``)."""
+        if len(src_pages) != self.num_local:
+            raise ValueError(f"{len(src_pages)} local pages for {self.num_local} local destinations")
+        offset, first = self._sender.local_offset, len(self.dst_pages) - self.num_local
+        src = [offset + int(p) for p in src_pages]
+        self._send(src, first, len(self.dst_pages), offset, self._sender.num_pages)
+
+    def _send(self, src: list[int], first: int, end: int, low: int, high: int) -> None:
+        """Queue ``src`` (transfer-space pages in ``[low, high)``) for ``dst_pages[first:end]``."""
         if not src:
             return
         if self._finished:
             raise ValueError("send() after finish()")
-        if first < 0 or first + len(src) > len(self.dst_pages):
-            raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {len(self.dst_pages)})")
-        if min(src) < 0 or max(src) >= self._sender.num_pages:
-            raise ValueError(f"a source page is outside [0, {self._sender.num_pages})")
+        if first < 0 or first + len(src) > end:
+            raise ValueError(f"destinations [{first}, {first + len(src)}) outside [0, {end})")
+        if min(src) < low or max(src) >= high:
+            raise ValueError(f"a source page is outside [{low}, {high})")
         with self._state:
             if self._closed:
                 return

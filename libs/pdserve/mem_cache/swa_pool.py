@@ -198,6 +198,17 @@ class SWAPageMap:
         self._clock += 1
         self._last_used[pages] = self._clock
 
+    def local_pages(self, pages: list[int]) -> list[int]:
+        """The local pages of full ``pages``, in order.
+
+        Raises:
+            ValueError: one of them holds none (its window passed it, or it never had one).
+        """
+        local = self._swa_of[np.asarray(pages, dtype=np.int64)]
+        if (local < 0).any():
+            raise ValueError(f"full pages {np.asarray(pages)[local < 0].tolist()} hold no local KV page")
+        return local.tolist()
+
     def unmap(self, pages: Iterable[int]) -> None:
         """Free the local pages of those full ``pages`` that have one."""
         held = [p for p in pages if self._swa_of[p] >= 0]

@@ -68,6 +68,8 @@ class Admission:
         # prompts are computed here (not in the PD decode role), so a request that wants prompt
         # logprobs bypasses the radix cache
         self.scores_prompts = config.role != "decode"
+        # a PD decode worker's prompt KV arrives whole: no local pages behind its window (``KVLedger.admit``)
+        self.kv_arrives_whole = config.role == "decode"
 
     def admit(
         self, in_flight: Callable[[], list[Req]], more: Callable[[], bool] = lambda: True
@@ -105,7 +107,7 @@ class Admission:
         if not self._fits(req) or not self.ledger.pin_adapter(req):
             self.ledger.unmatch(req)
             return False
-        if not self.ledger.admit(req, req.seq_len):
+        if not self.ledger.admit(req, req.seq_len, arrives_whole=self.kv_arrives_whole):
             self.ledger.unmatch(req)
             self.ledger.unpin_adapter(req)
             return False

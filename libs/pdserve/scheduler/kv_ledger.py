@@ -101,15 +101,17 @@ class KVLedger:
             self.swa.check()
 
     # ---- allocation ---------------------------------------------------------------
-    def _alloc(self, n: int) -> list[int] | None:
+    def _alloc(self, n: int, unmapped: int = 0) -> list[int] | None:
+        """``n`` full pages; with an SWA pool all but the first ``unmapped`` get local pages."""
         if n == 0:
             return []
         if self.allocator.available_size() < n:
             self.tree.evict(n - self.allocator.available_size())
-        if self.swa is not None and self.swa.available_size() < n:
-            self.swa.evict(n - self.swa.available_size())
+        local = max(0, n - unmapped)
+        if self.swa is not None and self.swa.available_size() < local:
+            self.swa.evict(local - self.swa.available_size())
         pages = self.allocator.alloc(n)
-        if pages is not None and self.swa is not None and not self.swa.map(pages):
+        if pages is not None and self.swa is not None and not self.swa.map(pages[n - local :]):
             self.allocator.free(pages)
             return None
         return pages
@@ -126,6 +128,14 @@ class KVLedger:
     def _window_front(self, num_tokens: int) -> int:
         """The first page a query at position ``num_tokens`` reads in its local layers."""
         return max(0, (num_tokens + 1 - self.swa.window) // self.page_size)
+
+    def arriving_local_pages(self, req: Req) -> list[int]:
+        """The local pages (of the SWA pool) where a prefill worker writes the local layers' KV of an
+        ``admit(..., arrives_whole=True)`` request: those of its own pages its window reads, in page
+        order ([] without an SWA pool)."""
+        if self.swa is None:
+            return []
+        return self.swa.local_pages(req.pages[max(self._swa_front[req], req.num_prefix_pages) :])
 
     def cached_prefix_len(self, req: Req) -> int:
         """Tokens of ``req.fill_ids`` (but its last) the radix cache holds now (nothing is locked)."""
@@ -160,17 +170,24 @@ class KVLedger:
         req.num_prefix_pages = 0
         req.num_computed = 0
 
-    def admit(self, req: Req, num_tokens: int) -> bool:
+    def admit(self, req: Req, num_tokens: int, arrives_whole: bool = False) -> bool:
         """Give a matched ``req`` a request slot and pages covering ``num_tokens`` positions.
 
-        Returns False (and changes nothing) when the pool or the slots are short.
+        ``arrives_whole``: the KV of all ``num_tokens`` positions is written at once (a PD decode
+        worker's prompt, from a prefill worker): with an SWA pool only the pages the window of the
+        query at ``num_tokens`` reads get local pages (``arriving_local_pages``); those behind it never
+        do. Returns False (and changes nothing) when the pool or the slots are short.
         """
         need = self.pages_for(num_tokens) - len(req.pages)
         if need > self.available_pages() or self.req_to_token_pool.available_size() == 0:
             return False
-        pages = self._alloc(need)
+        front = self._window_front(num_tokens) if arrives_whole and self.swa is not None else 0
+        pages = self._alloc(need, max(0, front - len(req.pages)))
         if pages is None:
             return False
+        if front > self._swa_front.get(req, front):  # the matched pages behind it: not read any more
+            self.swa.unuse(req.pages[self._swa_front[req] : front])
+            self._swa_front[req] = front
         req.req_pool_idx = self.req_to_token_pool.alloc()
         req.pages.extend(pages)
         self.in_use[req] = len(req.pages) - req.num_prefix_pages

@@ -173,12 +173,14 @@ class SchedulerMetrics:
     def watch_local_pages(self, swa: SWAPageMap) -> None:
         """Gauges of an SWA pool's local pages (its sliding-window layers' KV), read at each scrape:
         those running requests read (inside their windows), those held only by the radix cache
-        (evictable), and all of them."""
+        (evictable), free, and all of them."""
         r = self.registry
         used = Gauge("pdserve:swa_pages_used", "Local KV pages running requests read", registry=r)
         cached = Gauge("pdserve:swa_pages_cached", "Local KV pages held by the radix cache only", registry=r)
+        free = Gauge("pdserve:swa_pages_free", "Local KV pages no page holds", registry=r)
         total = Gauge("pdserve:swa_pages_total", "Local KV pages of the sliding-window layers", registry=r)
         used.set_function(swa.used_pages)
+        free.set_function(swa.available_size)
         cached.set_function(lambda: swa.held_pages() - swa.used_pages())
         total.set_function(lambda: swa.num_pages)
 

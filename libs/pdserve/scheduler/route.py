@@ -26,6 +26,8 @@ class Route:
         kv_dst_pages: prefill role: the decode worker's pages for the prompt's pages from
             ``kv_dst_start_page`` on (the ones it does not hold already).
         kv_dst_start_page: prefill role: the first prompt page the decode worker lacks.
+        kv_dst_local_pages: prefill role, with an SWA pool: the decode worker's local-layer pages for
+            the prompt's last pages (the ones its first decode step's window reads).
         kv_transfer_id: prefill role: the transfer's id (the decode worker's notifications name it).
     """
 
@@ -37,6 +39,7 @@ class Route:
     kv_dst_agent: str = ""
     kv_dst_pages: tuple[int, ...] = ()
     kv_dst_start_page: int = 0
+    kv_dst_local_pages: tuple[int, ...] = ()
     kv_transfer_id: bytes = b""
 
     @property
