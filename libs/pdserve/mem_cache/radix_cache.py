@@ -19,56 +19,13 @@ from pdserve.mem_cache.block_hash import block_hashes, namespace_hash
 from pdserve.mem_cache.kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pdserve.mem_cache.kv_tier import MEDIUM_TIER, KVTier
 from pdserve.mem_cache.radix_tier import RadixTier
+from pdserve.mem_cache.tree_node import TreeNode
 
 
 class PageFreer(Protocol):
     """The one allocator call the cache makes: hand evicted KV pages back to the pool."""
 
     def free(self, pages: Iterable[int]) -> None: ...
-
-
-class TreeNode:
-    """One edge of the tree and the node it ends in.
-
-    ``key`` holds the edge's token ids (``len(key) == num_pages * page_size``, empty only for the
-    root), ``value`` the KV page index of each of those pages, ``children`` maps the first page's
-    token tuple of each child edge to the child, ``hashes`` the block hash of each page
-    (``block_hash``; empty while the cache reports no events). ``host_value`` holds the node's KV
-    tier pages instead while it lives in the tier (``value`` is empty then); a tier-resident node's
-    descendants are tier-resident too, and it is never locked. ``lock_ref`` counts the locks held on
-    this node or any descendant; ``last_access`` is the cache's logical clock at the last
-    match/insert that passed through it.
-    """
-
-    __slots__ = (
-        "children", "hashes", "host_value", "key", "last_access", "lock_ref", "node_id", "parent", "value",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        key: tuple[int, ...],
-        value: list[int],
-        parent: TreeNode | None,
-        node_id: int,
-        hashes: list[int] | None = None,
-    ):
-        self.key = key
-        self.value = value
-        self.host_value: list[int] | None = None
-        self.hashes = hashes or []
-        self.parent = parent
-        self.node_id = node_id
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = 0
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.value) if self.host_value is None else len(self.host_value)
-
-    @property
-    def in_tier(self) -> bool:
-        return self.host_value is not None
 
 
 class MatchResult(NamedTuple):

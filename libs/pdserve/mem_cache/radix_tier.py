@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 from pdserve.mem_cache.kv_events import MEDIUM_DEVICE, BlockRemoved, KVEvent
 from pdserve.mem_cache.kv_tier import MEDIUM_TIER, KVTier
+from pdserve.mem_cache.tree_node import TreeNode
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from pdserve.mem_cache.radix_cache import TreeNode
 
 
 class RadixTier:
