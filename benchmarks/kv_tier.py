@@ -108,9 +108,9 @@ def serving(args: argparse.Namespace) -> dict:
             ttft[name].append(first_token(sched, req))
             cached[name] += req.cached_tokens
     total = len(order) * args.prompt_len
-    metrics = scheds["tier"].metrics
-    loads, load_s = metrics.kv_tier_load_seconds._count.get(), metrics.kv_tier_load_seconds._sum.get()
-    pages_loaded = metrics.kv_tier_hit_tokens._value.get() / PAGE_SIZE
+    sample = scheds["tier"].metrics.registry.get_sample_value
+    loads, load_s = sample("pdserve:kv_tier_load_seconds_count"), sample("pdserve:kv_tier_load_seconds_sum")
+    pages_loaded = sample("pdserve:kv_tier_hit_tokens_total") / PAGE_SIZE
     out = {
         "working_set_over_pool": args.prompts * args.prompt_len / (args.pool_pages * PAGE_SIZE),
         "requests": len(order),

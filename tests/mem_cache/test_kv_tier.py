@@ -4,11 +4,13 @@ tier's pages conserved."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from pdserve.mem_cache.block_hash import block_hashes
-from pdserve.mem_cache.kv_events import BlockRemoved, BlockStored
+from pdserve.mem_cache.kv_events import MEDIUM_DEVICE, BlockRemoved, BlockStored
 from pdserve.mem_cache.kv_tier import MEDIUM_TIER, KVTier
 from pdserve.mem_cache.memory_pool import KVPool, PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
@@ -130,3 +132,72 @@ def test_a_tier_refuses_a_pool_it_cannot_hold():
     pool = KVPool(4, PAGE, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="at least one page"):
         KVTier(pool, 0)
+
+
+def test_random_churn_keeps_kv_pages_events_and_both_ledgers_exact():
+    """Seeded random inserts, matches with load-back, evictions and resets over a small pool and
+    tier: every page (in the pool or the tier) holds its own prefix's KV, both pools are conserved,
+    and an index built from the events alone names each cached block in the medium it is in."""
+    pool = KVPool(10, PAGE, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    cache = RadixCache(PagedTokenToKVPoolAllocator(10, PAGE), PAGE, tier=KVTier(pool, 12))
+    index: dict[int, str] = {}
+
+    def apply(event) -> None:
+        if isinstance(event, BlockStored):
+            index.update(dict.fromkeys(event.block_hashes, event.medium))
+        elif isinstance(event, BlockRemoved):
+            assert all(index.pop(block) == event.medium for block in event.block_hashes)
+        else:
+            index.clear()
+
+    cache.set_event_sink(apply)
+    kv_of = lambda prefix: float(hash(prefix) % 100_003)  # a page's KV: a function of its prefix
+    rng = random.Random(0)
+    loaded_back = 0
+    for step in range(400):
+        tokens = [rng.randrange(2) for _ in range(rng.randrange(2, 13))]
+        match = cache.match_prefix(tokens)
+        cache.inc_lock_ref(match.last_node)
+        loaded = sum(node.num_pages for node in match.tier_nodes)
+        if loaded and cache.allocator.available_size() + cache.evictable_size() >= loaded:
+            if cache.allocator.available_size() < loaded:
+                cache.evict(loaded - cache.allocator.available_size())
+            pages = cache.allocator.alloc(loaded)
+            used = cache.load_back(match.tier_nodes, pages)
+            loaded_back += used
+            cache.allocator.free(pages[used:])
+            cache.dec_lock_ref(match.last_node)
+            match = cache.match_prefix(tokens)
+            cache.inc_lock_ref(match.last_node)
+        need = len(tokens) // PAGE - len(match.page_indices)
+        if cache.allocator.available_size() < need:
+            cache.evict(need - cache.allocator.available_size())
+        own = cache.allocator.alloc(need) or []
+        if len(own) == need:
+            pages = match.page_indices + own
+            for i, page in enumerate(pages):
+                pool.kv_data[page] = kv_of(tuple(tokens[: (i + 1) * PAGE]))
+            cache.allocator.free(cache.insert(tokens, pages))
+        cache.dec_lock_ref(match.last_node)
+        if step % 97 == 96:
+            cache.reset()
+        held = {}
+        for node, prefix in walk(cache):
+            for i in range(node.num_pages):
+                key = prefix[: len(prefix) - len(node.key) + (i + 1) * PAGE]
+                data = cache.tier.kv_data[node.host_value[i]] if node.in_tier else pool.kv_data[node.value[i]]
+                assert torch.all(data == kv_of(key)), f"step {step}: wrong KV for {key}"
+            held.update(dict.fromkeys(node.hashes, MEDIUM_TIER if node.in_tier else MEDIUM_DEVICE))
+        assert index == held
+        assert cache.tier.used_pages() == tier_pages_held(cache)
+        assert cache.allocator.available_size() + cache.total_size() == 10
+    assert loaded_back > 50  # the churn did go through the tier
+
+
+def walk(cache: RadixCache):
+    """Every node with the tokens from the root to its end."""
+    stack = [(child, tuple(child.key)) for child in cache.root.children.values()]
+    while stack:
+        node, prefix = stack.pop()
+        yield node, prefix
+        stack.extend((child, prefix + tuple(child.key)) for child in node.children.values())
