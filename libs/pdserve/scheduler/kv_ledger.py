@@ -178,7 +178,7 @@ class KVLedger:
             return match
         used = self.tree.load_back(match.tier_nodes, pages)
         self._free(pages[used:])
-        if self.metrics is not None:
+        if used and self.metrics is not None:
             self.metrics.observe_load_back(used * self.page_size, time.perf_counter() - start)
         longer = self.tree.match_prefix(key, namespace)
         self.tree.inc_lock_ref(longer.last_node)
