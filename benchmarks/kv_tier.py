@@ -84,7 +84,6 @@ def first_token(sched: Scheduler, req: Req) -> float:
 
 
 def serving(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(args.threads)
     tier_bytes = {"no tier": 0}
     runners, scheds = {}, {}
     for name in ("no tier", "tier"):
@@ -137,6 +136,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--copy-only", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     result = {"cpu": cpu_description(), "copy": copy_speed([1, 16, 64, 256], args.reps)}
     print(f"CPU: {result['cpu']}")
     print(f"first write of a tier page: {result['copy']['first_touch_save_ms_per_page']:.3f} ms/page")
