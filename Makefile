@@ -12,7 +12,7 @@ ARGS    ?=
 # One grpcio-tools for every generator (here, pyproject's dev extra, deploy/Dockerfile), so generated code never differs.
 GRPC_TOOLS := grpcio-tools==1.85.1
 
-.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec bench-lora clean
+.PHONY: install nginx iproute2 proto run test test-cuda lint format bench bench-engine bench-llama bench-kv bench-kv-e2e bench-tier bench-detok bench-attn bench-gateway bench-stack bench-constrained bench-spec bench-lora clean
 
 # The generated package (libs/pdserve/v1) must exist before the editable install lists it.
 $(TOOLS):
@@ -89,6 +89,9 @@ bench-kv: install
 
 bench-kv-e2e: install
 	$(PYTHON) -m benchmarks.kv_transfer_e2e $(ARGS)
+
+bench-tier: install
+	$(PYTHON) -m benchmarks.kv_tier $(ARGS)
 
 bench-gateway: install
 	$(PYTHON) -m benchmarks.gateway_overhead $(ARGS)

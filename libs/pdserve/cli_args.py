@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.metrics_http import add_metrics_args
 from pdserve.observability.tracing import add_tracing_args, configure_tracing
 from pdserve.rpc import tls
 from pdserve.sampling.bounds import MAX_LORA_NAME_CHARS
+from pdserve.scheduler.config import MAX_KV_TIER_MEMORY
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # a scheduler step this long means the worker is stuck
@@ -182,6 +185,18 @@ def fraction(text: str) -> float:
     return value
 
 
+def byte_size(text: str) -> int:
+    """argparse type: a size in bytes, as an integer or with a unit (``8GiB``, ``512MB``: pydantic's
+    ``ByteSize``), from 0 to ``MAX_KV_TIER_MEMORY``."""
+    try:
+        value = TypeAdapter(ByteSize).validate_python(text)
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(f"not a size in bytes (e.g. 8GiB): {text}") from e
+    if not 0 <= value <= MAX_KV_TIER_MEMORY:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_KV_TIER_MEMORY}] bytes, got {text}")
+    return int(value)
+
+
 def device_name(text: str) -> str:
     """argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:<index>``."""
     kind, _, index = text.partition(":")
@@ -279,6 +294,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "pool of their own, this many tokens (0-1] per token of the full pool, freed as windows slide "
         "(colocated, CPU; a radix hit backs off to where the window has its pages); default: every "
         "layer keeps every token",
+    )
+    parser.add_argument(
+        "--kv-tier-memory",
+        type=byte_size,
+        default=0,
+        help="a second KV tier per scheduler, in bytes or e.g. 8GiB (a file-backed mmap in TMPDIR): KV "
+        "the radix cache evicts is kept there and a prefix hit loads it back instead of recomputing it; "
+        "0 = none (CPU only; not with --swa-full-tokens-ratio)",
     )
     parser.add_argument(
         "--kv-memory-fraction",

@@ -61,6 +61,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         max_queue_time=args.max_queue_time,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_policy=args.speculative_policy,
+        kv_tier_memory=args.kv_tier_memory,
     )
     model_name = served_model_names(args.model, args.served_model_name)[0]
     cfg = runner.model_config

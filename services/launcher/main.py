@@ -191,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.identity = tls.identity_from_args(parser, args)
     if args.public_client_ca and not args.identity:
         parser.error("--public-client-ca needs --tls-cert, --tls-key and --tls-ca")
+    if args.kv_tier_memory and args.swa_full_tokens_ratio is not None:
+        parser.error("--kv-tier-memory cannot be combined with --swa-full-tokens-ratio yet")
     if args.attention_backend == "flashinfer" and args.device == "cpu":
         parser.error("--attention-backend flashinfer runs on CUDA only (pdserve[cuda] on a GPU machine)")
     needs_gpu = args.device.startswith("cuda") or args.attention_backend == "flashinfer"

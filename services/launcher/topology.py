@@ -55,6 +55,8 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.swa_full_tokens_ratio is not None:
         flags += ["--swa-full-tokens-ratio", f"{args.swa_full_tokens_ratio:g}"]
+    if args.kv_tier_memory:
+        flags += ["--kv-tier-memory", str(args.kv_tier_memory)]
     if not (args.max_total_tokens or args.kv_cache_memory):
         flags += ["--kv-memory-fraction", f"{args.kv_memory_fraction / per_device:.4g}"]
     if args.disable_radix_cache:

@@ -46,6 +46,7 @@ def chart(request: pytest.FixtureRequest) -> Rendered:
             "engine": {
                 "maxTotalTokens": 4096,
                 "kvCacheMemory": 1 << 30,
+                "kvTierMemory": 1 << 31,
                 "disableRadixCache": True,
                 "maxQueuedRequests": 0,
             },

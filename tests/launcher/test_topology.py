@@ -52,6 +52,14 @@ def test_pd_topology_names_ports_and_stages() -> None:
     assert specs[3].command[-len(specs[3].argv) - 1 :] == ["decode", *specs[3].argv]
 
 
+def test_the_kv_tier_reaches_every_scheduler_in_bytes() -> None:
+    specs = build_topology(make_parser().parse_args(["--kv-tier-memory", "1.5GiB"]), "/m")
+    schedulers = [s for s in specs if s.role in ("prefill", "decode")]
+    assert schedulers and all(_flag(s.argv, "--kv-tier-memory") == str(3 << 29) for s in schedulers)
+    assert "--kv-tier-memory" not in specs[-1].argv
+    assert all("--kv-tier-memory" not in s.argv for s in build_topology(make_parser().parse_args([]), "/m"))
+
+
 def test_colocated_has_no_prefill_pool() -> None:
     args = make_parser().parse_args(["--colocated", "--num-decode", "2"])
     specs = build_topology(args, "/m")

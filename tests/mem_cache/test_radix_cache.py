@@ -27,7 +27,7 @@ def test_match_splits_edge_at_page_boundary():
     (edge,) = cache.root.children.values()
     assert edge.key == (1, 2, 3, 4, 5, 6)
 
-    pages, node, num_tokens = cache.match_prefix([1, 2, 3, 4, 9, 9, 7])
+    pages, node, num_tokens, _ = cache.match_prefix([1, 2, 3, 4, 9, 9, 7])
     assert (pages, num_tokens) == ([10, 11], 4)
     assert node.key == (1, 2, 3, 4) and node.value == [10, 11] and node.parent is cache.root
     (rest,) = node.children.values()
@@ -44,8 +44,8 @@ def test_match_counts_whole_pages_only():
     assert cache.match_prefix([0, 1, 2, 3, 4, 5, 9, 7]).page_indices == [3]
     # A trailing partial page never matches, even when its tokens agree.
     assert cache.match_prefix([0, 1, 2, 3, 4, 5, 6]).page_indices == [3]
-    assert cache.match_prefix([0, 1, 2]) == ([], cache.root, 0)
-    assert cache.match_prefix([]) == ([], cache.root, 0)
+    assert cache.match_prefix([0, 1, 2]) == ([], cache.root, 0, ())
+    assert cache.match_prefix([]) == ([], cache.root, 0, ())
 
 
 def test_insert_returns_only_differing_duplicates():
@@ -134,7 +134,7 @@ def test_disabled_cache_keeps_nothing():
     cache, log = make_cache(page_size=2, disable=True)
     assert cache.insert([1, 2, 3, 4, 5], [10, 11]) == [10, 11]
     result = cache.match_prefix([1, 2, 3, 4])
-    assert result == ([], cache.root, 0)
+    assert result == ([], cache.root, 0, ())
     cache.inc_lock_ref(result.last_node)
     cache.dec_lock_ref(result.last_node)
     assert cache.evict(4) == 0 and log.pages == []

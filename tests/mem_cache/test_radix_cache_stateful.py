@@ -77,7 +77,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         return keys
 
     def match(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
-        pages, node, num_tokens = self.cache.match_prefix(tokens)
+        pages, node, num_tokens, _ = self.cache.match_prefix(tokens)
         keys = self.longest_prefix(tokens)
         assert pages == [self.cached[key] for key in keys]
         assert num_tokens == len(pages) * self.ps

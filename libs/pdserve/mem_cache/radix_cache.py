@@ -16,7 +16,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from pdserve.mem_cache.block_hash import block_hashes, namespace_hash
-from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.mem_cache.kv_events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.mem_cache.kv_tier import MEDIUM_TIER, KVTier
+from pdserve.mem_cache.radix_tier import RadixTier
+from pdserve.mem_cache.tree_node import TreeNode
 
 
 class PageFreer(Protocol):
@@ -25,55 +28,22 @@ class PageFreer(Protocol):
     def free(self, pages: Iterable[int]) -> None: ...
 
 
-class TreeNode:
-    """One edge of the tree and the node it ends in.
-
-    ``key`` holds the edge's token ids (``len(key) == num_pages * page_size``, empty only for the
-    root), ``value`` the KV page index of each of those pages, ``children`` maps the first page's
-    token tuple of each child edge to the child, ``hashes`` the block hash of each page
-    (``block_hash``; empty while the cache reports no events). ``lock_ref`` counts the locks held on
-    this node or any descendant; ``last_access`` is the cache's logical clock at the last
-    match/insert that passed through it.
-    """
-
-    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "node_id", "parent", "value")
-
-    def __init__(
-        self,
-        key: tuple[int, ...],
-        value: list[int],
-        parent: TreeNode | None,
-        node_id: int,
-        hashes: list[int] | None = None,
-    ):
-        self.key = key
-        self.value = value
-        self.hashes = hashes or []
-        self.parent = parent
-        self.node_id = node_id
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.lock_ref = 0
-        self.last_access = 0
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.value)
-
-
 class MatchResult(NamedTuple):
     """Longest cached prefix of a query.
 
     ``page_indices``: the KV pages of the matched prefix, in token order; ``last_node``: the node the
     match ends in (the root on a miss), which the caller locks to keep those pages; ``num_tokens``:
-    ``len(page_indices) * page_size``.
+    ``len(page_indices) * page_size``; ``tier_nodes``: the tier-resident nodes the match goes on
+    through after ``last_node``, in path order (``RadixCache.load_back`` brings them into the pool).
     """
 
     page_indices: list[int]
     last_node: TreeNode
     num_tokens: int
+    tier_nodes: tuple[TreeNode, ...] = ()
 
 
-class RadixCache:
+class RadixCache(RadixTier):
     """Prefix cache of KV pages, shared by every request of one scheduler.
 
     Invariants:
@@ -104,17 +74,28 @@ class RadixCache:
     ``BlockRemoved`` for each evicted node, ``AllBlocksCleared`` on :meth:`reset`. Splitting an edge
     changes no block, so it reports nothing.
 
+    With a KV tier (``kv_tier.KVTier``, ``--kv-tier-memory``), eviction writes back: an evicted
+    node's KV is copied into tier pages and the node stays in the tree, tier-resident (HiCache's
+    ``host_value``), reported as ``BlockRemoved`` on the device and ``BlockStored`` in the tier
+    medium. A match runs on through tier-resident nodes (``MatchResult.tier_nodes``) and
+    :meth:`load_back` copies them into pool pages the caller allocated (removed from the tier,
+    stored on the device). A full tier drops its least-recently-used tier-resident leaves
+    (``BlockRemoved`` in the tier). ``evictable_size`` and ``total_size`` count pool pages only.
+
     Eviction gathers the unlocked leaves (O(nodes)) into a heap and pops them oldest first
     (O(k log nodes) for k evicted nodes). Not thread-safe: one scheduler thread owns it.
     """
 
-    def __init__(self, allocator: PageFreer, page_size: int, disable: bool = False):
+    def __init__(
+        self, allocator: PageFreer, page_size: int, disable: bool = False, tier: KVTier | None = None
+    ):
         """Raises ValueError when ``page_size < 1``."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.allocator = allocator
         self.page_size = page_size
         self.disable = disable
+        self.tier = tier
         self._node_ids = itertools.count()
         self._clock = itertools.count(1)
         self.root = TreeNode((), [], None, next(self._node_ids))
@@ -132,27 +113,33 @@ class RadixCache:
 
     def match_prefix(self, token_ids: Sequence[int], namespace: str = "") -> MatchResult:
         """Longest cached prefix of ``token_ids`` in whole pages, in ``namespace`` (a LoRA adapter's
-        name; ``""``: the base model); a trailing partial page never matches.
+        name; ``""``: the base model); a trailing partial page never matches. The part in the pool
+        ends at ``last_node``; the tier-resident part after it is ``tier_nodes``.
 
-        Splits an edge at the page boundary where the match ends inside it, so ``last_node`` ends
-        exactly at the match, and marks the matched path as just used (LRU).
+        Splits an edge at the page boundary where the match ends inside it, so the match ends
+        exactly at a node, and marks the matched path as just used (LRU).
         """
-        node = self._root(namespace)
+        node = last = self._root(namespace)
         if self.disable:
             return MatchResult([], node, 0)
         key = self._page_aligned(token_ids)
         tick = next(self._clock)
         pages: list[int] = []
+        tier_nodes: list[TreeNode] = []
         pos = 0
         while pos < len(key) and (child := node.children.get(key[pos : pos + self.page_size])):
             num_matched = self._matched_pages(child.key, key, pos)
             if num_matched < child.num_pages:
                 child = self._split(child, num_matched)
             child.last_access = tick
-            pages.extend(child.value)
+            if child.in_tier:
+                tier_nodes.append(child)
+            else:
+                pages.extend(child.value)
+                last = child
             pos += len(child.key)
             node = child
-        return MatchResult(pages, node, pos)
+        return MatchResult(pages, last, len(pages) * self.page_size, tuple(tier_nodes))
 
     def insert(self, token_ids: Sequence[int], page_indices: Sequence[int], namespace: str = "") -> list[int]:
         """Cache the KV pages of ``token_ids``'s whole pages in ``namespace`` (as ``match_prefix``);
@@ -197,6 +184,8 @@ class RadixCache:
                 child = self._split(child, num_matched)
             child.last_access = tick
             ours = page_indices[page : page + num_matched]
+            if child.in_tier:  # the caller computed the KV of a tier-resident prefix again
+                self._to_device(child, ours)
             duplicates.extend(mine for mine, cached in zip(ours, child.value, strict=True) if mine != cached)
             pos += len(child.key)
             node = child
@@ -227,38 +216,60 @@ class RadixCache:
 
         Whole nodes go, so more than ``num_pages`` may be freed; a parent becomes a candidate once
         its last child is gone. Stops early when nothing evictable remains. Returns pages freed.
+        With a tier, the evicted nodes' KV is written back to it (see the class docstring).
         """
-        return self._evict(num_pages, report=True)
+        return self._evict(num_pages, report=True, to_tier=self.tier is not None)
 
     def drop_namespace(self, namespace: str) -> int:
         """Free every unlocked page cached in ``namespace`` (an unloaded LoRA adapter's: an adapter
-        loaded later under its name must not read that KV), reporting the removals; pages freed."""
+        loaded later under its name must not read that KV), and its tier pages, reporting the
+        removals; pool pages freed."""
         root = self._roots.get(namespace)
-        return 0 if root is None else self._evict(self._evictable, report=True, roots=[root])
+        if root is None:
+            return 0
+        freed = self._evict(self._evictable, report=True, roots=[root])
+        self._drop_tier(self._tier_size(), report=True, roots=[root])
+        return freed
 
-    def _evict(self, num_pages: int, report: bool, roots: Iterable[TreeNode] | None = None) -> int:
+    def _evict(
+        self, num_pages: int, report: bool, roots: Iterable[TreeNode] | None = None, to_tier: bool = False
+    ) -> int:
         heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves(roots)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
-            self.allocator.free(node.value)
-            if report and self._events is not None:
-                self._events(BlockRemoved(node.hashes))
-            freed += node.num_pages
+            parent, pages = node.parent, node.value
             self._evictable -= node.num_pages
-            parent = node.parent
-            del parent.children[node.key[: self.page_size]]
-            node.parent = None
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+            if not (to_tier and self._write_back(node)):
+                self._remove(node, report)
+            self.allocator.free(pages)
+            freed += len(pages)
+            if parent.parent is not None and parent.lock_ref == 0 and not self._device_children(parent):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def _remove(self, node: TreeNode, report: bool) -> None:
+        """Take ``node`` and its descendants (all tier-resident) out of the tree, children first,
+        freeing their tier pages; the caller frees a device node's pool pages."""
+        order, stack = [], [node]
+        while stack:
+            stack.extend((gone := stack.pop()).children.values())
+            order.append(gone)
+        for gone in reversed(order):
+            if gone.in_tier:
+                self.tier.allocator.free(gone.host_value)
+            if report and self._events is not None:
+                self._events(BlockRemoved(gone.hashes, MEDIUM_TIER if gone.in_tier else MEDIUM_DEVICE))
+            del gone.parent.children[gone.key[: self.page_size]]
+            gone.parent = None
 
     def reset(self) -> None:
         """Free every cached page and empty the tree; raises RuntimeError while any node is locked."""
         if self._protected:
             raise RuntimeError(f"reset with {self._protected} pages still locked")
         self._evict(self._evictable, report=False)
+        self._drop_tier(self._tier_size(), report=False)
         if self._events is not None:
             self._events(AllBlocksCleared())
 
@@ -278,7 +289,7 @@ class RadixCache:
         return self._protected
 
     def total_size(self) -> int:
-        """All pages the tree holds."""
+        """All pool pages the tree holds."""
         return self._evictable + self._protected
 
     def _parents_first(self) -> Iterator[TreeNode]:
@@ -294,7 +305,8 @@ class RadixCache:
         return node.parent.hashes[-1] if node.parent.hashes else None
 
     def _stored(self, node: TreeNode) -> BlockStored:
-        return BlockStored(list(node.hashes), self._parent_hash(node), list(node.key), self.page_size)
+        medium = MEDIUM_TIER if node.in_tier else MEDIUM_DEVICE
+        return BlockStored(list(node.hashes), self._parent_hash(node), list(node.key), self.page_size, medium)
 
     def _report_stored(self, leaf: TreeNode) -> None:
         """Hash a new leaf's pages (chained from its parent's last page) and report them."""
@@ -334,6 +346,8 @@ class RadixCache:
             child.hashes[:num_pages],
         )
         upper.lock_ref = child.lock_ref
+        if child.in_tier:
+            upper.host_value, child.host_value = child.host_value[:num_pages], child.host_value[num_pages:]
         upper.children[child.key[cut : cut + self.page_size]] = child
         child.parent.children[child.key[: self.page_size]] = upper
         child.key = child.key[cut:]
@@ -344,10 +358,14 @@ class RadixCache:
 
     def _evictable_leaves(self, roots: Iterable[TreeNode] | None = None) -> Iterator[TreeNode]:
         roots = self._roots.values() if roots is None else roots
-        stack = [child for root in roots for child in root.children.values()]
+        stack = [child for root in roots for child in root.children.values() if not child.in_tier]
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
+            if on_device := self._device_children(node):
+                stack.extend(on_device)
             elif node.lock_ref == 0:
                 yield node
+
+    @staticmethod
+    def _device_children(node: TreeNode) -> list[TreeNode]:
+        return [child for child in node.children.values() if not child.in_tier]

@@ -96,7 +96,8 @@ class Admission:
         while covering every running request's reserve. Changes nothing."""
         if self.active() >= self.max_running_requests:
             return True
-        self.ledger.match(req, use_cache=not self._computes_whole_prompt(req))
+        # without loading the tier: the pages a load-back takes, the request would take otherwise
+        self.ledger.match(req, use_cache=not self._computes_whole_prompt(req), load_back=False)
         fits = self._fits(req)
         self.ledger.unmatch(req)
         return not fits

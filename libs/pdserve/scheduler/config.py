@@ -8,6 +8,7 @@ from pdserve.sampling.bounds import MAX_SPECULATIVE_DRAFT_TOKENS
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
 
 SPECULATIVE_POLICIES = ("adaptive", "always")
+MAX_KV_TIER_MEMORY = 2**50  # bytes (1 PiB): far above any host, below what overflows a page count
 
 # mixed: prefills and decodes (colocated); prefill: a PD prefill worker; decode: a PD decode worker
 ROLES = ("mixed", "prefill", "decode")
@@ -33,6 +34,7 @@ class SchedulerConfig:
     # step, and whether the per-step policy decides (adaptive) or every offered draft is verified (always)
     speculative_num_draft_tokens: int = 4
     speculative_policy: str = "adaptive"
+    kv_tier_memory: int = 0  # bytes of the KV tier under the radix cache (``mem_cache.kv_tier``); 0 = none
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -47,5 +49,7 @@ class SchedulerConfig:
             raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_SPECULATIVE_DRAFT_TOKENS}]")
         if self.speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}")
+        if not 0 <= self.kv_tier_memory <= MAX_KV_TIER_MEMORY:
+            raise ValueError(f"kv_tier_memory must be in [0, {MAX_KV_TIER_MEMORY}] bytes")
         if self.max_queue_time < 0:
             raise ValueError("max_queue_time must be >= 0 (0 = no limit)")

@@ -16,13 +16,15 @@ local pages (``SWAPageMap.whole_prefix``; SGLang's ``SWARadixCache``).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from pdserve.lora.manager import LoraManager, LoraSlotsFullError
+from pdserve.mem_cache.kv_tier import KVTier
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator, ReqToTokenPool
-from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.mem_cache.radix_cache import MatchResult, RadixCache
 from pdserve.mem_cache.swa_pool import SWAPageMap
 from pdserve.scheduler.req import Req
 
@@ -39,6 +41,10 @@ class KVLedger:
         lora: the runner's ``LoraManager`` (None: no adapters). A request of an adapter
             (``sampling_params.lora_name``) pins its adapter's slot from admission to release, and its
             KV is matched and cached in the adapter's radix namespace only.
+        tier: the KV tier under the radix cache (``--kv-tier-memory``), or None. A match that runs
+            on into it loads that KV back into pool pages (allocated as any, and only when the pool
+            can give them all) before the request is admitted, synchronously, on the loop thread.
+        metrics: the scheduler's ``SchedulerMetrics`` (tier gauges, hits and load-back times), or None.
     """
 
     def __init__(
@@ -49,14 +55,19 @@ class KVLedger:
         disable_radix_cache: bool = False,
         swa: SWAPageMap | None = None,
         lora: LoraManager | None = None,
+        tier: KVTier | None = None,
+        metrics=None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
         self.swa = swa
         # the tree's evictions free a page's local page too
-        self.tree = RadixCache(swa or allocator, page_size, disable=disable_radix_cache)
+        self.tree = RadixCache(swa or allocator, page_size, disable_radix_cache, tier)
         self.lora = lora
+        self.metrics = metrics
+        if tier is not None and metrics is not None:
+            metrics.watch_tier(tier)
         self._swa_front: dict[Req, int] = {}  # request -> its first page its local layers still read
         self.in_use: dict[Req, int] = {}  # request -> pages owned (not counting radix prefix pages)
         self._offsets: torch.Tensor | None = None  # 0 .. page_size - 1, on the pool's device
@@ -142,15 +153,19 @@ class KVLedger:
         match = self.tree.match_prefix(req.fill_ids[:-1], req.sampling_params.lora_name)
         return len(self._usable(match.page_indices)) * self.page_size
 
-    def match(self, req: Req, use_cache: bool = True) -> int:
+    def match(self, req: Req, use_cache: bool = True, load_back: bool = True) -> int:
         """Radix-match ``req.fill_ids`` (leaving at least one token to extend) and lock the match;
         with ``use_cache`` False nothing is matched (a request whose whole prompt must be computed).
+        With ``load_back``, a match that goes on into the KV tier brings that part into the pool.
 
         Returns the number of prefix tokens found (a multiple of page_size).
         """
         key = req.fill_ids[:-1] if use_cache else []
-        result = self.tree.match_prefix(key, req.sampling_params.lora_name)
+        namespace = req.sampling_params.lora_name
+        result = self.tree.match_prefix(key, namespace)
         self.tree.inc_lock_ref(result.last_node)
+        if load_back and result.tier_nodes:
+            result = self._load_back(key, namespace, result)
         req.last_node = result.last_node
         req.pages = list(self._usable(result.page_indices))
         req.num_prefix_pages = len(req.pages)
@@ -159,6 +174,26 @@ class KVLedger:
             self._swa_front[req] = front = self._window_front(req.num_computed)
             self.swa.use(req.pages[front:])
         return req.num_computed
+
+    def _load_back(self, key: list[int], namespace: str, match: MatchResult) -> MatchResult:
+        """Copy the tier-resident rest of locked ``match`` into newly allocated pool pages, when the
+        pool can give them all (else ``match`` stays as it is); returns the match over them, locked
+        in place of ``match``."""
+        need = sum(node.num_pages for node in match.tier_nodes)
+        if need > self.available_pages():
+            return match
+        start = time.perf_counter()
+        pages = self._alloc(need)
+        if pages is None:
+            return match
+        used = self.tree.load_back(match.tier_nodes, pages)
+        self._free(pages[used:])
+        if used and self.metrics is not None:
+            self.metrics.observe_load_back(used * self.page_size, time.perf_counter() - start)
+        longer = self.tree.match_prefix(key, namespace)
+        self.tree.inc_lock_ref(longer.last_node)
+        self.tree.dec_lock_ref(match.last_node)
+        return longer
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that could not be admitted."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.mem_cache.kv_tier import KVTier
 from pdserve.mem_cache.swa_pool import SWAPageMap
 from pdserve.observability.metrics_http import exposition, labelled
 from pdserve.scheduler.req import Req
@@ -183,6 +184,29 @@ class SchedulerMetrics:
         free.set_function(swa.available_size)
         cached.set_function(lambda: swa.held_pages() - swa.used_pages())
         total.set_function(lambda: swa.num_pages)
+
+    def watch_tier(self, tier: KVTier) -> None:
+        """The KV tier's page gauges (read at each scrape), hit counter and load-back histogram
+        (``observe_load_back``)."""
+        r = self.registry
+        used = Gauge("pdserve:kv_tier_pages_used", "KV tier pages holding evicted radix-cache KV", registry=r)
+        total = Gauge("pdserve:kv_tier_pages_total", "KV tier pages (--kv-tier-memory)", registry=r)
+        used.set_function(tier.used_pages)
+        total.set_function(lambda: tier.num_pages)
+        self.kv_tier_hit_tokens = Counter(
+            "pdserve:kv_tier_hit_tokens", "Prompt tokens loaded back from the KV tier", registry=r
+        )
+        self.kv_tier_load_seconds = Histogram(
+            "pdserve:kv_tier_load_seconds",
+            "Time of one load-back from the KV tier (pool pages allocated, then copied), on the loop thread",
+            buckets=_TRANSFER_BUCKETS,
+            registry=r,
+        )
+
+    def observe_load_back(self, num_tokens: int, seconds: float) -> None:
+        """``num_tokens`` of a prompt's prefix came back from the KV tier in ``seconds``."""
+        self.kv_tier_hit_tokens.inc(num_tokens)
+        self.kv_tier_load_seconds.observe(seconds)
 
     def text(self) -> str:
         """Prometheus text exposition of this registry, ``model_name`` labelled."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.constrained.backend import GrammarBackend
+from pdserve.mem_cache.kv_tier import make_tier
 from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.batch_runner import run_batch
 from pdserve.scheduler.config import SchedulerConfig
@@ -72,7 +73,7 @@ class Scheduler:
         self.page_size = runner.token_to_kv_pool_allocator.page_size
         self.metrics = metrics = metrics or SchedulerMetrics(config.role)
         pools = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
-        kv_extras = runner.swa_pages, runner.lora_manager
+        kv_extras = runner.swa_pages, runner.lora_manager, make_tier(runner, config.kv_tier_memory), metrics
         self.ledger = KVLedger(*pools, self.page_size, config.disable_radix_cache, *kv_extras)
         self.usable_pages = self.ledger.free_pages()
         model = runner.model_config
