@@ -4,21 +4,25 @@ greedy tokens through chunked prefill, radix hits, retraction and aborts, with e
 ranks comparing their state digests after every step and every pool conserved; a killed rank takes
 its group down, every client gets an answer within 10 s, and the group restarts and serves again;
 a prefill worker of another TP size is refused at the handshake, naming both sides' values; a
-constrained request is a clear 400."""
+constrained request is a clear 400; a LoRA adapter loaded at run time reaches every rank at the same
+step and gives HF PEFT's tokens beside the base model's until it is unloaded."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from pdserve.services.common.grammar_wait import GRAMMAR_UNDER_TP
+from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
 from tests.pd.handshake import refused_handshake
 from tests.reference import chat_ids, hf_greedy
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -42,6 +46,9 @@ COMMON = (
     "1024",
     "--chunked-prefill-size",
     "64",
+    "--enable-lora",
+    "--max-lora-rank",
+    "8",
 )
 MODES = {
     "colocated": ("--colocated", *COMMON),
@@ -100,6 +107,40 @@ def test_constrained_request_is_refused_clearly(tp):
         )
     assert GRAMMAR_UNDER_TP in err.value.body["message"], err.value.body
     assert tp.chat("Name a colour.", max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def pirate(tmp_path_factory):
+    """A random PEFT adapter of SmolLM2 (its directory) and the fp32 PEFT model holding it."""
+    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
+    model, paths = make_adapters(tmp_path_factory.mktemp("tp-adapter"), {"pirate": ADAPTERS["pirate"]})
+    yield model, paths["pirate"]
+    del model
+
+
+def test_lora_adapter_loaded_at_run_time(tp, pirate):
+    """The load travels to every rank as a step input (as new requests do), so all ranks hold their
+    slices of the adapter from the same step; it runs beside the base model, then is unloaded."""
+    peft_model, path = pirate
+    http = httpx.Client(base_url=tp.base_url, timeout=600)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "pirate", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    ids = chat_ids([{"role": "user", "content": "Name three animals that live in the ocean."}])
+    sampling = {"temperature": 0, "max_new_tokens": 12}
+
+    def one(model: str | None) -> list[int]:
+        body = {"input_ids": ids, "model": model, "sampling_params": sampling}
+        resp = httpx.post(f"{tp.base_url}/generate", json=body, timeout=600)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["output_ids"]
+
+    with ThreadPoolExecutor(2) as pool:
+        outputs = list(pool.map(one, ["pirate", None]))
+    assert outputs == [peft_greedy(peft_model, name, ids, 12) for name in ("pirate", None)]
+    assert outputs[0] != outputs[1]
+    tp.wait_idle()
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "pirate"})
+    assert r.status_code == 200, r.text
 
 
 def _rank1(stack: Stack) -> psutil.Process:

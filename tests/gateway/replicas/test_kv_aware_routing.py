@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import torch
 
 from pdserve.mem_cache.block_hash import block_hashes
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
@@ -47,6 +48,7 @@ ADAPTER = "pirate"
 @pytest.fixture(scope="module")
 def adapter_path(tmp_path_factory) -> Path:
     """A random PEFT adapter of SmolLM2 (the workers load it at run time, in the test that uses it)."""
+    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
     model, paths = make_adapters(tmp_path_factory.mktemp("router-adapter"), {ADAPTER: ADAPTERS[ADAPTER]})
     del model
     return paths[ADAPTER]
