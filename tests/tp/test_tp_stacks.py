@@ -4,8 +4,8 @@ greedy tokens through chunked prefill, radix hits, retraction and aborts, with e
 ranks comparing their state digests after every step and every pool conserved; a killed rank takes
 its group down, every client gets an answer within 10 s, and the group restarts and serves again;
 a prefill worker of another TP size is refused at the handshake, naming both sides' values; a
-constrained request is a clear 400; a LoRA adapter loaded at run time reaches every rank at the same
-step and gives HF PEFT's tokens beside the base model's until it is unloaded."""
+constrained request is a clear 400; two LoRA adapters loaded at run time reach every rank at the
+same step and give HF PEFT's tokens in one batch with the base model until they are unloaded."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdserve.services.common.grammar_wait import GRAMMAR_UNDER_TP
-from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
+from tests.lora.adapters import make_adapters, peft_greedy
 from tests.pd.handshake import refused_handshake
 from tests.reference import chat_ids, hf_greedy
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -110,21 +110,23 @@ def test_constrained_request_is_refused_clearly(tp):
 
 
 @pytest.fixture(scope="module")
-def pirate(tmp_path_factory):
-    """A random PEFT adapter of SmolLM2 (its directory) and the fp32 PEFT model holding it."""
+def adapters(tmp_path_factory):
+    """The fp32 PEFT model holding two random adapters of SmolLM2, and their directories."""
     torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
-    model, paths = make_adapters(tmp_path_factory.mktemp("tp-adapter"), {"pirate": ADAPTERS["pirate"]})
-    yield model, paths["pirate"]
+    model, paths = make_adapters(tmp_path_factory.mktemp("tp-adapters"))
+    yield model, paths
     del model
 
 
-def test_lora_adapter_loaded_at_run_time(tp, pirate):
-    """The load travels to every rank as a step input (as new requests do), so all ranks hold their
-    slices of the adapter from the same step; it runs beside the base model, then is unloaded."""
-    peft_model, path = pirate
+def test_lora_adapters_loaded_at_run_time(tp, adapters):
+    """A load travels to every rank as a step input (as new requests do), so all ranks hold their
+    slices of an adapter from the same step; both run in one batch with the base model, then are
+    unloaded."""
+    peft_model, paths = adapters
     http = httpx.Client(base_url=tp.base_url, timeout=600)
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "pirate", "lora_path": str(path)})
-    assert r.status_code == 200, r.text
+    for name, path in paths.items():
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 200, r.text
     ids = chat_ids([{"role": "user", "content": "Name three animals that live in the ocean."}])
     sampling = {"temperature": 0, "max_new_tokens": 12}
 
@@ -134,13 +136,15 @@ def test_lora_adapter_loaded_at_run_time(tp, pirate):
         assert resp.status_code == 200, resp.text
         return resp.json()["output_ids"]
 
-    with ThreadPoolExecutor(2) as pool:
-        outputs = list(pool.map(one, ["pirate", None]))
-    assert outputs == [peft_greedy(peft_model, name, ids, 12) for name in ("pirate", None)]
-    assert outputs[0] != outputs[1]
+    models = [*paths, None]
+    with ThreadPoolExecutor(len(models)) as pool:
+        outputs = list(pool.map(one, models))
+    assert outputs == [peft_greedy(peft_model, name, ids, 12) for name in models]
+    assert len({tuple(out) for out in outputs}) == len(models)  # each adapter changes the tokens
     tp.wait_idle()
-    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "pirate"})
-    assert r.status_code == 200, r.text
+    for name in paths:
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200, r.text
 
 
 def _rank1(stack: Stack) -> psutil.Process:
