@@ -169,6 +169,15 @@ async def test_usable_only_while_connected_in_step_and_of_one_block_size(caplog)
     sub.close()
 
 
+async def followed(workers: dict[str, Worker]) -> dict[str, KVIndex]:
+    """A connected index of each worker (by address), caught up with its events."""
+    indexes = {address: KVIndex("decode", address) for address in workers}
+    for address, worker in workers.items():
+        indexes[address].connected = True
+        await catch_up(indexes[address], worker, worker.publisher.subscribe())
+    return indexes
+
+
 def policy(indexes: dict[str, KVIndex], weights: KVAwareWeights = KVAwareWeights()) -> KVAwarePolicy:
     kv = KVIndexes(BackendClients(), WorkerPool("decode", list(indexes)))
     kv.indexes.update(indexes)
@@ -180,10 +189,7 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     system = list(range(100, 164))  # 16 pages
     a.cache_prompt(system)
     b.cache_prompt(system[:16])
-    indexes = {"a:1": KVIndex("decode", "a:1"), "b:1": KVIndex("decode", "b:1")}
-    for index, worker in zip(indexes.values(), (a, b), strict=True):
-        index.connected = True
-        await catch_up(index, worker, worker.publisher.subscribe())
+    indexes = await followed({"a:1": a, "b:1": b})
     p = policy(indexes)
     pool = WorkerPool("decode", list(indexes))
     wa, wb = pool.workers
@@ -216,10 +222,7 @@ async def test_kv_aware_finds_an_adapters_prefix_under_its_namespace() -> None:
     system = list(range(100, 164))  # 16 pages
     a.cache_prompt(system, "pirate")
     b.cache_prompt(system)
-    indexes = {"a:1": KVIndex("decode", "a:1"), "b:1": KVIndex("decode", "b:1")}
-    for index, worker in zip(indexes.values(), (a, b), strict=True):
-        index.connected = True
-        await catch_up(index, worker, worker.publisher.subscribe())
+    indexes = await followed({"a:1": a, "b:1": b})
     p = policy(indexes)
     pool = WorkerPool("decode", list(indexes))
     prompt = system + [7]

@@ -5,7 +5,8 @@ each output equal to HF PEFT's fp32 greedy tokens and each response naming the a
 ``model`` (completions, chat, responses, a stream's chunks); an unknown model is a 404
 ``model_not_found``.
 A third adapter loaded at run time (``/v1/load_lora_adapter``) is served the same way until it is
-unloaded (``/v1/unload_lora_adapter``), and each refusal has its status."""
+unloaded (``/v1/unload_lora_adapter``), and each refusal has its status; the public gRPC API's
+``LoadLoraAdapter`` / ``UnloadLoraAdapter`` (through the SDK) do the same."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 import torch
+from pdserve_sdk import Client, InvalidRequestError, NotFoundError, PdServeError
 from safetensors.torch import load_file, save_file
 
 from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
@@ -140,6 +143,19 @@ def test_adapter_loaded_and_unloaded_at_run_time(lora_stack, adapters, tmp_path)
     with pytest.raises(openai.NotFoundError) as info:
         api.completions.create(model="sailor", prompt=prompt, max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
+
+    # the same calls on the public gRPC API, through the SDK
+    with Client(lora_stack.grpc_address, timeout=600) as sdk:
+        assert "sailor" in sdk.load_lora_adapter("sailor", str(paths["sailor"]))
+        with pytest.raises(PdServeError) as refused:
+            sdk.load_lora_adapter("sailor", str(paths["sailor"]))
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(InvalidRequestError, match="lora_name"):
+            sdk.load_lora_adapter("", str(paths["sailor"]))
+        assert [m.id for m in api.models.list().data] == [SERVED_MODEL, "pirate", "poet", "sailor"]
+        assert "sailor" in sdk.unload_lora_adapter("sailor")
+        with pytest.raises(NotFoundError):
+            sdk.unload_lora_adapter("sailor")
     lora_stack.wait_idle()
 
 
