@@ -147,13 +147,15 @@ class WorkerLoad:
 
     ``load``: its queued plus running requests; ``capacity``: the requests it takes before refusing
     (those it can run at once plus its waiting-queue bound; 0 = unbounded); ``max_queued``: its
-    waiting-queue bound alone (0 = unbounded); ``incarnation``: changes when its process restarts.
+    waiting-queue bound alone (0 = unbounded); ``incarnation``: changes when its process restarts;
+    ``lora_resident``: the LoRA adapters in its slots.
     """
 
     load: int
     capacity: int
     incarnation: str
     max_queued: int = 0
+    lora_resident: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

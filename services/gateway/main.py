@@ -316,7 +316,7 @@ class Gateway:
             dict(args.lora_modules),
             "run-time LoRA loading needs one gateway (--gateway-workers 1)" if args.workers > 1 else "",
         )
-        self.grpc.add(public_servicer.add_to_server, PdServeServicer(ctx, args.api_keys))
+        self.grpc.add(public_servicer.add_to_server, PdServeServicer(ctx, lora_admin, args.api_keys))
         self.internal.add(output_servicer.add_to_server, GatewayOutputServicer(self.registry))
         state = GatewayState(
             ctx=ctx,

@@ -208,6 +208,8 @@ UNARY_REQUEST_METHODS = [
     ("/pdserve.v1.PdServe/Generate", "unary_stream", "pdserve.v1.GenerateRequest"),
     ("/pdserve.v1.PdServe/Abort", "unary_unary", "pdserve.v1.PublicAbortRequest"),
     ("/pdserve.v1.PdServe/ListModels", "unary_unary", "pdserve.v1.ListModelsRequest"),
+    ("/pdserve.v1.PdServe/LoadLoraAdapter", "unary_unary", "pdserve.v1.PublicLoadLoraAdapterRequest"),
+    ("/pdserve.v1.PdServe/UnloadLoraAdapter", "unary_unary", "pdserve.v1.PublicUnloadLoraAdapterRequest"),
     ("/grpc.health.v1.Health/Check", "unary_unary", "grpc.health.v1.HealthCheckRequest"),
     ("/grpc.health.v1.Health/Watch", "unary_stream", "grpc.health.v1.HealthCheckRequest"),
 ]
@@ -225,6 +227,31 @@ async def call_with_bytes(
         else:
             await call(None, metadata=metadata, timeout=30)
     return e.value
+
+
+async def test_lora_adapter_calls_need_the_key_and_bounded_fields(channel) -> None:
+    """The operator calls are refused without the key, and a name out of bounds is INVALID_ARGUMENT
+    (as /v1/load_lora_adapter's 400) before any worker is asked."""
+    stub = api_pb2_grpc.PdServeStub(channel)
+    load = api_pb2.PublicLoadLoraAdapterRequest(lora_name="a", lora_path="/tmp")
+    unload = api_pb2.PublicUnloadLoraAdapterRequest(lora_name="a")
+    for call, metadata, code in [
+        (lambda m: stub.LoadLoraAdapter(load, metadata=m), (), grpc.StatusCode.UNAUTHENTICATED),
+        (lambda m: stub.UnloadLoraAdapter(unload, metadata=m), (), grpc.StatusCode.UNAUTHENTICATED),
+        (
+            lambda m: stub.LoadLoraAdapter(api_pb2.PublicLoadLoraAdapterRequest(lora_name="a"), metadata=m),
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda m: stub.UnloadLoraAdapter(api_pb2.PublicUnloadLoraAdapterRequest(), metadata=m),
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call(metadata)
+        assert e.value.code() == code, e.value
 
 
 @pytest.mark.parametrize(

@@ -37,10 +37,11 @@ class Worker:
         self.publisher = KVEventPublisher(self.cache.snapshot_events)
         self.cache.set_event_sink(self.publisher.record)
 
-    def cache_prompt(self, tokens: list[int]) -> None:
-        """A finished request's pages enter the cache; the step's batch is closed."""
+    def cache_prompt(self, tokens: list[int], namespace: str = "") -> None:
+        """A finished request's pages (of LoRA adapter ``namespace``) enter the cache; the step's
+        batch is closed."""
         pages = self.cache.allocator.alloc(len(tokens) // PAGE)
-        self.cache.allocator.free(self.cache.insert(tokens, pages))
+        self.cache.allocator.free(self.cache.insert(tokens, pages, namespace))
         self.publisher.flush()
 
     def cached_blocks(self, tokens: list[int]) -> int:
@@ -168,6 +169,15 @@ async def test_usable_only_while_connected_in_step_and_of_one_block_size(caplog)
     sub.close()
 
 
+async def followed(workers: dict[str, Worker]) -> dict[str, KVIndex]:
+    """A connected index of each worker (by address), caught up with its events."""
+    indexes = {address: KVIndex("decode", address) for address in workers}
+    for address, worker in workers.items():
+        indexes[address].connected = True
+        await catch_up(indexes[address], worker, worker.publisher.subscribe())
+    return indexes
+
+
 def policy(indexes: dict[str, KVIndex], weights: KVAwareWeights = KVAwareWeights()) -> KVAwarePolicy:
     kv = KVIndexes(BackendClients(), WorkerPool("decode", list(indexes)))
     kv.indexes.update(indexes)
@@ -179,10 +189,7 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     system = list(range(100, 164))  # 16 pages
     a.cache_prompt(system)
     b.cache_prompt(system[:16])
-    indexes = {"a:1": KVIndex("decode", "a:1"), "b:1": KVIndex("decode", "b:1")}
-    for index, worker in zip(indexes.values(), (a, b), strict=True):
-        index.connected = True
-        await catch_up(index, worker, worker.publisher.subscribe())
+    indexes = await followed({"a:1": a, "b:1": b})
     p = policy(indexes)
     pool = WorkerPool("decode", list(indexes))
     wa, wb = pool.workers
@@ -206,3 +213,21 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     assert p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 0.25}
     p.forget(wb)  # b went unhealthy: its index waits for a snapshot
     assert indexes["b:1"].seq is None and p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 0.0}
+
+
+async def test_kv_aware_finds_an_adapters_prefix_under_its_namespace() -> None:
+    """A LoRA adapter's cached pages chain from its name's hash in the events: the router hashes an
+    adapter prompt the same way, so it finds them, and never under the base model or another adapter."""
+    a, b = Worker(), Worker()
+    system = list(range(100, 164))  # 16 pages
+    a.cache_prompt(system, "pirate")
+    b.cache_prompt(system)
+    indexes = await followed({"a:1": a, "b:1": b})
+    p = policy(indexes)
+    pool = WorkerPool("decode", list(indexes))
+    prompt = system + [7]
+    assert p.scores(pool.workers, prompt, lora_name="pirate") == {"a:1": 1.0, "b:1": 0.0}
+    assert p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 1.0}
+    assert p.scores(pool.workers, prompt, lora_name="poet") == {"a:1": 0.0, "b:1": 0.0}
+    assert {p.select(pool.workers, prompt, "pirate").address for _ in range(4)} == {"a:1"}
+    assert {p.select(pool.workers, prompt).address for _ in range(4)} == {"b:1"}

@@ -1,4 +1,5 @@
-"""Router policies (round_robin, least_load, cache_aware) and the approximate prefix tree."""
+"""Router policies (round_robin, least_load, cache_aware) and the approximate prefix tree; LoRA
+adapters: cache_aware keys on the adapter, and among equal workers one holding the adapter wins."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.policies import CacheAwarePolicy
 from pdserve.services.gateway.routing.prefix_tree import ApproxPrefixTree
 from pdserve.services.gateway.routing.router import Router
 from pdserve.services.gateway.routing.workers import WorkerPool
+from pdserve.services.gateway.transport.backend_clients import BackendClients
 
 DECODES = ["d0:1", "d1:1", "d2:1"]
 
@@ -105,6 +108,41 @@ def test_cache_aware_needs_the_match_to_cover_the_threshold() -> None:
     short_match = list(range(3)) + [99] * 20  # shares 3 of 23 tokens
     assert policy.select(workers, short_match) is not home
     assert policy.select(workers, list(range(10)) + [7]) is home
+
+
+def test_cache_aware_keys_on_the_adapter() -> None:
+    """The same tokens under another adapter (or the base model) match nothing: another worker's KV."""
+    policy = CacheAwarePolicy()
+    workers = WorkerPool("decode", DECODES).workers
+    prompt = list(range(40))
+    home = policy.select(workers, prompt, "pirate")
+    home.in_flight = 1  # so an unmatched prompt goes elsewhere
+    assert policy.select(workers, prompt + [7], "pirate") is home
+    assert policy.select(workers, prompt + [7], "poet") is not home
+    assert policy.select(workers, prompt + [7]) is not home
+
+
+@pytest.mark.parametrize("policy", ["least_load", "cache_aware", "kv_aware"])
+def test_a_worker_holding_the_adapter_wins_among_equals(policy: str) -> None:
+    """Among equally good workers, one that reported the adapter in its LoRA slots (it need not load
+    it, evicting another); load comes first. cache_aware without a match is least_load; kv_aware
+    here has no index of any worker, so every score is the load's."""
+    kv = {role: KVIndexes(BackendClients(), WorkerPool(role, [])) for role in ("decode", "prefill")}
+    r = Router(WorkerPool("decode", DECODES), WorkerPool("prefill", []), policy, kv_indexes=kv)
+    d0, d1, d2 = r.decode.workers
+    d1.lora_resident = frozenset({"pirate"})
+    d2.lora_resident = frozenset({"pirate", "poet"})
+    chosen = set()
+    for i in range(4):
+        route = r.route([i] * 40, "pirate")
+        chosen.add(route.decode.address)
+        route.release()
+    assert chosen == {"d1:1", "d2:1"}  # both hold it: in turn, never d0
+    route = r.route([9] * 40, "poet")
+    assert route.decode is d2
+    route.release()
+    d2.reported_load = 1  # busier than the idle workers that would load it
+    assert r.route([8] * 40, "poet").decode is not d2
 
 
 def test_unhealthy_worker_is_forgotten_by_cache_aware() -> None:

@@ -12,15 +12,18 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 ADAPTERS = {"pirate": (8, 16, ALL_TARGETS, False), "poet": (4, 8, ["q_proj", "v_proj", "down_proj"], True)}
 
 
-def make_adapters(root: Path, adapters: dict = ADAPTERS) -> tuple[object, dict[str, Path]]:
-    """Save ``adapters`` (as ``ADAPTERS``; non-zero random ``A`` and ``B``) under ``root``; returns the
-    fp32 PEFT model holding all of them (eval) and each adapter's directory."""
+def make_adapters(
+    root: Path, adapters: dict = ADAPTERS, base_path: Path | None = None
+) -> tuple[object, dict[str, Path]]:
+    """Save ``adapters`` (as ``ADAPTERS``; non-zero random ``A`` and ``B``) of the checkpoint at
+    ``base_path`` (default: SmolLM2-135M) under ``root``; returns the fp32 PEFT model holding all of
+    them (eval) and each adapter's directory."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from pdserve.model_source import resolve_model
 
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_path or resolve_model(), dtype=torch.float32).eval()
     model: PeftModel | None = None
     paths = {}
     torch.manual_seed(0)

@@ -1,9 +1,12 @@
 """Multi-LoRA through a PD stack (one prefill and one decode worker, KV over NIXL) and the official
 ``openai`` client: ``--lora-modules`` adapters listed by /v1/models, picked by the request's
 ``model``, mixed with the base model in flight, applied by both the prefill and the decode worker,
-each output equal to HF PEFT's fp32 greedy tokens; an unknown model is a 404 ``model_not_found``.
+each output equal to HF PEFT's fp32 greedy tokens and each response naming the adapter as its
+``model`` (completions, chat, responses, a stream's chunks); an unknown model is a 404
+``model_not_found``.
 A third adapter loaded at run time (``/v1/load_lora_adapter``) is served the same way until it is
-unloaded (``/v1/unload_lora_adapter``), and each refusal has its status."""
+unloaded (``/v1/unload_lora_adapter``), and each refusal has its status; the public gRPC API's
+``LoadLoraAdapter`` / ``UnloadLoraAdapter`` (through the SDK) do the same."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 import torch
+from pdserve_sdk import Client, InvalidRequestError, NotFoundError, PdServeError
 from safetensors.torch import load_file, save_file
 
 from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
@@ -63,6 +68,7 @@ def test_adapters_are_served_beside_the_base(lora_stack, adapters):
 
     def complete(model: str) -> str:
         out = api.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert out.model == model
         return out.choices[0].text
 
     for models in rounds:
@@ -71,6 +77,9 @@ def test_adapters_are_served_beside_the_base(lora_stack, adapters):
         for model, text in zip(models, outputs, strict=True):
             adapter = None if model == SERVED_MODEL else model
             assert text == hf_tokenizer().decode(peft_greedy(peft_model, adapter, prompt, NEW_TOKENS)), model
+    messages = [{"role": "user", "content": "Ahoy"}]
+    assert api.chat.completions.create(model="poet", messages=messages, max_tokens=2).model == "poet"
+    assert api.responses.create(model="pirate", input="Ahoy", max_output_tokens=2).model == "pirate"
     with pytest.raises(openai.NotFoundError) as info:
         api.completions.create(model="nobody", prompt="hi", max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
@@ -122,7 +131,7 @@ def test_adapter_loaded_and_unloaded_at_run_time(lora_stack, adapters, tmp_path)
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    next(iter(stream))
+    assert next(iter(stream)).model == "sailor"
     r = unload("sailor")
     assert r.status_code == 409 and "decode-scheduler" in r.json()["error"]["message"], r.text
     assert len("".join(chunk.choices[0].text for chunk in stream)) > 0
@@ -134,6 +143,19 @@ def test_adapter_loaded_and_unloaded_at_run_time(lora_stack, adapters, tmp_path)
     with pytest.raises(openai.NotFoundError) as info:
         api.completions.create(model="sailor", prompt=prompt, max_tokens=1)
     assert info.value.body["code"] == "model_not_found"
+
+    # the same calls on the public gRPC API, through the SDK
+    with Client(lora_stack.grpc_address, timeout=600) as sdk:
+        assert "sailor" in sdk.load_lora_adapter("sailor", str(paths["sailor"]))
+        with pytest.raises(PdServeError) as refused:
+            sdk.load_lora_adapter("sailor", str(paths["sailor"]))
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(InvalidRequestError, match="lora_name"):
+            sdk.load_lora_adapter("", str(paths["sailor"]))
+        assert [m.id for m in api.models.list().data] == [SERVED_MODEL, "pirate", "poet", "sailor"]
+        assert "sailor" in sdk.unload_lora_adapter("sailor")
+        with pytest.raises(NotFoundError):
+            sdk.unload_lora_adapter("sailor")
     lora_stack.wait_idle()
 
 

@@ -4,21 +4,26 @@ group speculates with n-gram drafts, issue 38), gives HF's greedy tokens through
 radix hits, retraction and aborts, with every scheduler's ranks comparing their state digests after
 every step and every pool conserved; a killed rank takes its group down, every client gets an
 answer within 10 s, and the group restarts and serves again; a prefill worker of another TP size is
-refused at the handshake, naming both sides' values; a constrained request is a clear 400."""
+refused at the handshake, naming both sides' values; a constrained request is a clear 400; two LoRA
+adapters loaded at run time reach every rank at the same step and give HF PEFT's tokens in one
+batch with the base model until they are unloaded."""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from pdserve.services.common.grammar_wait import GRAMMAR_UNDER_TP
+from tests.lora.adapters import make_adapters, peft_greedy
 from tests.pd.handshake import refused_handshake
 from tests.reference import chat_ids, hf_greedy
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -42,6 +47,9 @@ COMMON = (
     "1024",
     "--chunked-prefill-size",
     "64",
+    "--enable-lora",
+    "--max-lora-rank",
+    "8",
 )
 # PD's decode group also speculates (n-gram drafts, the adaptive policy): every rank must draft,
 # time its steps and verify identically, which the state digests check after every step
@@ -112,6 +120,44 @@ def test_constrained_request_is_refused_clearly(tp):
         )
     assert GRAMMAR_UNDER_TP in err.value.body["message"], err.value.body
     assert tp.chat("Name a colour.", max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """The fp32 PEFT model holding two random adapters of SmolLM2, and their directories."""
+    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
+    model, paths = make_adapters(tmp_path_factory.mktemp("tp-adapters"))
+    yield model, paths
+    del model
+
+
+def test_lora_adapters_loaded_at_run_time(tp, adapters):
+    """A load travels to every rank as a step input (as new requests do), so all ranks hold their
+    slices of an adapter from the same step; both run in one batch with the base model, then are
+    unloaded."""
+    peft_model, paths = adapters
+    http = httpx.Client(base_url=tp.base_url, timeout=600)
+    for name, path in paths.items():
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+    ids = chat_ids([{"role": "user", "content": "Name three animals that live in the ocean."}])
+    sampling = {"temperature": 0, "max_new_tokens": 12}
+
+    def one(model: str | None) -> list[int]:
+        body = {"input_ids": ids, "model": model, "sampling_params": sampling}
+        resp = httpx.post(f"{tp.base_url}/generate", json=body, timeout=600)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["output_ids"]
+
+    models = [*paths, None]
+    with ThreadPoolExecutor(len(models)) as pool:
+        outputs = list(pool.map(one, models))
+    assert outputs == [peft_greedy(peft_model, name, ids, 12) for name in models]
+    assert len({tuple(out) for out in outputs}) == len(models)  # each adapter changes the tokens
+    tp.wait_idle()
+    for name in paths:
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        assert r.status_code == 200, r.text
 
 
 def _rank1(stack: Stack) -> psutil.Process:

@@ -11,12 +11,14 @@ first when another needs a slot. ``prepare`` hands each forward step its per-tok
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from pdserve.layers.linear import Linear
+from pdserve.layers.parallel_linear import RowParallelLinear
 from pdserve.lora.adapter import TARGET_MODULES, LoraAdapter, LoraAdapterError, load_adapter
 from pdserve.lora.layer import BASE_SLOT, LoraBatch, LoraSlots, LoraState
 
@@ -39,24 +41,31 @@ class LoraSlotsFullError(RuntimeError):
 class LoraManager:
     """The adapters of one model replica (of one TP rank of it).
 
+    Under tensor parallelism each rank holds its slice of every adapter, cut the way its base weight
+    is (S-LoRA's and vLLM's scheme): for a column-parallel projection (q/k/v, gate/up) ``A`` is
+    whole and ``B`` keeps the rank's output rows (the rank's heads, a replicated KV head included,
+    or its intermediate channels); for a row-parallel one (o, down) ``A`` keeps the rank's input
+    columns and ``B`` is whole, so each rank's partial delta joins its partial base output before
+    the layer's all-reduce, which sums them once. Every rank must make the same ``add`` / ``remove`` /
+    ``acquire`` calls in the same order (the scheduler's step inputs see to it).
+
     Args:
         model: a loaded Llama-family ``...ForCausalLM`` (``model.model.layers``).
         max_loras: adapter slots held at once (``--max-loras``), >= 1.
         max_rank: the largest rank accepted (``--max-lora-rank``); the buffers' rank.
 
     Raises:
-        ValueError: ``max_loras`` < 1, or a model under tensor parallelism (not supported yet).
+        ValueError: ``max_loras`` or ``max_rank`` < 1.
     """
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} must be >= 1")
-        if getattr(model, "tp", None) is not None and model.tp.size > 1:
-            raise ValueError("LoRA adapters under tensor parallelism are not supported yet")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.state = LoraState()
-        # (layer, PEFT module name) -> (the layer's slots, shard index); and its full (out, in) shape
-        self.targets: dict[tuple[int, str], tuple[LoraSlots, int]] = {}
+        # (layer, PEFT module name) -> the layer's slots, shard index, and this rank's slice of it
+        self.targets: dict[tuple[int, str], _Target] = {}
+        # (layer, PEFT module name) -> the whole (unsharded) (out, in) shape an adapter must fit
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}
         for i, layer in enumerate(model.model.layers):
             for name, module in layer.named_modules():
@@ -70,11 +79,18 @@ class LoraManager:
         shards = getattr(module, "shards", None) or {name.removesuffix("_proj"): (0, module.out_features)}
         in_features = module.in_features
         module.lora = LoraSlots(in_features, list(shards.values()), self.max_loras, self.max_rank, self.state)
+        sources = getattr(module, "sources", {})  # column-parallel: (first row, whole rows) per shard
         for index, (shard, (_, size)) in enumerate(shards.items()):
             peft_name = f"{shard}_proj"
             assert peft_name in TARGET_MODULES, peft_name
-            self.targets[(layer, peft_name)] = (module.lora, index)
-            self.shapes[(layer, peft_name)] = (size, in_features)
+            start, rows = sources.get(shard, (0, size))
+            if isinstance(module, RowParallelLinear):
+                cols = (module.input_start, in_features)
+                self.shapes[(layer, peft_name)] = (rows, module.in_features_total)
+            else:
+                cols = None
+                self.shapes[(layer, peft_name)] = (rows, in_features)
+            self.targets[(layer, peft_name)] = _Target(module.lora, index, (start, size), cols)
 
     def add(self, name: str, path: str | Path) -> None:
         """Read, check and register the PEFT adapter at ``path`` as ``name`` (replacing an unused
@@ -146,9 +162,29 @@ class LoraManager:
         self.resident.pop(name, None)
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        for key, (slots, shard) in self.targets.items():
+        for key, target in self.targets.items():
             a, b = adapter.weights.get(key, (None, None))
-            slots.write(slot, shard, a, b)
+            if a is not None:
+                a, b = target.local(a, b)
+            target.slots.write(slot, target.shard, a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """One adapted projection of this rank: its layer's slots, its shard there, the rows of the whole
+    projection this rank holds (``(start, count)`` of ``B``'s output dim) and, for a row-parallel
+    one, its input columns (``(start, count)`` of ``A``'s input dim; None: all)."""
+
+    slots: LoraSlots
+    shard: int
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+
+    def local(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``A`` ``[r, local in]`` and ``B`` ``[local out, r]`` of the whole ``a``, ``b``."""
+        if self.cols is not None:
+            a = a.narrow(1, *self.cols)
+        return a, b.narrow(0, *self.rows)
 
 
 __all__ = ["BASE_SLOT", "LoraAdapterError", "LoraManager"]

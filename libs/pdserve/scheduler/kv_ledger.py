@@ -401,6 +401,10 @@ class KVLedger:
             self.lora.release(req.sampling_params.lora_name)
             req.lora_slot = -1
 
+    def lora_resident(self) -> tuple[str, ...]:
+        """The LoRA adapters in the slots, least recently used first (none without LoRA)."""
+        return () if self.lora is None else tuple(self.lora.resident)
+
     # ---- sliding windows ----------------------------------------------------------
     def slide_windows(self, reqs: Iterable[Req], computed_tokens: Callable[[Req], int]) -> None:
         """With an SWA pool, ``reqs`` stop reading, in their local layers, the pages whose every

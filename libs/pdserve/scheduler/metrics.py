@@ -29,6 +29,7 @@ class SchedulerLoad:
             (owned by requests, on the free list, held only by the radix cache, usable in all).
         page_size: tokens per page.
         request_capacity / max_queued_requests: the overload limits (``overload``).
+        lora_resident: the LoRA adapters in the worker's slots, least recently used first.
     """
 
     num_running_reqs: int
@@ -40,6 +41,7 @@ class SchedulerLoad:
     page_size: int
     request_capacity: int
     max_queued_requests: int
+    lora_resident: tuple[str, ...] = ()
 
 
 class SchedulerMetrics:

@@ -291,7 +291,7 @@ class Scheduler:
     def load(self) -> SchedulerLoad:
         kv, limits = self.ledger, (self.usable_pages, self.page_size, self.request_capacity, self.queue.bound)
         pages = (kv.used_pages(), kv.free_pages(), kv.cached_pages())
-        return SchedulerLoad(self._num_active(), len(self.queue), *pages, *limits)
+        return SchedulerLoad(self._num_active(), len(self.queue), *pages, *limits, kv.lora_resident())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if KV pages are not conserved."""

@@ -70,7 +70,7 @@ class OpenAIServingChat:
             scored = await vllm_prompt_logprobs(pieces, prompt_ids, first, body.prompt_logprobs)
         response = ChatCompletionResponse(
             id=f"chatcmpl-{rid}",
-            model=self.ctx.served_model_name,
+            model=self.ctx.response_model(body.model),
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens, cached),
             prompt_logprobs=scored,
@@ -94,7 +94,9 @@ class OpenAIServingChat:
     async def _chunks(
         self, body: ChatCompletionRequest, plan: ChatPlan, handle: RequestHandle
     ) -> AsyncIterator[bytes]:
-        encoder = ChunkEncoder("chat.completion.chunk", f"chatcmpl-{handle.rid}", self.ctx.served_model_name)
+        encoder = ChunkEncoder(
+            "chat.completion.chunk", f"chatcmpl-{handle.rid}", self.ctx.response_model(body.model)
+        )
         results = [ChoiceResult(s.index) for s in handle.states]
         parsers = [ChoiceParser(plan) for _ in results]
         for r in results:

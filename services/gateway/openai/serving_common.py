@@ -43,8 +43,8 @@ class ServingContext:
     its chat template implies: ``chat_parsers``).
 
     ``model_names``: every id a client may send (``--served-model-name``, aliases included); the
-    first, ``served_model_name``, is the one responses report. ``lora_names``: the LoRA adapters
-    served (``--lora-modules``), which a request names as its model.
+    first, ``served_model_name``, is the one responses report (``response_model``). ``lora_names``:
+    the LoRA adapters served (``--lora-modules``), which a request names as its model.
     """
 
     def __init__(
@@ -77,6 +77,11 @@ class ServingContext:
         if reasoning is None and info.reasoning_parser in REASONING_PARSERS:
             reasoning = ReasoningParser(info.reasoning_parser)
         return ChatParsers(tools, reasoning, info.think_tokens)
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response reports: the LoRA adapter the request named (vLLM does the
+        same), else ``served_model_name``."""
+        return model if model in self.lora_names else self.served_model_name
 
     def check_model(self, model: str | None, required: bool = True) -> str:
         """The LoRA adapter ``model`` names (``""``: the base model, or ``model`` absent where optional).

@@ -86,7 +86,7 @@ class OpenAIServingCompletion:
             )
         response = CompletionResponse(
             id=f"cmpl-{rid}",
-            model=self.ctx.served_model_name,
+            model=self.ctx.response_model(body.model),
             choices=choices,
             usage=UsageInfo.of(*usage_counts(handle, results, body.n)),
         )
@@ -102,7 +102,7 @@ class OpenAIServingCompletion:
     async def _chunks(
         self, body: CompletionRequest, handle: RequestHandle, echoes: list[str] | None
     ) -> AsyncIterator[bytes]:
-        encoder = ChunkEncoder("text_completion", f"cmpl-{handle.rid}", self.ctx.served_model_name)
+        encoder = ChunkEncoder("text_completion", f"cmpl-{handle.rid}", self.ctx.response_model(body.model))
         results = [ChoiceResult(s.index) for s in handle.states]
         offsets = [TextOffsets() for _ in results]  # text_offset of each choice's next token
         text_lens = [0] * len(results)  # characters of each choice's text sent with logprobs

@@ -172,7 +172,7 @@ class OpenAIServingEmbedding:
         data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vecs)]
         response = EmbeddingResponse(
             data=data,
-            model=self.ctx.served_model_name,
+            model=self.ctx.response_model(body.model),
             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
         return JSONResponse(response.model_dump())

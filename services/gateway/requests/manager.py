@@ -236,7 +236,7 @@ class RequestManager:
         arrival = time.time()
         deadline = 0.0 if budget is None else arrival + budget
         for state in handle.states:
-            state.route = self.router.route(state.input_ids)
+            state.route = self.router.route(state.input_ids, state.sampling_params.lora_name)
         # samples that copy prompt logprobs are sent once their scorer is queued, so that they queue
         # behind it and wait for its prompt KV (the scheduler's in-batch prefix sharing)
         for wave in ([s for s in handle.states if s.scorer is None], [s for s in handle.states if s.scorer]):

@@ -12,6 +12,13 @@
   as ``Worker.load``, ``max_load`` the largest among the candidates, at least 1); the best wins, ties
   go to the least loaded, then in turn. A worker whose index cannot be trusted (stream down or
   lagging) scores on load alone.
+
+A request of a LoRA adapter (``lora_name``) reuses only its adapter's cached KV, which the workers'
+radix caches keep under the adapter's own root: ``kv_aware`` hashes its blocks in a chain from
+``namespace_hash(lora_name)`` (as the workers' KV events do) and ``cache_aware`` keys its tree on
+the adapter. Every policy but ``round_robin`` then prefers, among equally good workers, one that
+reported the adapter in its LoRA slots (``Worker.lora_resident``) over one that would load it
+(evicting another); ``least_load`` and ``cache_aware`` only among the least loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from pdserve.mem_cache.block_hash import block_hashes
+from pdserve.mem_cache.block_hash import block_hashes, namespace_hash
 from pdserve.services.gateway.routing.kv_index import KVIndex
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.prefix_tree import ApproxPrefixTree
@@ -36,7 +43,8 @@ PromptHashes = Callable[[int], list[int]]  # block size -> a prompt's block hash
 
 
 class Policy(Protocol):
-    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker: ...
+    def select(self, workers: list[Worker], input_ids: Sequence[int], lora_name: str = "") -> Worker:
+        """The worker for ``input_ids`` under LoRA adapter ``lora_name`` ("": the base model)."""
 
     def forget(self, worker: Worker) -> None: ...
 
@@ -45,7 +53,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
+    def select(self, workers: list[Worker], input_ids: Sequence[int], lora_name: str = "") -> Worker:
         return rotate(workers, next(self._turn))[0]
 
     def forget(self, worker: Worker) -> None:
@@ -53,13 +61,14 @@ class RoundRobinPolicy:
 
 
 class LeastLoadPolicy:
-    """Fewest requests first; ties go round-robin so equal workers share the traffic."""
+    """Fewest requests first; ties go to a worker holding the adapter, then round-robin so equal
+    workers share the traffic."""
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
-        return min(rotate(workers, next(self._turn)), key=lambda w: w.load)
+    def select(self, workers: list[Worker], input_ids: Sequence[int], lora_name: str = "") -> Worker:
+        return min(rotate(workers, next(self._turn)), key=lambda w: (w.load, not w.holds(lora_name)))
 
     def forget(self, worker: Worker) -> None:
         pass
@@ -83,17 +92,20 @@ class CacheAwarePolicy:
         self.tree = ApproxPrefixTree(max_tree_tokens)
         self._least_load = LeastLoadPolicy()
 
-    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
-        least = self._least_load.select(workers, input_ids)
+    def select(self, workers: list[Worker], input_ids: Sequence[int], lora_name: str = "") -> Worker:
+        least = self._least_load.select(workers, input_ids, lora_name)
         chosen = least
-        matches = self.tree.match(input_ids)
+        # an adapter's prompts hang under its name (never equal to a token id): no match across
+        key = [lora_name, *input_ids] if lora_name else input_ids
+        skip = len(key) - len(input_ids)
+        matches = {address: n - skip for address, n in self.tree.match(key).items()}
         candidates = [w for w in workers if matches.get(w.address, 0) > 0]
         if candidates:
             best = max(candidates, key=lambda w: (matches[w.address], -w.load))
             covered = matches[best.address] / max(len(input_ids), 1)
             if covered >= self.cache_threshold and best.load - least.load <= self.balance_threshold:
                 chosen = best
-        self.tree.insert(input_ids, chosen.address)
+        self.tree.insert(key, chosen.address)
         return chosen
 
     def forget(self, worker: Worker) -> None:
@@ -126,11 +138,16 @@ class KVAwarePolicy:
         self._turn = itertools.count()
 
     def scores(
-        self, workers: list[Worker], input_ids: Sequence[int], prompt_hashes: PromptHashes | None = None
+        self,
+        workers: list[Worker],
+        input_ids: Sequence[int],
+        prompt_hashes: PromptHashes | None = None,
+        lora_name: str = "",
     ) -> dict[str, float]:
-        """address -> score of each of ``workers`` for the prompt ``input_ids``; ``prompt_hashes``:
-        its block hashes by block size (``_prompt_hashes``), computed once per size."""
-        hashes_of = prompt_hashes or _prompt_hashes(input_ids)
+        """address -> score of each of ``workers`` for the prompt ``input_ids`` under adapter
+        ``lora_name``; ``prompt_hashes``: its block hashes by block size (``_prompt_hashes``),
+        computed once per size."""
+        hashes_of = prompt_hashes or _prompt_hashes(input_ids, lora_name)
         now = time.monotonic()
         max_load = max(1, *(w.load for w in workers))
         out = {}
@@ -145,10 +162,13 @@ class KVAwarePolicy:
             )
         return out
 
-    def select(self, workers: list[Worker], input_ids: Sequence[int]) -> Worker:
-        hashes_of = _prompt_hashes(input_ids)  # shared by the scores and the lag clock
+    def select(self, workers: list[Worker], input_ids: Sequence[int], lora_name: str = "") -> Worker:
+        hashes_of = _prompt_hashes(input_ids, lora_name)  # shared by the scores and the lag clock
         scores = self.scores(workers, input_ids, hashes_of)
-        chosen = max(rotate(workers, next(self._turn)), key=lambda w: (scores[w.address], -w.load))
+        chosen = max(
+            rotate(workers, next(self._turn)),
+            key=lambda w: (scores[w.address], w.holds(lora_name), -w.load),
+        )
         index = self.indexes.get(chosen.address)
         if index is not None:
             self._expect_batch(index, hashes_of)
@@ -169,9 +189,11 @@ class KVAwarePolicy:
             index.reset()
 
 
-def _prompt_hashes(input_ids: Sequence[int]) -> PromptHashes:
-    """A prompt's chained block hashes (``block_hashes``) for a block size, each size hashed once."""
-    return functools.cache(lambda block_size: block_hashes(input_ids, block_size))
+def _prompt_hashes(input_ids: Sequence[int], lora_name: str = "") -> PromptHashes:
+    """A prompt's chained block hashes (``block_hashes``) for a block size, each size hashed once;
+    an adapter's chain starts from ``namespace_hash(lora_name)``, as its worker's KV events do."""
+    parent = namespace_hash(lora_name) if lora_name else None
+    return functools.cache(lambda block_size: block_hashes(input_ids, block_size, parent))
 
 
 def make_policy(

@@ -56,18 +56,19 @@ class Router:
         self._decode_policy = make_policy(policy, kv_indexes.get("decode"), weights)
         self._prefill_policy = make_policy(policy, kv_indexes.get("prefill"), weights)
 
-    def route(self, input_ids: Sequence[int]) -> Route:
-        """Pick (decode, prefill) for ``input_ids`` and count the request in flight on both.
+    def route(self, input_ids: Sequence[int], lora_name: str = "") -> Route:
+        """Pick (decode, prefill) for ``input_ids`` under LoRA adapter ``lora_name`` ("": the base
+        model) and count the request in flight on both.
 
         Raises:
             GatewayError: 503 when a configured role has no healthy worker.
         """
-        decode = self._decode_policy.select(self.decode.available(), input_ids)
+        decode = self._decode_policy.select(self.decode.available(), input_ids, lora_name)
         prefill = None
         fallbacks: list[str] = []
         if self.prefill:
             available = self.prefill.available()
-            prefill = self._prefill_policy.select(available, input_ids)
+            prefill = self._prefill_policy.select(available, input_ids, lora_name)
             prefill.in_flight += 1
             fallbacks = [w.address for w in available if w is not prefill]
         decode.in_flight += 1

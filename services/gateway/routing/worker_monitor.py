@@ -113,6 +113,7 @@ class WorkerMonitor:
         worker.reported_load = report.load
         worker.capacity, worker.max_queued = report.capacity, report.max_queued
         worker.incarnation = report.incarnation
+        worker.lora_resident = report.lora_resident
         if restarted:
             logger.warning("%s worker %s restarted: ending what its old process held", role, worker.address)
             self.router.forget(role, worker)

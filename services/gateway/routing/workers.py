@@ -31,6 +31,11 @@ class Worker:
     capacity: int | None = None  # requests it takes before refusing, as reported (0 = unbounded)
     max_queued: int | None = None  # its waiting-queue bound, as reported (0 = unbounded)
     incarnation: str = ""  # of its process, as reported
+    lora_resident: frozenset[str] = frozenset()  # LoRA adapters in its slots, as reported
+
+    def holds(self, lora_name: str) -> bool:
+        """Whether it reported adapter ``lora_name`` in its LoRA slots (False for "", the base)."""
+        return bool(lora_name) and lora_name in self.lora_resident
 
     @property
     def load(self) -> int:

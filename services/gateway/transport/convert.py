@@ -230,6 +230,7 @@ def worker_load_from_pb(info: common_pb2.LoadInfo) -> WorkerLoad:
         capacity=info.request_capacity + info.max_queued_requests if bounded else 0,
         incarnation=info.incarnation,
         max_queued=info.max_queued_requests,
+        lora_resident=frozenset(info.lora_resident),
     )
 
 

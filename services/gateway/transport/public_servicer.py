@@ -1,4 +1,5 @@
-"""The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Embed, Abort, ListModels.
+"""The public gRPC API (``pdserve.v1.PdServe``) used by the SDK: Generate, Embed, Abort, ListModels,
+and the operator calls LoadLoraAdapter / UnloadLoraAdapter (``LoraAdmin``, as the HTTP endpoints).
 
 Embed answers as /v1/embeddings (``serving_embeddings``: the same request model and bounds), float32
 vectors in input order.
@@ -29,6 +30,7 @@ from pdserve.services.gateway.errors import (
     validate_as_body,
 )
 from pdserve.services.gateway.io_struct import GenerateReqInput, Prompt
+from pdserve.services.gateway.lora_admin import LoadLoraAdapterRequest, LoraAdmin, UnloadLoraAdapterRequest
 from pdserve.services.gateway.openai.native_protocol import GenerateOptions
 from pdserve.services.gateway.openai.protocol import ChatInput
 from pdserve.services.gateway.openai.serving_common import ServingContext, gather, new_rid
@@ -47,10 +49,12 @@ add_to_server = api_pb2_grpc.add_PdServeServicer_to_server
 
 
 class PdServeServicer(api_pb2_grpc.PdServeServicer):
-    """``api_keys``: the gateway's API keys (empty: none), whose holders own the requests they send."""
+    """``api_keys``: the gateway's API keys (empty: none), whose holders own the requests they send;
+    ``lora``: the run-time LoRA adapter changes (``LoraAdmin``)."""
 
-    def __init__(self, ctx: ServingContext, api_keys: Sequence[str] = ()) -> None:
+    def __init__(self, ctx: ServingContext, lora: LoraAdmin, api_keys: Sequence[str] = ()) -> None:
         self.ctx = ctx
+        self.lora = lora
         self.api_keys = api_keys
 
     async def Generate(
@@ -149,6 +153,28 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             await abort_with(context, e)
         card = api_pb2.ModelCard(id=self.ctx.served_model_name, context_length=info.context_length)
         return api_pb2.ListModelsResponse(models=[card])
+
+    async def LoadLoraAdapter(
+        self, request: api_pb2.PublicLoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.PublicLoraAdapterResponse:
+        """``POST /v1/load_lora_adapter``'s load, with its refusals as status codes."""
+        fields = {"lora_name": request.lora_name, "lora_path": request.lora_path}
+        try:
+            message = await self.lora.load(validate_as_body(LoadLoraAdapterRequest, fields))
+        except GatewayError as e:
+            await abort_with(context, e)
+        return api_pb2.PublicLoraAdapterResponse(message=message)
+
+    async def UnloadLoraAdapter(
+        self, request: api_pb2.PublicUnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.PublicLoraAdapterResponse:
+        """``POST /v1/unload_lora_adapter``'s unload, with its refusals as status codes."""
+        try:
+            body = validate_as_body(UnloadLoraAdapterRequest, {"lora_name": request.lora_name})
+            message = await self.lora.unload(body)
+        except GatewayError as e:
+            await abort_with(context, e)
+        return api_pb2.PublicLoraAdapterResponse(message=message)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: GatewayError) -> None:

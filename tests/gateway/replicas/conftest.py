@@ -52,10 +52,12 @@ def start_gateway(backend: Stack, *flags: str, log_name: str, timeout: float = 6
 
 @pytest.fixture(scope="package")
 def two_decode_stack() -> Stack:
-    """``pdserve launch --colocated --num-decode 2`` (fp32) whose own gateway routes round_robin."""
+    """``pdserve launch --colocated --num-decode 2`` (fp32) whose own gateway routes round_robin, with
+    LoRA enabled (adapters loaded at run time)."""
     stack = launch_stack(
         "--colocated", "--num-decode", "2", "--router-policy", "round_robin",
         "--dtype", "float32", "--max-total-tokens", "8192", "--page-size", str(PAGE_SIZE),
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
         log_name="two-decode",
     )  # fmt: skip
     yield stack

@@ -7,6 +7,9 @@ block for block. After that worker's cache is flushed and the prefix planted on 
 routing follows (a router that guessed from its own traffic would still pick the first). Which worker
 served a request comes from the schedulers' prompt-token counters (requests go one at a time).
 
+A LoRA adapter's prefix, cached under the adapter's own radix namespace, draws its prompts to the
+worker that cached it too, while both workers report the adapter in their LoRA slots (``GetLoad``).
+
 A gateway that cannot trust a worker's index (its stream down, or lagging behind the requests sent
 there) routes it by load alone and logs that once: shown in process, over real subscriptions.
 """
@@ -17,10 +20,12 @@ import asyncio
 import logging
 import re
 import time
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import torch
 
 from pdserve.mem_cache.block_hash import block_hashes
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
@@ -29,6 +34,7 @@ from pdserve.services.gateway.routing.workers import WorkerPool
 from pdserve.services.gateway.transport.backend_clients import BackendClients
 from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.gateway.replicas.conftest import PAGE_SIZE, start_gateway
+from tests.lora.adapters import ADAPTERS, make_adapters
 from tests.reference import hf_tokenizer
 from tests.stack import Stack, free_port_block
 
@@ -36,16 +42,28 @@ PROMPT_TOKENS = "pdserve:prompt_tokens_total"
 INDEX_BLOCKS = "pdserve:router_kv_index_blocks"
 
 
+ADAPTER = "pirate"
+
+
 @pytest.fixture(scope="module")
-def kv_replicas(two_decode_stack: Stack) -> list[Stack]:
-    """Two kv_aware gateway replicas over ``two_decode_stack``'s workers (stopped after the module)."""
+def adapter_path(tmp_path_factory) -> Path:
+    """A random PEFT adapter of SmolLM2 (the workers load it at run time, in the test that uses it)."""
+    torch.set_num_threads(1)  # the CI machine is shared: one thread avoids OpenMP spin-waits
+    model, paths = make_adapters(tmp_path_factory.mktemp("router-adapter"), {ADAPTER: ADAPTERS[ADAPTER]})
+    del model
+    return paths[ADAPTER]
+
+
+@pytest.fixture(scope="module")
+def kv_replicas(two_decode_stack: Stack, adapter_path: Path) -> list[Stack]:
+    """Two kv_aware gateway replicas over ``two_decode_stack``'s workers, serving ``ADAPTER``'s name
+    (stopped after the module)."""
     replicas: list[Stack] = []
+    flags = ("--router-policy", "kv_aware", "--lora-modules", f"{ADAPTER}={adapter_path}")
     try:
         for i in range(2):
             name = f"gateway-kv-aware-{i}"
-            replicas.append(
-                start_gateway(two_decode_stack, "--router-policy", "kv_aware", log_name=name, timeout=180)
-            )
+            replicas.append(start_gateway(two_decode_stack, *flags, log_name=name, timeout=180))
         yield replicas
     finally:
         for replica in replicas:
@@ -62,18 +80,24 @@ def flush(address: str) -> None:
         assert stub.FlushCache(scheduler_pb2.FlushCacheRequest(), timeout=30).flushed
 
 
-def served_by(gateway: Stack, backend: Stack, input_ids: list[int]) -> str:
-    """Send ``input_ids`` through ``gateway`` (greedy, 2 tokens); the decode worker that served it."""
+def served_by(gateway: Stack, backend: Stack, input_ids: list[int], model: str | None = None) -> str:
+    """Send ``input_ids`` through ``gateway`` (greedy, 2 tokens; under LoRA adapter ``model`` when
+    given); the decode worker that served it."""
     before = backend.scheduler_values(PROMPT_TOKENS)
-    params = {"temperature": 0, "max_new_tokens": 2}
-    r = httpx.post(
-        f"{gateway.base_url}/generate", json={"input_ids": input_ids, "sampling_params": params}, timeout=300
-    )
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    r = httpx.post(f"{gateway.base_url}/generate", json={**body, "model": model}, timeout=300)
     assert r.status_code == 200, r.text
     moved = {k[1]: v - before.get(k, 0.0) for k, v in backend.scheduler_values(PROMPT_TOKENS).items()}
     (worker,) = [w for w, d in moved.items() if d]
     assert moved[worker] == len(input_ids)
     return worker
+
+
+def resident(address: str) -> list[str]:
+    """The LoRA adapters in the worker's slots, as its ``GetLoad`` reports them."""
+    with grpc.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.DecodeSchedulerStub(channel)
+        return list(stub.GetLoad(scheduler_pb2.LoadRequest(), timeout=30).lora_resident)
 
 
 def index_blocks(replica: Stack) -> dict[str, float]:
@@ -131,6 +155,45 @@ def test_replicas_route_a_shared_prefix_to_the_worker_its_events_name(
         assert agreed[holder] > prefix_blocks and agreed[other] == 0, agreed
         flush(holder)  # the next round plants it on the other worker: routing must follow the events
     two_decode.check_kv_conservation()
+
+
+def test_an_adapters_prefix_goes_to_the_worker_that_cached_it(
+    two_decode: Stack, kv_replicas: list[Stack], adapter_path: Path
+) -> None:
+    """Both workers hold the adapter in a slot, so only the cached prefix tells them apart; its KV
+    sits under the adapter's namespace, whose hashes the replicas must chain from the adapter's
+    name (from the base model's root every worker would score 0 and the turns alternate)."""
+    addresses = decode_addresses(two_decode)
+    http = httpx.Client(base_url=two_decode.base_url, timeout=300)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": ADAPTER, "lora_path": str(adapter_path)})
+    assert r.status_code == 200, r.text
+    try:
+        tok = hf_tokenizer()
+        assert all(resident(address) == [] for address in addresses)
+        # one short request of the adapter on each worker (the launcher's gateway's round_robin)
+        short = [served_by(two_decode, two_decode, tok(f"Ahoy {i}!")["input_ids"], ADAPTER) for i in range(2)]
+        assert sorted(short) == sorted(addresses)
+        assert all(resident(address) == [ADAPTER] for address in addresses)
+        two_decode.wait_idle()
+        for address in addresses:
+            flush(address)
+        wait_for_indexes(
+            kv_replicas, lambda blocks: set(blocks) == set(addresses) and not any(blocks.values())
+        )
+        preamble = " ".join(f"Article {i}: the crew keeps this charter in every answer." for i in range(30))
+        prefix = tok(preamble)["input_ids"]
+        prompts = [prefix + tok(f" Question {i}: what does article {i} say?")["input_ids"] for i in range(3)]
+        prefix_blocks = len(block_hashes(prefix, PAGE_SIZE))
+        holder = served_by(kv_replicas[0], two_decode, prompts[0], ADAPTER)
+        wait_for_indexes(kv_replicas, lambda b: b[holder] >= prefix_blocks)
+        for i, input_ids in enumerate(prompts[1:] * 2):
+            assert served_by(kv_replicas[i % 2], two_decode, input_ids, ADAPTER) == holder
+    finally:
+        two_decode.wait_idle()
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
+        for address in addresses:
+            flush(address)
+    assert r.status_code == 200, r.text
 
 
 async def test_an_index_that_cannot_be_trusted_is_routed_by_load_and_logged(

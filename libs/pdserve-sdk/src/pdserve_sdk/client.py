@@ -144,6 +144,19 @@ class Client(ClientBase):
             response = self._stubs.abort(_wire.PublicAbortRequest(rid=rid), **self._call_kwargs(timeout))
         return bool(response.found)
 
+    def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> str:
+        """Load the PEFT adapter at ``path`` (on the workers' filesystem) as model ``name`` on every
+        worker (as ``POST /v1/load_lora_adapter``); the server's confirmation line."""
+        request = _wire.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        with translated_errors():
+            return self._stubs.load_lora_adapter(request, **self._call_kwargs(timeout)).message
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> str:
+        """Unload adapter ``name`` from every worker (as ``POST /v1/unload_lora_adapter``)."""
+        request = _wire.UnloadLoraAdapterRequest(lora_name=name)
+        with translated_errors():
+            return self._stubs.unload_lora_adapter(request, **self._call_kwargs(timeout)).message
+
     def health(self, service: str = _wire.PDSERVE_SERVICE, *, timeout: float | None = None) -> str:
         """``grpc.health.v1`` status of ``service`` ("" for the whole server).
 

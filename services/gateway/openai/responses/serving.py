@@ -70,7 +70,7 @@ class OpenAIServingResponses:
             plan = dataclasses.replace(
                 plan, max_calls=min(plan.max_calls or body.max_tool_calls, body.max_tool_calls)
             )
-        response = ResponseObject.start(f"resp_{new_rid()}", self.ctx.served_model_name, body)
+        response = ResponseObject.start(f"resp_{new_rid()}", self.ctx.response_model(body.model), body)
         conversation += inputs
         if body.stream:
             events = self._events(body, plan, handle, response, owner, conversation)
