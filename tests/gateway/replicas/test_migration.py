@@ -1,13 +1,14 @@
 """Request migration (``--migration-limit``, default 3) on two colocated decode workers behind the
-launcher's gateway: streams on a decode worker that hangs (SIGSTOP) or dies (SIGKILL) go on, on the
-other one, from the tokens already sent, with no client error and no duplicated or missing text:
-greedy outputs equal HF transformers fp32, a seeded sampled one equals the same request run
-uninterrupted. The workers' KV pools are conserved afterwards (``two_decode``).
+launcher's gateway: streams on a decode worker that hangs (SIGSTOP), dies (SIGKILL) or drains
+(SIGTERM) go on, on the other one, from the tokens already sent, with no client error and no
+duplicated or missing text: greedy outputs equal HF transformers fp32, a seeded sampled one equals
+the same request run uninterrupted. The workers' KV pools are conserved afterwards (``two_decode``).
 
-Runs last in this folder: the killed worker is restarted by the launcher meanwhile."""
+Runs last in this folder (the drained worker is still restarting when it ends)."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -20,7 +21,9 @@ from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, children, wait_for_log
 
 STREAMS = 16
-MAX_TOKENS = 24
+MAX_TOKENS = 32
+# greedy chats, each answered by HF once (``hf_answer``) for the SIGKILL and the drain test
+QUESTIONS = [f"Write a short story about the number {i}." for i in range(4)]
 
 
 def api(stack: Stack) -> openai.OpenAI:
@@ -84,48 +87,63 @@ def test_a_seeded_stream_on_a_hung_decode_worker_migrates_and_equals_an_uninterr
     wait_healthy(two_decode)
 
 
+@functools.cache
+def hf_answer(question: str) -> str:
+    ids = hf_greedy(chat_ids([{"role": "user", "content": question}]), MAX_TOKENS)
+    return hf_tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def chat_text(client: openai.OpenAI, started: threading.Barrier, question: str) -> str:
+    """The streamed text of one greedy chat; waits at ``started`` once its first piece came."""
+    text, first = "", True
+    stream = client.chat.completions.create(
+        model=SERVED_MODEL,
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+    )
+    for chunk in stream:
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        if first:
+            first = False
+            started.wait(timeout=120)
+    return text
+
+
+def run_streams(stack: Stack, questions: list[str], signal_worker) -> list[str]:
+    """Stream every question at once; once each has its first piece, call ``signal_worker()``."""
+    client = api(stack)
+    started = threading.Barrier(len(questions) + 1)
+    with ThreadPoolExecutor(len(questions)) as pool:
+        streams = [pool.submit(chat_text, client, started, q) for q in questions]
+        started.wait(timeout=120)
+        signal_worker()
+        return [s.result(timeout=180) for s in streams]
+
+
 def test_16_greedy_streams_survive_a_killed_decode_worker(two_decode):
     """16 greedy chat streams over both workers; decode-0 is SIGKILLed once every stream has its
     first piece: every stream ends normally with HF's greedy text, the killed worker's streams having
-    continued on decode-1."""
-    distinct = [f"Write a short sentence about the number {i}." for i in range(4)]  # HF runs once each
-    tok = hf_tokenizer()
-    answers = {
-        q: tok.decode(
-            hf_greedy(chat_ids([{"role": "user", "content": q}]), MAX_TOKENS), skip_special_tokens=True
-        )
-        for q in distinct
-    }
-    questions = [distinct[i % len(distinct)] for i in range(STREAMS)]
-    expected = [answers[q] for q in questions]
-    client = api(two_decode)
-    before = sum(migrations(two_decode).values())
+    continued on decode-1. The launcher restarts decode-0 (waited for: the drain test needs it)."""
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(STREAMS)]
+    before = migrations(two_decode).get("stream_ended", 0.0)
     victim = decode_0(two_decode)
-    started = threading.Barrier(STREAMS + 1)
-
-    def chat(question: str) -> str:
-        text, first = "", True
-        stream = client.chat.completions.create(
-            model=SERVED_MODEL,
-            messages=[{"role": "user", "content": question}],
-            temperature=0,
-            max_tokens=MAX_TOKENS,
-            stream=True,
-        )
-        for chunk in stream:
-            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
-            if first:
-                first = False
-                started.wait(timeout=120)
-        return text
-
-    with ThreadPoolExecutor(STREAMS) as pool:
-        streams = [pool.submit(chat, q) for q in questions]
-        started.wait(timeout=120)
-        victim.send_signal(signal.SIGKILL)
-        texts = [s.result(timeout=180) for s in streams]
-    assert texts == expected
-    assert sum(migrations(two_decode).values()) >= before + 1
-    assert "migrates (" in wait_for_log(two_decode, "migrates (")
+    texts = run_streams(two_decode, questions, lambda: victim.send_signal(signal.SIGKILL))
+    assert texts == [hf_answer(q) for q in questions]
+    assert migrations(two_decode).get("stream_ended", 0.0) >= before + 1
     wait_for_log(two_decode, "decode-0 is back (pid", 300)
     wait_healthy(two_decode)
+
+
+def test_streams_on_a_draining_decode_worker_migrate_instead_of_waiting(two_decode):
+    """decode-1 is SIGTERMed (scale-down) with streams on it: the gateway sees it draining and moves
+    them to decode-0; every text equals HF's greedy one, and decode-1, left with nothing, exits."""
+    questions = QUESTIONS * 2
+    before = migrations(two_decode).get("draining", 0.0)
+    victim = children(two_decode)[f"decode:{two_decode.internal_port_base + 21}"]
+    texts = run_streams(two_decode, questions, lambda: victim.send_signal(signal.SIGTERM))
+    assert texts == [hf_answer(q) for q in questions]
+    assert migrations(two_decode).get("draining", 0.0) >= before + 1
+    victim.wait(timeout=60)
+    wait_for_log(two_decode, f"decode-1 (pid {victim.pid}) exited with code 0")
