@@ -98,13 +98,14 @@ class Migrator:
 
     def migrate(self, state: ReqState, reason: str) -> bool:
         """Continue ``state`` on another decode worker; False (nothing changed) when it may not: it
-        ended or its request is closing, it moved ``limit`` times already, it has no output left to
-        generate, or no other decode worker is healthy. ``reason`` labels the metric: stream_ended,
-        worker_down or draining."""
+        ended or its request is closing, it was not sent (yet), it moved ``limit`` times already, it
+        has no output left to generate, or no other decode worker is healthy. ``reason`` labels the
+        metric: stream_ended, worker_down or draining."""
         route, owner = state.route, state.owner
         if (
             state.migrations >= self.limit
             or route is None
+            or not state.sent  # its first send is still to come (with its route) or was refused
             or state.finished
             or owner.closed
             or owner.abort_reason
@@ -117,8 +118,8 @@ class Migrator:
             logger.warning("request %s cannot migrate: %s", state.rid, e.message, extra={"rid": state.rid})
             return False
         old_rid, old_address = state.rid, route.decode.address
-        if state.sent:  # a lost worker may still run it (hung, draining): it must drop it
-            self.abort_backend(state, f"migrated to decode worker {new_route.decode.address}")
+        # a lost worker may still run it (hung, draining): it must drop it
+        self.abort_backend(state, f"migrated to decode worker {new_route.decode.address}")
         if state.sending is not None:
             state.sending.cancel()
         route.release()
