@@ -71,7 +71,8 @@ def sampling_params_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
 
 def generate_req_from_pb(pb: scheduler_pb2.TokenizedGenerateReqInput, scheduler_address: str) -> Req:
     """A decode (or mixed) worker's request, routed as the gateway says; ``scheduler_address`` is
-    this worker's own (the detokenizer aborts there on a stop string).
+    this worker's own (the detokenizer aborts there on a stop string). A migrated request's
+    continuation starts with its ``resumed_output_ids`` as output ids, as a retracted request does.
 
     Raises:
         TypeError: a sampling parameter the engine does not take (``sampling_params_from_pb``).
@@ -86,6 +87,7 @@ def generate_req_from_pb(pb: scheduler_pb2.TokenizedGenerateReqInput, scheduler_
     return Req(
         rid=pb.rid,
         origin_input_ids=list(pb.input_ids),
+        output_ids=list(pb.resumed_output_ids),
         sampling_params=sampling_params_from_pb(pb.sampling_params),
         deadline=pb.deadline_unix_s,
         arrival_time=pb.arrival_unix_s or time.time(),
@@ -215,7 +217,8 @@ _FINISH = {
 def token_output_to_pb(
     req: Req, new_token_ids: list[int], finished: bool, first: bool
 ) -> output_pb2.TokenIDOutput:
-    """One request's share of a BatchTokenIDOutput; ``first`` adds what the detokenizer keeps."""
+    """One request's share of a BatchTokenIDOutput; ``first`` adds what the detokenizer keeps (a
+    continuation's resumed output ids among it: the output ids before this output's)."""
     params = req.sampling_params
     out = output_pb2.TokenIDOutput(
         rid=req.rid,
@@ -243,6 +246,7 @@ def token_output_to_pb(
         out.traceparent = tracing.traceparent(req)
         out.prompt_logprobs.extend(token_logprob_to_pb(*lp) for lp in req.prompt_logprobs)
         out.embedding.extend(req.embedding)
+        out.resumed_output_ids.extend(req.output_ids[: len(req.output_ids) - len(new_token_ids)])
     return out
 
 

@@ -44,7 +44,7 @@ def to_token_step(out: output_pb2.TokenIDOutput) -> TokenStep:
             min_new_tokens=out.min_new_tokens,
         )
     finish = out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    return TokenStep(out.rid, out.token_ids, finish, options)
+    return TokenStep(out.rid, out.token_ids, finish, options, out.resumed_output_ids)
 
 
 def column_rows(batch: output_pb2.BatchTokenIDOutput) -> list[tuple[str, list[int], int]]:
@@ -109,6 +109,7 @@ def lost_output(rid: str, route: Route) -> output_pb2.StrOutput:
         error=f"decode worker {route.scheduler_address or '?'} went away (its output stream ended); retry",
         retryable=True,
         index=route.index,
+        worker_lost=True,
     )
 
 

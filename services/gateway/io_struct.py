@@ -139,6 +139,7 @@ class ChoiceDelta:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    worker_lost: bool = False  # an "error" finish because its decode worker went away: migrate it
 
 
 @dataclass(frozen=True, slots=True)

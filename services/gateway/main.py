@@ -47,6 +47,7 @@ from pdserve.services.gateway.openai.serving_common import ServingContext
 from pdserve.services.gateway.openai.tool_parsers import TOOL_PARSERS
 from pdserve.services.gateway.public_tls import PublicTls, add_public_tls_args, public_tls_from_args
 from pdserve.services.gateway.requests.manager import ManagerConfig, RequestManager
+from pdserve.services.gateway.requests.migration import MAX_MIGRATION_LIMIT
 from pdserve.services.gateway.requests.state import RequestRegistry
 from pdserve.services.gateway.routing.discovery import DEFAULT_INTERVAL_S, Discovery
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
@@ -152,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
     p.add_argument("--default-max-tokens", type=int, default=4096, help="cap of the default max_tokens")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between worker probes")
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        choices=range(MAX_MIGRATION_LIMIT + 1),
+        metavar=f"[0-{MAX_MIGRATION_LIMIT}]",
+        default=3,
+        help="times a request may move to another decode worker when its own dies, hangs or drains "
+        "(resumed from the tokens already sent); 0 = it ends with a retryable error (docs/operations.md)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -288,6 +298,7 @@ class Gateway:
             request_timeout=args.request_timeout,
             default_max_tokens=args.default_max_tokens,
             log_requests=args.log_requests,
+            migration_limit=args.migration_limit,
         )
         self.manager = RequestManager(
             config,
@@ -298,9 +309,11 @@ class Gateway:
             self.registry,
             self.metrics,
         )
+        migrator = self.manager.migrator
         self.monitor = WorkerMonitor(
-            self.clients, pools, self.router, self.manager.fail_worker, args.health_check_interval
-        )
+            self.clients, pools, self.router, migrator.worker_down, args.health_check_interval,
+            on_drain=migrator.worker_draining,
+        )  # fmt: skip
         self.discovery.on_removed = self.monitor.remove
         self.ctx = ctx = ServingContext(
             self.manager,

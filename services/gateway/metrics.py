@@ -41,6 +41,12 @@ class GatewayMetrics:
         self.requests = Counter(
             "pdserve:gateway_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=r
         )
+        self.migrations = Counter(
+            "pdserve:gateway_migrations",
+            "Requests resubmitted to another decode worker as a continuation, by why their worker was left",
+            ["reason"],
+            registry=r,
+        )
         self.in_flight = Gauge("pdserve:gateway_in_flight_requests", "Client requests in flight", registry=r)
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r

@@ -108,3 +108,14 @@ class DecodeStatus:
         end = len(self.unsent) - self.stops.partial_len(self.unsent)
         text, self.unsent = self.unsent[:end], self.unsent[end:]
         return TextDelta(self.rid, text, False)
+
+    def resume(self, text: str, context: Sequence[int], pending: Sequence[int], num_ids: int) -> None:
+        """Start after the ``num_ids`` ids of a migrated request whose ``text`` (stable: it ends in no
+        cut character) its client already has, as the state that sent it would be: ``context`` (the
+        last stable ids) and ``pending`` (those after them, a cut character) in the windows, and the
+        end of ``text`` that may start a stop string held back. Nothing is sent or searched for a
+        stop string (the request would have ended at a match)."""
+        self.ids = [*context, *pending]
+        self.read_offset = len(context)
+        self.num_ids = num_ids
+        self.unsent = text[len(text) - self.stops.partial_len(text) :]

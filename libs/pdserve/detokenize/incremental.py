@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.detokenize.decode_status import DecodeOptions, DecodeStatus, TextDelta
+from pdserve.detokenize.decode_status import REPLACEMENT_CHAR, DecodeOptions, DecodeStatus, TextDelta
 from pdserve.tokenization import Tokenizer
+
+MAX_CUT_IDS = 4  # ids a character cut between tokens spans at most (a UTF-8 character has 4 bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,12 +18,15 @@ class TokenStep:
     Attributes:
         options: set on the rid's first step only: it opens a fresh decode state for the rid.
         finish: the scheduler finished the rid (EOS, length, abort, error): flush and drop it.
+        resumed: with ``options``, a migrated request's continuation: the output ids its client
+            already has (their text was sent); the fresh state starts after them.
     """
 
     rid: str
     token_ids: Sequence[int]
     finish: bool = False
     options: DecodeOptions | None = None
+    resumed: Sequence[int] = ()
 
 
 class IncrementalDetokenizer:
@@ -60,6 +65,7 @@ class IncrementalDetokenizer:
             raise ValueError("a rid appears more than once in one batch")
         for item in batch:  # validate all before changing any state
             self.tokenizer.check_ids(item.token_ids)
+            self.tokenizer.check_ids(item.resumed)
         live: list[tuple[int, DecodeStatus, bool]] = []
         for i, item in enumerate(batch):
             status = self._open(item)
@@ -89,5 +95,22 @@ class IncrementalDetokenizer:
 
     def _open(self, item: TokenStep) -> DecodeStatus | None:
         if item.options is not None:
-            self._states[item.rid] = DecodeStatus(item.rid, item.options)
+            status = self._states[item.rid] = DecodeStatus(item.rid, item.options)
+            if item.resumed:
+                self._resume(status, list(item.resumed))
         return self._states.get(item.rid)
+
+    def _resume(self, status: DecodeStatus, resumed: list[int]) -> None:
+        """Set ``status`` after a migrated request's ``resumed`` ids: their text up to the last id
+        that ends no cut character is stable, the ids after it (at most ``MAX_CUT_IDS``) pending."""
+        opts = status.options
+        split = len(resumed)
+        while True:
+            text = self.tokenizer.batch_decode(
+                [resumed[:split]], opts.skip_special_tokens, opts.spaces_between_special_tokens
+            )[0]
+            if not text.endswith(REPLACEMENT_CHAR) or split <= max(len(resumed) - MAX_CUT_IDS, 0):
+                break
+            split -= 1
+        context = resumed[max(split - MAX_CUT_IDS, 0) : split]
+        status.resume(text, context, resumed[split:], len(resumed))

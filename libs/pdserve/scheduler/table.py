@@ -108,7 +108,8 @@ class RequestTable(Mapping[str, Req]):
             DuplicateRid: (a ValueError) the rid is held by another request.
             ValueError: an empty rid or one over ``MAX_SCHEDULER_RID_CHARS``, an empty prompt or one
                 with an id outside the vocabulary, a prompt that cannot fit the context or the pool,
-                a grammar and no grammar backend; or (``BoundError``, naming the field) a sampling
+                a grammar and no grammar backend (a prompt counts its resumed output ids, see
+                ``_check_resumed``); or (``BoundError``, naming the field) a sampling
                 parameter outside ``pdserve.sampling.bounds``, ``top_k`` above the vocabulary,
                 stop or bias token ids outside it, grammar text over its size, prompt logprobs of
                 a prompt over ``MAX_PROMPT_LOGPROB_TOKENS``, a priority other than 0 under a
@@ -139,11 +140,13 @@ class RequestTable(Mapping[str, Req]):
             raise BoundError("lora_name", f"no LoRA adapter {req.sampling_params.lora_name!r} is served here")
         if req.sampling_params.embed and lim.pooling is None:
             raise BoundError("embed", "this model's sentence-transformers pooling mode is not served")
-        if len(prompt) + lim.prompt_room > lim.context_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; context length is {lim.context_len}")
-        if -(-(len(prompt) + 1) // lim.page_size) > lim.usable_pages:
+        self._check_resumed(req)
+        fill = len(req.fill_ids)
+        if fill + lim.prompt_room > lim.context_len:
+            raise ValueError(f"prompt has {fill} tokens; context length is {lim.context_len}")
+        if -(-(fill + 1) // lim.page_size) > lim.usable_pages:
             raise ValueError(
-                f"prompt of {len(prompt)} tokens needs more KV pages than the pool has"
+                f"prompt of {fill} tokens needs more KV pages than the pool has"
                 f" ({lim.usable_pages} pages of {lim.page_size} tokens)"
             )
         self.queue.add(req)
@@ -151,6 +154,25 @@ class RequestTable(Mapping[str, Req]):
         self.metrics.prompt_tokens.inc(len(prompt))
         self.metrics.request_prompt_tokens.observe(len(prompt))
         return len(self.queue.waiting)
+
+    def _check_resumed(self, req: Req) -> None:
+        """A continuation's (or a retracted request's) output ids: fewer than ``max_new_tokens`` (one
+        at least is left to generate), in the vocabulary, and none for an embedding.
+
+        Raises:
+            BoundError: naming ``resumed_output_ids``.
+        """
+        resumed = req.output_ids
+        if not resumed:
+            return
+        if len(resumed) >= req.sampling_params.max_new_tokens or req.sampling_params.embed:
+            raise BoundError(
+                "resumed_output_ids",
+                f"must be fewer than max_new_tokens ({req.sampling_params.max_new_tokens}), and none"
+                f" for an embedding; got {len(resumed)}",
+            )
+        if not 0 <= min(resumed) <= max(resumed) < self.limits.vocab_size:
+            raise BoundError("resumed_output_ids", f"must be token ids in [0, {self.limits.vocab_size})")
 
     # ---- exit ---------------------------------------------------------------------------
     def end(self, req: Req, reason: FinishReason, error: str = "") -> None:

@@ -33,6 +33,7 @@ from pdserve.services.gateway.io_struct import (
 )
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.requests import admission
+from pdserve.services.gateway.requests.migration import Migrator
 from pdserve.services.gateway.requests.state import ReqState, RequestHandle, RequestRegistry
 from pdserve.services.gateway.requests.token_pieces import TokenPieces
 from pdserve.services.gateway.routing.router import Router
@@ -54,6 +55,7 @@ class ManagerConfig:
         request_timeout: seconds from arrival before a request is aborted with 504 (None = none).
         default_max_tokens: cap on the default ``max_new_tokens`` (context length - prompt length).
         log_requests: log one line per client request as it ends (rid, tokens, time, how it ended).
+        migration_limit: times a choice may move off a lost decode worker (``migration``).
     """
 
     gateway_address: str
@@ -61,6 +63,7 @@ class ManagerConfig:
     request_timeout: float | None = None
     default_max_tokens: int = 4096
     log_requests: bool = False
+    migration_limit: int = 3
 
 
 def backend_rid(rid: str, index: int, tag: str, serial: int) -> str:
@@ -104,6 +107,10 @@ class RequestManager:
         self._model_info: ModelInfo | None = None
         self._background: set[asyncio.Task] = set()
         self.draining = False
+        self.migrator = Migrator(
+            config.migration_limit, self.handles, router, registry, metrics, self._send, self._abort_choice,
+            self._spawn,
+        )  # fmt: skip
         metrics.in_flight.set_function(lambda: len(self.handles))
 
     async def model_info(self) -> ModelInfo:
@@ -167,6 +174,7 @@ class RequestManager:
             metrics=self.metrics,
             abort_backend=self._abort_choice,
             on_close=lambda h, choices=obj.num_choices: self._closed(h, choices),
+            migrate=self.migrator.migrate,
             deadline=None if budget is None else time.monotonic() + budget,
         )
         self.handles[owner, obj.rid] = handle
@@ -252,26 +260,31 @@ class RequestManager:
         aborted again once the scheduler has it (its first abort may have arrived before it). A
         choice the gateway ends while its call is in flight (aborted, or its worker taken out)
         cancels the call (``RequestHandle``): its end is already in the handle, and the request
-        waits no longer."""
+        waits no longer; so does a choice migrated meanwhile (``migration``: its continuation's
+        call replaces this one)."""
         if state.finished:
             return
+        rid = state.rid
         state.output_address = self.detokenizers.next().address
         state.sent = True  # the scheduler may admit it even if the ack is lost: abort it on failure
         state.sending = asyncio.ensure_future(self._generate(state, arrival, deadline))
         try:
             await state.sending
         except asyncio.CancelledError:
-            if not state.finished or asyncio.current_task().cancelling():
+            if asyncio.current_task().cancelling() or not (state.finished or state.rid != rid):
                 raise  # this task was cancelled, not only the call
         except GatewayError as e:
+            if state.rid != rid:
+                return
             if e.status == 409:  # the scheduler holds another request of this rid and refused this one:
                 state.sent = False  # an abort by rid would end that other request
             raise
         finally:
-            state.sending = None
             reason = state.owner.close_reason or state.owner.abort_reason
-            if reason:
-                self._abort_choice(state, reason)
+            if state.rid == rid:
+                state.sending = None
+                if reason:
+                    self._abort_choice(state, reason)
 
     async def _generate(self, state: ReqState, arrival: float, deadline: float) -> None:
         await self.clients.generate(
@@ -285,6 +298,7 @@ class RequestManager:
             gateway_address=self.config.gateway_address,
             deadline_unix_s=deadline,
             arrival_unix_s=arrival,
+            resumed_output_ids=state.output_ids,
         )
 
     def abort(self, rid: str, owner: str | None, reason: str = "aborted by client") -> bool:
@@ -296,24 +310,6 @@ class RequestManager:
             return False
         handle.abort(reason)
         return True
-
-    def fail_worker(self, role: str, address: str) -> None:
-        """End (finish_reason "error") every choice that depends on a worker that went down.
-
-        Its outputs would never arrive: a dead decode-scheduler holds the request, a dead
-        detokenizer carries its text. (A dead prefill-scheduler is the decode-scheduler's to handle.)
-        """
-        if role == "decode":
-            depends = lambda s: s.route is not None and s.route.decode.address == address
-        elif role == "detokenizer":
-            depends = lambda s: s.output_address == address
-        else:
-            return
-        reason = f"{role} worker {address} went down or restarted; retry"
-        for handle in list(self.handles.values()):
-            lost = [s for s in handle.states if not s.finished and depends(s)]
-            if lost:
-                handle.abort(reason, lost, finish_reason="error", retryable=True)
 
     def _abort_choice(self, state: ReqState, reason: str) -> None:
         """Tell the decode-scheduler to drop ``state`` (in the background: callers may be cancelled)."""

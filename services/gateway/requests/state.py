@@ -41,6 +41,10 @@ class ReqState:
     finished: bool = False
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # the output ids pushed to its client so far (a migration resumes from them), and how many times
+    # it moved to another decode worker (``migration``)
+    output_ids: list[int] = field(default_factory=list)
+    migrations: int = 0
     # prompt logprobs with n > 1 (see the module docstring): on sample 0, the prompt's other samples
     # and, once its outputs brought them, the scores they copy; on another sample, sample 0 and the
     # outputs held until its scores came
@@ -68,6 +72,15 @@ class RequestRegistry:
     def remove(self, rid: str) -> None:
         self._states.pop(rid, None)
 
+    def rename(self, state: ReqState, rid: str) -> None:
+        """``state`` goes on as ``rid`` (a migrated choice's continuation): outputs of its old rid are
+        dropped from now on. Raises ``GatewayError`` 409 when ``rid`` is already in flight."""
+        if rid in self._states:
+            raise duplicate_rid(rid)
+        self._states.pop(state.rid, None)
+        self._states[rid] = state
+        state.rid = rid
+
 
 @dataclass(eq=False)
 class RequestHandle:
@@ -84,6 +97,8 @@ class RequestHandle:
         metrics: TTFT / ITL / e2e histograms.
         abort_backend: called with each choice that was sent but not finished when closing.
         on_close: called once when the handle closes.
+        migrate: called with a choice whose decode worker went away (its output stream ended) and
+            the reason; True when it continues on another worker (``migration``), else it ends.
         deadline: ``time.monotonic()`` after which iteration raises ``GatewayError`` 504; None = none.
     """
 
@@ -93,6 +108,7 @@ class RequestHandle:
     metrics: GatewayMetrics
     abort_backend: Callable[[ReqState, str], None]
     on_close: Callable[[RequestHandle], None]
+    migrate: Callable[[ReqState, str], bool] | None = None
     deadline: float | None = None
     states: list[ReqState] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)  # per prompt
@@ -118,6 +134,9 @@ class RequestHandle:
     def push(self, state: ReqState, delta: ChoiceDelta) -> None:
         """Deliver one output of ``state`` (called by the output servicer and by ``abort``)."""
         if state.finished:
+            return
+        state.output_ids.extend(delta.token_ids)
+        if delta.worker_lost and self.migrate is not None and self.migrate(state, "stream_ended"):
             return
         now = time.monotonic()
         if delta.token_ids:

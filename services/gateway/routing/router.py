@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.services.gateway.errors import GatewayError, retry_after
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.policies import KVAwareWeights, PolicyName, make_policy
 from pdserve.services.gateway.routing.workers import Worker, WorkerPool
@@ -56,14 +57,20 @@ class Router:
         self._decode_policy = make_policy(policy, kv_indexes.get("decode"), weights)
         self._prefill_policy = make_policy(policy, kv_indexes.get("prefill"), weights)
 
-    def route(self, input_ids: Sequence[int], lora_name: str = "") -> Route:
+    def route(self, input_ids: Sequence[int], lora_name: str = "", avoid: Worker | None = None) -> Route:
         """Pick (decode, prefill) for ``input_ids`` under LoRA adapter ``lora_name`` ("": the base
-        model) and count the request in flight on both.
+        model) and count the request in flight on both; a decode worker ``avoid`` (one a migrated
+        request leaves) is not picked.
 
         Raises:
-            GatewayError: 503 when a configured role has no healthy worker.
+            GatewayError: 503 when a configured role has no healthy worker (but ``avoid``).
         """
-        decode = self._decode_policy.select(self.decode.available(), input_ids, lora_name)
+        candidates = self.decode.available()
+        if avoid is not None:
+            candidates = [w for w in candidates if w is not avoid]
+            if not candidates:
+                raise GatewayError(503, "no other healthy decode worker", headers=retry_after())
+        decode = self._decode_policy.select(candidates, input_ids, lora_name)
         prefill = None
         fallbacks: list[str] = []
         if self.prefill:

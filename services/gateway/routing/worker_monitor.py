@@ -5,7 +5,8 @@ Every ``interval`` seconds each worker of each pool gets a grpc.health.v1 Check.
 taken out of routing, the router forgets its cache, and the requests that depended on it are ended;
 it is put back as soon as it answers SERVING again. A scheduler is asked about its own service: when
 that is NOT_SERVING while the server as a whole is SERVING, it is draining (SIGTERM): it gets no new
-requests but keeps those it holds (it is alive; nothing is ended). Live schedulers are asked
+requests but keeps those it holds (it is alive; nothing is ended), unless ``on_drain`` moves them
+(the gateway migrates them: ``requests.migration``). Live schedulers are asked
 ``GetLoad``: their load (for the least-load and cache-aware policies), their capacity (for the
 gateway's default pending limit) and their incarnation: a scheduler that restarted (whether or not it
 was seen down) holds none of the requests routed to its previous process, which are ended like a dead
@@ -39,6 +40,7 @@ class WorkerMonitor:
         pools: role -> pool, for every configured role (tokenizer, detokenizer, decode, prefill).
         router: told to forget a worker that went unhealthy.
         on_down: called with ``(role, address)`` when a worker is taken out.
+        on_drain: called with ``(role, address)`` when a live worker starts draining.
         interval: seconds between rounds.
         failure_threshold: failed probes in a row that take a worker out.
     """
@@ -51,11 +53,12 @@ class WorkerMonitor:
         on_down: Callable[[str, str], None],
         interval: float = 1.0,
         failure_threshold: int = 3,
+        on_drain: Callable[[str, str], None] | None = None,
     ) -> None:
         self.clients = clients
         self.pools = {role: pool for role, pool in pools.items() if pool}
         self.router = router
-        self.on_down = on_down
+        self.on_down, self.on_drain = on_down, on_drain
         self.interval = interval
         self.failure_threshold = failure_threshold
         self._task: asyncio.Task | None = None
@@ -82,6 +85,8 @@ class WorkerMonitor:
             state = "is draining: no new requests" if draining else "takes new requests again"
             logger.warning("%s worker %s %s", role, worker.address, state)
             worker.draining = draining
+            if draining and self.on_drain is not None:
+                self.on_drain(role, worker.address)
         ok = bool(answer) or draining  # alive
         if ok and role in SCHEDULER_ROLES:
             await self._read_load(role, worker)  # before it is routed to again: a restart ends its requests

@@ -115,7 +115,7 @@ class BackendClients:
         """Hand one tokenized request to a decode-scheduler (``DecodeScheduler.Generate``).
 
         ``routing``: prefill_address, fallback_prefill_addresses, output_address, gateway_address,
-        deadline_unix_s, arrival_unix_s.
+        deadline_unix_s, arrival_unix_s, and a migrated request's resumed_output_ids.
         """
         request = convert.tokenized_req_to_pb(rid, input_ids, sampling_params, **routing)
         await self._call(self._stub("decode", address).Generate, request, f"decode-scheduler {address}")

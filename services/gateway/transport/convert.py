@@ -192,6 +192,7 @@ def tokenized_req_to_pb(
     gateway_address: str,
     deadline_unix_s: float,
     arrival_unix_s: float,
+    resumed_output_ids: list[int] = (),
 ) -> scheduler_pb2.TokenizedGenerateReqInput:
     return scheduler_pb2.TokenizedGenerateReqInput(
         rid=rid,
@@ -203,6 +204,7 @@ def tokenized_req_to_pb(
         gateway_address=gateway_address,
         deadline_unix_s=deadline_unix_s,
         arrival_unix_s=arrival_unix_s,
+        resumed_output_ids=resumed_output_ids,
     )
 
 
@@ -290,6 +292,7 @@ def choice_delta_from_pb(out: output_pb2.StrOutput, index: int) -> ChoiceDelta:
         prompt_tokens=out.prompt_tokens,
         cached_tokens=out.cached_tokens,
         completion_tokens=out.completion_tokens,
+        worker_lost=out.worker_lost,
     )
 
 
