@@ -23,31 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from benchmarks.serving_lib.adapters import write_adapter
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.layers.native import cpu_description
 from pdserve.model_source import resolve_model
 from tests.engine.driver import Driver
-
-
-def write_adapter(
-    directory: Path, shapes: dict[tuple[int, str], tuple[int, int]], rank: int, seed: int
-) -> Path:
-    """A random PEFT LoRA adapter of ``rank`` on every ``(layer, module)`` of ``shapes`` (``(out, in)``)."""
-    directory.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for (layer, module), (out_features, in_features) in shapes.items():
-        part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-        tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
-        tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
-    save_file(tensors, directory / "adapter_model.safetensors")
-    modules = sorted({module for _, module in shapes})
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return directory
 
 
 def decode_rate(runner: ModelRunner, prompts: list[list[int]], slots: list[int], new_tokens: int) -> float:

@@ -15,6 +15,10 @@ and sends their requests in random order; the table's ``cached`` column is the s
 tokens served from the workers' prefix caches (issue 40's routing workload: several decode workers
 whose pools hold only some of the prefixes, one or two gateways, one router policy per label).
 
+``--lora-mix 0,1,4,16`` serves random rank-``--lora-rank`` LoRA adapters (written for the model and
+added to every launched configuration's flags) and runs every level once per mix, its requests
+spread round-robin over that many adapters (0: the base model), labelled ``<label> lora<N>``.
+
 ``--workload priority`` measures a high-priority request's TTFT under a saturating low-priority load
 against an idle server's (``serving_lib/priority.py``; launch with ``--schedule-policy priority``).
 
@@ -27,15 +31,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import os
+import shlex
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 
+from benchmarks.serving_lib.adapters import write_adapters
 from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
 from benchmarks.serving_lib.load import LoadMode, run_level
@@ -45,6 +54,7 @@ from benchmarks.serving_lib.spec_metrics import spec_counters, spec_summary
 from benchmarks.serving_lib.stats import LevelResult, RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
 from benchmarks.serving_lib.workload import PromptSource, WorkloadKind
+from pdserve.model_source import resolve_model
 
 log = logging.getLogger("benchmarks.serving")
 
@@ -72,6 +82,8 @@ class BenchConfig:
     model: str | None = None
     request_timeout_s: float = 600.0
     priority: PriorityLoad | None = None  # the priority workload (random prompts), instead of levels
+    lora_mix: list[int] = field(default_factory=list)  # adapters per run of the levels (0: the base)
+    lora_rank: int = 16
 
     def requests_at(self, level: float) -> int:
         if self.num_requests is not None:
@@ -114,9 +126,12 @@ async def bench_server(
                 run["priority"] = await bench_priority(target, prompts, cfg.priority)
                 results = []
             else:
-                results = await sweep(
-                    target, counter, source, cfg, label, lambda: spec_counters(root, api_key)
-                )
+                results = []
+                read_spec = lambda: spec_counters(root, api_key)
+                for n in cfg.lora_mix or [None]:
+                    models = [model] if not n else [f"a{i}" for i in range(n)]
+                    name = label if n is None else f"{label} lora{n}"
+                    results += await sweep(target, counter, source, cfg, name, read_spec, models)
     return results, run | {"tokens_per_word": round(tokens_per_word, 4)}
 
 
@@ -127,12 +142,15 @@ async def sweep(
     cfg: BenchConfig,
     label: str,
     read_spec: Callable[[], Awaitable[dict[str, float]]] | None = None,
+    models: list[str] | None = None,
 ) -> list[LevelResult]:
     """``cfg.warmup`` uncounted requests, then each level of ``cfg`` in turn with fresh prompts;
-    ``read_spec`` reads the server's speculative decoding counters around each level."""
+    ``read_spec`` reads the server's speculative decoding counters around each level; ``models``:
+    the model names the requests take in turn (default: the target's)."""
+    names = itertools.cycle(models or [target.model])
 
     async def send(item: tuple[str, int]) -> RequestRecord:
-        return await stream_completion(target, *item)
+        return await stream_completion(dataclasses.replace(target, model=next(names)), *item)
 
     async def prompts(count: int) -> list[tuple[str, int]]:
         texts = source.take(count)
@@ -191,6 +209,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--num-requests", type=int, help="requests per level (default max(8, 2*c); shared-prefix 64)"
     )
+    p.add_argument(
+        "--lora-mix", help="comma-separated adapter counts, e.g. 0,1,4,16: the levels run once per count"
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="--lora-mix: the adapters' rank")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before the first level")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
@@ -227,6 +249,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model,
         request_timeout_s=args.request_timeout,
         priority=priority,
+        lora_mix=[int(n) for n in args.lora_mix.split(",")] if args.lora_mix else [],
+        lora_rank=args.lora_rank,
     )
 
 
@@ -245,12 +269,31 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         specs = [parse_compare(s) for s in args.compare] if args.compare else []
         specs = specs or [LaunchSpec("pdserve", args.launch if args.launch is not None else DEFAULT_FLAGS)]
-        for spec in specs:
-            with launched(spec) as stack:
-                level_results, run = asyncio.run(bench_server(stack.base_url, spec.label, cfg, args.api_key))
-            results += level_results
-            runs.append(run | {"launch": spec.flags})
+        with tempfile.TemporaryDirectory() as scratch:
+            for spec in specs:
+                extra = lora_flags(cfg, spec, Path(scratch))
+                spec = dataclasses.replace(spec, flags=f"{spec.flags} {extra}".strip())
+                with launched(spec) as stack:
+                    level_results, run = asyncio.run(
+                        bench_server(stack.base_url, spec.label, cfg, args.api_key)
+                    )
+                results += level_results
+                runs.append(run | {"launch": spec.flags})
     return report(results, runs, cfg, args.plot)
+
+
+def lora_flags(cfg: BenchConfig, spec: LaunchSpec, scratch: Path) -> str:
+    """The ``pdserve launch`` flags serving ``cfg.lora_mix``'s adapters, written under ``scratch``
+    for the model ``spec`` launches (its ``--model``, else the default)."""
+    count = max(cfg.lora_mix, default=0)
+    if not count:
+        return ""
+    flags = shlex.split(spec.flags)
+    model = flags[flags.index("--model") + 1] if "--model" in flags[:-1] else None
+    directory = scratch / "".join(c if c.isalnum() else "_" for c in spec.label)
+    adapters = write_adapters(directory, resolve_model(model), count, cfg.lora_rank)
+    modules = " ".join(f"{name}={path}" for name, path in adapters)
+    return f"--lora-modules {modules} --max-loras {count} --max-lora-rank {cfg.lora_rank}"
 
 
 def report(results: list[LevelResult], runs: list[dict], cfg: BenchConfig, plot_path: str | None) -> dict:

@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from benchmarks.serving import config_from_args, main, openai_base_url, parse_args
+from benchmarks.serving import config_from_args, lora_flags, main, openai_base_url, parse_args
+from benchmarks.serving_lib.adapters import model_shapes
 from benchmarks.serving_lib.launch import LaunchSpec, parse_compare
 from benchmarks.serving_lib.priority import PriorityLoad
 from benchmarks.serving_lib.tokens import TokenCounter, estimate_tokens
+from pdserve.model_source import resolve_model
 from tests.stack import free_port_block
 
 
@@ -37,6 +39,21 @@ def test_defaults_follow_the_workload():
     assert config_from_args(parse_args([])).priority is None
     with pytest.raises(SystemExit):
         parse_args(["--base-url", "http://x", "--launch", "--colocated"])
+
+
+def test_lora_mix_launches_every_adapter_it_spreads_requests_over(tmp_path):
+    cfg = config_from_args(parse_args(["--lora-mix", "0,1,3", "--lora-rank", "4"]))
+    assert (cfg.lora_mix, cfg.lora_rank) == ([0, 1, 3], 4)
+    flags = lora_flags(cfg, LaunchSpec("a b", "--colocated"), tmp_path).split()
+    assert flags[0] == "--lora-modules" and flags[-4:] == ["--max-loras", "3", "--max-lora-rank", "4"]
+    adapters = dict(module.split("=", 1) for module in flags[1:4])
+    assert sorted(adapters) == ["a0", "a1", "a2"]
+    config = json.loads((tmp_path / "a_b" / "a2" / "adapter_config.json").read_text())
+    assert adapters["a2"] == str(tmp_path / "a_b" / "a2") and config["r"] == 4
+    shapes = model_shapes(resolve_model())  # SmolLM2-135M: 30 layers, 9 heads of 64, 3 KV heads, 1536
+    assert shapes[(0, "k_proj")] == (192, 576) and shapes[(29, "down_proj")] == (576, 1536)
+    assert len(shapes) == 30 * 7
+    assert lora_flags(config_from_args(parse_args([])), LaunchSpec("x", ""), tmp_path) == ""
 
 
 def test_targets():
