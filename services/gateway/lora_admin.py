@@ -5,14 +5,17 @@ A load reaches the prefill workers, then the decode workers (a decode worker tha
 finds it on the prefill workers it sends to); an unload goes the other way. Only once every worker
 took the change does the gateway's list of names (/v1/models, the ``model`` check) change. A worker
 that refuses mid-broadcast has the change undone on the workers that took it, so no worker is left
-half-changed, and the error names the worker. One change runs at a time.
+half-changed, and the error names the worker. One change runs at a time, and runs to its end even
+when its caller goes away (a gRPC call cancelled or past its deadline): stopped mid-broadcast, it
+would leave workers holding an adapter under a name the gateway no longer knows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from collections.abc import Coroutine
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,6 +64,7 @@ class LoraAdmin:
         self.ctx, self.clients, self.pools, self.paths = ctx, clients, pools, dict(paths)
         self.refusal = refusal
         self._lock = asyncio.Lock()
+        self._changes: set[asyncio.Task] = set()  # the running changes (asyncio keeps weak refs)
 
     def _check_allowed(self) -> None:
         if self.refusal:
@@ -68,6 +72,18 @@ class LoraAdmin:
 
     def _workers(self, roles: tuple[Role, ...]) -> list[tuple[Role, str]]:
         return [(role, w.address) for role in roles for w in self.pools[role].workers]
+
+    async def _whole(self, change: Coroutine[Any, Any, str]) -> str:
+        """Run ``change`` to its end even if this caller is cancelled; its result."""
+        task = asyncio.ensure_future(change)
+        self._changes.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._changes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a refusal whose caller went away is not an error here
 
     async def load(self, body: LoadLoraAdapterRequest) -> str:
         """Load ``body``'s adapter on every worker, then serve its name; a confirmation line.
@@ -78,7 +94,9 @@ class LoraAdmin:
                 naming the worker.
         """
         self._check_allowed()
-        name, path = body.lora_name, body.lora_path
+        return await self._whole(self._load(body.lora_name, body.lora_path))
+
+    async def _load(self, name: str, path: str) -> str:
         async with self._lock:
             if name in self.ctx.lora_names or name in self.ctx.model_names:
                 raise GatewayError(409, f"the model name {name!r} is already served", param="lora_name")
@@ -102,7 +120,9 @@ class LoraAdmin:
                 an adapter; 409 while requests use it on a worker (naming it).
         """
         self._check_allowed()
-        name = body.lora_name
+        return await self._whole(self._unload(body.lora_name))
+
+    async def _unload(self, name: str) -> str:
         async with self._lock:
             if name not in self.ctx.lora_names:
                 raise GatewayError(

@@ -169,3 +169,28 @@ def test_loading_needs_lora_enabled(colocated):
     assert "a" not in [
         m["id"] for m in httpx.get(f"{colocated.base_url}/v1/models", timeout=60).json()["data"]
     ]
+
+
+def test_a_cancelled_grpc_load_or_unload_still_changes_every_worker(lora_stack, adapters):
+    """A LoadLoraAdapter / UnloadLoraAdapter whose gRPC deadline passes mid-broadcast runs to its
+    end on the gateway: no worker is left holding the adapter under a name the gateway does not
+    serve (which made the name impossible to load again, ALREADY_EXISTS from that worker)."""
+    path = str(adapters[1]["sailor"])
+    http = httpx.Client(base_url=lora_stack.base_url, timeout=600)
+    with Client(lora_stack.grpc_address) as sdk:
+        for deadline in (0.005, 0.02, 0.05):
+            with pytest.raises(PdServeError):  # DEADLINE_EXCEEDED, or 409 where the load ran first
+                sdk.load_lora_adapter("sailor", path, timeout=deadline)
+                sdk.load_lora_adapter("sailor", path, timeout=deadline)
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "sailor", "lora_path": path})
+            assert r.status_code == 200 or "is already served" in r.json()["error"]["message"], r.text
+            with pytest.raises(PdServeError):
+                sdk.unload_lora_adapter("sailor", timeout=deadline)
+                sdk.unload_lora_adapter("sailor", timeout=deadline)
+            r = http.post("/v1/unload_lora_adapter", json={"lora_name": "sailor"})
+            assert r.status_code == 200 or r.json()["error"]["code"] == "model_not_found", r.text
+            # every worker is back without it: a load and an unload both pass on all of them
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "sailor", "lora_path": path})
+            assert r.status_code == 200, r.text
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sailor"}).status_code == 200
+    lora_stack.wait_idle()

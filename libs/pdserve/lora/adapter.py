@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors.torch import load_file
 # PEFT's names of the projections the serving path adapts (Llama-family module names)
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json is a few hundred bytes; bounds a hostile path's read
 
 
 class LoraAdapterError(ValueError):
@@ -38,12 +40,36 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _check_regular(file: Path, max_bytes: int | None = None) -> None:
+    """Refuse what is not a regular file (a FIFO or a device such as /dev/zero would block or never
+    end the read on the scheduler thread) or is over ``max_bytes``; raises ``OSError``/``ValueError``."""
+    info = file.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{file.name} is not a regular file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise ValueError(f"{file.name} has {info.st_size} bytes, over {max_bytes}")
+
+
+def _rank_and_alpha(path: Path, config: dict) -> tuple[int, float]:
+    """``r`` and ``lora_alpha`` as numbers (PEFT writes an int and a number)."""
+    rank, alpha = config.get("r", 0), config.get("lora_alpha", 0)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise LoraAdapterError(f"{path}: r must be an integer (got {rank!r})")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoraAdapterError(f"{path}: lora_alpha must be a finite number (got {alpha!r})")
+    return rank, float(alpha)
+
+
 def _read_config(path: Path) -> dict:
+    file = path / "adapter_config.json"
     try:
-        config = json.loads((path / "adapter_config.json").read_text())
+        _check_regular(file, MAX_CONFIG_BYTES)
+        config = json.loads(file.read_bytes())
     except (OSError, ValueError) as e:
         raise LoraAdapterError(f"{path}: no readable PEFT adapter_config.json ({e})") from e
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
+    if not isinstance(config, dict):
+        raise LoraAdapterError(f"{path}: adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
         raise LoraAdapterError(f"{path}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     unsupported = {
         "bias": config.get("bias", "none") != "none",
@@ -73,17 +99,20 @@ def load_adapter(
             (full, unsharded shapes).
 
     Raises:
-        LoraAdapterError: unreadable files, a rank above ``max_rank``, an unsupported option, a
+        LoraAdapterError: unreadable files (or not regular files, or an adapter_config.json over
+            ``MAX_CONFIG_BYTES``), a config that is not a JSON object or whose ``r``/``lora_alpha``
+            are not numbers, a rank above ``max_rank``, an unsupported option, a
             module the base does not have (or not one of ``TARGET_MODULES``), or a shape that does
             not fit the base.
     """
     path = Path(path)
     config = _read_config(path)
-    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
+    rank, alpha = _rank_and_alpha(path, config)
     if not 0 < rank <= max_rank:
         raise LoraAdapterError(f"{path}: rank {rank} is outside [1, --max-lora-rank {max_rank}]")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     try:
+        _check_regular(path / "adapter_model.safetensors")
         tensors = load_file(path / "adapter_model.safetensors")
     except (OSError, ValueError) as e:
         raise LoraAdapterError(f"{path}: no readable adapter_model.safetensors ({e})") from e
