@@ -138,6 +138,16 @@ def served_model_names(model: str | None, served: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def check_lora_names(lora_names: list[str], model_names: list[str]) -> None:
+    """``--lora-modules``' names against each other and the served model names.
+
+    Raises:
+        ValueError: a name given twice, or one the base model is served under.
+    """
+    if set(lora_names) & set(model_names) or len(set(lora_names)) < len(lora_names):
+        raise ValueError("--lora-modules names must differ from each other and from the served model names")
+
+
 def capped_context_length(model_length: int, max_model_len: int | None) -> int:
     """The context served: the model's own (``max_position_embeddings``) or ``--max-model-len``.
 

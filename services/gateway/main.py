@@ -32,7 +32,7 @@ from pdserve.cli_args import (
     setup_service,
     weight,
 )
-from pdserve.model_source import served_model_names
+from pdserve.model_source import check_lora_names, served_model_names
 from pdserve.observability.metrics_http import labelled, serve_metrics
 from pdserve.rpc import tls
 from pdserve.rpc.server import GrpcServer, run_service
@@ -215,13 +215,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.api_keys = parse_api_keys(args.api_key)
     args.identity = tls.identity_from_args(parser, args)
     args.public_tls = public_tls_from_args(parser, args)
+    args.lora_names = [name for name, _ in args.lora_modules]
     try:
         args.model_names = served_model_names(args.model, args.served_model_name)
+        check_lora_names(args.lora_names, args.model_names)
     except ValueError as e:
         parser.error(str(e))
-    args.lora_names = [name for name, _ in args.lora_modules]
-    if set(args.lora_names) & set(args.model_names) or len(set(args.lora_names)) < len(args.lora_names):
-        parser.error("--lora-modules names must differ from each other and from the served model names")
     return args
 
 

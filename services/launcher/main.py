@@ -24,7 +24,7 @@ from pdserve.cli_args import (
     non_negative_float,
     positive_int,
 )
-from pdserve.model_source import resolve_model, served_model_names
+from pdserve.model_source import check_lora_names, resolve_model, served_model_names
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.stats_log import add_stats_args
 from pdserve.observability.tracing import add_tracing_args
@@ -184,10 +184,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--metrics-port-base overlaps the {internal_ports} internal ports from --internal-port-base"
         )
-    try:
-        served_model_names(args.model, args.served_model_name)
+    try:  # what a child would refuse after the others' start-up, refused before any starts
+        check_lora_names(
+            [name for name, _ in args.lora_modules], served_model_names(args.model, args.served_model_name)
+        )
     except ValueError as e:
         parser.error(str(e))
+    if args.speculative_algorithm == "draft" and not args.speculative_draft_model_path:
+        parser.error("--speculative-algorithm draft needs --speculative-draft-model-path")
     args.identity = tls.identity_from_args(parser, args)
     if args.public_client_ca and not args.identity:
         parser.error("--public-client-ca needs --tls-cert, --tls-key and --tls-ca")

@@ -9,7 +9,7 @@ import pytest
 from pdserve.services.gateway.main import parse_args as gateway_args
 from pdserve.services.gateway.processes import worker_specs
 from pdserve.services.launcher.kv_pool_pin import pin_kv_pool
-from pdserve.services.launcher.main import make_parser
+from pdserve.services.launcher.main import make_parser, parse_args
 from pdserve.services.launcher.ports import PortReservation
 from pdserve.services.launcher.topology import build_topology
 from tests.stack import free_port_block
@@ -58,6 +58,21 @@ def test_the_kv_tier_reaches_every_scheduler_in_bytes() -> None:
     assert schedulers and all(_flag(s.argv, "--kv-tier-memory") == str(3 << 29) for s in schedulers)
     assert "--kv-tier-memory" not in specs[-1].argv
     assert all("--kv-tier-memory" not in s.argv for s in build_topology(make_parser().parse_args([]), "/m"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lora-modules", "SmolLM2-135M-Instruct=/a"], "--lora-modules names must differ"),
+        (["--lora-modules", "pirate=/a", "pirate=/b"], "--lora-modules names must differ"),
+        (["--speculative-algorithm", "draft"], "draft needs --speculative-draft-model-path"),
+    ],
+)
+def test_what_a_service_would_refuse_is_refused_before_any_starts(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_colocated_has_no_prefill_pool() -> None:
