@@ -1,12 +1,11 @@
 """KV events in vLLM's ZMQ wire format: a real radix cache's events through ``KVEventPublisher`` and
 the ZMQ publisher on a loopback port, read by a SUB consumer that decodes them with msgspec structs
-written here from vLLM's schema (``vllm/distributed/kv_events.py``); replay; the flags' bounds."""
+written from vLLM's schema (``tests/kv_events_vllm.py``); replay; the flags' bounds."""
 
 from __future__ import annotations
 
 import argparse
 
-import msgspec
 import pytest
 import zmq
 
@@ -19,67 +18,7 @@ from pdserve.services.common.kv_events_zmq_args import add_kv_events_args, kv_ev
 from pdserve.services.common.scheduler_main import kv_events_zmq
 from pdserve.services.launcher.main import make_parser as launcher_parser
 from pdserve.services.launcher.topology import build_topology
-
-
-# vLLM's schema, as its consumers (vLLM's examples/online_serving/kv_events_subscriber.py) declare it
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int | bytes]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
-TIMEOUT_MS = 5000
-
-
-def apply(blocks: set[int], batch: KVEventBatch) -> None:
-    for event in batch.events:
-        if isinstance(event, BlockStored):
-            assert event.parent_block_hash is None or event.parent_block_hash in blocks
-            assert event.medium == "GPU" and event.lora_id is None
-            blocks.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            blocks.difference_update(event.block_hashes)
-        else:
-            blocks.clear()
-
-
-def replay(endpoint: str, start_seq: int) -> list[tuple[int, bytes]]:
-    """vLLM's replay protocol over a DEALER socket: the held batches from ``start_seq`` on."""
-    with zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        got = []
-        while True:
-            assert sock.poll(TIMEOUT_MS), "the replay answers"
-            empty, seq, payload = sock.recv_multipart()
-            assert empty == b""
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
-                return got
-            got.append((int.from_bytes(seq, "big"), payload))
+from tests.kv_events_vllm import DECODER, TIMEOUT_MS, BlockRemoved, BlockStored, apply, replay
 
 
 def test_a_vllm_consumer_rebuilds_the_cache_and_replays_what_it_missed():
@@ -104,8 +43,12 @@ def test_a_vllm_consumer_rebuilds_the_cache_and_replays_what_it_missed():
             events.flush()
 
         step([1, 2, 3, 4, 5, 6])  # batch 1, likely before the SUB joined: replayed below
-        blocks: set[int] = set()
-        received: dict[int, bytes] = {}
+        for k in range(200):  # more steps until the SUB has joined (ZMQ's slow joiner)
+            if sub.poll(50):
+                break
+            step([30 + k, 30 + k])
+        else:
+            pytest.fail("the SUB socket never received a batch")
         for tokens in ([1, 2, 3, 4, 9, 9], [7, 7, 8, 8], [1, 2, 5, 5]):
             step(tokens)
         cache.reset()
@@ -113,16 +56,22 @@ def test_a_vllm_consumer_rebuilds_the_cache_and_replays_what_it_missed():
         step([4, 4, 3, 3, 2, 2])
         step([4, 4, 3, 3, 1, 1])
         last = events.seq
+        received: dict[int, bytes] = {}
         while not received or max(received) < last:
             assert sub.poll(TIMEOUT_MS), "every batch is published"
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv@w0" and len(seq) == 8
             received[int.from_bytes(seq, "big")] = payload
         first_live = min(received)
-        missed = replay(zmq_pub.replay_endpoint, 1)
+        assert sorted(received) == list(range(first_live, last + 1)), "live: in order, no gaps once joined"
+        missed = replay(zmq_pub.replay_endpoint, 1)  # what a consumer does on a gap: replay from there
         assert [seq for seq, _ in missed] == list(range(1, last + 1)), "replay from 1: every batch held"
         assert all(received[seq] == payload for seq, payload in missed if seq >= first_live)
-        batches = [DECODER.decode(payload) for _, payload in missed]
+        payloads = [payload for seq, payload in missed if seq < first_live] + [
+            received[s] for s in sorted(received)
+        ]
+        batches = [DECODER.decode(payload) for payload in payloads]
+        blocks: set[int] = set()
         for batch in batches:
             apply(blocks, batch)
 
