@@ -54,7 +54,8 @@ class AllBlocksCleared(_Event):
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """vLLM's ``KVEventBatch``: ``[ts, events]`` (``data_parallel_rank`` unset, so left out)."""
+    """vLLM's ``KVEventBatch``: ``[ts, events, data_parallel_rank]`` (the rank nil: a pdserve
+    scheduler is not a data-parallel rank)."""
 
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]

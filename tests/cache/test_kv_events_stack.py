@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 import httpx
+import pytest
 import zmq
 
 from pdserve.mem_cache.block_hash import block_hashes
@@ -28,17 +29,17 @@ def generate(stack, input_ids: list[int]) -> None:
 
 
 def assert_zmq_events_equal(sub: zmq.Socket, replay_port: int, batches: list) -> None:
-    """The ZMQ consumer gets ``batches`` (gRPC ``KVEventBatch``es) under the same seqs: live (at
-    least the last, sent seconds after the SUB joined) and, all of them, by replay."""
+    """The ZMQ consumer (its PUB joined) gets ``batches`` (gRPC ``KVEventBatch``es) under the same
+    seqs, live and by replay, equal event for event."""
+    replayed = replay(f"tcp://127.0.0.1:{replay_port}", batches[0].seq)
+    assert [seq for seq, _ in replayed] == [b.seq for b in batches]
     live: dict[int, bytes] = {}
     while batches[-1].seq not in live:
-        assert sub.poll(TIMEOUT_MS), "live ZMQ batches"
+        assert sub.poll(TIMEOUT_MS), f"live ZMQ batches (got {sorted(live)})"
         _, seq, payload = sub.recv_multipart()
         live[int.from_bytes(seq, "big")] = payload
     sub.close(linger=0)
-    replayed = replay(f"tcp://127.0.0.1:{replay_port}", batches[0].seq)
-    assert [seq for seq, _ in replayed] == [b.seq for b in batches]
-    assert all(live[seq] == payload for seq, payload in replayed if seq in live)
+    assert all(live.get(seq) == payload for seq, payload in replayed), "each batch also came live"
     for (_, payload), batch in zip(replayed, batches, strict=True):
         vllm = DECODER.decode(payload)
         assert abs(vllm.ts - batch.timestamp_unix_s) < 1e-6
@@ -60,13 +61,18 @@ def assert_zmq_events_equal(sub: zmq.Socket, replay_port: int, batches: list) ->
 def test_kv_events_name_the_prompt_blocks_and_replay_after_a_reconnect(colocated):
     channel = grpc.insecure_channel(f"127.0.0.1:{colocated.internal_port_base + DECODE_OFFSET}")
     stub = scheduler_pb2_grpc.DecodeSchedulerStub(channel)
-    assert stub.FlushCache(scheduler_pb2.FlushCacheRequest(), timeout=30).flushed  # (the stack is idle)
-    index = Index(stub.SubscribeKVEvents(scheduler_pb2.KVEventsRequest(), timeout=120))
-    snapshot = index.read()
-    assert snapshot.snapshot and [e.WhichOneof("event") for e in snapshot.events] == ["all_blocks_cleared"]
     zmq_sub = zmq.Context.instance().socket(zmq.SUB)  # the scheduler's PUB connects to it
     zmq_sub.bind(f"tcp://127.0.0.1:{colocated.extra['kv_events_zmq']}")
     zmq_sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for _ in range(100):  # flush (the stack is idle) until the PUB has joined (ZMQ's slow joiner)
+        assert stub.FlushCache(scheduler_pb2.FlushCacheRequest(), timeout=30).flushed
+        if zmq_sub.poll(100):
+            break
+    else:
+        pytest.fail("the scheduler's ZMQ PUB never connected")
+    index = Index(stub.SubscribeKVEvents(scheduler_pb2.KVEventsRequest(), timeout=120))
+    snapshot = index.read()
+    assert snapshot.snapshot and [e.WhichOneof("event") for e in snapshot.events] == ["all_blocks_cleared"]
 
     tok = hf_tokenizer()
     prefix = tok(" ".join(f"Rule {i}: share the cache." for i in range(12)))["input_ids"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 import zmq
 
@@ -79,6 +80,9 @@ def test_a_vllm_consumer_rebuilds_the_cache_and_replays_what_it_missed():
         assert blocks == tree
         a, b, c = block_hashes([1, 2, 3, 4, 5, 6], page)
         assert batches[0].events == [BlockStored([a, b, c], None, [1, 2, 3, 4, 5, 6], page, None, "GPU")]
+        raw = msgspec.msgpack.decode(payloads[0])  # the documented wire layout, untyped
+        stored = ["BlockStored", [a, b, c], None, [1, 2, 3, 4, 5, 6], page, None, "GPU"]
+        assert raw == [batches[0].ts, [stored], None]
         assert blocks == set(block_hashes([4, 4, 3, 3, 2, 2], page)) | set(
             block_hashes([4, 4, 3, 3, 1, 1], page)
         )
