@@ -87,8 +87,8 @@ class ZmqKVEventPublisher:
         replay_endpoint: the ROUTER socket's endpoint (bound), or None: no replay.
         topic: the first frame of every message.
         buffer_steps: batches kept for replay.
-        max_queue_size: batches queued for the thread; more are dropped (logged): the scheduler
-            never waits, and a consumer sees the gap in ``seq`` and replays it.
+        max_queue_size: batches queued for the thread; more are dropped (logged, and not held for
+            replay either): the scheduler never waits; a consumer sees the gap in ``seq``.
 
     Raises:
         ValueError: an endpoint ZMQ refuses (malformed, address in use, ...).
