@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from tests.stack import Stack, launch_stack
+from tests.stack import Stack, free_port_block, launch_stack
 
 # fp32 so greedy outputs equal the HF reference; a modest KV pool per scheduler (16k tokens, 0.7 GiB in
 # fp32); no chat-parser flags, as under `make run`: SmolLM2's tool calls are hermes (the default tool
@@ -37,8 +37,13 @@ def pd_stack() -> Stack:
 
 @pytest.fixture(scope="session")
 def colocated_stack() -> Stack:
-    """One decode worker that prefills itself (mixed role), fp32."""
-    stack = launch_stack("--colocated", *COMMON, log_name="colocated")
+    """One decode worker that prefills itself (mixed role), fp32; its KV events also in vLLM's ZMQ
+    format, its PUB connecting to a consumer's SUB at ``extra["kv_events_zmq"]``, replay at + 1."""
+    zmq_port = free_port_block(2)
+    zmq_flags = ["--kv-events-endpoint", f"tcp://127.0.0.1:{zmq_port}"]
+    zmq_flags += ["--kv-events-replay-endpoint", f"tcp://127.0.0.1:{zmq_port + 1}"]
+    stack = launch_stack("--colocated", *COMMON, *zmq_flags, log_name="colocated")
+    stack.extra["kv_events_zmq"] = zmq_port
     yield stack
     stack.stop()
 

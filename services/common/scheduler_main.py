@@ -27,6 +27,8 @@ from pdserve.distributed import TpGroup
 from pdserve.observability.stats_log import add_stats_args
 from pdserve.rpc.server import internal_server, run_service
 from pdserve.services.common.drain import add_drain_args, drain
+from pdserve.services.common.kv_events_zmq import ZmqKVEventPublisher
+from pdserve.services.common.kv_events_zmq_args import add_kv_events_args
 from pdserve.services.common.liveness import start_watchdog
 from pdserve.services.common.observers import SchedulerObservers
 from pdserve.services.common.tp_ranks import TpRanks, join_group, supervise
@@ -75,6 +77,7 @@ def make_parser(role: SchedulerRole) -> argparse.ArgumentParser:
     add_engine_args(parser)
     add_stats_args(parser)
     add_drain_args(parser)
+    add_kv_events_args(parser)
     parser.add_argument("--worker-id", default=None, help="name in metrics and logs (default: host:port)")
     parser.add_argument(
         "--tp-watchdog",
@@ -87,13 +90,34 @@ def make_parser(role: SchedulerRole) -> argparse.ArgumentParser:
     return parser
 
 
+def kv_events_zmq(args: argparse.Namespace) -> ZmqKVEventPublisher | None:
+    """The ZMQ publisher of ``--kv-events-endpoint`` (None without it).
+
+    Raises:
+        SystemExit: an endpoint ZMQ refuses (a clear start-up error).
+    """
+    if not args.kv_events_endpoint:
+        if args.kv_events_replay_endpoint:
+            raise SystemExit("pdserve: --kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    try:
+        return ZmqKVEventPublisher(
+            args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic
+        )
+    except ValueError as e:
+        raise SystemExit(f"pdserve: {e}") from e
+
+
 async def serve(role: SchedulerRole, args: argparse.Namespace, stop: asyncio.Event) -> None:
     """Serve until ``stop`` (SIGTERM), then drain and shut down in order."""
+    zmq_events = kv_events_zmq(args)  # first: a bad endpoint fails before the model loads
     server = internal_server(args, [role.service])
     address = f"{args.advertise_host or args.host}:{server.port}"
     ranks = TpRanks(args, role.name, role.build_servicer, address) if args.tp_size > 1 else None
     tp = await join_group(args, 0, ranks.address if ranks else "")
     servicer = await role.build_servicer(args, address, tp)
+    if zmq_events is not None and servicer.loop.kv_events is not None:
+        servicer.loop.kv_events.listeners.append(zmq_events.publish)
     server.add(role.add_to_server, servicer)
     await server.start()
     loop_stop = asyncio.Event()  # the loop outlives SIGTERM until the drain is over
@@ -111,6 +135,8 @@ async def serve(role: SchedulerRole, args: argparse.Namespace, stop: asyncio.Eve
     loop_stop.set()
     await server.stop(grace=5.0)
     await supervisor
+    if zmq_events is not None:
+        zmq_events.close()
     await servicer.close()
     await observers.close()
     if servicer.agent is not None:

@@ -31,6 +31,7 @@ from pdserve.observability.tracing import add_tracing_args
 from pdserve.rpc import tls
 from pdserve.rpc.server import run_service
 from pdserve.services.common.chat_parser_args import add_chat_parser_args
+from pdserve.services.common.kv_events_zmq_args import add_kv_events_args
 from pdserve.services.common.supervision.console import Console, ConsoleHandler
 from pdserve.services.common.supervision.spec import ServiceSpec
 from pdserve.services.common.supervision.supervisor import DEFAULT_LIVENESS_TIMEOUT_S, Supervisor
@@ -101,6 +102,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_chat_template_arg(p)
     add_stats_args(p)
+    add_kv_events_args(p)
     p.add_argument(
         "--gpus",
         default=None,
@@ -195,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.identity = tls.identity_from_args(parser, args)
     if args.public_client_ca and not args.identity:
         parser.error("--public-client-ca needs --tls-cert, --tls-key and --tls-ca")
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        parser.error("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_tier_memory and args.swa_full_tokens_ratio is not None:
         parser.error("--kv-tier-memory cannot be combined with --swa-full-tokens-ratio yet")
     if args.attention_backend == "flashinfer" and args.device == "cpu":

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from pdserve.model_source import served_model_names
+from pdserve.services.common.kv_events_zmq_args import kv_events_flags
 from pdserve.services.common.supervision.spec import ServiceSpec
 
 
@@ -221,7 +222,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     for i, addr in enumerate(prefills):
         port = int(addr.rsplit(":", 1)[1])
         metrics, binds = _metrics_port(port, args, host)
-        argv = [*common, "--port", str(port), *engine, *metrics]
+        argv = [*common, "--port", str(port), *engine, *metrics, *kv_events_flags(args, i)]
         gpu = _gpu_env(gpus, i, args.tp_size)
         specs.append(
             ServiceSpec(
@@ -232,6 +233,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         port = int(addr.rsplit(":", 1)[1])
         metrics, binds = _metrics_port(port, args, host)
         argv = [*common, "--port", str(port), *engine, *metrics]
+        argv += kv_events_flags(args, len(prefills) + i)
         if args.colocated:
             argv.append("--colocated")
         if args.stream_interval != 1:

@@ -143,6 +143,7 @@ class KVEventPublisher:
         self._subscribers: list[KVEventSubscription] = []
         self.queue_size = queue_size
         self.seq = 0  # the last batch's number
+        self.listeners: list[Callable[[KVEventBatch], None]] = []  # also given every batch (must not block)
 
     def record(self, event: KVEvent) -> None:
         """Add ``event`` to the current step's batch (the radix cache's event sink)."""
@@ -157,6 +158,8 @@ class KVEventPublisher:
         self._pending = []
         self._ring.append(batch)
         self._subscribers = [sub for sub in self._subscribers if sub.put(batch)]
+        for listener in self.listeners:
+            listener(batch)
 
     def subscribe(self, from_seq: int | None = None) -> KVEventSubscription:
         """A new subscriber's stream: the batches from ``from_seq`` on when the ring still holds them
