@@ -1,7 +1,8 @@
 """The mixed-adapter LoRA delta of one linear layer as one C call (``c-kernels/lora.c``), after
 Punica's BGMV (batched gather matrix-vector product, Chen et al. 2023): each token gathers its own
 adapter's ``A^T`` / ``B^T`` from the layer's stacked slots, so any mix of adapters in a batch costs
-one call instead of ~8 torch ops per adapter present (``lora/layer.py`` keeps those for where the
+one call (tokens of one adapter, tiles of up to 8, share each load of its weights, as in Punica's
+SGMV) instead of ~8 torch ops per adapter present (``lora/layer.py`` keeps those for where the
 kernel cannot run: another device, another dtype, a row that is not unit-stride).
 
 Sums in float32: a token's row of ``y`` becomes ``round(y + (x @ A^T) @ B^T)``, the same float32
@@ -20,7 +21,7 @@ from pdserve.layers.native import kernel_library, per_variant
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGTYPES = [_P, _I, _P, _I, _P, _I, _I, _P, _P, _P, _I, _I, _C]
+_ARGTYPES = [_P, _I, _P, _I, _P, _P, _I, _I, _P, _P, _P, _I, _I, _C]
 
 
 class BgmvWeights:
@@ -56,14 +57,23 @@ class Bgmv:
         bfloat16, unit stride within a row."""
         return all(t.device.type == "cpu" and t.dtype in _SUFFIXES and t.stride(1) == 1 for t in (x, y))
 
-    def add_(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor, weights: BgmvWeights) -> None:
+    def add_(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        token_slots: torch.Tensor,
+        order: torch.Tensor,
+        weights: BgmvWeights,
+    ) -> None:
         """``y[t] += (x[t] @ A^T[slot]) @ B^T[slot]`` shard by shard, in place, for every token ``t``
-        whose ``slot = token_slots[t]`` is not -1 (the other rows of ``y`` are not touched).
+        of ``order``, ``slot = token_slots[t]`` (the other rows of ``y`` are not touched).
 
         Args:
             x: ``[T, in]``, ``y``: ``[T, out]`` (``supports``); ``out`` is the sum of the shard sizes.
             token_slots: int64 ``[T]``, contiguous, each -1 or a slot of ``weights`` (not checked:
                 the ``LoraManager`` assigns them).
+            order: int64 ``[n]``, contiguous: the tokens with a slot, those of one slot next to each
+                other (``LoraBatch.order``; the kernel works as well on any order, at more loads).
             weights: the layer's buffers.
         """
         self._fns[x.dtype, y.dtype](
@@ -72,7 +82,8 @@ class Bgmv:
             y.data_ptr(),
             y.stride(0),
             token_slots.data_ptr(),
-            x.shape[0],
+            order.data_ptr(),
+            order.shape[0],
             weights.in_features,
             weights.a.data_ptr(),
             weights.b_ptrs,

@@ -31,11 +31,13 @@ BASE_SLOT = -1  # a token of the base model: no delta
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """A step's tokens: each one's slot (int64 ``[T]``, contiguous, ``BASE_SLOT`` for base tokens) and
-    grouped by adapter, ``(slot, token indices int64 [n])`` per adapter present."""
+    """A step's tokens: each one's slot (``token_slots``, int64 ``[T]``, contiguous, ``BASE_SLOT`` for
+    base tokens), grouped by adapter (``groups``: ``(slot, token indices int64 [n])`` per adapter
+    present), and those groups' indices one after another (``order``, int64 ``[n]``)."""
 
     token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]
+    order: torch.Tensor
 
     @classmethod
     def of(cls, token_slots: torch.Tensor) -> LoraBatch | None:
@@ -44,7 +46,8 @@ class LoraBatch:
         slots = [s for s in torch.unique(token_slots).tolist() if s != BASE_SLOT]
         if not slots:
             return None
-        return cls(token_slots.contiguous(), [(s, (token_slots == s).nonzero().squeeze(1)) for s in slots])
+        groups = [(s, (token_slots == s).nonzero().squeeze(1)) for s in slots]
+        return cls(token_slots.contiguous(), groups, torch.cat([index for _, index in groups]))
 
 
 class LoraState:
@@ -108,7 +111,7 @@ class LoraSlots:
             return y
         bgmv = load_bgmv() if x.device.type == "cpu" else None
         if bgmv is not None and bgmv.supports(x, y):
-            bgmv.add_(x, y, batch.token_slots, self.weights)
+            bgmv.add_(x, y, batch.token_slots, batch.order, self.weights)
             return y
         r = self.rank
         x = x.float()
