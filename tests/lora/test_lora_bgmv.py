@@ -72,6 +72,26 @@ def test_kernel_matches_torch_delta(variant, x_dtype, y_dtype, case):
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("variant", runnable_variants())
+def test_a_token_delta_does_not_depend_on_its_batch(variant):
+    """Each token's row is bit for bit the same alone as in a batch of 20 tokens of its adapter and
+    others (docs/lora.md "Limits": determinism)."""
+    gen = torch.Generator().manual_seed(3)
+    slots = random_layer(gen, 96, [80, 40], 8)
+    token_slots = torch.tensor([0] * 12 + [1, 2, 0, BASE_SLOT, 3, 0, 2, 4])
+    x = torch.randn(20, 96, generator=gen)
+    y = torch.randn(20, 120, generator=gen).bfloat16()
+    with forced_variant(variant):
+        bgmv = load_bgmv()
+        together = y.clone()
+        bgmv.add_(x, together, token_slots, LoraBatch.of(token_slots).order, slots.weights)
+        for t in range(20):
+            alone = y[t : t + 1].clone()
+            order = torch.tensor([] if token_slots[t] == BASE_SLOT else [0], dtype=torch.int64)
+            bgmv.add_(x[t : t + 1], alone, token_slots[t : t + 1], order, slots.weights)
+            assert torch.equal(alone[0], together[t])
+
+
 def test_torch_path_where_the_kernel_cannot_run():
     """A ``y`` without unit stride in its rows goes through the torch ops, to the same values."""
     gen = torch.Generator().manual_seed(7)
