@@ -6,14 +6,15 @@ Every adapter the worker holds has a slot of fixed stacked float32 buffers, stor
 (``A^T`` ``[max_loras, in, S * R]`` for the ``S`` fused shards of the layer, which must tile its
 output in order; ``B^T`` ``[max_loras, R, size_s]`` per shard; ``R`` = ``--max-lora-rank``; an
 adapter of lower rank, or one that does not target a shard, leaves zeros). Tokens of the base model
-(slot -1) get no delta. On CPU the segments run as torch matmuls, one shrink and one expand per shard
-per adapter present in the batch, into one float32 ``[T, out]`` delta added to the output at the
-end. Each choice dodges a slow path of torch's CPU ops measured on a Sapphire Rapids-class Xeon
-(docs/lora.md "Measured"): matmuls of a few bfloat16 rows (milliseconds each, float32's take
-microseconds), a matmul against a transposed weight (``F.linear``; stalls of milliseconds with two
-threads), a matmul of 8 rows split over two threads (~1.6 ms each when another job holds a
-core; the delta's matmuls run on one thread), and ``index_add_`` into a column slice of the output
-(~0.5 ms each).
+(slot -1) get no delta. On CPU the whole delta is one C call (``lora/bgmv.py``, Punica's BGMV: each
+token gathers its own adapter's weights). Elsewhere (or with the CPU kernels off) the segments run
+as torch matmuls, one shrink and one expand per shard per adapter present in the batch, into one
+float32 ``[T, out]`` delta added to the output at the end. Each choice of that path dodges a slow
+path of torch's CPU ops measured on a Sapphire Rapids-class Xeon (docs/lora.md "Measured"):
+matmuls of a few bfloat16 rows (milliseconds each, float32's take microseconds), a matmul against
+a transposed weight (``F.linear``; stalls of milliseconds with two threads), a matmul of 8 rows
+split over two threads (~1.6 ms each when another job holds a core; the delta's matmuls run on
+one thread), and ``index_add_`` into a column slice of the output (~0.5 ms each).
 """
 
 from __future__ import annotations
@@ -23,14 +24,20 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.lora.bgmv import BgmvWeights, load_bgmv
+
 BASE_SLOT = -1  # a token of the base model: no delta
 
 
 @dataclass(frozen=True, slots=True)
 class LoraBatch:
-    """A step's tokens grouped by adapter: ``(slot, token indices int64 [n])`` per adapter present."""
+    """A step's tokens: each one's slot (``token_slots``, int64 ``[T]``, contiguous, ``BASE_SLOT`` for
+    base tokens), grouped by adapter (``groups``: ``(slot, token indices int64 [n])`` per adapter
+    present), and those groups' indices one after another (``order``, int64 ``[n]``)."""
 
+    token_slots: torch.Tensor
     groups: list[tuple[int, torch.Tensor]]
+    order: torch.Tensor
 
     @classmethod
     def of(cls, token_slots: torch.Tensor) -> LoraBatch | None:
@@ -39,7 +46,8 @@ class LoraBatch:
         slots = [s for s in torch.unique(token_slots).tolist() if s != BASE_SLOT]
         if not slots:
             return None
-        return cls([(s, (token_slots == s).nonzero().squeeze(1)) for s in slots])
+        groups = [(s, (token_slots == s).nonzero().squeeze(1)) for s in slots]
+        return cls(token_slots.contiguous(), groups, torch.cat([index for _, index in groups]))
 
 
 class LoraState:
@@ -77,6 +85,7 @@ class LoraSlots:
         self.a = torch.zeros(max_loras, in_features, len(self.shards) * max_rank)
         self.b = [torch.zeros(max_loras, max_rank, size) for _, size in self.shards]
         self.state = state
+        self.weights = BgmvWeights(self.a, self.b)
 
     def write(self, slot: int, shard: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put shard ``shard``'s ``A`` ``[r, in]`` and ``B`` ``[size, r]`` (scaling folded in) into
@@ -99,6 +108,10 @@ class LoraSlots:
         ``(x @ A[slot]^T) @ B[slot]^T`` (computed in float32), in place; returns ``y``."""
         batch = self.state.batch
         if batch is None:
+            return y
+        bgmv = load_bgmv() if x.device.type == "cpu" else None
+        if bgmv is not None and bgmv.supports(x, y):
+            bgmv.add_(x, y, batch.token_slots, batch.order, self.weights)
             return y
         r = self.rank
         x = x.float()
