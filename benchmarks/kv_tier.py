@@ -84,16 +84,14 @@ def first_token(sched: Scheduler, req: Req) -> float:
 
 
 def serving(args: argparse.Namespace) -> dict:
-    tier_bytes = {"no tier": 0}
     runners, scheds = {}, {}
+    tier_pages = 2 * args.prompts * (args.prompt_len // PAGE_SIZE + 1)  # room for the whole working set
     for name in ("no tier", "tier"):
         runners[name] = runner = ModelRunner(
             resolve_model(args.model), page_size=PAGE_SIZE, max_total_tokens=args.pool_pages * PAGE_SIZE
         )
-        tier_pages = 2 * args.prompts * (args.prompt_len // PAGE_SIZE + 1)
-        tier_bytes.setdefault(name, tier_pages * runner.kv_pool.page_nbytes)
-        config = SchedulerConfig(role="mixed", kv_tier_memory=tier_bytes[name])
-        scheds[name] = Scheduler(runner, config)
+        tier_bytes = tier_pages * runner.kv_pool.page_nbytes if name == "tier" else 0
+        scheds[name] = Scheduler(runner, SchedulerConfig(role="mixed", kv_tier_memory=tier_bytes))
     rng = random.Random(0)
     vocab = runners["tier"].model_config.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

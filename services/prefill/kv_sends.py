@@ -204,7 +204,7 @@ class KVSends:
         if out is None:
             return
         start = req.route.kv_dst_start_page
-        end = min(ready_pages - start, len(out.transfer.dst_pages) - out.transfer.num_local)
+        end = min(ready_pages - start, out.transfer.num_full)
         if end > out.sent_pages:
             out.transfer.send(req.pages[start + out.sent_pages : start + end], out.sent_pages)
             out.sent_pages = end

@@ -75,21 +75,25 @@ class KVTransfer:
         self._error: BaseException | None = None
         self._completion = Completion()
 
+    @property
+    def num_full(self) -> int:
+        """Destinations in the receiver's pool (the first ones; the local layers' pool's follow)."""
+        return len(self.dst_pages) - self.num_local
+
     def send(self, src_pages: Sequence[int], first: int) -> None:
         """Queue our pool's pages ``src_pages[i]`` for the receiver's ``dst_pages[first + i]``.
 
         Raises:
             ValueError: a page out of range, ``first`` out of range, or ``send`` after ``finish``.
         """
-        full = len(self.dst_pages) - self.num_local
-        self._send([int(p) for p in src_pages], first, full, 0, self._sender.local_offset)
+        self._send([int(p) for p in src_pages], first, self.num_full, 0, self._sender.local_offset)
 
     def send_local(self, src_pages: Sequence[int]) -> None:
         """Queue our local layers' pages ``src_pages[i]`` (of ``SWAKVPool.swa``) for the receiver's
         local destinations, in order (``ValueError`` as ``send``)."""
         if len(src_pages) != self.num_local:
             raise ValueError(f"{len(src_pages)} local pages for {self.num_local} local destinations")
-        offset, first = self._sender.local_offset, len(self.dst_pages) - self.num_local
+        offset, first = self._sender.local_offset, self.num_full
         src = [offset + int(p) for p in src_pages]
         self._send(src, first, len(self.dst_pages), offset, self._sender.num_pages)
 

@@ -161,11 +161,10 @@ class KVLedger:
         Returns the number of prefix tokens found (a multiple of page_size).
         """
         key = req.fill_ids[:-1] if use_cache else []
-        namespace = req.sampling_params.lora_name
-        result = self.tree.match_prefix(key, namespace)
+        result = self.tree.match_prefix(key, req.sampling_params.lora_name)
         self.tree.inc_lock_ref(result.last_node)
         if load_back and result.tier_nodes:
-            result = self._load_back(key, namespace, result)
+            result = self._load_back(result)
         req.last_node = result.last_node
         req.pages = list(self._usable(result.page_indices))
         req.num_prefix_pages = len(req.pages)
@@ -175,7 +174,7 @@ class KVLedger:
             self.swa.use(req.pages[front:])
         return req.num_computed
 
-    def _load_back(self, key: list[int], namespace: str, match: MatchResult) -> MatchResult:
+    def _load_back(self, match: MatchResult) -> MatchResult:
         """Copy the tier-resident rest of locked ``match`` into newly allocated pool pages, when the
         pool can give them all (else ``match`` stays as it is); returns the match over them, locked
         in place of ``match``."""
@@ -188,12 +187,19 @@ class KVLedger:
             return match
         used = self.tree.load_back(match.tier_nodes, pages)
         self._free(pages[used:])
-        if used and self.metrics is not None:
+        if not used:
+            return match
+        if self.metrics is not None:
             self.metrics.observe_load_back(used * self.page_size, time.perf_counter() - start)
-        longer = self.tree.match_prefix(key, namespace)
-        self.tree.inc_lock_ref(longer.last_node)
+        last, loaded = match.last_node, 0
+        for node in match.tier_nodes:  # the nodes loaded back: a prefix of them, ``used`` pages
+            if loaded == used:
+                break
+            last, loaded = node, loaded + node.num_pages
+        self.tree.inc_lock_ref(last)
         self.tree.dec_lock_ref(match.last_node)
-        return longer
+        page_indices = match.page_indices + pages[:used]
+        return MatchResult(page_indices, last, len(page_indices) * self.page_size)
 
     def unmatch(self, req: Req) -> None:
         """Undo ``match`` for a request that could not be admitted."""
