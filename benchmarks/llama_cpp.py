@@ -17,7 +17,12 @@ and PyTorch capped by ``ATEN_CPU_CAPABILITY=avx2`` / ``ONEDNN_MAX_CPU_ISA=AVX2``
 ``MKL_ENABLE_INSTRUCTIONS=AVX2``. The memory system
 and clock stay this machine's, so it shows the instruction sets' share, not another CPU.
 
-``--build-only`` just builds; ``--llama-only`` measures llama.cpp alone.
+On a CPU with AMX (Sapphire Rapids class), ``native`` builds llama.cpp as ``avx512``: with
+``GGML_NATIVE=ON`` its AMX path dies on such a machine at its first matmul (an illegal
+instruction under KVM), so it is built for AVX-512 (VBMI, VNNI, BF16) without AMX, and pdserve
+runs natively.
+
+``--workload`` is ``benchmarks.serving``'s (``random`` or ``grounded``). ``--build-only`` just builds; ``--llama-only`` measures llama.cpp alone.
 """
 
 from __future__ import annotations
@@ -59,7 +64,20 @@ CPU_CLASSES: dict[str, tuple[list[str], dict[str, str]]] = {
         {"PDSERVE_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
         | {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
     ),
+    "avx512": (
+        ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"]
+        + ["-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON"]
+        + ["-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON"],
+        {},
+    ),
 }
+
+
+def llama_cpu_class(cpu_class: str) -> str:
+    """The ``CPU_CLASSES`` key llama.cpp is built for: ``avx512`` for ``native`` on a CPU with AMX
+    (whose native build dies there), else ``cpu_class``."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512" if cpu_class == "native" and " amx_int8" in flags else cpu_class
 
 
 def build_server(root: Path, cpu_class: str = "native") -> Path:
@@ -125,16 +143,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-requests", type=int, help="per level (default: benchmarks.serving's)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     parser.add_argument("--cpu-class", choices=sorted(CPU_CLASSES), default="native")
+    parser.add_argument("--workload", choices=["random", "grounded"], default="random")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--llama-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     os.environ.update(CPU_CLASSES[args.cpu_class][1])  # before any kernel loads; the stacks inherit it
-    binary = build_server(cache_dir() / "llama.cpp", args.cpu_class)
+    binary = build_server(cache_dir() / "llama.cpp", llama_cpu_class(args.cpu_class))
     if args.build_only:
         print(json.dumps({"llama_server": str(binary)}))
         return {}
-    bench_args = ["--concurrency", args.concurrency, "--plot", ""]
+    bench_args = ["--concurrency", args.concurrency, "--plot", "", "--workload", args.workload]
     bench_args += ["--num-requests", str(args.num_requests)] if args.num_requests else []
     cfg = serving.config_from_args(serving.parse_args(bench_args))
     slots = max(int(float(level)) for level in args.concurrency.split(","))
