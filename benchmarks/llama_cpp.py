@@ -22,7 +22,8 @@ On a CPU with AMX (Sapphire Rapids class), ``native`` builds llama.cpp as ``avx5
 instruction under KVM), so it is built for AVX-512 (VBMI, VNNI, BF16) without AMX, and pdserve
 runs natively.
 
-``--workload`` is ``benchmarks.serving``'s (``random`` or ``grounded``). ``--build-only`` just builds; ``--llama-only`` measures llama.cpp alone.
+``--workload`` is ``benchmarks.serving``'s (``random`` or ``grounded``). ``--build-only`` just
+builds; ``--llama-only`` measures llama.cpp alone.
 """
 
 from __future__ import annotations
