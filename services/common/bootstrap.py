@@ -81,7 +81,8 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
 
 
 def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path, runner: ModelRunner):
-    """The drafter of ``--speculative-algorithm`` (None for ``none``): an n-gram index, or a draft
+    """The drafter of ``--speculative-algorithm`` (None for ``none``; ``auto`` is ``ngram`` on a CPU
+    and ``none`` on a GPU, where speculation was not measured): an n-gram index, or a draft
     model in a ``ModelRunner`` of its own in this worker, in the target's dtype and quantization, with
     a KV pool as large as the target's.
 
@@ -89,9 +90,12 @@ def build_proposer(args: argparse.Namespace, role: str, tp: TpGroup, model_path,
         ValueError: a draft model under TP (not supported yet), ``draft`` without a draft model path,
             or a draft model whose tokenizer or vocabulary differs from the target's (both named).
     """
-    if args.speculative_algorithm == "none":
+    algorithm = args.speculative_algorithm
+    if algorithm == "auto":
+        algorithm = "ngram" if runner.device.type == "cpu" else "none"
+    if algorithm == "none":
         return None
-    if args.speculative_algorithm == "ngram":
+    if algorithm == "ngram":
         return NgramProposer()  # deterministic in the tokens: every TP rank drafts the same
     if tp.size > 1:
         raise ValueError(
