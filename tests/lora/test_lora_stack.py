@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -255,9 +257,10 @@ def test_too_many_adapters_is_a_429_and_nothing_is_loaded(lora_stack, adapters):
 def test_a_request_racing_an_unload_is_a_404(lora_stack, adapters):
     """An unload's broadcast reaches the decode worker before the gateway stops serving the name: a
     request the gateway let through then finds no adapter at the worker, and is a 404
-    ``model_not_found`` (not a 400), over HTTP (plain and streamed) and gRPC. Then requests sent
-    while the adapter is unloaded through the gateway each complete or are a 404, and the server
-    goes on serving."""
+    ``model_not_found`` (not a 400), over HTTP (plain and streamed) and gRPC. Then three clients
+    send the adapter's requests one after another while it is unloaded through the gateway (the
+    unload tried again while a worker holds one of them, 409): each completes or is a 404, and the
+    server goes on serving."""
     path = str(adapters[1]["sailor"])
     http = httpx.Client(base_url=lora_stack.base_url, timeout=600)
     api = client(lora_stack)
@@ -278,20 +281,30 @@ def test_a_request_racing_an_unload_is_a_404(lora_stack, adapters):
         sdk.generate("Ahoy", model="sailor", max_new_tokens=2)
     worker_call(decode, "decode", "LoadLoraAdapter", lora_name="sailor", lora_path=path)
 
-    def complete(_: int) -> int:
+    def complete() -> int:
         try:
-            api.completions.create(model="sailor", prompt="Ahoy", max_tokens=4, temperature=0)
+            api.completions.create(model="sailor", prompt="Ahoy", max_tokens=2, temperature=0)
         except openai.NotFoundError as e:
             assert e.body["code"] == "model_not_found", e.body
             return 404
+        served.set()
         return 200
 
-    with ThreadPoolExecutor(4) as pool:
-        outcomes = pool.map(complete, range(8))
+    def client_loop(_: int) -> list[int]:
+        """Requests one after another until one is a 404 (the unload went through), three at most."""
+        outcomes = [complete()]
+        while outcomes[-1] == 200 and len(outcomes) < 3:
+            outcomes.append(complete())
+        return outcomes
+
+    served = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        outcomes = pool.map(client_loop, range(3))
+        assert served.wait(300)  # the unload starts among the adapter's requests
         while (r := http.post("/v1/unload_lora_adapter", json={"lora_name": "sailor"})).status_code == 409:
-            pass  # in use by a request held on a worker: tried again
+            time.sleep(0.05)  # in use by a request held on a worker: tried again
         assert r.status_code == 200, r.text
-        assert set(outcomes) <= {200, 404}
+        assert all(set(each) <= {200, 404} for each in outcomes)
     assert api.completions.create(model=SERVED_MODEL, prompt="Ahoy", max_tokens=2).choices[0].text
     lora_stack.wait_idle()
 
