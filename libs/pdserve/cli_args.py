@@ -223,8 +223,10 @@ def lora_module(text: str) -> tuple[str, str]:
 
 
 def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit through ``parser.error`` for ``--max-loaded-loras`` out of its range or below the number of
-    ``--lora-modules`` (``pdserve.lora.limits.check_loaded_loras``)."""
+    """With LoRA enabled, exit through ``parser.error`` for ``--max-loaded-loras`` out of its range or
+    below the number of ``--lora-modules`` (``pdserve.lora.limits.check_loaded_loras``)."""
+    if not (args.enable_lora or args.lora_modules):
+        return
     try:
         check_loaded_loras(args.max_loaded_loras, args.max_loras, len(args.lora_modules))
     except ValueError as e:

@@ -56,7 +56,7 @@ def test_loaded_count_bounds():
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--max-loras", "8", "--max-loaded-loras", "4"],
+        ["--enable-lora", "--max-loras", "8", "--max-loaded-loras", "4"],
         ["--max-loras", "1", "--max-loaded-loras", "1", "--lora-modules", "a=/x", "b=/y"],
     ],
 )
@@ -67,3 +67,7 @@ def test_the_launcher_and_a_scheduler_refuse_the_flags_at_start(flags, capsys):
     with pytest.raises(SystemExit) as scheduler:  # a decode service started on its own
         ROLE.main(flags)
     assert scheduler.value.code == 2 and "--max-loaded-loras" in capsys.readouterr().err
+
+
+def test_the_lora_flags_are_not_checked_without_lora():
+    assert parse_args(["--max-loras", "8", "--max-loaded-loras", "4"]).max_loaded_loras == 4
