@@ -48,6 +48,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         max_loras=args.max_loras if args.enable_lora or args.lora_modules else 0,
         max_lora_rank=args.max_lora_rank,
+        max_loaded_loras=args.max_loaded_loras,
     )
     for name, path in args.lora_modules:  # a bad adapter stops the start, naming it
         runner.lora_manager.add(name, path)

@@ -21,6 +21,7 @@ from pdserve.cli_args import (
     add_chat_template_arg,
     add_engine_args,
     add_model_arg,
+    check_lora_flags,
     non_negative_float,
     positive_int,
 )
@@ -186,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--metrics-port-base overlaps the {internal_ports} internal ports from --internal-port-base"
         )
+    check_lora_flags(parser, args)
     try:  # what a child would refuse after the others' start-up, refused before any starts
         check_lora_names(
             [name for name, _ in args.lora_modules], served_model_names(args.model, args.served_model_name)

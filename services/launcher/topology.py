@@ -70,7 +70,12 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--enable-expert-parallel")
     if args.enable_lora or args.lora_modules:
         flags += ["--enable-lora", "--max-loras", str(args.max_loras)]
-        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+        flags += [
+            "--max-loaded-loras",
+            str(args.max_loaded_loras),
+            "--max-lora-rank",
+            str(args.max_lora_rank),
+        ]
         flags += lora_modules_flag(args)
     return flags
 

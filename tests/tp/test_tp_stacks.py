@@ -50,6 +50,10 @@ COMMON = (
     "--enable-lora",
     "--max-lora-rank",
     "8",
+    "--max-loras",
+    "2",
+    "--max-loaded-loras",
+    "2",
 )
 # PD's decode group also speculates (n-gram drafts, the adaptive policy): every rank must draft,
 # time its steps and verify identically, which the state digests check after every step
@@ -134,12 +138,15 @@ def adapters(tmp_path_factory):
 def test_lora_adapters_loaded_at_run_time(tp, adapters):
     """A load travels to every rank as a step input (as new requests do), so all ranks hold their
     slices of an adapter from the same step; both run in one batch with the base model, then are
-    unloaded."""
+    unloaded. A third is over --max-loaded-loras 2: every rank refuses it alike (the ranks' states are
+    compared after every step), a 429."""
     peft_model, paths = adapters
     http = httpx.Client(base_url=tp.base_url, timeout=600)
     for name, path in paths.items():
         r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         assert r.status_code == 200, r.text
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(path)})
+    assert r.status_code == 429 and "--max-loaded-loras 2" in r.json()["error"]["message"], r.text
     ids = chat_ids([{"role": "user", "content": "Name three animals that live in the ocean."}])
     sampling = {"temperature": 0, "max_new_tokens": 12}
 
