@@ -55,13 +55,18 @@ cost per transfer (thread hand-offs, notification polling: ~0.5 ms), visible onl
 from pdserve.kv_transfer.agent import KVTransferAgent
 from pdserve.kv_transfer.descriptors import coalesce
 from pdserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.fanout import KVFanout
+from pdserve.kv_transfer.head_map import HeadRoute, HeadSlice, head_map
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.receiver import KVReceive
 from pdserve.kv_transfer.transfer import KVTransfer
 
 __all__ = [
     "POOL_LAYOUT",
+    "HeadRoute",
+    "HeadSlice",
     "KVAgentInfo",
+    "KVFanout",
     "KVLayout",
     "KVLayoutMismatch",
     "KVReceive",
@@ -71,4 +76,5 @@ __all__ = [
     "KVTransferTimeout",
     "check_compatible",
     "coalesce",
+    "head_map",
 ]
