@@ -46,6 +46,11 @@ scattered          250 / 0.94-1.02           15,000 / 0.30-0.32       23 / 0.43-
 after churn        10 / 0.96-1.05            600 / 0.90-0.94          600 / 0.88-0.92
 =================  =======================  =======================  =====================
 
+Prefill and decode of different TP sizes pair their ranks by KV heads (``head_map``) and move each
+pair's heads as a head slice of every page: one descriptor per ``(page, layer, kv, slot)`` row
+(``descriptors.head_slice_descs``), many more than whole pages need (docs/design.md, "Prefill and
+decode of different TP sizes"); equal sizes keep whole pages.
+
 The staging design (gather into registered slots, one descriptor per slot, scatter on the decode
 side) kept the descriptor count flat but added two copies to the wire's one, and stayed under 0.72x
 for scattered pages; it is gone with the page-major pool. What remains of the gap to raw is a fixed
