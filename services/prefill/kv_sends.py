@@ -119,11 +119,10 @@ class KVSends:
         if peers is None:
             raise KVTransferError(f"unknown decode agent {route.kv_dst_agent!r}: exchange agent info first")
         dst, local = list(route.kv_dst_pages), list(route.kv_dst_local_pages)
+        tid, timeout = route.kv_transfer_id, self.transfer_timeout_s
         transfers = []
         try:
             for peer, heads in peers:
-                timeout = self.transfer_timeout_s
-                tid = route.kv_transfer_id
                 transfers.append(self.agent.start_transfer(peer, tid, dst, timeout, local, heads))
         except BaseException:
             KVFanout(transfers, 0, 0).cancel()
