@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from pdserve.kv_transfer import KVFanout, KVTransferAgent, KVTransferTimeout, head_map
+from pdserve.kv_transfer import KVFanout, KVTransferAgent, KVTransferError, KVTransferTimeout, head_map
 from tests.kv_transfer.peer import seeded_pool
 from tests.kv_transfer.test_head_map import group
 
@@ -94,6 +94,29 @@ async def test_a_receive_waits_for_every_sender():
         with pytest.raises(KVTransferTimeout, match=r"[12] of 4 pages missing .*each of 2 senders"):
             await receive.wait(0.5)
         second.cancel()
+    finally:
+        for agent, _ in prefill + decode:
+            agent.close()
+
+
+async def test_one_sender_aborting_fails_the_receive():
+    """Prefill TP=2 into decode TP=1: the second rank's transfer cancelled (its ABORT) fails the decode
+    rank's receive although the first rank's slices all landed; a rank that writes nothing (a
+    replicated head another rank writes) ends its write at once."""
+    prefill, decode, routes, senders = _pair(2, 1)
+    try:
+        receive = decode[0][0].expect(senders[0], b"x", [4])
+        first, second = _fanouts(prefill, decode, routes, b"x", [4])
+        first.send([6], 0)
+        first.finish()
+        await first.wait(5)
+        second.cancel()
+        with pytest.raises(KVTransferError, match="aborted"):
+            await receive.wait(5)
+        nothing = KVFanout([], 1, 0)
+        nothing.send([6], 0)
+        nothing.finish()
+        assert await nothing.wait(1) == 0
     finally:
         for agent, _ in prefill + decode:
             agent.close()
