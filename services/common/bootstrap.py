@@ -164,6 +164,8 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
         tp_size=cfg.tp_size,
         tp_rank=cfg.tp_rank,
         num_local_layers=0 if local is None else local.num_layers,
+        kv_head_start=cfg.local_kv_head_start,
+        total_kv_heads=cfg.num_kv_heads,
     )
     name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
     full = pool if local is None else pool.full

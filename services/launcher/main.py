@@ -101,6 +101,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     add_engine_args(p)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tp-size",
+            type=positive_int,
+            default=None,
+            help=f"TP ranks of each {role} worker (colocated workers are decode workers); prefill and "
+            f"decode of different sizes move KV in head slices (default: --tp-size)",
+        )
     add_chat_template_arg(p)
     add_stats_args(p)
     add_kv_events_args(p)
