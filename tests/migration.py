@@ -5,7 +5,9 @@ the gateway's ``pdserve:gateway_migrations_total``, and the decode workers' proc
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -93,3 +95,17 @@ def check_streams_migrate(
     texts = run_streams(stack, questions, signal_worker)
     assert texts == [hf_answer(q) for q in questions]
     assert migrations(stack).get(reason, 0.0) >= before + 1, migrations(stack)
+
+
+def check_streams_migrate_off_a_hung_worker(stack: Stack, index: int) -> None:
+    """``check_streams_migrate`` with ``STREAMS``, ``decode-{index}`` SIGSTOPped: the gateway's health
+    probes take it out (~9 s) and its streams continue on the other decode worker. Then it is woken
+    (SIGCONT; or restarted, if the launcher's liveness check killed it first), drops the outputs it
+    still had, and is routed to again."""
+    victim = decode_worker(stack, index)
+    try:
+        check_streams_migrate(stack, STREAMS, lambda: victim.send_signal(signal.SIGSTOP), "worker_down")
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victim.send_signal(signal.SIGCONT)
+    wait_healthy(stack, 300)

@@ -10,16 +10,14 @@ The drain runs last: the drained worker is still restarting when the folder's st
 
 from __future__ import annotations
 
-import contextlib
 import signal
-
-import psutil
 
 from tests.migration import (
     MAX_TOKENS,
     QUESTIONS,
     STREAMS,
     check_streams_migrate,
+    check_streams_migrate_off_a_hung_worker,
     decode_worker,
     hf_answer,
     wait_healthy,
@@ -42,17 +40,8 @@ def test_16_greedy_streams_survive_a_killed_decode_worker(two_decode_pd):
 
 
 def test_16_greedy_streams_survive_a_hung_decode_worker(two_decode_pd):
-    """decode-1 is SIGSTOPped: the gateway's health probes take it out (~9 s) and its streams continue
-    on decode-0. Woken (SIGCONT; or restarted, if the launcher's liveness check killed it first), it
-    drops the outputs it still had and is routed to again."""
-    victim = decode_worker(two_decode_pd, 1)
-    hang = lambda: victim.send_signal(signal.SIGSTOP)
-    try:
-        check_streams_migrate(two_decode_pd, STREAMS, hang, "worker_down")
-    finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            victim.send_signal(signal.SIGCONT)
-    wait_healthy(two_decode_pd, 300)
+    """decode-1 is SIGSTOPped; its streams continue on decode-0, through the prefill worker."""
+    check_streams_migrate_off_a_hung_worker(two_decode_pd, 1)
 
 
 def test_streams_on_a_draining_decode_worker_migrate_instead_of_waiting(two_decode_pd):

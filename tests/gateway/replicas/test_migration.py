@@ -19,6 +19,7 @@ from tests.migration import (
     STREAMS,
     api,
     check_streams_migrate,
+    check_streams_migrate_off_a_hung_worker,
     decode_worker,
     migrations,
     wait_healthy,
@@ -65,6 +66,12 @@ def test_a_seeded_stream_on_a_hung_decode_worker_migrates_and_equals_an_uninterr
     assert texts == [reference, reference]
     assert migrations(two_decode).get("worker_down", 0.0) >= before + 1
     wait_healthy(two_decode)
+
+
+def test_16_greedy_streams_survive_a_hung_decode_worker(two_decode):
+    """decode-1 is SIGSTOPped with 16 greedy chat streams over both workers: its streams continue on
+    decode-0, each text HF's greedy one."""
+    check_streams_migrate_off_a_hung_worker(two_decode, 1)
 
 
 def test_16_greedy_streams_survive_a_killed_decode_worker(two_decode):
