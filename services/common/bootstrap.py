@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -147,7 +146,9 @@ async def build_scheduler_off_loop(
 def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> KVTransferAgent:
     """One NIXL agent per scheduler rank with its whole KV pool (its heads) registered; its UCX
     transports use only the interface of ``host``, the internal address the process binds
-    (``restrict_ucx_to``)."""
+    (``restrict_ucx_to``). Its name, ``{role}-{address}-rank{r}``, is the same after a restart: its
+    peers then replace the dead process's agent with it (``KVTransferAgent.add_peer``: another
+    incarnation under a known name) instead of keeping both loaded."""
     restrict_ucx_to(host)
     runner = scheduler.runner
     cfg = runner.model_config
@@ -167,7 +168,7 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
         kv_head_start=cfg.local_kv_head_start,
         total_kv_heads=cfg.num_kv_heads,
     )
-    name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
+    name = f"{role}-{address}-rank{cfg.tp_rank}"
     full = pool if local is None else pool.full
     return KVTransferAgent(name, full.kv_data, layout, None if local is None else local.kv_data)
 

@@ -133,6 +133,7 @@ class KVTransferAgent:
         if known is not None:
             if known.incarnation == info.incarnation:
                 return
+            logger.info("KV peer %r restarted: its new incarnation replaces the old one", info.agent_name)
             self.remove_peer(info.agent_name)
         try:
             loaded = self._agent.add_remote_agent(info.agent_metadata)
