@@ -12,7 +12,9 @@ contiguous buffer (the wire's speed; the decode side busy-polls for its notifica
 Pools are sized like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, page 16 tokens). Placements:
 ``contiguous`` (pages 0..n-1 on both sides), ``scattered`` (random distinct pages on both sides),
 ``after-churn`` (each side's pages from the real ``PagedTokenToKVPoolAllocator`` after a random history
-of allocations and frees, as a long-running server's allocator hands them out).
+of allocations and frees, as a long-running server's allocator hands them out), and ``head-slice``
+(scattered pages, KV heads 0-1 of the 3 only: what a prefill rank writes into a decode rank of another
+TP size, one descriptor per ``(page, layer, kv, slot)`` row; its bytes are two thirds of the others').
 
 Prints a table of GB/s (1e9 bytes/s, median of ``--reps``) and, as the last line, one JSON object.
 ``--device cuda`` runs the same VRAM to VRAM on one GPU (both processes on it).
@@ -34,13 +36,14 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from pdserve.kv_transfer import KVLayout, KVTransferAgent
+from pdserve.kv_transfer import HeadSlice, KVLayout, KVTransferAgent
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 
 logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout, among the table
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 NUM_PAGES = 512  # pool pages: room for a 4,000-token prompt, scattered
+HEAD_SLICE = HeadSlice(src_head=0, dst_head=0, num_heads=2)  # the head-slice placement's heads
 
 
 def _layout(dtype: str) -> KVLayout:
@@ -110,13 +113,15 @@ def _gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 async def _pd_once(
-    agent: KVTransferAgent, peer: str, conn: Connection, src, dst, tid: bytes
+    agent: KVTransferAgent, peer: str, conn: Connection, src, dst, tid: bytes, heads: HeadSlice | None
 ) -> tuple[float, int]:
-    """Seconds until the decode side has every page, and the NIXL descriptors the transfer posted."""
-    conn.send(("expect", agent.name, tid, dst))
+    """Seconds until the decode side has every page (of ``heads`` only, when given), and the NIXL
+    descriptors the transfer posted."""
+    senders = {agent.name: heads.num_heads} if heads else agent.name
+    conn.send(("expect", senders, tid, dst))
     conn.recv()
     start = time.perf_counter()
-    transfer = agent.start_transfer(peer, tid, dst, stall_s=60)
+    transfer = agent.start_transfer(peer, tid, dst, stall_s=60, heads=heads)
     transfer.send(src, 0)
     transfer.finish()
     await transfer.wait(60)
@@ -183,6 +188,9 @@ async def _bench_dtype(args, dtype: str, conn: Connection, rng: np.random.Genera
             ),
             "after-churn": (after_churn(rng, n), after_churn(rng, n)),
         }
+        placements["head-slice"] = placements["scattered"]
+        heads = {p: HEAD_SLICE if p == "head-slice" else None for p in placements}
+        sizes = {p: nbytes * HEAD_SLICE.num_heads // NUM_KV_HEADS if heads[p] else nbytes for p in placements}
         raw_s, memcpy_s = [], []
         pd_s: dict[str, list[float]] = {p: [] for p in placements}
         descriptors = {}
@@ -191,17 +199,19 @@ async def _bench_dtype(args, dtype: str, conn: Connection, rng: np.random.Genera
             memcpy_s.append(_memcpy_once(pool, scratch, nbytes))
             for placement, (src, dst) in placements.items():
                 tid = f"{tokens}-{placement}-{rep}".encode()
-                seconds, descriptors[placement] = await _pd_once(agent, peer.agent_name, conn, src, dst, tid)
+                seconds, descriptors[placement] = await _pd_once(
+                    agent, peer.agent_name, conn, src, dst, tid, heads[placement]
+                )
                 pd_s[placement].append(seconds)
         raw_gbps = _gbps(nbytes, raw_s[1:])
         for placement in placements:
-            gbps = _gbps(nbytes, pd_s[placement][1:])
+            gbps = _gbps(sizes[placement], pd_s[placement][1:])
             results.append(
                 {
                     "dtype": dtype,
                     "tokens": tokens,
                     "pages": n,
-                    "bytes": nbytes,
+                    "bytes": sizes[placement],
                     "placement": placement,
                     "descriptors": descriptors[placement],
                     "gbps": round(gbps, 3),

@@ -110,12 +110,16 @@ def build_server(root: Path, cpu_class: str = "native") -> Path:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, slots: int, threads: int, context: int) -> Iterator[str]:
+def llama_server(
+    binary: Path, gguf: Path, slots: int, threads: int, context: int, spec_type: str = "none"
+) -> Iterator[str]:
     """A running ``llama-server`` on ``gguf`` with ``slots`` parallel slots of ``context`` tokens
-    each; yields its OpenAI base URL and stops it after."""
+    each, speculating with its ``--spec-type`` (``none``: not); yields its OpenAI base URL and stops
+    it after."""
     port = free_port_block(1)
     command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
     command += ["-np", str(slots), "-c", str(slots * context), "--cont-batching", "--no-webui"]
+    command += ["--spec-type", spec_type] if spec_type != "none" else []
     log_path = Path("bench-results") / "llama-server.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as out:
@@ -145,6 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads")
     parser.add_argument("--cpu-class", choices=sorted(CPU_CLASSES), default="native")
     parser.add_argument("--workload", choices=["random", "grounded"], default="random")
+    parser.add_argument(
+        "--llama-spec-type",
+        default="none",
+        help="also measure llama.cpp speculating with this --spec-type of its server (e.g. ngram-simple: "
+        "prompt lookup, needing no draft model), after it plain",
+    )
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--llama-only", action="store_true")
     args = parser.parse_args(argv)
@@ -159,10 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = serving.config_from_args(serving.parse_args(bench_args))
     slots = max(int(float(level)) for level in args.concurrency.split(","))
     results, runs = [], []
-    with llama_server(binary, default_gguf_path(), slots, args.threads, context=512) as url:
-        level_results, run = asyncio.run(serving.bench_server(url, "llama.cpp", cfg, None))
-    results += level_results
-    runs.append(run | {"launch": None, "cpu": cpu_description(), "cpu_class": args.cpu_class})
+    for spec_type in ["none"] + ([args.llama_spec_type] if args.llama_spec_type != "none" else []):
+        label = "llama.cpp" if spec_type == "none" else f"llama.cpp {spec_type}"
+        with llama_server(binary, default_gguf_path(), slots, args.threads, 512, spec_type) as url:
+            level_results, run = asyncio.run(serving.bench_server(url, label, cfg, None))
+        results += level_results
+        runs.append(run | {"launch": spec_type, "cpu": cpu_description(), "cpu_class": args.cpu_class})
     for spec in [] if args.llama_only else [parse_compare(s) for s in args.compare]:
         with launched(spec) as stack:
             level_results, run = asyncio.run(serving.bench_server(stack.base_url, spec.label, cfg, None))

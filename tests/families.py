@@ -116,10 +116,12 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(name: str, path: Path, vocab_size: int = 300, tokenizer: Path | None = None) -> Path:
-    """Save family ``name``'s tiny model (seeded random weights) to ``path``, with the tokenizer files
-    of the checkpoint directory ``tokenizer`` when given; returns ``path``."""
-    family = FAMILIES[name]
+def make_checkpoint(
+    name: str | Family, path: Path, vocab_size: int = 300, tokenizer: Path | None = None
+) -> Path:
+    """Save family ``name``'s tiny model (seeded random weights; or the ``Family`` given) to ``path``,
+    with the tokenizer files of the checkpoint directory ``tokenizer`` when given; returns ``path``."""
+    family = FAMILIES[name] if isinstance(name, str) else name
     torch.manual_seed(0)
     model = getattr(transformers, family.model)(family.make_config(vocab_size))
     model.save_pretrained(path)

@@ -7,11 +7,16 @@ import os
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
+from pdserve.lora.limits import (
+    DEFAULT_MAX_LOADED_LORAS,
+    MAX_LOADED_LORAS,
+    check_loaded_loras,
+    lora_name_error,
+)
 from pdserve.observability.logs import add_logging_args, setup_logging
 from pdserve.observability.metrics_http import add_metrics_args
 from pdserve.observability.tracing import add_tracing_args, configure_tracing
 from pdserve.rpc import tls
-from pdserve.sampling.bounds import MAX_LORA_NAME_CHARS
 from pdserve.scheduler.config import MAX_KV_TIER_MEMORY
 from pdserve.scheduler.overload import DEFAULT_MAX_QUEUE_TIME_S
 
@@ -206,13 +211,26 @@ def device_name(text: str) -> str:
 
 
 def lora_module(text: str) -> tuple[str, str]:
-    """A ``--lora-modules`` entry ``name=path`` → ``(name, path)``; the name has 1 to 128 characters."""
+    """A ``--lora-modules`` entry ``name=path`` → ``(name, path)``; the name as
+    ``pdserve.lora.limits.lora_name_error`` bounds it (1 to 128 printable characters, no whitespace)."""
     name, sep, path = text.partition("=")
-    if not sep or not 0 < len(name) <= MAX_LORA_NAME_CHARS or not path:
-        raise argparse.ArgumentTypeError(
-            f"expected name=path (a name of 1 to {MAX_LORA_NAME_CHARS} characters), got {text!r}"
-        )
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    error = lora_name_error(name)
+    if error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}")
     return name, path
+
+
+def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """With LoRA enabled, exit through ``parser.error`` for ``--max-loaded-loras`` out of its range or
+    below the number of ``--lora-modules`` (``pdserve.lora.limits.check_loaded_loras``)."""
+    if not (args.enable_lora or args.lora_modules):
+        return
+    try:
+        check_loaded_loras(args.max_loaded_loras, args.max_loras, len(args.lora_modules))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +262,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=4,
         help="with LoRA enabled: LoRA adapters held in a worker's adapter slots at once (the least "
         "recently used one no running request uses makes room)",
+    )
+    parser.add_argument(
+        "--max-loaded-loras",
+        type=positive_int,
+        default=DEFAULT_MAX_LOADED_LORAS,
+        help=f"with LoRA enabled: LoRA adapters a worker holds in host memory, from --max-loras to "
+        f"{MAX_LOADED_LORAS}; a load beyond it is refused (429) until one is unloaded",
     )
     parser.add_argument(
         "--max-lora-rank", type=positive_int, default=16, help="the largest LoRA adapter rank accepted"

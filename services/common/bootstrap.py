@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,6 +47,7 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         max_loras=args.max_loras if args.enable_lora or args.lora_modules else 0,
         max_lora_rank=args.max_lora_rank,
+        max_loaded_loras=args.max_loaded_loras,
     )
     for name, path in args.lora_modules:  # a bad adapter stops the start, naming it
         runner.lora_manager.add(name, path)
@@ -150,7 +150,9 @@ async def build_scheduler_off_loop(
 def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> KVTransferAgent:
     """One NIXL agent per scheduler rank with its whole KV pool (its heads) registered; its UCX
     transports use only the interface of ``host``, the internal address the process binds
-    (``restrict_ucx_to``)."""
+    (``restrict_ucx_to``). Its name, ``{role}-{address}-rank{r}``, is the same after a restart: its
+    peers then replace the dead process's agent with it (``KVTransferAgent.add_peer``: another
+    incarnation under a known name) instead of keeping both loaded."""
     restrict_ucx_to(host)
     runner = scheduler.runner
     cfg = runner.model_config
@@ -167,8 +169,10 @@ def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> 
         tp_size=cfg.tp_size,
         tp_rank=cfg.tp_rank,
         num_local_layers=0 if local is None else local.num_layers,
+        kv_head_start=cfg.local_kv_head_start,
+        total_kv_heads=cfg.num_kv_heads,
     )
-    name = f"{role}-{address}-rank{cfg.tp_rank}-{uuid.uuid4().hex[:8]}"
+    name = f"{role}-{address}-rank{cfg.tp_rank}"
     full = pool if local is None else pool.full
     return KVTransferAgent(name, full.kv_data, layout, None if local is None else local.kv_data)
 

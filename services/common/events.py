@@ -127,7 +127,8 @@ class KVLanded:
 
 @dataclass(slots=True)
 class AddKVPeers:
-    """A decode worker's agents, one per rank: rank ``i`` of this group loads ``agents[i]``."""
+    """A decode worker's agents, one per rank (rank order): each rank of this group loads those it
+    writes KV heads into (``head_map``)."""
 
     agents: list[KVAgentInfo]
 

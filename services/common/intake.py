@@ -1,6 +1,7 @@
 """How a scheduler RPC queues its request: at the loop's next step, refused with a gRPC status the
-gateway maps (INVALID_ARGUMENT a 400, RESOURCE_EXHAUSTED a 429, ALREADY_EXISTS a 409), and, for a
-constrained request, held until its grammar compiled so that a bad grammar fails the call itself."""
+gateway maps (INVALID_ARGUMENT a 400, NOT_FOUND a 404, RESOURCE_EXHAUSTED a 429, ALREADY_EXISTS a
+409), and, for a constrained request, held until its grammar compiled so that a bad grammar fails the
+call itself."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import grpc
 
 from pdserve.scheduler.overload import QueueFull
 from pdserve.scheduler.req import Req
-from pdserve.scheduler.table import DuplicateRid
+from pdserve.scheduler.table import DuplicateRid, UnknownAdapter
 from pdserve.services.common.grammar_wait import grammar_error, tp_refusal
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 
 
 def refusal_status(error: ValueError | QueueFull) -> grpc.StatusCode:
     """The status for a request ``Scheduler.add_request`` refused: ALREADY_EXISTS for a rid the
-    scheduler holds (``DuplicateRid``), RESOURCE_EXHAUSTED (the gateway's 429) for a full queue,
-    INVALID_ARGUMENT for any other ValueError."""
+    scheduler holds (``DuplicateRid``), NOT_FOUND (the gateway's 404 ``model_not_found``) for a
+    LoRA adapter it does not hold (``UnknownAdapter``: unloaded while the request travelled),
+    RESOURCE_EXHAUSTED (the gateway's 429) for a full queue, INVALID_ARGUMENT for any other
+    ValueError."""
     if isinstance(error, QueueFull):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, UnknownAdapter):
+        return grpc.StatusCode.NOT_FOUND
     return (
         grpc.StatusCode.ALREADY_EXISTS
         if isinstance(error, DuplicateRid)

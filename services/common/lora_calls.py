@@ -13,8 +13,9 @@ from typing import Any
 import grpc
 
 from pdserve.lora.adapter import LoraAdapterError
-from pdserve.lora.manager import LoraInUseError, LoraManager, LoraNotFoundError
-from pdserve.sampling.bounds import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
+from pdserve.lora.limits import lora_name_error
+from pdserve.lora.manager import LoraInUseError, LoraLimitError, LoraManager, LoraNotFoundError
+from pdserve.sampling.bounds import MAX_LORA_PATH_CHARS
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common import convert
 from pdserve.services.common.scheduler_loop import SchedulerLoop
@@ -43,20 +44,25 @@ def load_adapter(scheduler: Scheduler, name: str, path: str) -> None:
 
     Raises:
         LoraCallError: FAILED_PRECONDITION without LoRA, INVALID_ARGUMENT for a name or path out of
-            bounds or an adapter that does not fit the base (``LoraAdapterError``), ALREADY_EXISTS
-            for a name already served.
+            bounds (a name: ``lora_name_error``) or an adapter that does not fit the base
+            (``LoraAdapterError``), ALREADY_EXISTS for a name already served, RESOURCE_EXHAUSTED
+            with ``--max-loaded-loras`` adapters loaded (``LoraLimitError``, before any read:
+            nothing changes).
     """
     manager = _manager(scheduler)
-    if not 0 < len(name) <= MAX_LORA_NAME_CHARS or not 0 < len(path) <= MAX_LORA_PATH_CHARS:
+    name_error = lora_name_error(name)
+    if name_error:
+        raise LoraCallError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name_error}")
+    if not 0 < len(path) <= MAX_LORA_PATH_CHARS:
         raise LoraCallError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"lora_name must have 1 to {MAX_LORA_NAME_CHARS} characters and lora_path 1 to "
-            f"{MAX_LORA_PATH_CHARS}",
+            grpc.StatusCode.INVALID_ARGUMENT, f"lora_path must have 1 to {MAX_LORA_PATH_CHARS} characters"
         )
     if name in manager.adapters:
         raise LoraCallError(grpc.StatusCode.ALREADY_EXISTS, f"LoRA adapter {name!r} is already loaded")
     try:
         manager.add(name, path)
+    except LoraLimitError as e:
+        raise LoraCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
     except LoraAdapterError as e:
         raise LoraCallError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
 

@@ -20,6 +20,7 @@ from pdserve.cli_args import (
     add_model_arg,
     add_server_args,
     apply_env_defaults,
+    check_lora_flags,
     parse_service_args,
     setup_service,
 )
@@ -64,7 +65,9 @@ class SchedulerRole:
 
     def main(self, argv: list[str] | None = None) -> None:
         """``pdserve <name> [flags]``."""
-        args = parse_service_args(make_parser(self), argv)
+        parser = make_parser(self)
+        args = parse_service_args(parser, argv)
+        check_lora_flags(parser, args)
         setup_service(args, self.name)
         run_service(lambda stop: serve(self, args, stop))
 

@@ -1,14 +1,16 @@
 """The receiving side of a decode worker's KV transfers, on every rank of its TP group.
 
-Each rank has its own NIXL agent and pool shard; prefill rank ``i`` writes its KV head
-shard into decode rank ``i``. Rank 0 drives (it alone talks to prefill workers) through ``RankCalls``,
-so every rank acts at the same step seam, in the same order:
+Each rank has its own NIXL agent and pool shard; the prefill ranks holding its KV heads write
+them into it (``head_map``: prefill rank ``i`` into decode rank ``i`` under equal TP sizes, else
+head slices, each rank from one or several prefill ranks). Rank 0 drives (it alone talks to
+prefill workers) through ``RankCalls``, so every rank acts at the same step seam, in the same order:
 
-- handshake: every rank describes its agent (``describe``);
-  after the gRPC exchange every rank loads the prefill rank of its own index (``add_peers``);
+- handshake: every rank describes its agent (``describe``); after the gRPC exchange rank 0 checks
+  the head mapping and every rank loads the prefill ranks that write into it (``add_peers``);
 - per attempt: every rank expects the transfer id (rank 0 picks it) into the request's pages, which
-  are the same on every rank (``expect``); rank 0 awaits its own receive and the other ranks' reports
-  (``KVLanded``) that theirs completed: the request is landed only once every rank's shard is;
+  are the same on every rank, from each of its senders (``expect``); rank 0 awaits its own receive
+  and the other ranks' reports (``KVLanded``) that theirs completed: the request is landed only once
+  every rank's shard is;
 - an attempt that fails is cancelled on every rank (``KVLanding.cancel``), before a retry expects a
   fresh id; a request that ends while its KV arrives is abandoned on every rank by the scheduler's
   ``on_kv_abandoned`` hook (``abandon``), which runs at the same step on every rank (its pages are then freed
@@ -25,11 +27,12 @@ import time
 
 from pdserve.kv_transfer import (
     KVAgentInfo,
-    KVLayoutMismatch,
+    KVLayout,
     KVReceive,
     KVTransferAgent,
     KVTransferError,
     KVTransferTimeout,
+    head_map,
 )
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -93,7 +96,8 @@ class KVRanks:
 
     Attributes:
         receives: rid -> this rank's receive in flight.
-        peer_names: prefill worker address -> the NIXL agent this rank receives from.
+        peer_names: prefill worker address -> the NIXL agents this rank receives from, with how many
+            of its KV heads each writes.
     """
 
     def __init__(self, agent: KVTransferAgent, scheduler: Scheduler, loop: SchedulerLoop) -> None:
@@ -113,7 +117,7 @@ class KVRanks:
         self.loop = loop
         loop.handlers[KVLanded] = self._on_landed
         self.receives: dict[str, KVReceive] = {}
-        self.peer_names: dict[str, str] = {}
+        self.peer_names: dict[str, dict[str, int]] = {}
         self.others: dict[bytes, asyncio.Future] = {}  # rank 0: tid -> the other ranks' shards landed
         self._landed: dict[bytes, set[int]] = {}  # rank 0: tid -> the other ranks landed so far
 
@@ -122,13 +126,17 @@ class KVRanks:
         """Every rank's agent info, rank order."""
         return await self.calls.call("describe")
 
-    async def add_peers(self, address: str, infos: list[KVAgentInfo]) -> None:
-        """Rank ``i`` loads ``infos[i]`` (the prefill worker's rank ``i``) as its sender at ``address``.
+    async def add_peers(self, address: str, mine: list[KVAgentInfo], infos: list[KVAgentInfo]) -> None:
+        """Every rank loads, of the prefill worker at ``address`` (its ranks' ``infos``), the ranks
+        that write its KV heads (``head_map`` of this worker's ``mine`` and ``infos``).
 
         Raises:
-            KVLayoutMismatch: the TP sizes or a rank's layout differ. KVTransferError: NIXL failed.
+            KVLayoutMismatch: the layouts cannot be paired (the message names both sides' TP sizes
+                and head ranges). KVTransferError: NIXL failed.
         """
-        await self.calls.call("add_peer", address, infos)
+        layouts = [info.layout for info in mine]
+        head_map(layouts, [info.layout for info in infos])  # refused here, before any rank loads one
+        await self.calls.call("add_peer", address, layouts, infos)
 
     def forget_peers(self, address: str) -> None:
         """Every rank drops its NIXL peer at ``address`` (a hung worker)."""
@@ -160,30 +168,29 @@ class KVRanks:
         if receive is not None:
             receive.cancel()
 
-    def _add_peer(self, address: str, infos: list[KVAgentInfo]) -> None:
-        if len(infos) != self.tp.size:
-            raise KVLayoutMismatch(
-                f"KV layouts differ: tp_size: decode {self.tp.size}, prefill {len(infos)}"
-                " (prefill rank i writes decode rank i: both need the same TP size)"
-            )
-        mine = infos[self.tp.rank]
-        self.agent.add_peer(mine)
-        self.peer_names[address] = mine.agent_name
+    def _add_peer(self, address: str, layouts: list[KVLayout], infos: list[KVAgentInfo]) -> None:
+        senders: dict[str, int] = {}
+        for route in head_map(layouts, [info.layout for info in infos]):
+            if route.dst_rank == self.tp.rank:
+                sender = infos[route.src_rank]
+                self.agent.add_peer(sender)
+                heads = route.heads.num_heads if route.heads else self.agent.layout.num_kv_heads
+                senders[sender.agent_name] = heads
+        self.peer_names[address] = senders
 
     def _forget_peer(self, address: str) -> None:
-        name = self.peer_names.pop(address, None)
-        if name is not None:
+        for name in self.peer_names.pop(address, {}):
             self.agent.remove_peer(name)
 
     def _expect(self, rid: str, address: str, tid: bytes, timeout_s: float) -> None:
         req = self.scheduler.waiting_for_kv(rid)
         if req is None:
             raise KVTransferError(f"{rid} no longer waits for its KV")
-        peer = self.peer_names.get(address)
-        if peer is None:
+        senders = self.peer_names.get(address)
+        if senders is None:
             raise KVTransferError(f"no KV peer for prefill worker {address}")
         local_pages = self.scheduler.ledger.arriving_local_pages(req)
-        receive = self.agent.expect(peer, tid, req.pages[req.num_prefix_pages :], local_pages)
+        receive = self.agent.expect(senders, tid, req.pages[req.num_prefix_pages :], local_pages)
         self.receives[rid] = receive
         if not self.tp.is_driver:
             asyncio.get_running_loop().create_task(self._report_landed(rid, receive, timeout_s))

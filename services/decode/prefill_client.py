@@ -48,8 +48,8 @@ class PrefillPeer:
 
     Args:
         address: the prefill worker's "host:port".
-        ranks: this decode worker's KV receiving side (its NIXL agent; under TP every rank's, prefill
-            rank ``i`` writing its KV shard into the pool of decode rank ``i``).
+        ranks: this decode worker's KV receiving side (its NIXL agent; under TP every rank's, each
+            receiving its KV heads from the prefill ranks holding them).
         stub: the PrefillScheduler stub of a channel.
         dead_after: seconds without a SERVING health answer after which calls to it fail.
     """
@@ -72,13 +72,13 @@ class PrefillPeer:
     async def handshake(self, timeout: float) -> None:
         """Send our agent info, learn the peer's; done once per peer and redone after a restart.
 
-        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on a KV layout or TP size mismatch, refused by
-        the prefill worker) or KVLayoutMismatch (refused here).
+        Raises grpc.aio.AioRpcError (FAILED_PRECONDITION on KV layouts that cannot be paired, refused
+        by the prefill worker) or KVLayoutMismatch (refused here).
         """
         infos = await self.ranks.describe()
         answer = await self.stub.ExchangeKVAgentInfo(kv_rank_agents_to_pb(infos), timeout=timeout)
         peers = kv_rank_agents_from_pb(answer)
-        await self.ranks.add_peers(self.address, peers)
+        await self.ranks.add_peers(self.address, infos, peers)
         self.peer_incarnation = peers[0].incarnation
 
     async def connect(self, timeout: float) -> None:

@@ -100,13 +100,13 @@ def build_app(
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        names = state.ctx.model_names + state.ctx.lora_names
-        return ModelList(data=[await _model_card(state.ctx, name) for name in names])
+        listed = state.ctx.listed_models()
+        return ModelList(data=[await _model_card(state.ctx, name, parent) for name, parent in listed])
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
-        state.ctx.check_model(model)
-        return await _model_card(state.ctx, model)
+        adapter = state.ctx.check_model(model)
+        return await _model_card(state.ctx, model, state.ctx.served_model_name if adapter else None)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> PlainTextResponse:
@@ -178,14 +178,14 @@ def build_app(
     return app
 
 
-async def _model_card(ctx: ServingContext, name: str) -> ModelCard:
-    """The served model under ``name`` (one of its served names), as /v1/models lists it
-    (``max_model_len`` None while the tokenizer is down)."""
+async def _model_card(ctx: ServingContext, name: str, parent: str | None) -> ModelCard:
+    """The served model under ``name`` (one of its served names, or an adapter of ``parent``), as
+    /v1/models lists it (``max_model_len`` None while the tokenizer is down)."""
     try:
         context_length = (await ctx.manager.model_info()).context_length
     except GatewayError:
         context_length = None
-    return ModelCard(id=name, max_model_len=context_length)
+    return ModelCard(id=name, max_model_len=context_length, parent=parent)
 
 
 def _error_response(error: GatewayError) -> JSONResponse:

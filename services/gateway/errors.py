@@ -131,8 +131,17 @@ def duplicate_rid(rid: str) -> GatewayError:
     return GatewayError(409, f"request id {rid!r} is already in flight", param="rid", code="duplicate_rid")
 
 
+# Backend gRPC status -> the OpenAI error code the gateway's own refusals of that kind carry: a
+# scheduler's NOT_FOUND is a LoRA adapter it does not hold (unloaded while the request travelled).
+_CODES: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.NOT_FOUND: "model_not_found",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "too_many_requests",
+}
+
+
 def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
-    """Map a backend call's failure: INVALID_ARGUMENT->400, RESOURCE_EXHAUSTED->429, UNAVAILABLE->503, ...
+    """Map a backend call's failure: INVALID_ARGUMENT->400, NOT_FOUND->404 ``model_not_found``,
+    RESOURCE_EXHAUSTED->429 ``too_many_requests``, UNAVAILABLE->503, ...
 
     A client error (4xx) carries the backend's message alone: which internal ``service`` (a role and
     address) found the request wrong is of no use to the client; server errors name it.
@@ -140,7 +149,8 @@ def from_rpc_error(err: grpc.aio.AioRpcError, service: str) -> GatewayError:
     status = _FROM_GRPC.get(err.code(), 500)
     headers = retry_after() if status in (429, 503) else None
     details = err.details() or err.code().name
-    return GatewayError(status, details if status < 500 else f"{service}: {details}", headers=headers)
+    message = details if status < 500 else f"{service}: {details}"
+    return GatewayError(status, message, code=_CODES.get(err.code()), headers=headers)
 
 
 _Model = TypeVar("_Model", bound=BaseModel)

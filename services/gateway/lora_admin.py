@@ -17,8 +17,9 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pdserve.lora.limits import lora_name_error
 from pdserve.sampling.bounds import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.openai.serving_common import ServingContext
@@ -31,12 +32,20 @@ LoraName = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    """vLLM's body: the adapter's name (the ``model`` requests use) and its PEFT directory on the
-    workers' filesystem."""
+    """vLLM's body: the adapter's name (the ``model`` requests use: printable, no whitespace,
+    ``pdserve.lora.limits``) and its PEFT directory on the workers' filesystem."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: str = LoraName
     lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
+
+    @field_validator("lora_name")
+    @classmethod
+    def _printable(cls, name: str) -> str:
+        error = lora_name_error(name)
+        if error:
+            raise ValueError(error)
+        return name
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -90,8 +99,8 @@ class LoraAdmin:
 
         Raises:
             GatewayError: 400 with a ``refusal``; 409 for a name already served (an adapter or the
-                base model's); a worker's refusal (400 without LoRA or for a bad adapter, ...)
-                naming the worker.
+                base model's); a worker's refusal (400 without LoRA or for a bad adapter, 429 with
+                ``--max-loaded-loras`` adapters loaded, ...) naming the worker.
         """
         self._check_allowed()
         return await self._whole(self._load(body.lora_name, body.lora_path))
@@ -158,4 +167,4 @@ def _naming(err: GatewayError, role: Role, address: str, undone: bool) -> Gatewa
     message = err.message if where in err.message else f"{where}: {err.message}"
     if undone:
         message = f"{message} (undone on the workers that had taken it)"
-    return GatewayError(err.status, message, param=err.param, code=err.code)
+    return GatewayError(err.status, message, param=err.param, code=err.code, headers=err.headers)

@@ -21,6 +21,7 @@ from pdserve.cli_args import (
     add_chat_template_arg,
     add_engine_args,
     add_model_arg,
+    check_lora_flags,
     non_negative_float,
     positive_int,
 )
@@ -100,6 +101,14 @@ def make_parser() -> argparse.ArgumentParser:
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
     add_engine_args(p)
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-tp-size",
+            type=positive_int,
+            default=None,
+            help=f"TP ranks of each {role} worker (colocated workers are decode workers); prefill and "
+            f"decode of different sizes move KV in head slices (default: --tp-size)",
+        )
     add_chat_template_arg(p)
     add_stats_args(p)
     add_kv_events_args(p)
@@ -186,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--metrics-port-base overlaps the {internal_ports} internal ports from --internal-port-base"
         )
+    check_lora_flags(parser, args)
     try:  # what a child would refuse after the others' start-up, refused before any starts
         check_lora_names(
             [name for name, _ in args.lora_modules], served_model_names(args.model, args.served_model_name)

@@ -36,7 +36,6 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
         "--schedule-policy", args.schedule_policy,
-        "--tp-size", str(args.tp_size),
         "--max-queue-time", f"{args.max_queue_time:g}",
         "--watchdog-timeout", f"{args.watchdog_timeout:g}",
     ]  # fmt: skip
@@ -70,9 +69,20 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--enable-expert-parallel")
     if args.enable_lora or args.lora_modules:
         flags += ["--enable-lora", "--max-loras", str(args.max_loras)]
-        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+        flags += [
+            "--max-loaded-loras",
+            str(args.max_loaded_loras),
+            "--max-lora-rank",
+            str(args.max_lora_rank),
+        ]
         flags += lora_modules_flag(args)
     return flags
+
+
+def role_tp_size(args: argparse.Namespace, role: str) -> int:
+    """TP ranks of a ``prefill`` or ``decode`` scheduler: ``--prefill-tp-size`` / ``--decode-tp-size``
+    (colocated workers are decode workers), else ``--tp-size``."""
+    return getattr(args, f"{role}_tp_size", None) or args.tp_size
 
 
 def lora_modules_flag(args: argparse.Namespace) -> list[str]:
@@ -134,12 +144,13 @@ def scheduler_gpus(args: argparse.Namespace) -> list[str]:
     return args.gpus.split(",") if args.gpus else visible_gpus()
 
 
-def _gpu_env(gpus: list[str], index: int, tp_size: int = 1) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` of the ``index``-th scheduler: its ``tp_size`` GPUs (one per TP rank),
-    in turn, so PD 2+2 on four GPUs gets one each and with ``--tp-size 2`` on eight, two each."""
+def _gpu_env(gpus: list[str], first: int, count: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of a scheduler whose ``count`` ranks take the GPUs from the ``first``-th
+    on (one per TP rank; the schedulers before it took the ones before), in turn, so PD 2+2 on four
+    GPUs gets one each and with ``--tp-size 2`` on eight, two each."""
     if not gpus:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(index * tp_size + r) % len(gpus)] for r in range(tp_size))}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(first + r) % len(gpus)] for r in range(count))}
 
 
 def observability_flags(args: argparse.Namespace, served_name: str) -> list[str]:
@@ -209,7 +220,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     num_schedulers = len(prefills) + len(decodes)
     env = scheduler_env()
     gpus = scheduler_gpus(args)
-    ranks = num_schedulers * args.tp_size  # processes that share the devices
+    prefill_tp, decode_tp = role_tp_size(args, "prefill"), role_tp_size(args, "decode")
+    ranks = len(prefills) * prefill_tp + len(decodes) * decode_tp  # processes that share the devices
     engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
     engine += [
         *model_len,
@@ -222,8 +234,9 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     for i, addr in enumerate(prefills):
         port = int(addr.rsplit(":", 1)[1])
         metrics, binds = _metrics_port(port, args, host)
-        argv = [*common, "--port", str(port), *engine, *metrics, *kv_events_flags(args, i)]
-        gpu = _gpu_env(gpus, i, args.tp_size)
+        argv = [*common, "--port", str(port), *engine, "--tp-size", str(prefill_tp), *metrics]
+        argv += kv_events_flags(args, i)
+        gpu = _gpu_env(gpus, i * prefill_tp, prefill_tp)
         specs.append(
             ServiceSpec(
                 f"prefill-{i}", "prefill", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin
@@ -232,13 +245,13 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     for i, addr in enumerate(decodes):
         port = int(addr.rsplit(":", 1)[1])
         metrics, binds = _metrics_port(port, args, host)
-        argv = [*common, "--port", str(port), *engine, *metrics]
+        argv = [*common, "--port", str(port), *engine, "--tp-size", str(decode_tp), *metrics]
         argv += kv_events_flags(args, len(prefills) + i)
         if args.colocated:
             argv.append("--colocated")
         if args.stream_interval != 1:
             argv += ["--stream-interval", str(args.stream_interval)]
-        gpu = _gpu_env(gpus, len(prefills) + i, args.tp_size)
+        gpu = _gpu_env(gpus, len(prefills) * prefill_tp + i * decode_tp, decode_tp)
         specs.append(
             ServiceSpec(
                 f"decode-{i}", "decode", argv, addr, env | gpu, [(host, port), *binds], pin_kv_pool=pin

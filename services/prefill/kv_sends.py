@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.distributed import TpGroup
-from pdserve.kv_transfer import KVTransfer, KVTransferAgent, KVTransferError
+from pdserve.kv_transfer import KVAgentInfo, KVFanout, KVLayout, KVTransferAgent, KVTransferError, head_map
+from pdserve.kv_transfer.head_map import HeadSlice
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common.events import AddKVPeers, KVWritten, NewRequest
@@ -34,9 +35,9 @@ TRANSFER_TIMEOUT_S = 30.0
 
 @dataclass(slots=True)
 class Outbound:
-    """This rank's transfer of one request's KV, and how far it got."""
+    """This rank's transfers of one request's KV (into each decode rank it writes), and how far they got."""
 
-    transfer: KVTransfer
+    transfer: KVFanout
     sent_pages: int = 0  # of the destination pages
     prefilled_at: float = 0.0  # time.monotonic() when its first token was sampled
 
@@ -48,6 +49,7 @@ class KVSends:
         scheduler: the prefill-role scheduler.
         loop: its loop (the events' handlers are registered there).
         agent: this rank's NIXL agent.
+        rank_layouts: every rank's pool layout (rank order): which heads each holds.
         on_settled: rank 0: called with a request once its transfer settled: ``error`` ("" when
             every rank's write landed), the bytes every rank wrote, and the seconds from its first
             token to the end of its write (the Prefill call answers then).
@@ -67,6 +69,7 @@ class KVSends:
         scheduler: Scheduler,
         loop: SchedulerLoop,
         agent: KVTransferAgent,
+        rank_layouts: list[KVLayout],
         on_settled: Callable[[Req, str, int, float], None],
         stream_chunks: bool = True,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
@@ -75,14 +78,16 @@ class KVSends:
         self.loop = loop
         self.tp: TpGroup = loop.tp
         self.agent = agent
+        self.rank_layouts = rank_layouts
         self.on_settled = on_settled
         self.stream_chunks = stream_chunks
         self.transfer_timeout_s = transfer_timeout_s
-        self.opening: dict[str, KVTransfer] = {}
+        self.opening: dict[str, KVFanout] = {}
         self.transfers: dict[str, Outbound] = {}
         self.finishing: dict[str, asyncio.Task] = {}
         self.written: dict[str, dict[int, KVWritten]] = {}
-        self.rank_peer: dict[str, str] = {}  # decode rank 0's agent -> the agent this rank writes to
+        # decode rank 0's agent -> the agents this rank writes into, with the heads it writes each
+        self.rank_peers: dict[str, list[tuple[str, HeadSlice | None]]] = {}
         loop.handlers.update(
             {NewRequest: self._add, AddKVPeers: self._add_rank_peer, KVWritten: self._written}
         )
@@ -90,16 +95,39 @@ class KVSends:
     def busy(self) -> bool:
         return bool(self.opening or self.transfers or self.finishing or self.written)
 
-    def open(self, req: Req) -> KVTransfer:
-        """Open ``req``'s transfer from this rank into its destination pages.
+    def add_peers(self, agents: list[KVAgentInfo]) -> None:
+        """Load the decode ranks (``agents``, rank order) this rank writes heads into (``head_map``).
+
+        Raises:
+            KVLayoutMismatch: the two groups' layouts cannot be paired (the message names both sides'
+                TP sizes and head ranges). KVTransferError: NIXL could not load a peer.
+        """
+        routes = head_map([a.layout for a in agents], self.rank_layouts)
+        mine = [(agents[r.dst_rank], r.heads) for r in routes if r.src_rank == self.tp.rank]
+        for info, _ in mine:
+            self.agent.add_peer(info)
+        self.rank_peers[agents[0].agent_name] = [(info.agent_name, heads) for info, heads in mine]
+
+    def open(self, req: Req) -> KVFanout:
+        """Open ``req``'s transfers from this rank into its destination pages (of each decode rank).
 
         Raises:
             ValueError: a destination page out of range. KVTransferError: no such peer (NIXL).
         """
         route = req.route
-        peer = self.rank_peer.get(route.kv_dst_agent, route.kv_dst_agent)
+        peers = self.rank_peers.get(route.kv_dst_agent)
+        if peers is None:
+            raise KVTransferError(f"unknown decode agent {route.kv_dst_agent!r}: exchange agent info first")
         dst, local = list(route.kv_dst_pages), list(route.kv_dst_local_pages)
-        return self.agent.start_transfer(peer, route.kv_transfer_id, dst, self.transfer_timeout_s, local)
+        tid, timeout = route.kv_transfer_id, self.transfer_timeout_s
+        transfers = []
+        try:
+            for peer, heads in peers:
+                transfers.append(self.agent.start_transfer(peer, tid, dst, timeout, local, heads))
+        except BaseException:
+            KVFanout(transfers, 0, 0).cancel()
+            raise
+        return KVFanout(transfers, len(dst) - len(local), len(local))
 
     def cancel(self, rid: str) -> None:
         """Stop ``rid``'s transfer at once (no page of it is read any more)."""
@@ -127,7 +155,7 @@ class KVSends:
             self.transfers[req.rid] = Outbound(transfer)
         return position
 
-    def _open_rank_transfer(self, req: Req) -> KVTransfer | None:
+    def _open_rank_transfer(self, req: Req) -> KVFanout | None:
         try:
             return self.open(req)
         except (ValueError, KVTransferError) as e:
@@ -135,17 +163,16 @@ class KVSends:
             return None
 
     def _add_rank_peer(self, event: AddKVPeers) -> None:
-        """This rank's decode peer (rank 0 loaded its own in the handshake). A peer that cannot be
+        """This rank's decode peers (rank 0 loaded its own in the handshake). A peer that cannot be
         loaded here fails this rank's transfers to it, which fails those prefills cleanly."""
         if self.tp.is_driver:
             return
-        mine = event.agents[self.tp.rank]
         try:
-            self.agent.add_peer(mine)
+            self.add_peers(event.agents)
         except Exception as e:
-            logger.error("TP rank %d cannot add KV peer %s: %s", self.tp.rank, mine.agent_name, e)
-            return
-        self.rank_peer[event.agents[0].agent_name] = mine.agent_name
+            logger.error(
+                "TP rank %d cannot add the KV peers of %s: %s", self.tp.rank, event.agents[0].agent_name, e
+            )
 
     def _written(self, event: KVWritten) -> None:
         ended = self.written.get(event.rid)
@@ -209,7 +236,7 @@ class KVSends:
             out.transfer.send(req.pages[start + out.sent_pages : start + end], out.sent_pages)
             out.sent_pages = end
 
-    def _send_local_pages(self, req: Req, transfer: KVTransfer) -> None:
+    def _send_local_pages(self, req: Req, transfer: KVFanout) -> None:
         """With an SWA pool, send the local-layer pages of the prompt's last pages (as many as the
         decode worker gave: those its first decode step's window reads), once the prompt is computed.
 

@@ -2,8 +2,9 @@
 
 Handlers submit events (``events``) that the scheduler loop applies at the top of an iteration.
 Under tensor parallelism the same servicer runs on every rank (without a gRPC server on ranks > 0):
-every rank prefills the same requests and rank ``i`` writes its KV head shard into rank ``i`` of the
-decode worker (same transfer id, its own NIXL agent); rank 0 answers.
+every rank prefills the same requests and writes its KV heads into the decode worker's ranks that
+hold them (``head_map``: rank ``i`` into rank ``i`` under equal TP sizes; same transfer id, its own
+NIXL agent); rank 0 answers.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.loop = SchedulerLoop(
             scheduler, self._on_outputs, self._after_schedule, {Abort: self._abort}, tp, overlap
         )
-        self.sends = KVSends(scheduler, self.loop, agent, self._answer, stream_chunks, transfer_timeout_s)
+        layouts = [info.layout for info in self.rank_agents]
+        self.sends = KVSends(
+            scheduler, self.loop, agent, layouts, self._answer, stream_chunks, transfer_timeout_s
+        )
         self.waiters: dict[str, asyncio.Future] = {}  # rank 0: the Prefill calls, by rid
         self.draining = False
         scheduler.set_hooks(on_request_end=lambda req: tracing.end_request_span(req, "prefill"))
@@ -82,14 +86,8 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self, request: scheduler_pb2.KVAgentInfo, context
     ) -> scheduler_pb2.KVAgentInfo:
         agents = convert.kv_rank_agents_from_pb(request)
-        if len(agents) != self.tp.size:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"KV layout mismatch with prefill: tp_size: decode {len(agents)}, prefill {self.tp.size}"
-                " (prefill rank i writes decode rank i: both need the same TP size)",
-            )
         try:
-            self.agent.add_peer(agents[0])
+            self.sends.add_peers(agents)  # this rank's decode peers; the others' at their next step
         except KVLayoutMismatch as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV layout mismatch with prefill: {e}")
         if self.tp.size > 1:

@@ -224,6 +224,29 @@ def test_tensor_parallel_schedulers_take_a_gpu_per_rank(monkeypatch) -> None:
     assert all(_flag(specs[n].argv, "--tp-size") == "2" for n in ("prefill-0", "decode-0"))
 
 
+def test_prefill_and_decode_of_different_tp_sizes(monkeypatch) -> None:
+    """--prefill-tp-size 2 --decode-tp-size 1 (PD 1+2) on four GPUs: the prefill worker takes two,
+    each decode worker the next one; either flag left out is --tp-size."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv = ["--num-prefill", "1", "--num-decode", "2", "--gpus", "0,1,2,3", "--prefill-tp-size", "2"]
+    specs = {
+        s.name: s for s in build_topology(make_parser().parse_args([*argv, "--decode-tp-size", "1"]), "/m")
+    }
+    assert [_flag(specs[n].argv, "--tp-size") for n in ("prefill-0", "decode-0", "decode-1")] == [
+        "2",
+        "1",
+        "1",
+    ]
+    assert [specs[n].env["CUDA_VISIBLE_DEVICES"] for n in ("prefill-0", "decode-0", "decode-1")] == [
+        "0,1",
+        "2",
+        "3",
+    ]
+    specs = {s.name: s for s in build_topology(make_parser().parse_args([*argv, "--tp-size", "4"]), "/m")}
+    assert [_flag(specs[n].argv, "--tp-size") for n in ("prefill-0", "decode-0")] == ["2", "4"]
+    assert all(s.argv.count("--tp-size") == 1 for s in specs.values() if s.role in ("prefill", "decode"))
+
+
 def test_schedulers_sharing_a_device_split_the_kv_memory_fraction(monkeypatch) -> None:
     """They start together and each sees the same free memory: PD 2+2 on the CPU gives each a
     quarter of --kv-memory-fraction, on two GPUs a half; an explicit budget is passed as is."""

@@ -11,9 +11,9 @@ import torch
 
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.lora.adapter import LoraAdapterError
-from pdserve.lora.manager import LoraInUseError, LoraNotFoundError, LoraSlotsFullError
+from pdserve.lora.manager import LoraInUseError, LoraLimitError, LoraNotFoundError, LoraSlotsFullError
 from pdserve.model_source import resolve_model
-from pdserve.sampling.bounds import BoundError
+from pdserve.scheduler.table import UnknownAdapter
 from tests.engine.driver import Driver
 from tests.lora.adapters import make_adapters, peft_greedy
 from tests.scheduler.driver import drive, fresh, req
@@ -38,6 +38,7 @@ def runner(adapters) -> ModelRunner:
         max_running_requests=8,
         max_loras=2,
         max_lora_rank=8,
+        max_loaded_loras=3,
     )
     for name, path in adapters[1].items():
         runner.lora_manager.add(name, path)
@@ -78,7 +79,14 @@ def tokenizer_prompts() -> list[list[int]]:
 
 
 def test_slots_are_lru_over_unpinned_adapters(runner, adapters, tmp_path):
+    """LRU over the unpinned slots; and at most ``max_loaded_loras`` (3) adapters loaded: a fourth is
+    refused before any read (a path that does not exist is not even looked at), nothing added."""
     manager = runner.lora_manager
+    manager.add("c", adapters[1]["pirate"])
+    with pytest.raises(LoraLimitError, match="--max-loaded-loras 3"):
+        manager.add("d", tmp_path / "missing")
+    assert sorted(manager.adapters) == ["c", "pirate", "poet"]
+    manager.add("c", adapters[1]["poet"])  # replacing one is no new adapter
     manager.add("c", adapters[1]["pirate"])
     try:
         slot_a, slot_b = manager.acquire("pirate"), manager.acquire("poet")
@@ -173,6 +181,6 @@ def test_scheduler_keeps_adapters_kv_apart(runner, adapters, tokenizer_prompts):
     hits = {r.rid: r.cached_tokens for r in second}
     assert hits["second-pirate"] > 0 and hits["second-"] > 0  # its own adapter's (the base's) prefix
     assert hits["second-poet"] == 0  # the base's and pirate's pages hold other KV
-    with pytest.raises(BoundError, match="lora_name"):
+    with pytest.raises(UnknownAdapter, match="The model 'nobody' does not exist"):
         sched.add_request(req("unknown", prompt, NEW_TOKENS, lora_name="nobody"))
     assert not runner.lora_manager.pins

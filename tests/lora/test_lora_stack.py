@@ -6,12 +6,16 @@ each output equal to HF PEFT's fp32 greedy tokens and each response naming the a
 ``model_not_found``.
 A third adapter loaded at run time (``/v1/load_lora_adapter``) is served the same way until it is
 unloaded (``/v1/unload_lora_adapter``), and each refusal has its status; the public gRPC API's
-``LoadLoraAdapter`` / ``UnloadLoraAdapter`` (through the SDK) do the same."""
+``LoadLoraAdapter`` / ``UnloadLoraAdapter`` (through the SDK) do the same. A fourth adapter is over
+``--max-loaded-loras 3``: 429 (RESOURCE_EXHAUSTED on gRPC), nothing loaded anywhere. A request whose
+adapter a worker unloaded while it travelled gets 404 ``model_not_found``, as an unknown model."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,9 +23,10 @@ import httpx
 import openai
 import pytest
 import torch
-from pdserve_sdk import Client, InvalidRequestError, NotFoundError, PdServeError
+from pdserve_sdk import Client, InvalidRequestError, NotFoundError, PdServeError, RateLimitError
 from safetensors.torch import load_file, save_file
 
+from pdserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.lora.adapters import ADAPTERS, make_adapters, peft_greedy
 from tests.reference import hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -44,7 +49,8 @@ def lora_stack(adapters) -> Stack:
     modules = [f"{name}={path}" for name, path in adapters[1].items() if name not in LATE]
     stack = launch_stack(
         "--num-prefill", "1", "--num-decode", "1", "--dtype", "float32", "--max-total-tokens", "4096",
-        "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", *modules, log_name="lora",
+        "--max-loras", "2", "--max-loaded-loras", "3", "--max-lora-rank", "8", "--lora-modules", *modules,
+        log_name="lora",
     )  # fmt: skip
     yield stack
     stack.check_kv_conservation()
@@ -194,3 +200,136 @@ def test_a_cancelled_grpc_load_or_unload_still_changes_every_worker(lora_stack, 
             assert r.status_code == 200, r.text
             assert http.post("/v1/unload_lora_adapter", json={"lora_name": "sailor"}).status_code == 200
     lora_stack.wait_idle()
+
+
+def listed(stack: Stack, sdk: Client) -> list[tuple[str, str | None]]:
+    """``(id, parent)`` of /v1/models, after checking that the gRPC API's ListModels (the SDK's
+    ``models``) lists the same."""
+    data = httpx.get(f"{stack.base_url}/v1/models", timeout=60).json()["data"]
+    http = [(m["id"], m["parent"]) for m in data]
+    assert [(m.id, m.parent or None) for m in sdk.models()] == http
+    return http
+
+
+def worker_call(address: str, role: str, method: str, **fields: str) -> None:
+    """A scheduler worker's own ``LoadLoraAdapter`` / ``UnloadLoraAdapter`` (the internal calls the
+    gateway broadcasts), to put one worker in the state a broadcast passes through."""
+    stub = {
+        "decode": scheduler_pb2_grpc.DecodeSchedulerStub,
+        "prefill": scheduler_pb2_grpc.PrefillSchedulerStub,
+    }
+    request = getattr(scheduler_pb2, f"{method}Request")(**fields)
+    with grpc.insecure_channel(address) as channel:
+        getattr(stub[role](channel), method)(request, timeout=120)
+
+
+def test_too_many_adapters_is_a_429_and_nothing_is_loaded(lora_stack, adapters):
+    """pirate, poet and sailor loaded: a fourth is over --max-loaded-loras 3, refused by the first
+    worker asked (429 over HTTP, RESOURCE_EXHAUSTED through the SDK) with nothing loaded anywhere:
+    once sailor is unloaded, the fourth loads on every worker (a worker still holding it would
+    refuse with 409). ListModels lists what /v1/models does, adapters with their base model."""
+    path = str(adapters[1]["sailor"])
+    http = httpx.Client(base_url=lora_stack.base_url, timeout=600)
+    load = lambda name: http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    unload = lambda name: http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+    adapter = lambda name: (name, SERVED_MODEL)
+    with Client(lora_stack.grpc_address, timeout=600) as sdk:
+        assert load("sailor").status_code == 200
+        three = [(SERVED_MODEL, None), adapter("pirate"), adapter("poet"), adapter("sailor")]
+        assert listed(lora_stack, sdk) == three
+        r = load("extra")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "too_many_requests"), r.text
+        assert "--max-loaded-loras 3" in error["message"] and "unload one first" in error["message"]
+        with pytest.raises(RateLimitError, match="--max-loaded-loras 3") as refused:
+            sdk.load_lora_adapter("extra", path)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert listed(lora_stack, sdk) == three
+        assert unload("sailor").status_code == 200
+        assert load("extra").status_code == 200, "a worker kept the refused adapter"
+        assert listed(lora_stack, sdk) == three[:3] + [adapter("extra")]
+        assert sdk.unload_lora_adapter("extra")
+        assert listed(lora_stack, sdk) == three[:3]
+    lora_stack.wait_idle()
+
+
+def test_a_request_racing_an_unload_is_a_404(lora_stack, adapters):
+    """An unload's broadcast reaches the decode worker before the gateway stops serving the name: a
+    request the gateway let through then finds no adapter at the worker, and is a 404
+    ``model_not_found`` (not a 400), over HTTP (plain and streamed) and gRPC. Then three clients
+    send the adapter's requests one after another while it is unloaded through the gateway (the
+    unload tried again while a worker holds one of them, 409): each completes or is a 404, and the
+    server goes on serving."""
+    path = str(adapters[1]["sailor"])
+    http = httpx.Client(base_url=lora_stack.base_url, timeout=600)
+    api = client(lora_stack)
+    assert (
+        http.post("/v1/load_lora_adapter", json={"lora_name": "sailor", "lora_path": path}).status_code == 200
+    )
+    decode = list(http.get("/health").json()["roles"]["decode"])[0]
+    worker_call(decode, "decode", "UnloadLoraAdapter", lora_name="sailor")  # the broadcast's first step
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as info:
+            api.completions.create(model="sailor", prompt="Ahoy", max_tokens=2, stream=stream)
+        assert info.value.body["code"] == "model_not_found", info.value.body
+        assert info.value.body["message"] == "The model 'sailor' does not exist.", info.value.body
+    with (
+        Client(lora_stack.grpc_address, timeout=600) as sdk,
+        pytest.raises(NotFoundError, match="does not exist"),
+    ):
+        sdk.generate("Ahoy", model="sailor", max_new_tokens=2)
+    worker_call(decode, "decode", "LoadLoraAdapter", lora_name="sailor", lora_path=path)
+
+    def complete() -> int:
+        try:
+            api.completions.create(model="sailor", prompt="Ahoy", max_tokens=2, temperature=0)
+        except openai.NotFoundError as e:
+            assert e.body["code"] == "model_not_found", e.body
+            return 404
+        served.set()
+        return 200
+
+    def client_loop(_: int) -> list[int]:
+        """Requests one after another until one is a 404 (the unload went through), three at most."""
+        outcomes = [complete()]
+        while outcomes[-1] == 200 and len(outcomes) < 3:
+            outcomes.append(complete())
+        return outcomes
+
+    served = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        outcomes = pool.map(client_loop, range(3))
+        assert served.wait(300)  # the unload starts among the adapter's requests
+        while (r := http.post("/v1/unload_lora_adapter", json={"lora_name": "sailor"})).status_code == 409:
+            time.sleep(0.05)  # in use by a request held on a worker: tried again
+        assert r.status_code == 200, r.text
+        assert all(set(each) <= {200, 404} for each in outcomes)
+    assert api.completions.create(model=SERVED_MODEL, prompt="Ahoy", max_tokens=2).choices[0].text
+    lora_stack.wait_idle()
+
+
+def test_adapter_names_are_bounded_at_the_gateway_and_the_workers(lora_stack, adapters):
+    """A name with whitespace, a control character or over 128 characters is refused at load with a
+    400 naming lora_name (INVALID_ARGUMENT through the SDK), and by each worker's own call too."""
+    path = str(adapters[1]["sailor"])
+    http = httpx.Client(base_url=lora_stack.base_url, timeout=600)
+    bad = ["a b", "tab\there", "bell\x07", "nul\x00", "line\u2028sep", "x" * 129]
+    with Client(lora_stack.grpc_address, timeout=600) as sdk:
+        for name in bad:
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name"), (name, r.text)
+            with pytest.raises(InvalidRequestError, match="lora_name"):
+                sdk.load_lora_adapter(name, path)
+        for role, address in [(role, a) for role, ws in lora_stack_roles(http).items() for a in ws]:
+            with pytest.raises(grpc.RpcError) as refused:
+                worker_call(address, role, "LoadLoraAdapter", lora_name="a b", lora_path=path)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, role
+            assert "whitespace" in refused.value.details()
+        assert [m.id for m in sdk.models()] == [SERVED_MODEL, "pirate", "poet"]
+
+
+def lora_stack_roles(http: httpx.Client) -> dict[str, list[str]]:
+    """role -> the addresses of its scheduler workers, from /health."""
+    roles = http.get("/health").json()["roles"]
+    return {role: list(roles[role]) for role in ("prefill", "decode")}

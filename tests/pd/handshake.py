@@ -20,10 +20,10 @@ from tests.stack import free_port_block
 PAGE = 16
 
 
-def refused_handshake(log_dir: Path, *prefill_flags: str) -> grpc.aio.AioRpcError:
+def refused_handshake(log_dir: Path, *prefill_flags: str, kv_heads: int = 3) -> grpc.aio.AioRpcError:
     """Start ``pdserve prefill --dtype float32 *prefill_flags`` and offer it the agent of a TP=1
-    decode worker of SmolLM2 (fp32, pages of 16 tokens); the error its ``ExchangeKVAgentInfo``
-    answered. Raises AssertionError if it accepted."""
+    decode worker of SmolLM2 (fp32, pages of 16 tokens; of a model with ``kv_heads`` KV heads); the
+    error its ``ExchangeKVAgentInfo`` answered. Raises AssertionError if it accepted."""
     port = free_port_block(1)
     log_path = log_dir / "prefill.log"
     log = open(log_path, "w")  # noqa: SIM115
@@ -36,9 +36,10 @@ def refused_handshake(log_dir: Path, *prefill_flags: str) -> grpc.aio.AioRpcErro
         assert asyncio.run(wait_for_health(f"127.0.0.1:{port}", 300)), log_path.read_text()
         layout = KVLayout(
             model="LlamaForCausalLM:30x576:vocab49152", dtype="float32", page_size=PAGE,
-            num_layers=30, num_kv_heads=3, head_dim=64,
+            num_layers=30, num_kv_heads=kv_heads, head_dim=64, total_kv_heads=kv_heads,
         )  # fmt: skip
-        agent = KVTransferAgent(f"test-decode-{time.time_ns()}", torch.zeros(4, 30, 2, PAGE, 3, 64), layout)
+        pool = torch.zeros(4, 30, 2, PAGE, kv_heads, 64)
+        agent = KVTransferAgent(f"test-decode-{time.time_ns()}", pool, layout)
 
         async def exchange():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -3,10 +3,10 @@ colocated and in PD (prefill rank i writes its KV heads into decode rank i over 
 group speculates with n-gram drafts, issue 38), gives HF's greedy tokens through chunked prefill,
 radix hits, retraction and aborts, with every scheduler's ranks comparing their state digests after
 every step and every pool conserved; a killed rank takes its group down, every client gets an
-answer within 10 s, and the group restarts and serves again; a prefill worker of another TP size is
-refused at the handshake, naming both sides' values; a constrained request is a clear 400; two LoRA
-adapters loaded at run time reach every rank at the same step and give HF PEFT's tokens in one
-batch with the base model until they are unloaded."""
+answer within 10 s, and the group restarts and serves again; a prefill worker whose KV heads cannot
+pair with the decode worker's is refused at the handshake, naming both sides' TP sizes and heads; a
+constrained request is a clear 400; two LoRA adapters loaded at run time reach every rank at the
+same step and give HF PEFT's tokens in one batch with the base model until they are unloaded."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ COMMON = (
     "--enable-lora",
     "--max-lora-rank",
     "8",
+    "--max-loras",
+    "2",
+    "--max-loaded-loras",
+    "2",
 )
 # PD's decode group also speculates (n-gram drafts, the adaptive policy): every rank must draft,
 # time its steps and verify identically, which the state digests check after every step
@@ -134,12 +138,15 @@ def adapters(tmp_path_factory):
 def test_lora_adapters_loaded_at_run_time(tp, adapters):
     """A load travels to every rank as a step input (as new requests do), so all ranks hold their
     slices of an adapter from the same step; both run in one batch with the base model, then are
-    unloaded."""
+    unloaded. A third is over --max-loaded-loras 2: every rank refuses it alike (the ranks' states are
+    compared after every step), a 429."""
     peft_model, paths = adapters
     http = httpx.Client(base_url=tp.base_url, timeout=600)
     for name, path in paths.items():
         r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
         assert r.status_code == 200, r.text
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(path)})
+    assert r.status_code == 429 and "--max-loaded-loras 2" in r.json()["error"]["message"], r.text
     ids = chat_ids([{"role": "user", "content": "Name three animals that live in the ocean."}])
     sampling = {"temperature": 0, "max_new_tokens": 12}
 
@@ -222,8 +229,12 @@ def test_failed_rank_ends_every_request_and_the_group_restarts(tp_stack, fault):
     check_group(stack, 0)
 
 
-def test_handshake_with_another_tp_size_fails_clearly(tmp_path):
-    """A TP=1 decode worker's agent offered to a TP=2 prefill worker: refused, naming both sizes."""
-    err = refused_handshake(tmp_path, "--tp-size", "2")
+def test_handshake_whose_heads_cannot_pair_fails_clearly(tmp_path):
+    """A TP=1 decode worker's agent of a model with 4 KV heads offered to a TP=2 prefill worker of
+    SmolLM2 (3): refused, naming the difference and both sides' TP sizes and head ranges (TP sizes
+    that differ alone are paired by head slices: tests/tp/test_hetero_tp_stacks.py)."""
+    err = refused_handshake(tmp_path, "--tp-size", "2", kv_heads=4)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "tp_size: decode 1, prefill 2" in err.details(), err.details()
+    details = err.details()
+    assert "total_kv_heads: decode 4, prefill 3" in details, details
+    assert "decode TP=1 holds KV heads [0, 4); prefill TP=2 holds [0, 2), [2, 3)" in details, details

@@ -80,6 +80,11 @@ class ModelConfig:
     def num_local_kv_heads(self) -> int:
         return head_shard(self.num_heads, self.num_kv_heads, self.tp_size, self.tp_rank).num_kv_heads
 
+    @property
+    def local_kv_head_start(self) -> int:
+        """The model's first KV head that this rank holds."""
+        return head_shard(self.num_heads, self.num_kv_heads, self.tp_size, self.tp_rank).kv_start
+
     @classmethod
     def from_pretrained(
         cls,

@@ -18,6 +18,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.layers.attention import create_attention_backend
 from pdserve.layers.quantization import resolve_quantization
 from pdserve.layers.radix_attention import layer_windows
+from pdserve.lora.limits import DEFAULT_MAX_LOADED_LORAS
 from pdserve.lora.manager import LoraManager
 from pdserve.mem_cache.memory_pool import (
     KVPool,
@@ -84,10 +85,11 @@ class ModelRunner:
             one pool. Ignored for a model without sliding-window layers.
         max_loras: LoRA adapter slots (``--max-loras``; ``pdserve.lora.manager``); 0: no adapters.
         max_lora_rank: the largest adapter rank accepted (``--max-lora-rank``).
+        max_loaded_loras: adapters held in host memory at once (``--max-loaded-loras``).
 
     Raises:
         ValueError: a ``kv_cache_dtype`` other than the model's outside that case; an SWA pool on
-            CUDA (not supported yet).
+            CUDA (not supported yet); ``max_loaded_loras`` outside ``[max_loras, 1024]``.
 
     Attributes:
         model_config, model, req_to_token_pool, token_to_kv_pool_allocator, kv_pool, attn_backend,
@@ -115,6 +117,7 @@ class ModelRunner:
         swa_full_tokens_ratio: float | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        max_loaded_loras: int = DEFAULT_MAX_LOADED_LORAS,
     ):
         self.device = resolve_device(device)
         self.tp = tp
@@ -134,7 +137,9 @@ class ModelRunner:
             tp,
             expert_parallel,
         )
-        self.lora_manager = LoraManager(self.model, max_loras, max_lora_rank) if max_loras else None
+        self.lora_manager = (
+            LoraManager(self.model, max_loras, max_lora_rank, max_loaded_loras) if max_loras else None
+        )
         windows = layer_windows(self.model)
         swa = swa_full_tokens_ratio is not None and any(windows)
         if swa and self.device.type != "cpu":

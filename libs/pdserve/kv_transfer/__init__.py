@@ -46,6 +46,11 @@ scattered          250 / 0.94-1.02           15,000 / 0.30-0.32       23 / 0.43-
 after churn        10 / 0.96-1.05            600 / 0.90-0.94          600 / 0.88-0.92
 =================  =======================  =======================  =====================
 
+Prefill and decode of different TP sizes pair their ranks by KV heads (``head_map``) and move each
+pair's heads as a head slice of every page: one descriptor per ``(page, layer, kv, slot)`` row
+(``descriptors.head_slice_descs``), many more than whole pages need (docs/design.md, "Prefill and
+decode of different TP sizes"); equal sizes keep whole pages.
+
 The staging design (gather into registered slots, one descriptor per slot, scatter on the decode
 side) kept the descriptor count flat but added two copies to the wire's one, and stayed under 0.72x
 for scattered pages; it is gone with the page-major pool. What remains of the gap to raw is a fixed
@@ -55,13 +60,18 @@ cost per transfer (thread hand-offs, notification polling: ~0.5 ms), visible onl
 from pdserve.kv_transfer.agent import KVTransferAgent
 from pdserve.kv_transfer.descriptors import coalesce
 from pdserve.kv_transfer.errors import KVLayoutMismatch, KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.fanout import KVFanout
+from pdserve.kv_transfer.head_map import HeadRoute, HeadSlice, head_map
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.receiver import KVReceive
 from pdserve.kv_transfer.transfer import KVTransfer
 
 __all__ = [
     "POOL_LAYOUT",
+    "HeadRoute",
+    "HeadSlice",
     "KVAgentInfo",
+    "KVFanout",
     "KVLayout",
     "KVLayoutMismatch",
     "KVReceive",
@@ -71,4 +81,5 @@ __all__ = [
     "KVTransferTimeout",
     "check_compatible",
     "coalesce",
+    "head_map",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -18,6 +18,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 from pdserve.kv_transfer import messages
 from pdserve.kv_transfer.errors import NIXL_ERRORS, KVTransferError, PeerDisconnected
+from pdserve.kv_transfer.head_map import HeadSlice
 from pdserve.kv_transfer.layout import POOL_LAYOUT, KVAgentInfo, KVLayout, check_compatible
 from pdserve.kv_transfer.notifications import NotificationPump
 from pdserve.kv_transfer.receiver import KVReceive, KVReceiver
@@ -132,6 +133,7 @@ class KVTransferAgent:
         if known is not None:
             if known.incarnation == info.incarnation:
                 return
+            logger.info("KV peer %r restarted: its new incarnation replaces the old one", info.agent_name)
             self.remove_peer(info.agent_name)
         try:
             loaded = self._agent.add_remote_agent(info.agent_metadata)
@@ -165,18 +167,28 @@ class KVTransferAgent:
         dst_pages: Sequence[int],
         stall_s: float,
         dst_local_pages: Sequence[int] = (),
+        heads: HeadSlice | None = None,
     ) -> KVTransfer:
         """Open a transfer into the peer's ``dst_pages`` (of its pool) and ``dst_local_pages`` (of its
         local layers' pool); ``send`` / ``send_local`` pages into it as they are ready.
 
-        ``stall_s`` bounds each WRITE's wait for completion.
+        ``stall_s`` bounds each WRITE's wait for completion. ``heads``: move only that slice of each
+        page's KV heads (``head_map``; no local layers' pages then), else whole pages.
 
         Raises:
-            KVTransferError: unknown peer. ValueError: a destination page repeated or out of range.
+            KVTransferError: unknown peer. ValueError: a destination page repeated or out of range, or
+                a head slice outside either pool's heads.
         """
         peer = self._peers.get(peer_name)
         if peer is None:
             raise KVTransferError(f"unknown KV peer {peer_name!r}: add_peer() it first")
+        if heads is not None and (
+            dst_local_pages
+            or min(heads) < 0
+            or heads.src_head + heads.num_heads > self.layout.num_kv_heads
+            or heads.dst_head + heads.num_heads > peer.layout.num_kv_heads
+        ):
+            raise ValueError(f"head slice {heads} does not fit both pools (or local layers' pages given)")
         for pages, limit in ((dst_pages, peer.num_pages), (dst_local_pages, peer.local_num_pages)):
             if len(set(pages)) != len(pages):
                 raise ValueError("a destination page appears more than once")
@@ -184,7 +196,7 @@ class KVTransferAgent:
                 raise ValueError(f"a destination page is outside [0, {limit})")
         self._pump.kick()
         dst = peer.transfer_pages(dst_pages, dst_local_pages)
-        return KVTransfer(self._sender, peer, tid, dst, stall_s, num_local=len(dst_local_pages))
+        return KVTransfer(self._sender, peer, tid, dst, stall_s, len(dst_local_pages), heads)
 
     async def write_pages(
         self, peer_name: str, src_pages: Sequence[int], dst_pages: Sequence[int], tid: bytes, timeout_s: float
@@ -207,16 +219,24 @@ class KVTransferAgent:
 
     # ---- receiver side ------------------------------------------------------------------------
     def expect(
-        self, peer_name: str, tid: bytes, dst_pages: Sequence[int], dst_local_pages: Sequence[int] = ()
+        self,
+        senders: str | Mapping[str, int],
+        tid: bytes,
+        dst_pages: Sequence[int],
+        dst_local_pages: Sequence[int] = (),
     ) -> KVReceive:
-        """Expect transfer ``tid`` from ``peer_name`` into our ``dst_pages`` and ``dst_local_pages`` (of
-        the local layers' pool; ``start_transfer``'s), as the transfer names them (call before asking
-        for it).
+        """Expect transfer ``tid`` into our ``dst_pages`` and ``dst_local_pages`` (of the local layers'
+        pool; ``start_transfer``'s), as the transfer names them (call before asking for it), from
+        ``senders``: one agent's name (it writes whole pages), or each sending agent with how many of
+        our pool's heads it writes (``head_map``): every page must land from each of them.
 
         Raises:
             KVTransferError: ``tid`` is already expected.
         """
-        receive = self._receiver.expect(peer_name, tid, self._info.transfer_pages(dst_pages, dst_local_pages))
+        if isinstance(senders, str):
+            senders = {senders: self.layout.num_kv_heads}
+        pages = self._info.transfer_pages(dst_pages, dst_local_pages)
+        receive = self._receiver.expect(senders, self.layout.num_kv_heads, tid, pages)
         self._pump.kick()
         return receive
 

@@ -62,3 +62,31 @@ def page_run_descs(pool: KVAgentInfo, starts: np.ndarray, counts: np.ndarray) ->
     descs[:, 1] = counts.astype(np.uint64) * page_bytes
     descs[:, 2] = max(pool.device_id, 0)
     return descs
+
+
+def head_slice_descs(pool: KVAgentInfo, pages: np.ndarray, head: int, num_heads: int) -> np.ndarray:
+    """NIXL ``(addr, len, dev_id)`` rows for heads ``[head, head + num_heads)`` of ``pages`` of the pool.
+
+    Within a page the heads are the second-innermost axis, so each ``(layer, kv, slot)`` row of a page
+    holds the slice as one contiguous ``num_heads * head_dim * itemsize`` bytes, ``num_kv_heads *
+    head_dim * itemsize`` bytes after the previous row's: one descriptor per row.
+
+    Args:
+        pool: the pool's agent info (its pool only: no local layers' pool).
+        pages: int64 ``[n]`` pages of the pool, in the order their rows are paired with the peer's.
+        head, num_heads: the slice, along this pool's own ``head`` axis.
+
+    Returns:
+        uint64 array ``[n * rows, 3]``, ``rows = num_layers * 2 * page_size`` (the pool's layers), page-major.
+    """
+    layout = pool.layout
+    num_rows = (layout.num_layers - layout.num_local_layers) * 2 * layout.page_size
+    row_bytes = layout.page_bytes // num_rows
+    head_bytes = row_bytes // layout.num_kv_heads
+    rows = np.arange(num_rows, dtype=np.uint64) * np.uint64(row_bytes)
+    page_addrs = np.uint64(pool.base_addr) + pages.astype(np.uint64) * np.uint64(layout.page_bytes)
+    descs = np.empty((len(pages) * len(rows), 3), dtype=np.uint64)
+    descs[:, 0] = (page_addrs[:, None] + rows[None, :] + np.uint64(head * head_bytes)).reshape(-1)
+    descs[:, 1] = num_heads * head_bytes
+    descs[:, 2] = max(pool.device_id, 0)
+    return descs

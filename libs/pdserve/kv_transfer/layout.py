@@ -29,10 +29,12 @@ class KVLayout:
         num_layers, num_kv_heads, head_dim: the KV tensor geometry of one page slot.
         layout: axis order of the pool tensor; this library supports ``POOL_LAYOUT`` only.
         tp_size / tp_rank: the tensor-parallel ranks of the scheduler and the rank owning this pool
-            (``num_kv_heads`` are that rank's heads); rank ``i`` of a prefill worker writes into rank
-            ``i`` of a decode worker, so both sizes and the ranks must agree.
+            (``num_kv_heads`` are that rank's heads); which prefill rank writes which heads into which
+            decode rank is ``head_map``'s (the sizes may differ).
         num_local_layers: of ``num_layers``, the sliding-window layers whose KV is in a page space
             of its own (``SWAKVPool.swa``, ``--swa-full-tokens-ratio``); 0: every layer in one pool.
+        kv_head_start: the model's first KV head in this pool (its heads are ``kv_heads``).
+        total_kv_heads: the model's KV heads, all ranks together (0: ``num_kv_heads``, one rank).
     """
 
     model: str
@@ -45,6 +47,18 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     num_local_layers: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int = 0
+
+    @property
+    def kv_heads(self) -> range:
+        """The model's KV heads this pool holds, in the order of its ``head`` axis."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads, all ranks together."""
+        return self.total_kv_heads or self.num_kv_heads
 
     @property
     def page_bytes(self) -> int:
@@ -64,13 +78,22 @@ class KVLayout:
         return 2 * self.page_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
-def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise ``KVLayoutMismatch`` naming every differing field, e.g. ``"page_size: local 16, remote 32"``."""
+RANK_FIELDS = frozenset({"tp_size", "tp_rank", "num_kv_heads", "kv_head_start", "total_kv_heads"})
+"""The fields of one rank's share of the heads: ``head_map`` matches them, not ``check_compatible``."""
+
+
+def check_compatible(local: KVLayout, remote: KVLayout, names: tuple[str, str] = ("local", "remote")) -> None:
+    """Raise ``KVLayoutMismatch`` naming every differing field of the model's KV geometry, e.g.
+    ``"page_size: local 16, remote 32"`` (``names`` label the sides); the model's KV heads count, not
+    which of them each rank holds (``head_map`` pairs those)."""
+    a, b = names
     diffs = [
-        f"{f.name}: local {getattr(local, f.name)!r}, remote {getattr(remote, f.name)!r}"
+        f"{f.name}: {a} {getattr(local, f.name)!r}, {b} {getattr(remote, f.name)!r}"
         for f in fields(KVLayout)
-        if getattr(local, f.name) != getattr(remote, f.name)
+        if f.name not in RANK_FIELDS and getattr(local, f.name) != getattr(remote, f.name)
     ]
+    if local.model_kv_heads != remote.model_kv_heads:
+        diffs.append(f"total_kv_heads: {a} {local.model_kv_heads}, {b} {remote.model_kv_heads}")
     if local.num_local_layers != remote.num_local_layers:
         diffs.append("give both workers the same --swa-full-tokens-ratio (a local layers' pool or none)")
     if diffs:

@@ -1,15 +1,17 @@
 """Receiving side of KV transfers: expected transfers, their landed pages, completion.
 
-A receive completes only when every destination page has landed, each counted once (a LANDED that
-repeats pages, names pages out of range, or comes from another agent than the expected sender
-changes nothing). A LANDED arrives after its WRITE's bytes, so a completed receive's pages are whole.
+A receive completes only when every destination page has landed from every expected sender (one, or
+under prefill and decode TP groups of different sizes each prefill rank writing a slice of this
+pool's heads), each counted once (a LANDED that repeats pages, names pages out of range, or comes
+from an agent that is not an expected sender changes nothing). A LANDED arrives after its WRITE's
+bytes, so a completed receive's pages are whole.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,24 +26,40 @@ class KVReceive:
     """One expected inbound transfer (made by ``KVTransferAgent.expect``).
 
     Attributes:
-        peer_name: the sending agent.
-        tid: transfer id named in the sender's notifications.
-        dst_pages: this side's destination pages; index ``i`` is what the sender calls ``first + ...``.
+        senders: each sending agent -> how many of this pool's KV heads it writes into every page
+            (one agent writing all of them, but under prefill and decode TP groups of different sizes).
+        tid: transfer id named in the senders' notifications.
+        dst_pages: this side's destination pages; index ``i`` is what a sender calls ``first + ...``.
         nbytes: bytes landed so far.
     """
 
-    def __init__(self, receiver: KVReceiver, peer_name: str, tid: bytes, dst_pages: Sequence[int]):
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        senders: Mapping[str, int],
+        num_heads: int,
+        tid: bytes,
+        dst_pages: Sequence[int],
+    ):
         self._receiver = receiver
-        self.peer_name = peer_name
+        self.senders = dict(senders)
         self.tid = tid
         self.dst_pages = [int(p) for p in dst_pages]
         self.nbytes = 0
-        self._bytes = receiver.page_bytes(np.asarray(self.dst_pages, dtype=np.int64)).astype(np.int64)
-        self._landed = np.zeros(len(self.dst_pages), dtype=bool)
-        self._missing = len(self.dst_pages)
+        page_bytes = receiver.page_bytes(np.asarray(self.dst_pages, dtype=np.int64)).astype(np.int64)
+        heads = np.array(list(self.senders.values()), dtype=np.int64)[:, None]
+        self._bytes = page_bytes[None, :] * heads // num_heads  # [sender, page]
+        self._row = {name: i for i, name in enumerate(self.senders)}
+        self._landed = np.zeros((len(self.senders), len(self.dst_pages)), dtype=bool)
+        self._missing = self._landed.size
         self._completion = Completion()
         if self._missing == 0:
             self._completion.set_result(0)
+
+    @property
+    def peer_name(self) -> str:
+        """The senders' names, for messages."""
+        return ", ".join(self.senders)
 
     async def wait(self, timeout_s: float) -> int:
         """Return the bytes received once every page has landed. Fetches notifications at once: call
@@ -56,9 +74,10 @@ class KVReceive:
             return await self._completion.wait(timeout_s)
         except TimeoutError:
             self.cancel()
+            each = f" (each page from each of {len(self.senders)} senders)" if len(self.senders) > 1 else ""
             raise KVTransferTimeout(
-                f"KV transfer {self.tid!r} from {self.peer_name!r}: {self._missing} of"
-                f" {len(self.dst_pages)} pages missing after {timeout_s:.3g} s"
+                f"KV transfer {self.tid!r} from {self.peer_name}: {self._missing} of"
+                f" {self._landed.size} pages missing after {timeout_s:.3g} s{each}"
             ) from None
 
     def cancel(self) -> None:
@@ -85,9 +104,12 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._expected: dict[bytes, KVReceive] = {}
 
-    def expect(self, peer_name: str, tid: bytes, dst_pages: Sequence[int]) -> KVReceive:
-        """Register a transfer before asking for it. Raises KVTransferError on a tid already expected."""
-        receive = KVReceive(self, peer_name, tid, dst_pages)
+    def expect(
+        self, senders: Mapping[str, int], num_heads: int, tid: bytes, dst_pages: Sequence[int]
+    ) -> KVReceive:
+        """Register a transfer before asking for it (``KVReceive``'s arguments). Raises KVTransferError
+        on a tid already expected."""
+        receive = KVReceive(self, senders, num_heads, tid, dst_pages)
         if receive.done:
             return receive
         with self._lock:
@@ -109,16 +131,17 @@ class KVReceiver:
         """Count a group of landed pages (if its transfer is expected from ``sender``)."""
         with self._lock:
             receive = self._expected.get(landed.tid)
-            if receive is None or receive.peer_name != sender:
+            if receive is None or sender not in receive.senders:
                 return  # cancelled, failed or timed out: its pages may belong to someone else now
             first, count = landed.first, landed.count
             if count < 0 or first < 0 or first + count > len(receive.dst_pages):
                 logger.warning("KV transfer %r: LANDED pages out of range from %r", landed.tid, sender)
                 return
-            fresh = ~receive._landed[first : first + count]
-            receive._landed[first : first + count] = True
+            row = receive._row[sender]
+            fresh = ~receive._landed[row, first : first + count]
+            receive._landed[row, first : first + count] = True
             receive._missing -= int(np.count_nonzero(fresh))
-            receive.nbytes += int(receive._bytes[first : first + count][fresh].sum())
+            receive.nbytes += int(receive._bytes[row, first : first + count][fresh].sum())
             if receive._missing == 0:
                 del self._expected[landed.tid]
                 receive._completion.set_result(receive.nbytes)
@@ -126,7 +149,7 @@ class KVReceiver:
     def on_abort(self, sender: str, tid: bytes) -> None:
         with self._lock:
             receive = self._expected.get(tid)
-            if receive is None or receive.peer_name != sender:
+            if receive is None or sender not in receive.senders:
                 return
             del self._expected[tid]
         receive._completion.set_exception(

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pdserve.kv_transfer import messages
-from pdserve.kv_transfer.descriptors import coalesce, page_run_descs
+from pdserve.kv_transfer.descriptors import coalesce, head_slice_descs, page_run_descs
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
 from pdserve.kv_transfer.layout import KVAgentInfo
 from pdserve.kv_transfer.transfer import KVTransfer
@@ -135,11 +135,8 @@ class KVSender:
     def _post(self, group: _Group) -> bool:
         """Post the group's WRITE (one descriptor per run of pages) with its LANDED notification."""
         t, nixl = group.transfer, self._nixl
-        dst = t.dst_pages[group.first : group.first + len(group.src)].tolist()
-        runs = coalesce(group.src, dst, self._local.num_pages, t.peer.num_pages)
-        runs = np.array(runs, dtype=np.int64).reshape(-1, 3)
-        local = page_run_descs(self._local, runs[:, 0], runs[:, 2])
-        remote = page_run_descs(t.peer, runs[:, 1], runs[:, 2])
+        dst = t.dst_pages[group.first : group.first + len(group.src)]
+        local, remote = self._descs(group.src, dst, t)
         group.nbytes = int(local[:, 1].sum())
         group.descriptors = len(local)
         notif = messages.landed(t.tid, group.first, len(group.src))
@@ -154,6 +151,21 @@ class KVSender:
                 group.deadline = time.monotonic() + t.stall_s
                 group.state = self._call(t.peer_name, nixl.transfer, group.handle)
         return self._poll(group) if posted else self._leave(group, written=False)
+
+    def _descs(self, src: list[int], dst: np.ndarray, t: KVTransfer) -> tuple[np.ndarray, np.ndarray]:
+        """The WRITE's local and remote descriptors: one per run of whole pages, or with ``t.heads``
+        one per row of each page's head slice (``head_slice_descs``)."""
+        if t.heads is not None:
+            heads = t.heads
+            local = head_slice_descs(
+                self._local, np.asarray(src, dtype=np.int64), heads.src_head, heads.num_heads
+            )
+            return local, head_slice_descs(t.peer, dst, heads.dst_head, heads.num_heads)
+        runs = coalesce(src, dst.tolist(), self._local.num_pages, t.peer.num_pages)
+        runs = np.array(runs, dtype=np.int64).reshape(-1, 3)
+        return page_run_descs(self._local, runs[:, 0], runs[:, 2]), page_run_descs(
+            t.peer, runs[:, 1], runs[:, 2]
+        )
 
     def _poll(self, group: _Group) -> bool:
         """True once the group's WRITE is complete (the group is then done)."""

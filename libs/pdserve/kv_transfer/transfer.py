@@ -15,6 +15,7 @@ import numpy as np
 
 from pdserve.kv_transfer.completion import Completion
 from pdserve.kv_transfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kv_transfer.head_map import HeadSlice
 from pdserve.kv_transfer.layout import KVAgentInfo
 
 
@@ -45,8 +46,10 @@ class KVTransfer:
         dst_pages: the receiver's destination pages, in its transfer space
             (``KVAgentInfo.transfer_pages``): its pool's, then ``num_local`` of its local
             layers' pool.
+        heads: the heads it moves of each page (``head_map``), or None for whole pages.
         nbytes: bytes written so far.
-        descriptors: NIXL descriptors posted so far (one per run of pages consecutive on both sides).
+        descriptors: NIXL descriptors posted so far (one per run of pages consecutive on both sides;
+            with ``heads``, one per ``(page, layer, kv, slot)`` row).
     """
 
     def __init__(
@@ -57,8 +60,10 @@ class KVTransfer:
         dst_pages: Sequence[int],
         stall_s: float,
         num_local: int = 0,
+        heads: HeadSlice | None = None,
     ):
         self.peer_name = peer.agent_name
+        self.heads = heads
         self.num_local = num_local
         self.tid = tid
         self.dst_pages = np.asarray(dst_pages, dtype=np.int64)

@@ -2,9 +2,10 @@
 memory scheme).
 
 Every adapter named at start (``--lora-modules``) or loaded at run time is read and checked once and
-kept in host memory (``LoraAdapter``); at most ``max_loras`` of them sit in the model's stacked
-slot buffers (``LoraSlots``) at a time. A request pins its adapter's slot from admission to its end
-(``acquire`` / ``release``); an adapter no running request uses is evicted least recently used
+kept in host memory (``LoraAdapter``), at most ``max_loaded`` of them (SGLang's ``--max-loaded-loras``:
+a load beyond it is refused, ``LoraLimitError``); at most ``max_loras`` of them sit in the model's
+stacked slot buffers (``LoraSlots``) at a time. A request pins its adapter's slot from admission to
+its end (``acquire`` / ``release``); an adapter no running request uses is evicted least recently used
 first when another needs a slot. ``prepare`` hands each forward step its per-token slots.
 """
 
@@ -21,6 +22,7 @@ from pdserve.layers.linear import Linear
 from pdserve.layers.parallel_linear import RowParallelLinear
 from pdserve.lora.adapter import TARGET_MODULES, LoraAdapter, LoraAdapterError, load_adapter
 from pdserve.lora.layer import BASE_SLOT, LoraBatch, LoraSlots, LoraState
+from pdserve.lora.limits import DEFAULT_MAX_LOADED_LORAS, check_loaded_loras
 
 _FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # our module names of the targets
 
@@ -31,6 +33,11 @@ class LoraNotFoundError(KeyError):
 
 class LoraInUseError(RuntimeError):
     """The adapter cannot be unloaded or replaced: running requests use it (HTTP 409)."""
+
+
+class LoraLimitError(RuntimeError):
+    """``max_loaded`` adapters are loaded already: a new one is refused until one is unloaded
+    (HTTP 429)."""
 
 
 class LoraSlotsFullError(RuntimeError):
@@ -53,15 +60,20 @@ class LoraManager:
         model: a loaded Llama-family ``...ForCausalLM`` (``model.model.layers``).
         max_loras: adapter slots held at once (``--max-loras``), >= 1.
         max_rank: the largest rank accepted (``--max-lora-rank``); the buffers' rank.
+        max_loaded: adapters held in host memory at once (``--max-loaded-loras``), in
+            ``[max_loras, MAX_LOADED_LORAS]``.
 
     Raises:
-        ValueError: ``max_loras`` or ``max_rank`` < 1.
+        ValueError: ``max_loras`` or ``max_rank`` < 1, or ``max_loaded`` out of its range.
     """
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int):
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, max_loaded: int = DEFAULT_MAX_LOADED_LORAS
+    ):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"--max-loras {max_loras} and --max-lora-rank {max_rank} must be >= 1")
-        self.max_loras, self.max_rank = max_loras, max_rank
+        check_loaded_loras(max_loaded, max_loras)
+        self.max_loras, self.max_rank, self.max_loaded = max_loras, max_rank, max_loaded
         self.state = LoraState()
         # (layer, PEFT module name) -> the layer's slots, shard index, and this rank's slice of it
         self.targets: dict[tuple[int, str], _Target] = {}
@@ -97,11 +109,17 @@ class LoraManager:
         adapter of that name).
 
         Raises:
+            LoraLimitError: ``max_loaded`` other adapters are loaded (checked before any read).
             LoraAdapterError: the adapter does not fit the base (``load_adapter``).
             LoraInUseError: running requests use the adapter ``name`` replaces.
         """
         if self.pins[name]:
             raise LoraInUseError(f"adapter {name!r} is in use by {self.pins[name]} running request(s)")
+        if name not in self.adapters and len(self.adapters) >= self.max_loaded:
+            raise LoraLimitError(
+                f"{len(self.adapters)} LoRA adapters are loaded, the limit (--max-loaded-loras "
+                f"{self.max_loaded}): unload one first"
+            )
         adapter = load_adapter(name, path, self.max_rank, self.shapes)
         self._evict(name)
         self.adapters[name] = adapter

@@ -28,6 +28,15 @@ class DuplicateRid(ValueError):
     nothing was queued, and the request holding the rid goes on."""
 
 
+class UnknownAdapter(ValueError):
+    """A request of a LoRA adapter this worker does not hold (unloaded while the request travelled
+    from the gateway's model check): nothing was queued; NOT_FOUND, the gateway's 404
+    ``model_not_found``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model '{name}' does not exist.")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What a request must fit.
@@ -114,8 +123,8 @@ class RequestTable(Mapping[str, Req]):
                 stop or bias token ids outside it, grammar text over its size, prompt logprobs of
                 a prompt over ``MAX_PROMPT_LOGPROB_TOKENS``, a priority other than 0 under a
                 policy other than ``priority`` (vLLM refuses it too), and an embedding (``embed``,
-                which needs ``max_new_tokens`` 1) of a model whose pooling is not served, and a
-                ``lora_name`` this worker does not serve, included.
+                which needs ``max_new_tokens`` 1) of a model whose pooling is not served, included.
+            UnknownAdapter: (a ValueError) a ``lora_name`` this worker does not serve.
         """
         self.queue.check_room()
         lim = self.limits
@@ -137,7 +146,7 @@ class RequestTable(Mapping[str, Req]):
                 f"needs a prompt of at most {MAX_PROMPT_LOGPROB_TOKENS} tokens, got {len(prompt)}",
             )
         if req.sampling_params.lora_name and req.sampling_params.lora_name not in lim.adapters:
-            raise BoundError("lora_name", f"no LoRA adapter {req.sampling_params.lora_name!r} is served here")
+            raise UnknownAdapter(req.sampling_params.lora_name)
         if req.sampling_params.embed and lim.pooling is None:
             raise BoundError("embed", "this model's sentence-transformers pooling mode is not served")
         self._check_resumed(req)

@@ -192,6 +192,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pdserve"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for the base model
 
 
 class ModelList(BaseModel):

@@ -78,6 +78,13 @@ class ServingContext:
             reasoning = ReasoningParser(info.reasoning_parser)
         return ChatParsers(tools, reasoning, info.think_tokens)
 
+    def listed_models(self) -> list[tuple[str, str | None]]:
+        """What /v1/models and the gRPC API's ListModels list, in order: ``(id, parent)`` of every
+        served name of the base model (parent None), then of every LoRA adapter (its parent the base
+        model's ``served_model_name``, as vLLM's ``parent``)."""
+        base = [(name, None) for name in self.model_names]
+        return base + [(name, self.served_model_name) for name in self.lora_names]
+
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response reports: the LoRA adapter the request named (vLLM does the
         same), else ``served_model_name``."""

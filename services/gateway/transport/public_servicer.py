@@ -151,8 +151,11 @@ class PdServeServicer(api_pb2_grpc.PdServeServicer):
             info = await self.ctx.manager.model_info()
         except GatewayError as e:
             await abort_with(context, e)
-        card = api_pb2.ModelCard(id=self.ctx.served_model_name, context_length=info.context_length)
-        return api_pb2.ListModelsResponse(models=[card])
+        cards = [
+            api_pb2.ModelCard(id=name, context_length=info.context_length, parent=parent or "")
+            for name, parent in self.ctx.listed_models()
+        ]
+        return api_pb2.ListModelsResponse(models=cards)
 
     async def LoadLoraAdapter(
         self, request: api_pb2.PublicLoadLoraAdapterRequest, context: grpc.aio.ServicerContext

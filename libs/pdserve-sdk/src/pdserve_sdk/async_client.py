@@ -138,10 +138,11 @@ class AsyncClient(ClientBase):
         return embed_result_from_pb(response)
 
     async def models(self, *, timeout: float | None = None) -> list[ModelCard]:
-        """The models this server serves."""
+        """The models this server serves: the base model's names, then the LoRA adapters loaded
+        (``parent`` naming their base model)."""
         with translated_errors():
             response = await self._stubs.list_models(_wire.ListModelsRequest(), **self._call_kwargs(timeout))
-        return [ModelCard(m.id, m.context_length) for m in response.models]
+        return [ModelCard(m.id, m.context_length, m.parent) for m in response.models]
 
     async def abort(self, rid: str, *, timeout: float | None = None) -> bool:
         """Abort request ``rid`` (running on any client); ``False`` if the server does not know it."""

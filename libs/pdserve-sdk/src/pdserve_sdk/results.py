@@ -108,10 +108,12 @@ class GenerateResult:
 
 @dataclass(frozen=True, slots=True)
 class ModelCard:
-    """A served model: its id (the ``model`` to request) and context length in tokens."""
+    """A served model: its id (the ``model`` to request), context length in tokens and, for a LoRA
+    adapter, its base model (``parent``; "" for the base model)."""
 
     id: str
     context_length: int
+    parent: str = ""
 
 
 @dataclass(frozen=True, slots=True)
