@@ -39,14 +39,13 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         "--max-queue-time", f"{args.max_queue_time:g}",
         "--watchdog-timeout", f"{args.watchdog_timeout:g}",
     ]  # fmt: skip
-    if args.speculative_algorithm != "none":
-        flags += [
-            "--speculative-algorithm", args.speculative_algorithm,
-            "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
-            "--speculative-policy", args.speculative_policy,
-        ]  # fmt: skip
-        if args.speculative_draft_model_path:
-            flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+    flags += [
+        "--speculative-algorithm", args.speculative_algorithm,
+        "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
+        "--speculative-policy", args.speculative_policy,
+    ]  # fmt: skip
+    if args.speculative_draft_model_path:
+        flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
     if args.max_queued_requests is not None:
         flags += ["--max-queued-requests", str(args.max_queued_requests)]
     if args.max_total_tokens:

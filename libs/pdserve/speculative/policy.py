@@ -43,30 +43,53 @@ class LinearStepTime:
 class AcceptanceTracker:
     """Per request, the probability that a draft stands: drafts kept over drafts kept plus
     rejections (a step keeping ``a`` of ``k`` drafts saw ``a`` successes and, if ``a < k``, one
-    failure), each step's counts decayed by ``decay``, starting from ``prior`` worth
-    ``prior_weight`` drafts.
+    failure), each step's counts decayed by ``decay``, starting from a prior worth ``prior_weight``
+    drafts.
+
+    The prior of a request not seen yet is the pooled rate of every request's recent verify steps
+    (counts decayed by ``pooled_decay`` per step, from ``prior`` before any): on one deployment the
+    text, and so how often drafts stand, changes slowly from request to request (an empirical-Bayes
+    prior), so a new request speculates from its first steps where its predecessors' drafts stood,
+    instead of waiting to be explored.
 
     Raises:
-        ValueError: ``prior`` outside [0, 1], ``decay`` outside (0, 1], a negative weight.
+        ValueError: ``prior`` outside [0, 1], a decay outside (0, 1], a negative weight.
     """
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.8):
-        if not (0 <= prior <= 1 and 0 < decay <= 1 and prior_weight >= 0):
-            raise ValueError(f"bad acceptance tracker settings: {prior=}, {prior_weight=}, {decay=}")
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+    def __init__(
+        self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.8, pooled_decay: float = 0.95
+    ):
+        if not (0 <= prior <= 1 and 0 < decay <= 1 and 0 < pooled_decay <= 1 and prior_weight >= 0):
+            raise ValueError(
+                f"bad acceptance tracker settings: {prior=}, {prior_weight=}, {decay=}, {pooled_decay=}"
+            )
+        self.prior, self.prior_weight = prior, prior_weight
+        self.decay, self.pooled_decay = decay, pooled_decay
         self._counts: dict[str, tuple[float, float]] = {}
+        self._pooled = (prior * prior_weight, prior_weight)
+
+    def pooled_rate(self) -> float:
+        """The rate of every request's recent verify steps: a new request's prior."""
+        kept, tried = self._pooled
+        return kept / tried if tried else self.prior
 
     def rate(self, rid: str) -> float:
-        kept, tried = self._counts.get(rid, (self.prior * self.prior_weight, self.prior_weight))
-        return kept / tried if tried else self.prior
+        kept, tried = self._counts.get(rid) or self._start()
+        return kept / tried if tried else self.pooled_rate()
 
     def observe(self, rid: str, num_drafts: int, num_accepted: int) -> None:
         """A verify step of ``num_drafts`` drafts of which the first ``num_accepted`` stood."""
         if num_drafts == 0:
             return
-        kept, tried = self._counts.get(rid, (self.prior * self.prior_weight, self.prior_weight))
         failed = num_accepted < num_drafts
+        kept, tried = self._counts.get(rid) or self._start()
         self._counts[rid] = (kept * self.decay + num_accepted, tried * self.decay + num_accepted + failed)
+        kept, tried = self._pooled
+        d = self.pooled_decay
+        self._pooled = (kept * d + num_accepted, tried * d + num_accepted + failed)
 
     def release(self, rid: str) -> None:
         self._counts.pop(rid, None)
+
+    def _start(self) -> tuple[float, float]:
+        return self.pooled_rate() * self.prior_weight, self.prior_weight
