@@ -33,6 +33,9 @@ PAGE, POOL, MAX_RUNNING, CHUNK = 32, 2048, 8, 64
 FLAGS = (
     "--colocated", "--dtype", "float32", "--page-size", str(PAGE), "--max-total-tokens", str(POOL),
     "--max-running-requests", str(MAX_RUNNING), "--chunked-prefill-size", str(CHUNK),
+    # one token per step, so that the driver times one gap per token (a speculative step's tokens
+    # arrive together: one gap per step)
+    "--speculative-algorithm", "none",
 )  # fmt: skip
 NEW_TOKENS = 6
 

@@ -266,6 +266,14 @@ def test_tensor_parallel_schedulers_ask_a_gpu_per_rank() -> None:
         )
 
 
+def test_prefill_and_decode_may_have_their_own_tp_sizes() -> None:
+    chart = render(load_values("gpu-pd", {"engine": {"tpSize": 1}, "prefill": {"tpSize": 2}}))
+    for component, tp in (("prefill", 2), ("decode", 1)):
+        assert chart.env(component)["PDSERVE_TP_SIZE"] == str(tp)
+        resources = pod_spec(chart.workload(component))["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == tp * chart.values[component]["gpus"]
+
+
 def test_config_changes_roll_the_pods(default_chart: Rendered) -> None:
     changed = render(load_values("default", {"engine": {"dtype": "float32"}}))
 

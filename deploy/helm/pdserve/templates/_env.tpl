@@ -80,6 +80,11 @@ pods, decode runs colocated (prefills itself).
 - name: PDSERVE_MAX_RUNNING_REQUESTS
   value: {{ . | int64 | toString | quote }}
 {{- end }}
+{{- with $values.tpSize }}
+# this role's TP size, over the engine ConfigMap's
+- name: PDSERVE_TP_SIZE
+  value: {{ . | int | toString | quote }}
+{{- end }}
 {{- if and (eq (index . 1) "decode") (eq (int $root.Values.prefill.replicas) 0) }}
 - name: PDSERVE_COLOCATED
   value: "true"

@@ -19,7 +19,7 @@ transfer settings, /dev/shm and (with RDMA) the RDMA device, IPC_LOCK and option
 {{- $devices := dict }}
 {{- if gt (int $values.gpus) 0 }}
 {{- /* a scheduler's TP ranks are processes of its pod, each on its own GPUs */}}
-{{- $_ := set $devices "nvidia.com/gpu" (mul (int $values.gpus) (ternary (int $root.Values.engine.tpSize) 1 $engine)) }}
+{{- $_ := set $devices "nvidia.com/gpu" (mul (int $values.gpus) (ternary (int (default $root.Values.engine.tpSize $values.tpSize)) 1 $engine)) }}
 {{- end }}
 {{- if $rdma }}
 {{- $_ := set $devices $root.Values.kvTransfer.rdma.resourceName (int $root.Values.kvTransfer.rdma.resourceCount) }}
