@@ -64,3 +64,23 @@ def test_step_times_are_refit_from_the_periods_seen():
     spec.observe_step(4, 0.05, speculative=False)
     assert abs(spec.step_time[True](10) - 0.03) < 1e-9 and abs(spec.step_time[True].slope - 0.001) < 1e-9
     assert abs(spec.step_time[False](4) - 0.05) < 1e-9  # one batch size seen: the prior's slope, shifted
+
+
+def test_refused_requests_learn_their_acceptance_from_shadow_drafts():
+    spec = speculator()
+    # a speculative step 3x a plain one: drafts standing half the time do not pay, all the time do
+    spec.step_time[True], spec.step_time[False] = LinearStepTime(0.03, 0.0), LinearStepTime(0.01, 0.0)
+    loop, off = running("loop"), running("off")
+    assert not spec.wants([loop, off], 4096)  # the prior (0.5) does not pay: both keep shadow drafts
+    for token in [6, 7, 8]:  # the loop goes on as drafted; "off" writes something else
+        loop.output_ids.append(token)
+        off.output_ids.append(99)
+        assert not spec.wants([loop, off], 4096)
+    assert spec.tracker.rate("off") < 0.5  # its shadow missed at the first token: 0 of 4 stood
+    loop.output_ids.append(5)
+    assert spec.wants([loop], 4096)  # its 4 shadow drafts stood: it pays now, 28 steps before exploring
+    assert spec.tracker.rate("loop") > 0.8
+    spec.draft([loop], 4096)
+    assert loop.drafts == [6, 7, 8, 5]
+    spec.release("loop")
+    assert "loop" not in spec._shadows

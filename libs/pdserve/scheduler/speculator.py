@@ -20,10 +20,14 @@ all it may, and the step speculates when that plan's expected throughput ``(B + 
 (a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et al. 2023)
 beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
 speculates anyway, every request drafting, so that the fit of speculative steps and each request's
-acceptance follow the machine's load and the text. (Cutting drafts per request by their marginal
-gain over the engine's step time (an earlier planner) drafted ~2 per request at batch 16 and ran
-0.84x of plain decoding there while drafting all of them ran 1.27x: a step's fixed costs make its
-last drafts cheaper than the forward's slope says.)
+acceptance follow the machine's load and the text. Where drafts cost nothing (n-gram), a request
+that does not verify in a step still gets drafts, kept aside as a shadow and scored against the
+tokens it then generates (a sampled token equals a point-mass draft with the probability the
+rejection rule would accept it), so its acceptance follows the text between explorations too.
+(Cutting drafts per request by their marginal gain over the engine's step time (an earlier
+planner) drafted ~2 per request at batch 16 and ran 0.84x of plain decoding there while drafting
+all of them ran 1.27x: a step's fixed costs make its last drafts cheaper than the forward's slope
+says.)
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class Speculator:
         self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
         self._exploring = False
         self._last_decode_done: float | None = None  # when the latest decode-only step was processed
+        # rid -> (drafts not verified, len(output_ids) when drafted): scored once the tokens are known
+        self._shadows: dict[str, tuple[list[int], int]] = {}
 
     # ---- deciding ---------------------------------------------------------------------------
     def limit(self, req: Req, max_req_tokens: int) -> int:
@@ -105,6 +111,7 @@ class Speculator:
     def wants(self, reqs: Sequence[Req], max_req_tokens: int) -> bool:
         """Whether this step (``reqs``: its decodes) speculates, decided before drafting."""
         self._exploring = False
+        self._score_shadows(reqs)
         limits = [self.limit(req, max_req_tokens) for req in reqs]
         if self.policy == "always" or not any(limits):
             return any(limits)
@@ -112,6 +119,11 @@ class Speculator:
             return True
         self._refused += 1
         self._exploring = self._refused % EXPLORE_EVERY == 0
+        if not self._exploring and self.proposer.drafts_are_free:
+            asked = [(r, n) for r, n in zip(reqs, limits, strict=True) if n and r.rid not in self._shadows]
+            if asked:
+                drafts = self.proposer.propose([self._draft_request(r, n) for r, n in asked]).token_ids
+                self._keep_shadows([r for r, _ in asked], drafts)
         return self._exploring
 
     def draft(self, reqs: Sequence[Req], max_req_tokens: int) -> None:
@@ -123,18 +135,22 @@ class Speculator:
             req.drafts, req.draft_probs = [], None
         if not asked:
             return
-        proposals = self.proposer.propose(
-            [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, n, r.sampling_params) for r, n in asked]
-        )
+        proposals = self.proposer.propose([self._draft_request(r, n) for r, n in asked])
         offered = [
             self._grammar_cut(r, list(d)) for (r, _), d in zip(asked, proposals.token_ids, strict=True)
         ]
         lens = {r.rid: len(d) for (r, _), d in zip(asked, offered, strict=True)}
         limits = [lens.get(r.rid, 0) for r in reqs]
         plan = limits if self.policy == "always" or self._exploring else self._plan(reqs, limits)
-        if self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan):
-            return  # what was offered does not pay after all: a plain step
         index = {r.rid: i for i, (r, _) in enumerate(asked)}
+        # what was offered may not pay after all (adaptive): then a plain step
+        declined = self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan)
+        verifying = set() if declined else {r.rid for r, n in zip(reqs, plan, strict=True) if n}
+        if self.proposer.drafts_are_free:  # drafts not verified are scored as shadows
+            left = [r for r, _ in asked if r.rid not in verifying]
+            self._keep_shadows(left, [offered[index[r.rid]] for r in left])
+        if declined:
+            return
         for req, n in zip(reqs, plan, strict=True):
             if n:
                 i = index[req.rid]
@@ -157,6 +173,34 @@ class Speculator:
             for a, n in zip((self.tracker.rate(r.rid) for r in reqs), plan, strict=True)
         )
         return (batch + gains) / self.step_time[True](tokens) > batch / self.step_time[False](batch)
+
+    @staticmethod
+    def _draft_request(req: Req, num_drafts: int) -> DraftRequest:
+        return DraftRequest(req.rid, req.origin_input_ids, req.output_ids, num_drafts, req.sampling_params)
+
+    def _keep_shadows(self, reqs: Sequence[Req], drafts: Sequence[Sequence[int]]) -> None:
+        """Keep each request's ``drafts`` (not verified) to score once its next tokens are known."""
+        for req, d in zip(reqs, drafts, strict=True):
+            if d and req.rid not in self._shadows:
+                self._shadows[req.rid] = (list(d), len(req.output_ids))
+
+    def _score_shadows(self, reqs: Sequence[Req]) -> None:
+        """Score the shadow drafts of ``reqs`` whose outcome is known: the tokens generated since
+        differ from a draft, or cover them all (the acceptance a verify step would have had)."""
+        for req in reqs:
+            shadow = self._shadows.get(req.rid)
+            if shadow is None:
+                continue
+            drafts, start = shadow
+            if len(req.output_ids) < start:  # not the request that drafted them (a reused rid)
+                del self._shadows[req.rid]
+                continue
+            known = req.output_ids[start : start + len(drafts)]
+            misses = (j for j, (d, t) in enumerate(zip(drafts, known, strict=False)) if d != t)
+            stood = next(misses, len(known))
+            if stood < len(known) or stood == len(drafts):
+                self.tracker.observe(req.rid, len(drafts), stood)
+                del self._shadows[req.rid]
 
     def _grammar_cut(self, req: Req, drafts: list[int]) -> list[int]:
         """``drafts`` up to the first token ``req``'s grammar refuses (and none after one ending it)."""
@@ -205,3 +249,4 @@ class Speculator:
         """``rid`` ended: forget its proposer state and acceptance."""
         self.proposer.release(rid)
         self.tracker.release(rid)
+        self._shadows.pop(rid, None)

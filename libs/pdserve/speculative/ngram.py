@@ -72,6 +72,8 @@ class NgramProposer(Proposer):
         ValueError: bad ``min_n`` / ``max_n``.
     """
 
+    drafts_are_free = True  # index lookups, no model
+
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")

@@ -73,7 +73,15 @@ class Drafts:
 
 
 class Proposer(ABC):
-    """Drafts tokens for a batch of running requests."""
+    """Drafts tokens for a batch of running requests.
+
+    Attributes:
+        drafts_are_free: proposing costs next to nothing (no model runs): the adaptive policy then
+            also proposes for requests that do not verify this step and scores those drafts
+            against the tokens they then generate, so it learns their acceptance without verifying.
+    """
+
+    drafts_are_free: bool = False
 
     @abstractmethod
     def propose(self, reqs: Sequence[DraftRequest]) -> Drafts:
