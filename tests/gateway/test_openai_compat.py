@@ -59,7 +59,7 @@ async def test_retrieve_served_model_is_the_listed_card(local_gateway) -> None:
     assert isinstance(model.created, int) and model.created > 0
     assert [m.id for m in listed] == [model.id]
     assert model.model_dump(exclude={"created"}) == listed[0].model_dump(exclude={"created"})
-    assert model.model_extra == {"max_model_len": context_length()}
+    assert model.model_extra == {"max_model_len": context_length(), "parent": None}  # vLLM's fields
 
 
 @pytest.mark.parametrize("model", ["gpt-17", "org/gpt-17"])
