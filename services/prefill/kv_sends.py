@@ -127,7 +127,9 @@ class KVSends:
         except BaseException:
             KVFanout(transfers, 0, 0).cancel()
             raise
-        return KVFanout(transfers, len(dst) - len(local), len(local))
+        # the pool's destinations (none where every layer is local: its pages then hold no KV)
+        num_full = len(dst) if self.agent.layout.page_bytes else 0
+        return KVFanout(transfers, num_full, len(local))
 
     def cancel(self, rid: str) -> None:
         """Stop ``rid``'s transfer at once (no page of it is read any more)."""
