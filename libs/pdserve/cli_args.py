@@ -370,11 +370,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     parser.add_argument(
         "--speculative-algorithm",
-        default="auto",
+        default="none",
         choices=["auto", "none", "ngram", "draft"],
         help="speculative decoding on the workers that decode (colocated, PD decode): ngram (prompt "
         "lookup over each request's own tokens) or draft (--speculative-draft-model-path); auto: "
-        "ngram on a CPU (where make bench-llama measured it paying), none on a GPU",
+        "ngram on a CPU (where make bench-llama measured it paying), none on a GPU; default none",
     )
     parser.add_argument(
         "--speculative-num-draft-tokens",
