@@ -37,9 +37,16 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
     ``prompt_tokens``. Errors do not raise: they end up in ``RequestRecord.error``. A completion that
     finished with tokens that all decode to no text (a random-weight model can repeat a special token,
     which is not shown) is served, without a TTFT.
+
+    ITL is per output token, as SGLang's ``bench_serving`` times it: a chunk's gap since the last text
+    chunk is spread evenly over the tokens it brings (its running usage,
+    ``stream_options.continuous_usage_stats``, tells how many; one where the server sends none, as
+    llama.cpp's one-token chunks), so a speculative step's accepted tokens count as several short
+    gaps, not one long one.
     """
     record = RequestRecord(prompt_tokens=prompt_tokens, start=time.perf_counter())
     chunks = 0
+    streamed = 0  # output tokens the text chunks so far brought
     finish = None
     last = record.start
     try:
@@ -49,18 +56,23 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
             max_tokens=target.output_tokens,
             temperature=target.temperature,
             stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body={"ignore_eos": target.ignore_eos}
             | ({} if target.priority is None else {"priority": target.priority}),
         )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
+                # tokens this chunk brings (several after a speculative step), from its running usage
+                # where the server sends one (vLLM's continuous_usage_stats), else one
+                counted = chunk.usage.completion_tokens if chunk.usage is not None else streamed + 1
+                new_tokens = max(1, counted - streamed)
                 if record.ttft is None:
                     record.ttft = now - record.start
                 else:
-                    record.itl.append(now - last)
+                    record.itl.extend([(now - last) / new_tokens] * new_tokens)
                 last = now
+                streamed += new_tokens
                 chunks += 1
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason

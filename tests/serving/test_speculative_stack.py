@@ -6,10 +6,14 @@ honoured / refused with a 400, and KV pages are conserved on every scheduler aft
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+
 import httpx
 import openai
 import pytest
 
+from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from tests.conftest import COMMON
 from tests.reference import chat_ids, hf_greedy, hf_tokenizer
 from tests.stack import SERVED_MODEL, Stack, launch_stack
@@ -97,3 +101,21 @@ def test_opt_out_and_bounds(spec) -> None:
                 extra_body={"speculative_num_draft_tokens": 17},
             )
         assert "speculative_num_draft_tokens" in str(e.value)
+
+
+def test_the_benchmark_times_each_accepted_token(spec) -> None:
+    """`make bench`'s client spreads a chunk's gap over the tokens it brings (SGLang's per-token ITL):
+    a speculative step streams several tokens in one chunk, and every token after the first chunk
+    gets an ITL sample."""
+    target = CompletionTarget(
+        openai.AsyncOpenAI(base_url=f"{spec.base_url}/v1", api_key="none", max_retries=0),
+        SERVED_MODEL,
+        output_tokens=MAX_TOKENS,
+    )
+    record = asyncio.run(stream_completion(target, f"{PASSAGE}\n\n{PASSAGE}\n\n{PASSAGE}", 0))
+    assert record.error is None and record.output_tokens == MAX_TOKENS
+    # the first chunk brings 1 to k + 1 = 5 tokens; every later token one sample
+    assert MAX_TOKENS - 5 <= len(record.itl) <= MAX_TOKENS - 1
+    chunks = 1 + sum(1 for a, b in itertools.pairwise(record.itl) if a != b)
+    assert chunks < len(record.itl)  # fewer chunks than tokens: drafts stood
+    assert record.ttft + sum(record.itl) <= record.latency
