@@ -104,7 +104,18 @@ class PrefillCoordinator:
         reqs = self.scheduler.pop_kv_requests()
         if self.loop.tp.is_driver:
             for req in reqs:
-                self.tasks[req.rid] = asyncio.create_task(self._prefill(req))
+                task = self.tasks[req.rid] = asyncio.create_task(self._prefill(req))
+                task.add_done_callback(lambda task, rid=req.rid: self._ended(rid, task))
+
+    def _ended(self, rid: str, task: asyncio.Task) -> None:
+        """``rid``'s prefill task is done, however it ended: no Prefill call of it is in flight any
+        more (``KVDrained``, after the task's own ``KVReady`` / ``KVFailed``). A done callback, not
+        the task's ``finally``: a task cancelled before its first turn (``stop`` of a request aborted
+        at the step right after ``start``, before the loop yielded: a speculative step's loop
+        iteration never yields there) never runs its body, and its pages would stay draining."""
+        if self.tasks.get(rid) is task:
+            del self.tasks[rid]
+        self.loop.submit(KVDrained(rid))
 
     def stop(self, rid: str, reason: str) -> None:
         """Stop ``rid``'s prefill task (rank 0). With a Prefill call in flight, the prefill worker is
@@ -172,10 +183,8 @@ class PrefillCoordinator:
             logger.exception("prefill of %s failed", rid, extra={"rid": rid})
             event = KVFailed(rid, f"prefill failed: {e}", retryable=False)
         finally:
-            self.tasks.pop(rid, None)
             if event is not None:
                 self.loop.submit(event)
-            self.loop.submit(KVDrained(rid))
 
     async def _prefill_once(self, req: Req, address: str) -> KVReady:
         """The Prefill of ``req`` on ``address`` (``_prefill_call``). A worker restarted since our

@@ -11,6 +11,7 @@ token for token.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 
 import grpc
@@ -28,6 +29,7 @@ from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pdserve.services.common.bootstrap import build_kv_agent
 from pdserve.services.common.convert import sampling_params_to_pb
+from pdserve.services.common.events import Abort
 from pdserve.services.decode.servicer import DecodeServicer
 from pdserve.services.prefill.servicer import PrefillServicer
 from pdserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -88,6 +90,7 @@ async def pd(schedulers):
             detok,
             prefill,
             decode_agent,
+            decode,
         )
     finally:
         await channel.close()
@@ -149,7 +152,7 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
     until the prefill worker, asked to stop, has ended the request and its call, and are freed then,
     once."""
     prefill_sched, decode_sched = schedulers
-    stub, _, _, detok, prefill, _ = pd
+    stub, _, _, detok, prefill, *_ = pd
     rid, comet = "aborted-mid-prefill", prompt("comets")
     releases = []
     real_drained = decode_sched.kv_drained
@@ -177,6 +180,32 @@ async def test_an_abort_during_the_prefill_holds_the_pages_until_the_prefill_wor
     tokens, finish, _ = await _run(pd, "after-abort", comet)
     assert tokens == hf_greedy(comet, MAX_NEW)
     await _idle_and_conserved(schedulers)
+
+
+async def test_an_abort_applied_before_its_prefill_task_ran_drains_the_pages(schedulers, pd, monkeypatch):
+    """Aborted at the step input point right after its admission, before the loop yielded to the
+    prefill task just created for it (a speculative step's loop iteration never yields there), a
+    request's prefill task is cancelled before its first turn and never enters its body. Its pages
+    drain all the same (``KVDrained`` comes from the task's done callback) instead of staying held,
+    counted used on an idle worker, for ever."""
+    prefill_sched, _ = schedulers
+    detok, decode = pd[3], pd[-1]
+    rid, tasks = "aborted-before-its-prefill-ran", []
+    real_start = decode.prefills.start
+
+    def start_then_abort() -> None:  # the Abort as the next step's inputs apply it, no yield between
+        real_start()
+        if (task := decode.prefills.tasks.get(rid)) is not None:
+            tasks.append((task, inspect.getcoroutinestate(task.get_coro())))
+            decode._abort(Abort(rid, "client went away"))
+
+    monkeypatch.setattr(decode.prefills, "start", start_then_abort)
+    await _submit(pd, rid, prompt("Jupiter"))
+    await wait_until(lambda: detok.finish(rid), timeout=30)
+    assert detok.outputs[rid][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    await _idle_and_conserved(schedulers)
+    assert [(state, task.cancelled()) for task, state in tasks] == [(inspect.CORO_CREATED, True)]
+    assert rid not in decode.prefills.tasks and rid not in prefill_sched.reqs
 
 
 async def test_a_write_failing_mid_transfer_fails_the_request_and_corrupts_nothing(
@@ -229,7 +258,7 @@ async def test_a_prefill_call_cancelled_while_its_add_is_queued_aborts_it(schedu
     Prefill call still aborts the request: its transfer is cancelled at once and the request ends at
     that same step input point, instead of being prefilled and holding its pages until the transfer
     times out. (The handler is called directly, so it is cancelled exactly at that await.)"""
-    *_, prefill, decode_agent = pd
+    *_, prefill, decode_agent, _ = pd
     prefill.agent.add_peer(decode_agent.local_info())  # what the decode side's handshake does
     local = decode_agent.local_info()
     request = scheduler_pb2.PrefillRequest(
