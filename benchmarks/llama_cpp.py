@@ -51,10 +51,12 @@ from tests.stack import free_port_block
 
 log = logging.getLogger("benchmarks.llama_cpp")
 PACKAGE = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp (tools/server)
+# make run's configuration (PD 1+1; on a CPU w4a8 and n-gram speculation), it without speculation,
+# and colocated
 DEFAULT_COMPARE = [
-    "auto=--colocated --quantization auto --max-total-tokens 65536",
-    "pd-auto=--num-prefill 1 --num-decode 1 --quantization auto --max-total-tokens 65536",
-    "w4a8=--colocated --quantization w4a8 --max-total-tokens 65536",
+    "default=--max-total-tokens 65536",
+    "spec-off=--speculative-algorithm none --max-total-tokens 65536",
+    "colocated=--colocated --max-total-tokens 65536",
 ]
 # CMake flags of llama.cpp and the environment of pdserve (and PyTorch) per --cpu-class.
 CPU_CLASSES: dict[str, tuple[list[str], dict[str, str]]] = {

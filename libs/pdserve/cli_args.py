@@ -370,11 +370,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse across requests")
     parser.add_argument(
         "--speculative-algorithm",
-        default="none",
+        default="auto",
         choices=["auto", "none", "ngram", "draft"],
         help="speculative decoding on the workers that decode (colocated, PD decode): ngram (prompt "
         "lookup over each request's own tokens) or draft (--speculative-draft-model-path); auto: "
-        "ngram on a CPU (where make bench-llama measured it paying), none on a GPU; default none",
+        "ngram on a CPU (where make bench-llama measured it paying), none on a GPU (the default)",
     )
     parser.add_argument(
         "--speculative-num-draft-tokens",
