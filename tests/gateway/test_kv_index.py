@@ -19,6 +19,7 @@ from pdserve.mem_cache.kv_events import BlockStored, KVEventBatch, KVEventPublis
 from pdserve.mem_cache.memory_pool import PagedTokenToKVPoolAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.services.common import convert as scheduler_convert
+from pdserve.services.gateway.routing import kv_index
 from pdserve.services.gateway.routing.kv_index import KVIndex, KVIndexGap
 from pdserve.services.gateway.routing.kv_subscriptions import KVIndexes
 from pdserve.services.gateway.routing.policies import KVAwarePolicy, KVAwareWeights
@@ -206,11 +207,12 @@ async def test_kv_aware_scores_cached_prefix_against_load() -> None:
     # no prefix anywhere: the least loaded, then in turn among equals
     assert {p.select(pool.workers, [1, 2, 3, 4, 5]).address for _ in range(4)} == {"b:1"}
     assert not indexes["b:1"].usable(later, 30.0)  # b lacked that page: a batch was due
-    wa.in_flight = 0
-    assert {p.select(pool.workers, [1, 2, 3, 4, 5]).address for _ in range(4)} == {"a:1", "b:1"}
+    wa.in_flight = 0  # a prompt without a whole page: nothing cached or pending anywhere
+    assert {p.select(pool.workers, [1, 2, 3]).address for _ in range(4)} == {"a:1", "b:1"}
     # a's stream is down: its index is unknown and it is scored on load alone
     indexes["a:1"].connected = False
-    assert p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 0.25}
+    # (the prompt heavy routed to b is pending there: its blocks count until b's events name them)
+    assert p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 1.0}
     p.forget(wb)  # b went unhealthy: its index waits for a snapshot
     assert indexes["b:1"].seq is None and p.scores(pool.workers, prompt) == {"a:1": 0.0, "b:1": 0.0}
 
@@ -231,3 +233,43 @@ async def test_kv_aware_finds_an_adapters_prefix_under_its_namespace() -> None:
     assert p.scores(pool.workers, prompt, lora_name="poet") == {"a:1": 0.0, "b:1": 0.0}
     assert {p.select(pool.workers, prompt, "pirate").address for _ in range(4)} == {"a:1"}
     assert {p.select(pool.workers, prompt).address for _ in range(4)} == {"b:1"}
+
+
+async def test_kv_aware_keeps_a_new_prefix_together_until_its_events_arrive() -> None:
+    """A prefix no worker holds goes to the least loaded; the requests that share it and arrive before
+    that worker's events name its blocks follow it there (pending blocks), though it is now busier.
+    Once stored, the blocks are the index's; pending ones expire after PENDING_S, and a clear (or a
+    forgotten worker) drops them."""
+    a, b = Worker(), Worker()
+    a.cache_prompt(list(range(900, 908)))  # something else each: their indexes know the page size
+    b.cache_prompt(list(range(800, 808)))
+    subs = {"a:1": a.publisher.subscribe(), "b:1": b.publisher.subscribe()}
+    indexes = {address: KVIndex("decode", address) for address in subs}
+    for address, worker in (("a:1", a), ("b:1", b)):
+        indexes[address].connected = True
+        await catch_up(indexes[address], worker, subs[address])
+    p = policy(indexes)
+    pool = WorkerPool("decode", list(indexes))
+    wa, wb = pool.workers
+    system = list(range(100, 132))  # 8 pages
+    wb.in_flight = 1
+    assert p.select(pool.workers, system + [1]) is wa
+    wa.in_flight = 2  # a is busier now, its prefill still running
+    assert p.scores(pool.workers, system + [2]) == {"a:1": 1.0 - 0.5, "b:1": -0.5 * 1 / 2}
+    assert {p.select(pool.workers, system + [i]).address for i in range(3, 7)} == {"a:1"}
+    assert p.select(pool.workers, list(range(200, 232))) is wb  # another prefix: by load
+    hashes = block_hashes(system, PAGE)
+    assert len(indexes["a:1"].pending) == 8
+    later = time.monotonic() + kv_index.PENDING_S + 1
+    assert indexes["a:1"].held_blocks(hashes, later) == 0  # expired, with still no event
+    p.select(pool.workers, system + [1])  # pending again; then the worker's events name the blocks
+    a.cache_prompt(system + [1])
+    await catch_up(indexes["a:1"], a, subs["a:1"])
+    assert not indexes["a:1"].pending and indexes["a:1"].held_blocks(hashes, later) == 8
+    p.select(pool.workers, list(range(300, 332)))
+    assert indexes["a:1"].pending or indexes["b:1"].pending
+    p.forget(wa)
+    p.forget(wb)
+    assert not indexes["a:1"].pending and not indexes["b:1"].pending
+    for sub in subs.values():
+        sub.close()

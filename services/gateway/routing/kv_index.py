@@ -10,16 +10,26 @@ The index also knows whether it can be trusted (``usable``): it must be subscrib
 snapshot or every batch since one, and not be lagging (a request with whole prompt pages the worker
 did not hold routed to it longer than ``lag_s`` ago, with no batch since). The first verdict and
 each change of it are logged once.
+
+Until a worker's events can name the blocks of a prompt just routed to it (its prefill, then the
+event's trip), the index counts them as pending for ``PENDING_S`` seconds (``held_blocks``), as
+Dynamo's router predicts the blocks of its active requests: otherwise the requests of a new prefix
+that arrive during its first prefill all score no overlap and spread by load, each worker computing
+and caching a copy. A block stored, removed or cleared is no longer pending; pending blocks are this
+gateway's own (replicas agree again once the events arrive).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 logger = logging.getLogger(__name__)
+
+PENDING_S = 10.0  # seconds a routed prompt's blocks count as held before the worker's events name them
 
 
 class KVIndexGap(Exception):
@@ -35,6 +45,8 @@ class KVIndex:
         seq, incarnation: the last batch applied (None / "" before the first snapshot).
         connected: its subscription is open.
         last_batch_at: ``time.monotonic()`` of the last batch applied.
+        pending: block hash -> deadline (``time.monotonic()``) of blocks routed here that no event has
+            named since, oldest deadline first.
     """
 
     def __init__(self, role: str, address: str) -> None:
@@ -46,6 +58,7 @@ class KVIndex:
         self.incarnation = ""
         self.connected = False
         self.last_batch_at: float | None = None
+        self.pending: OrderedDict[int, float] = OrderedDict()
         self._unanswered_since: float | None = None  # first routing to it after the last batch
         self._bad_block_size: int | None = None
         self._usable: bool | None = None  # the verdict last logged (None: not asked yet)
@@ -69,8 +82,10 @@ class KVIndex:
             elif isinstance(event, BlockRemoved):
                 for block in event.block_hashes:
                     self.blocks.pop(block, None)
+                    self.pending.pop(block, None)
             elif isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
+                self.pending.clear()
         self.seq, self.incarnation = batch.seq, incarnation
         self.last_batch_at = now
         self._unanswered_since = None
@@ -87,21 +102,37 @@ class KVIndex:
         parent = event.parent_block_hash
         for block in event.block_hashes:
             self.blocks[block] = parent
+            self.pending.pop(block, None)
             parent = block
 
     def reset(self) -> None:
         """Forget everything (the worker went away or restarted): unusable until its next snapshot."""
         self.blocks.clear()
+        self.pending.clear()
         self.block_size = None
         self._bad_block_size = None
         self.seq, self.incarnation = None, ""
         self._unanswered_since = None
 
-    def routed(self, now: float) -> None:
+    def routed(self, now: float, hashes: Sequence[int] = ()) -> None:
         """A request whose prompt has whole pages the worker does not hold was just sent to it: a
-        batch is due within the lag bound."""
+        batch is due within the lag bound, and its block ``hashes`` (chained, the worker's block size)
+        that the worker does not hold are pending until ``now + PENDING_S`` (seconds, monotonic)."""
         if self._unanswered_since is None:
             self._unanswered_since = now
+        for block in hashes:
+            if block not in self.blocks:
+                self.pending[block] = now + PENDING_S
+                self.pending.move_to_end(block)
+
+    def held_blocks(self, hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``hashes`` the worker holds or has pending at ``now``."""
+        while self.pending and next(iter(self.pending.values())) <= now:
+            self.pending.popitem(last=False)
+        n = 0
+        while n < len(hashes) and (hashes[n] in self.blocks or hashes[n] in self.pending):
+            n += 1
+        return n
 
     def cached_blocks(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` (a prompt's chained block hashes) the worker holds."""

@@ -11,7 +11,8 @@
   ``overlap_weight * cached_prefix_blocks / prompt_blocks - load_weight * load / max_load`` (``load``
   as ``Worker.load``, ``max_load`` the largest among the candidates, at least 1); the best wins, ties
   go to the least loaded, then in turn. A worker whose index cannot be trusted (stream down or
-  lagging) scores on load alone.
+  lagging) scores on load alone. A prompt's blocks routed to a worker count as cached there until
+  its events name them, for ``kv_index.PENDING_S`` at most (``KVIndex.held_blocks``).
 
 A request of a LoRA adapter (``lora_name``) reuses only its adapter's cached KV, which the workers'
 radix caches keep under the adapter's own root: ``kv_aware`` hashes its blocks in a chain from
@@ -156,7 +157,7 @@ class KVAwarePolicy:
             index = self.indexes.get(w.address)
             if index is not None and index.usable(now, self.weights.lag_s) and index.block_size:
                 prompt = hashes_of(index.block_size)
-                overlap = index.cached_blocks(prompt) / len(prompt) if prompt else 0.0
+                overlap = index.held_blocks(prompt, now) / len(prompt) if prompt else 0.0
             out[w.address] = (
                 self.weights.overlap_weight * overlap - self.weights.load_weight * w.load / max_load
             )
@@ -181,7 +182,7 @@ class KVAwarePolicy:
         if block_size:
             prompt = hashes_of(block_size)
             if index.cached_blocks(prompt) < len(prompt):
-                index.routed(time.monotonic())
+                index.routed(time.monotonic(), prompt)
 
     def forget(self, worker: Worker) -> None:
         index = self.indexes.get(worker.address)

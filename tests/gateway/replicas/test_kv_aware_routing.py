@@ -216,8 +216,10 @@ async def test_an_index_that_cannot_be_trusted_is_routed_by_load_and_logged(
         healthy.in_flight, down.in_flight = 0, 3
         prompt = list(range(1, 40))  # two whole pages no worker holds
         assert all(policy.select(pool.workers, prompt) is healthy for _ in range(3))
-        healthy.in_flight, down.in_flight = 3, 0  # less loaded: the unknown worker gets it, by load
-        assert all(policy.select(pool.workers, prompt) is down for _ in range(3))
+        # less loaded: the unknown worker gets another prompt, by load (that one's pages are pending
+        # on the live worker, which the requests above went to)
+        healthy.in_flight, down.in_flight = 3, 0
+        assert all(policy.select(pool.workers, list(range(100, 140))) is down for _ in range(3))
         # requests with pages it lacks went to the live worker (above), and no batch came: it lags
         await asyncio.sleep(0.7)
         assert policy.scores(pool.workers, prompt) == {live: -0.5, dead: 0.0}
