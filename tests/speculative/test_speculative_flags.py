@@ -30,9 +30,10 @@ def args(*flags: str):
 
 
 def test_ngram_and_draft_proposers_are_built(runner):
-    assert build_proposer(args(), "decode", SINGLE_RANK, resolve_model(), runner) is None  # default: none
-    auto = args("--speculative-algorithm", "auto")  # n-gram on a CPU
-    assert isinstance(build_proposer(auto, "decode", SINGLE_RANK, resolve_model(), runner), NgramProposer)
+    off = args("--speculative-algorithm", "none")
+    assert build_proposer(off, "decode", SINGLE_RANK, resolve_model(), runner) is None
+    default = args()  # auto: n-gram on a CPU
+    assert isinstance(build_proposer(default, "decode", SINGLE_RANK, resolve_model(), runner), NgramProposer)
     ngram = args("--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "6")
     assert isinstance(build_proposer(ngram, "decode", SINGLE_RANK, resolve_model(), runner), NgramProposer)
     draft = args("--speculative-algorithm", "draft", "--speculative-draft-model-path", str(tiny_checkpoint()))
