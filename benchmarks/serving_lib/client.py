@@ -45,8 +45,7 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
     gaps, not one long one.
     """
     record = RequestRecord(prompt_tokens=prompt_tokens, start=time.perf_counter())
-    chunks = 0
-    streamed = 0  # output tokens the text chunks so far brought
+    streamed = 0  # output tokens the text chunks so far brought (one a chunk without usage)
     finish = None
     last = record.start
     try:
@@ -73,7 +72,6 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
                     record.itl.extend([(now - last) / new_tokens] * new_tokens)
                 last = now
                 streamed += new_tokens
-                chunks += 1
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason
             if chunk.usage is not None:
@@ -87,5 +85,5 @@ async def stream_completion(target: CompletionTarget, prompt: str, prompt_tokens
     if record.error is None and record.ttft is None and not (finish and record.output_tokens):
         record.error = f"no text was streamed ({record.output_tokens} tokens, finish_reason {finish})"
     if not record.output_tokens:
-        record.output_tokens = chunks
+        record.output_tokens = streamed
     return record

@@ -30,6 +30,7 @@ from pdserve.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 logger = logging.getLogger(__name__)
 
 PENDING_S = 10.0  # seconds a routed prompt's blocks count as held before the worker's events name them
+PENDING_MAX = 1 << 16  # pending blocks kept per worker (the oldest go first): bounds a flood of prompts
 
 
 class KVIndexGap(Exception):
@@ -124,13 +125,16 @@ class KVIndex:
             if block not in self.blocks:
                 self.pending[block] = now + PENDING_S
                 self.pending.move_to_end(block)
+        while len(self.pending) > PENDING_MAX:
+            self.pending.popitem(last=False)
 
     def held_blocks(self, hashes: Sequence[int], now: float) -> int:
-        """How many leading blocks of ``hashes`` the worker holds or has pending at ``now``."""
+        """How many leading blocks of ``hashes`` the worker holds (``cached_blocks``) or, after those,
+        has pending at ``now`` (a chain is stored from its first block, so held ones come first)."""
         while self.pending and next(iter(self.pending.values())) <= now:
             self.pending.popitem(last=False)
-        n = 0
-        while n < len(hashes) and (hashes[n] in self.blocks or hashes[n] in self.pending):
+        n = self.cached_blocks(hashes)
+        while n < len(hashes) and hashes[n] in self.pending:
             n += 1
         return n
 
