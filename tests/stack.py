@@ -188,16 +188,12 @@ def launch_stack(
     port: int | None = None,
     internal_port_base: int | None = None,
     python: str = sys.executable,
-    remote_prefill_only: bool = True,
 ) -> Stack:
     """Run ``pdserve launch`` with ``flags`` (and ``env`` added to this environment) and wait for a
     healthy /health (over HTTPS verified with ``tls_ca`` when given). HTTP on ``port`` and gRPC on
     ``port + 1``, internal ports from ``internal_port_base`` (each service's metrics port 100 above
     its internal port, the gateway's at base + 103); free ones where not given. ``python`` is the
-    interpreter (whose pdserve runs). ``remote_prefill_only``: a PD stack's decode workers ask a
-    prefill worker for every prompt (``--local-prefill-max-tokens 0``, unless ``flags`` say), so
-    the suite's PD stacks move their prompts' KV over NIXL, the path they test; False keeps the
-    launcher's default (a CPU decode worker prefills prompts of one chunk itself).
+    interpreter (whose pdserve runs).
 
     Raises RuntimeError with the tail of the log if the stack does not come up.
     """
@@ -212,8 +208,7 @@ def launch_stack(
         "--port", str(port), "--grpc-port", str(port + 1),
         "--internal-port-base", str(base), *flags,
     ]  # fmt: skip
-    env = ({"PDSERVE_LOCAL_PREFILL_MAX_TOKENS": "0"} if remote_prefill_only else {}) | (env or {})
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     stack = Stack(proc, port, port + 1, base, log_path, tls_ca=tls_ca)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -62,7 +62,6 @@ def build_scheduler(args: argparse.Namespace, role: str, tp: TpGroup = SINGLE_RA
         speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         speculative_policy=args.speculative_policy,
         kv_tier_memory=args.kv_tier_memory,
-        local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens", 0) if role == "decode" else 0,
     )
     model_name = served_model_names(args.model, args.served_model_name)[0]
     cfg = runner.model_config

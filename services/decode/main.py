@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli_args import non_negative_int, positive_float, positive_int
+from pdserve.cli_args import positive_float, positive_int
 from pdserve.distributed import TpGroup
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
@@ -18,13 +18,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--colocated",
         action="store_true",
         help="prefill locally (mixed role) instead of using prefill workers",
-    )
-    parser.add_argument(
-        "--local-prefill-max-tokens",
-        type=non_negative_int,
-        default=0,
-        help="PD: prefill a prompt here when at most this many of its tokens are uncached, instead of "
-        "asking a prefill worker (conditional disaggregation); 0 = every prompt by a prefill worker",
     )
     parser.add_argument(
         "--prefill-retries", type=int, default=1, help="other prefill workers to retry a failed prefill on"

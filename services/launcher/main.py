@@ -23,7 +23,6 @@ from pdserve.cli_args import (
     add_model_arg,
     check_lora_flags,
     non_negative_float,
-    non_negative_int,
     positive_int,
 )
 from pdserve.model_source import check_lora_names, resolve_model, served_model_names
@@ -130,15 +129,6 @@ def make_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=1,
         help="tokens per streamed output (SSE event) of a request; its first and last go out at once",
-    )
-    p.add_argument(
-        "--local-prefill-max-tokens",
-        type=non_negative_int,
-        default=None,
-        help="PD: a decode worker prefills a prompt itself when at most this many of its tokens are "
-        "uncached, instead of asking a prefill worker (conditional disaggregation); 0 = every prompt "
-        "by a prefill worker (default: --chunked-prefill-size on a CPU, whose cores the workers "
-        "share; 0 on GPUs)",
     )
     p.add_argument(
         "--gateway-workers",

@@ -143,21 +143,6 @@ def scheduler_gpus(args: argparse.Namespace) -> list[str]:
     return args.gpus.split(",") if args.gpus else visible_gpus()
 
 
-def local_prefill_flags(args: argparse.Namespace, gpus: list[str]) -> list[str]:
-    """A PD decode worker's ``--local-prefill-max-tokens``: ``--local-prefill-max-tokens``, else on a
-    CPU ``--chunked-prefill-size`` (a prompt of one chunk is prefilled by its decode worker), else 0.
-
-    On one machine's CPU the prefill and decode workers share the same cores, so a short prompt's
-    prefill on the prefill worker saves the decode worker nothing and adds a round trip, a KV write
-    and two processes taking turns on the cores: PD 1+1 ran 0.61-0.86x of colocated's throughput
-    on a 2-core Zen 4 (docs/benchmarks.md). With a GPU each worker has its own device, and every
-    prompt goes to a prefill worker (the decode steps never wait on one)."""
-    limit = args.local_prefill_max_tokens
-    if limit is None:
-        limit = 0 if gpus or args.device.startswith("cuda") else args.chunked_prefill_size
-    return ["--local-prefill-max-tokens", str(limit)] if limit else []
-
-
 def _gpu_env(gpus: list[str], first: int, count: int) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` of a scheduler whose ``count`` ranks take the GPUs from the ``first``-th
     on (one per TP rank; the schedulers before it took the ones before), in turn, so PD 2+2 on four
@@ -261,7 +246,8 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
         metrics, binds = _metrics_port(port, args, host)
         argv = [*common, "--port", str(port), *engine, "--tp-size", str(decode_tp), *metrics]
         argv += kv_events_flags(args, len(prefills) + i)
-        argv += ["--colocated"] if args.colocated else local_prefill_flags(args, gpus)
+        if args.colocated:
+            argv.append("--colocated")
         if args.stream_interval != 1:
             argv += ["--stream-interval", str(args.stream_interval)]
         gpu = _gpu_env(gpus, len(prefills) * prefill_tp + i * decode_tp, decode_tp)

@@ -333,26 +333,3 @@ def test_a_pinned_pool_replaces_every_sizing_flag() -> None:
     argv = ["--port", "1", "--kv-memory-fraction", "0.125", "--dtype", "float32"]
     assert pin_kv_pool(argv, 1296) == ["--port", "1", "--dtype", "float32", "--max-total-tokens", "1296"]
     assert pin_kv_pool(pin_kv_pool(argv, 1296), 1296).count("--max-total-tokens") == 1
-
-
-@pytest.mark.parametrize(
-    ("flags", "expected"),
-    [
-        (["--device", "cpu"], "512"),  # a CPU's workers share its cores: prompts of one chunk stay on decode
-        (["--device", "cpu", "--chunked-prefill-size", "256"], "256"),
-        (["--device", "cpu", "--local-prefill-max-tokens", "0"], None),  # every prompt to a prefill worker
-        (["--device", "cuda", "--gpus", "0,1"], None),  # each worker has its own GPU
-        (["--device", "cuda", "--gpus", "0,1", "--local-prefill-max-tokens", "64"], "64"),
-        (["--device", "cpu", "--colocated"], None),  # no prefill pool: every prompt is local anyway
-    ],
-)
-def test_decode_workers_prefill_short_prompts_themselves_on_a_cpu(flags, expected) -> None:
-    specs = build_topology(make_parser().parse_args(flags), "/m")
-    (decode,) = [s for s in specs if s.name == "decode-0"]
-    got = (
-        _flag(decode.argv, "--local-prefill-max-tokens")
-        if "--local-prefill-max-tokens" in decode.argv
-        else None
-    )
-    assert got == expected
-    assert all("--local-prefill-max-tokens" not in s.argv for s in specs if s.name != "decode-0")

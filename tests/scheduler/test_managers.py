@@ -54,7 +54,6 @@ class Parts:
             max_tokens,
             active,
             lambda: self.decode.running,
-            remote=role == "decode",
         )
         self.outstanding: list = []
         self.first_tokens: list[tuple[str, int]] = []

@@ -107,12 +107,11 @@ def request_phases(req: Req, role: str) -> list[tuple[str, float, float]]:
     """``(name, start, end)`` (time.time() seconds) of the phases ``req`` went through on a scheduler
     of ``role``; a phase it never left ends when the request ended.
 
-    mixed (and a decode worker's request it prefilled itself): queue, prefill, decode. decode: queue,
-    remote_prefill (a prefill worker computes and writes the prompt's KV into this worker's pages),
-    decode. prefill: queue, prefill, kv_transfer.
+    mixed: queue, prefill, decode. decode: queue, remote_prefill (a prefill worker computes and
+    writes the prompt's KV into this worker's pages), decode. prefill: queue, prefill, kv_transfer.
     """
     names = {"mixed": ("queue", "prefill", "decode"), "decode": ("queue", "remote_prefill", "decode")}
-    names = names.get("mixed" if req.prefilled_here else role, ("queue", "prefill", "kv_transfer"))
+    names = names.get(role, ("queue", "prefill", "kv_transfer"))
     marks = [req.arrival_time, req.admit_time, req.first_token_time]
     phases = []
     for i, name in enumerate(names):

@@ -46,8 +46,6 @@ class Admission:
         max_req_tokens: no request grows beyond this many tokens.
         active: how many requests are admitted and not ended (nor handed on).
         running: the requests whose next tokens' reserve admission must leave room for.
-        remote: the stage's prompt KV arrives from a prefill worker (``RemotePrefill``) instead of
-            being computed here.
     """
 
     def __init__(
@@ -60,7 +58,6 @@ class Admission:
         max_req_tokens: int,
         active: Callable[[], int],
         running: Callable[[], list[Req]],
-        remote: bool = False,
     ) -> None:
         self.queue, self.ledger, self.metrics, self.clock = queue, ledger, metrics, clock
         self.max_running_requests = config.max_running_requests
@@ -68,29 +65,26 @@ class Admission:
         self.share_prefixes = not ledger.tree.disable
         self.max_req_tokens = max_req_tokens
         self.active, self.running = active, running
-        # prompts computed here: a request that wants prompt logprobs bypasses the radix cache
-        self.scores_prompts = not remote
-        # prompt KV from a prefill worker arrives whole: no local pages behind its window (``KVLedger.admit``)
-        self.kv_arrives_whole = remote
+        # prompts are computed here (not in the PD decode role), so a request that wants prompt
+        # logprobs bypasses the radix cache
+        self.scores_prompts = config.role != "decode"
+        # a PD decode worker's prompt KV arrives whole: no local pages behind its window (``KVLedger.admit``)
+        self.kv_arrives_whole = config.role == "decode"
 
     def admit(
-        self,
-        in_flight: Callable[[], list[Req]],
-        more: Callable[[], bool] = lambda: True,
-        takes: Callable[[Req], bool] = lambda req: True,
+        self, in_flight: Callable[[], list[Req]], more: Callable[[], bool] = lambda: True
     ) -> Iterator[Req]:
         """Yield the waiting requests admitted now, in the policy's order, each with its pages (and
         out of the queue) by the time it is yielded; the caller puts it in its stage before the next.
 
         Stops when ``more()`` turns false (a token budget spent), there is no room, or a request does
-        not fit. Skips (leaves waiting) a request the stage does not take (``takes``: another stage
-        of the same scheduler does) and one that shares an uncached prefix with one of
+        not fit. Skips (leaves waiting) a request that shares an uncached prefix with one of
         ``in_flight()``, the requests whose prompt KV is being made now.
         """
         for req in self.queue.in_order():
             if not more() or self.active() >= self.max_running_requests:
                 return
-            if not takes(req) or self._waits_for_shared_prefix(req, in_flight()):
+            if self._waits_for_shared_prefix(req, in_flight()):
                 continue
             if not self._admit(req):
                 return

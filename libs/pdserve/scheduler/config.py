@@ -35,9 +35,6 @@ class SchedulerConfig:
     speculative_num_draft_tokens: int = 4
     speculative_policy: str = "adaptive"
     kv_tier_memory: int = 0  # bytes of the KV tier under the radix cache (``mem_cache.kv_tier``); 0 = none
-    # decode role: a prompt with at most this many uncached tokens is prefilled here, not by a prefill
-    # worker (``split_prefill``); 0 = every prompt by a prefill worker
-    local_prefill_max_tokens: int = 0
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -54,9 +51,5 @@ class SchedulerConfig:
             raise ValueError(f"speculative_policy must be one of {SPECULATIVE_POLICIES}")
         if not 0 <= self.kv_tier_memory <= MAX_KV_TIER_MEMORY:
             raise ValueError(f"kv_tier_memory must be in [0, {MAX_KV_TIER_MEMORY}] bytes")
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError("local_prefill_max_tokens must be >= 0 (0 = every prompt by a prefill worker)")
-        if self.local_prefill_max_tokens and self.role != "decode":
-            raise ValueError("local_prefill_max_tokens is for the decode role (a PD decode worker)")
         if self.max_queue_time < 0:
             raise ValueError("max_queue_time must be >= 0 (0 = no limit)")

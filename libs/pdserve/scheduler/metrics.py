@@ -72,11 +72,6 @@ class SchedulerMetrics:
         self.kv_transfer_bytes = Counter(
             "pdserve:kv_transfer_bytes", "KV bytes moved between prefill and decode over NIXL", registry=r
         )
-        self.local_prefills = Counter(
-            "pdserve:local_prefills",
-            "Decode role: requests whose prompt this worker prefilled itself (not a prefill worker)",
-            registry=r,
-        )
         self.kv_transfer_seconds = Histogram(
             "pdserve:kv_transfer_seconds",
             "Prefill role: from a request's first token to the end of its KV write (what TTFT waits for)",

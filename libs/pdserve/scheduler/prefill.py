@@ -8,7 +8,7 @@ sampled, and the decode stage takes it from there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from pdserve.scheduler.admission import Admission
 from pdserve.scheduler.req import Req, ReqState
@@ -39,11 +39,8 @@ class PrefillManager:
     def runnable(self) -> bool:
         return bool(self.prefilling)
 
-    def schedule(
-        self, budget: int, takes: Callable[[Req], bool] = lambda req: True
-    ) -> tuple[list[Req], list[int]]:
-        """This step's extends: requests and how many prompt tokens each computes (sum <= ``budget``),
-        admitting waiting requests the stage ``takes`` (``Admission.admit``)."""
+    def schedule(self, budget: int) -> tuple[list[Req], list[int]]:
+        """This step's extends: requests and how many prompt tokens each computes (sum <= ``budget``)."""
         reqs: list[Req] = []
         lens: list[int] = []
 
@@ -59,7 +56,7 @@ class PrefillManager:
                 break
             if not req.to_abort:  # (one being aborted ends when its batch in flight is processed)
                 take(req)
-        for req in self.admission.admit(self._in_flight, lambda: budget > 0, takes):
+        for req in self.admission.admit(self._in_flight, more=lambda: budget > 0):
             req.set_state(ReqState.PREFILLING)
             self.prefilling.append(req)
             take(req)

@@ -63,12 +63,9 @@ class RemotePrefill:
         """Nothing runs here: the stage's work is a prefill worker's."""
         return False
 
-    def schedule(
-        self, budget: int, takes: Callable[[Req], bool] = lambda req: True
-    ) -> tuple[list[Req], list[int]]:
-        """Admit what fits (of the requests the stage ``takes``); nothing to compute here (``budget``
-        is the local prefill's, unused)."""
-        for req in self.admission.admit(lambda: list(self.waiting_for_kv.values()), takes=takes):
+    def schedule(self, budget: int) -> tuple[list[Req], list[int]]:
+        """Admit what fits; nothing to compute here (``budget`` is the local prefill's, unused)."""
+        for req in self.admission.admit(lambda: list(self.waiting_for_kv.values())):
             req.set_state(ReqState.WAITING_FOR_KV)
             self.waiting_for_kv[req.rid] = req
             self._to_ask.append(req)

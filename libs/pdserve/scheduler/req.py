@@ -79,7 +79,6 @@ class Req:
     lora_slot: int = -1  # its LoRA adapter's slot while admitted (pinned; -1: the base model)
     # accounting
     cached_tokens: int = 0
-    prefilled_here: bool = False  # a PD decode worker computed its prompt itself (``split_prefill``)
     output_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # prompt tokens 1.. scored so far (``sampling_params.prompt_logprobs``), sent with the first output
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)

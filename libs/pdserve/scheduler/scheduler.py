@@ -33,7 +33,6 @@ from pdserve.scheduler.remote_prefill import RemotePrefill
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput, kv_written, prepare_batch
 from pdserve.scheduler.speculator import Speculator
-from pdserve.scheduler.split_prefill import SplitPrefill
 from pdserve.scheduler.table import RequestLimits, RequestTable
 from pdserve.scheduler.waiting import WaitingQueue
 
@@ -112,20 +111,17 @@ class Scheduler:
         counts = self.decode.finishes_requests
         self.reqs = RequestTable(limits, self.queue, self.ledger, metrics, clock, self._leave, held, counts)
         running = lambda: self.decode.running
-        admits = (self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active)
-        admission = Admission(*admits, running)
+        admission = Admission(
+            self.queue, self.ledger, metrics, clock, config, self.max_req_tokens, self._num_active, running
+        )
         ends = self.eos_token_ids, self.max_req_tokens
         stages = self.reqs, self.ledger, self.decode, self.speculator
         self.output = OutputProcessor(*stages, metrics, *ends, clock)
-        self.prefill: PrefillManager | RemotePrefill | SplitPrefill
-        self.prefill = PrefillManager(admission, self.outstanding)
-        if config.role == "decode":
-            remote = Admission(*admits, running, remote=True)
-            self.prefill = RemotePrefill(remote, self.output.first_token, self.reqs.end)
-            if config.local_prefill_max_tokens:  # conditional disaggregation (``split_prefill``)
-                local = PrefillManager(admission, self.outstanding)
-                uncached = lambda req: len(req.fill_ids) - self.ledger.cached_prefix_len(req)
-                self.prefill = SplitPrefill(local, self.prefill, uncached, config.local_prefill_max_tokens)
+        self.prefill: PrefillManager | RemotePrefill = (
+            RemotePrefill(admission, self.output.first_token, self.reqs.end)
+            if config.role == "decode"
+            else PrefillManager(admission, self.outstanding)
+        )
         preempts = config.schedule_policy == "priority" and isinstance(self.decode, DecodeManager)
         self.preemption = Preemption(admission, self.decode, policy) if preempts else None
 
