@@ -2,10 +2,12 @@
 32-token prefill chunks), read by the official ``openai`` client: last-token pooling (the default
 model has no sentence-transformers config) equals HF transformers' normalised ``last_hidden_state``
 within 1e-5; an input's vector is the same alone and in a batch of several inputs, within SAME =
-1e-6 (bit-identical on a Sapphire Rapids-class Xeon; on an AMD Zen 4 the 7th-8th digit differs,
-2026-12-06: not yet investigated); base64 is the same float32 values; ``dimensions`` truncates and
-re-normalises; the public gRPC API's Embed (through the SDK) returns the same vectors; bad input is
-an OpenAI-shaped 400. Every scheduler's KV pool is conserved after each test."""
+1e-6 (these stacks run float32, whose matmuls are MKL's and not batch-invariant: on an AMD Zen 4
+a row of ``F.linear`` alone and among others differs by ~2e-5 in a 576-wide projection, and the
+vector in the 7th-8th digit; bit-identical on a Sapphire Rapids-class Xeon, docs/cpu.md); base64 is
+the same float32 values; ``dimensions`` truncates and re-normalises; the public gRPC API's Embed
+(through the SDK) returns the same vectors; bad input is an OpenAI-shaped 400. Every scheduler's KV
+pool is conserved after each test."""
 
 from __future__ import annotations
 
