@@ -9,7 +9,8 @@ import time
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.req import Req
-from pdserve.scheduler.speculator import EXPLORE_EVERY, Speculator
+from pdserve.scheduler.schedule_batch import ScheduleBatch
+from pdserve.scheduler.speculator import ALONE, EXPLORE_EVERY, PLAIN, VERIFY, Speculator
 from pdserve.speculative.ngram import NgramProposer
 from pdserve.speculative.policy import LinearStepTime
 
@@ -46,9 +47,15 @@ def test_adaptive_speculates_where_steps_pay_and_explores_where_they_do_not():
     spec.draft(reqs, 4096)
     assert reqs[0].drafts == [6, 7, 8, 5]
     # speculative steps measured 10x slower than plain ones: a plan no longer pays
-    spec.step_time[True] = LinearStepTime(0.1, 0.01)
-    spec.step_time[False] = LinearStepTime(0.01, 0.001)
-    decisions = [spec.wants(reqs, 4096) for _ in range(2 * EXPLORE_EVERY)]
+    spec.step_time[VERIFY] = LinearStepTime(0.1, 0.01)
+    spec.step_time[ALONE] = LinearStepTime(0.01, 0.001)
+    decisions = []
+    for _ in range(2 * EXPLORE_EVERY):
+        decisions.append(spec.wants(reqs, 4096))
+        if decisions[-1]:  # an exploring step stands when asked again, until it drafted
+            assert spec.wants(reqs, 4096, in_flight=True)
+            spec.draft(reqs, 4096)
+            assert reqs[0].drafts == [6, 7, 8, 5]
     assert decisions.count(True) == 2 and decisions[EXPLORE_EVERY - 1]
     assert not spec.wants(reqs, 4096)
     spec.draft(reqs, 4096)  # (had the loop drafted after all:) a plan that does not pay drafts nothing
@@ -57,19 +64,19 @@ def test_adaptive_speculates_where_steps_pay_and_explores_where_they_do_not():
 
 def test_step_times_are_refit_from_the_periods_seen():
     spec = speculator()
-    spec.observe_step(8, 5.0, speculative=True)  # a first forward of its shape: left out of the fit
+    spec.observe_step(8, 5.0, VERIFY)  # a first forward of its shape: left out of the fit
     for i in range(15):
-        spec.observe_step(8 + i % 4, 0.02 + 0.001 * (8 + i % 4), speculative=True)
-        spec.observe_step(4, 0.05, speculative=False)
-    spec.observe_step(4, 0.05, speculative=False)
-    assert abs(spec.step_time[True](10) - 0.03) < 1e-9 and abs(spec.step_time[True].slope - 0.001) < 1e-9
-    assert abs(spec.step_time[False](4) - 0.05) < 1e-9  # one batch size seen: the prior's slope, shifted
+        spec.observe_step(8 + i % 4, 0.02 + 0.001 * (8 + i % 4), VERIFY)
+        spec.observe_step(4, 0.05, PLAIN)
+    spec.observe_step(4, 0.05, PLAIN)
+    assert abs(spec.step_time[VERIFY](10) - 0.03) < 1e-9 and abs(spec.step_time[VERIFY].slope - 0.001) < 1e-9
+    assert abs(spec.step_time[PLAIN](4) - 0.05) < 1e-9  # one batch size seen: the prior's slope, shifted
 
 
 def test_refused_requests_learn_their_acceptance_from_shadow_drafts():
     spec = speculator()
     # a speculative step 3x a plain one: drafts standing half the time do not pay, all the time do
-    spec.step_time[True], spec.step_time[False] = LinearStepTime(0.03, 0.0), LinearStepTime(0.01, 0.0)
+    spec.step_time[VERIFY], spec.step_time[ALONE] = LinearStepTime(0.03, 0.0), LinearStepTime(0.01, 0.0)
     loop, off = running("loop"), running("off")
     assert not spec.wants([loop, off], 4096)  # the prior (0.5) does not pay: both keep shadow drafts
     for token in [6, 7, 8]:  # the loop goes on as drafted; "off" writes something else
@@ -84,3 +91,31 @@ def test_refused_requests_learn_their_acceptance_from_shadow_drafts():
     assert loop.drafts == [6, 7, 8, 5]
     spec.release("loop")
     assert "loop" not in spec._shadows
+
+
+def test_a_step_is_weighed_against_the_plain_step_it_would_otherwise_be():
+    """A plain step overlaps the batch in flight; with none in flight (right after a verify step,
+    whose tokens it needs) it runs alone and costs more: the same plan can pay then and not before."""
+    spec = speculator()
+    reqs = [running("a")]  # the prior: half the drafts stand, 1 + 0.94 tokens a verify step
+    spec.step_time[VERIFY] = LinearStepTime(0.02, 0.0)
+    spec.step_time[PLAIN], spec.step_time[ALONE] = LinearStepTime(0.0099, 0.0), LinearStepTime(0.0133, 0.0)
+    assert not spec.wants(reqs, 4096, in_flight=True)
+    assert spec.wants(reqs, 4096, in_flight=False)
+
+
+def test_a_step_after_the_scheduler_idled_is_not_timed():
+    """Each decode step is timed from the one processed before it, except the first after an idle
+    wait (one stream, PD: from a request's last token to the next request's KV), which is no step's
+    cost; the steps after it are timed again."""
+    now = [0.0]
+    spec = Speculator(NgramProposer(), 4, "adaptive", SchedulerMetrics("mixed"), 100, clock=lambda: now[0])
+    step = ScheduleBatch([running("a")], [1], num_extend=0)
+    for t in (1.0, 1.01, 1.02):
+        now[0] = t
+        spec.step_processed(step)
+    spec.idle()
+    for t in (9.0, 9.01):
+        now[0] = t
+        spec.step_processed(step)
+    assert [round(s, 6) for _, s in spec._periods[ALONE]] == [0.01, 0.01, 0.01]  # (none pending here)

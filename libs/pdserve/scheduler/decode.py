@@ -116,7 +116,7 @@ class DecodeManager:
         spec = self.speculator
         if spec is not None:
             decoding = [req for req in order if wants_slot(req)]
-            if decoding and spec.wants(decoding, self.max_req_tokens):
+            if decoding and spec.wants(decoding, self.max_req_tokens, in_flight):
                 if any(req.num_pending for req in decoding):
                     return None  # the drafts follow the token ids a batch in flight samples
                 spec.draft(decoding, self.max_req_tokens)

@@ -230,6 +230,8 @@ class Scheduler:
         extends = self.prefill.schedule(self.config.chunked_prefill_size)
         self.metrics.set_load(self.load())
         if not extends[0] and not decodes[0]:
+            if self.speculator is not None and not self.outstanding:
+                self.speculator.idle()
             return None
         batch = ScheduleBatch(extends[0] + decodes[0], extends[1] + decodes[1], len(extends[0]))
         batch.set_drafts()

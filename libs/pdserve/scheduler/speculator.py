@@ -12,9 +12,14 @@ result tells ``observe`` how many stood.
 
 The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward:
 a speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives
-up (it waits for the previous step's tokens), so two ``LinearStepTime`` fits are kept, of the
-periods between processed decode steps without drafts (by batch size) and with them (by tokens
-computed), each from a prior until steps of its kind were seen. The decision is per step: every
+up (it waits for the previous step's tokens), so three ``LinearStepTime`` fits are kept, of the
+periods between processed decode steps: plain steps that overlapped the step before (by batch
+size), plain steps that ran alone (by batch size: one scheduled right after a verify step can only
+start once its tokens are known), and verify steps (by tokens computed), each from a prior until
+steps of its kind were seen. A step is weighed against the plain step it would otherwise be: one
+that overlaps when a batch is in flight, one alone when none is (on a 2-core Zen 4, PD 1+1, batch 1:
+9.9 ms overlapped, 13.3 ms alone, 11.6 ms for a verify step of 1 + 4 tokens; weighing every plain
+step at one fit refused steps that paid, ~0.88x of ``always`` at one stream). The decision is per step: every
 request whose drafts stand often enough (``AcceptanceTracker``, at least ``MIN_ACCEPTANCE``) verifies
 all it may, and the step speculates when that plan's expected throughput ``(B + gains) / t_spec(T)``
 (a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et al. 2023)
@@ -47,6 +52,9 @@ from pdserve.speculative.proposer import DraftRequest, Proposer
 # speculative step: the same forward, not overlapped with the ~2 ms of scheduling around it)
 PRIOR_STEP_TIME = LinearStepTime(intercept=9.2e-3, slope=1.5e-3)
 PRIOR_SPEC_STEP_TIME = LinearStepTime(intercept=11.2e-3, slope=1.5e-3)
+PRIOR_ALONE_STEP_TIME = PRIOR_SPEC_STEP_TIME  # a plain step not overlapped: the same ~2 ms more
+# the kinds of decode step timed apart
+PLAIN, ALONE, VERIFY = "plain", "alone", "verify"
 EXPLORE_EVERY = 32  # a refused speculative plan runs anyway once in this many steps
 MIN_ACCEPTANCE = 0.3  # a request whose drafts stand less often drafts only in exploring steps
 REFIT_EVERY = 8  # steps of a kind between refits of its step time
@@ -88,9 +96,10 @@ class Speculator:
         self.metrics, self.vocab_size, self.clock = metrics, vocab_size, clock
         self.tracker = AcceptanceTracker()
         # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
-        self.step_time = {False: PRIOR_STEP_TIME, True: PRIOR_SPEC_STEP_TIME}
-        self._periods: dict[bool, deque[tuple[int, float]]] = {k: deque(maxlen=WINDOW) for k in (False, True)}
-        self._seen = {False: 0, True: 0}
+        self.step_time = {PLAIN: PRIOR_STEP_TIME, ALONE: PRIOR_ALONE_STEP_TIME, VERIFY: PRIOR_SPEC_STEP_TIME}
+        self._periods = {kind: deque(maxlen=WINDOW) for kind in self.step_time}
+        self._seen = dict.fromkeys(self.step_time, 0)
+        self._plain = PLAIN  # the plain step this step would otherwise be (``wants``)
         self._refused = 0  # plans the comparison refused (every EXPLORE_EVERY-th runs)
         self._exploring = False
         self._last_decode_done: float | None = None  # when the latest decode-only step was processed
@@ -108,13 +117,16 @@ class Speculator:
         cap = self.k if params.speculative_num_draft_tokens is None else params.speculative_num_draft_tokens
         return max(0, min(cap, self.k, room))
 
-    def wants(self, reqs: Sequence[Req], max_req_tokens: int) -> bool:
-        """Whether this step (``reqs``: its decodes) speculates, decided before drafting."""
-        self._exploring = False
+    def wants(self, reqs: Sequence[Req], max_req_tokens: int, in_flight: bool = False) -> bool:
+        """Whether this step (``reqs``: its decodes) speculates, decided before drafting; ``in_flight``:
+        a batch is running, which a plain step would overlap (a verify step waits for it)."""
+        self._plain = PLAIN if in_flight else ALONE
         self._score_shadows(reqs)
         limits = [self.limit(req, max_req_tokens) for req in reqs]
         if self.policy == "always" or not any(limits):
             return any(limits)
+        if self._exploring:  # asked again after waiting for the tokens of the batch in flight
+            return True
         if self._pays(reqs, self._plan(reqs, limits)):
             return True
         self._refused += 1
@@ -129,6 +141,7 @@ class Speculator:
     def draft(self, reqs: Sequence[Req], max_req_tokens: int) -> None:
         """Set ``req.drafts`` (and ``req.draft_probs``) of each of ``reqs``, whose token ids are all
         known (none pending): the proposer's drafts, cut by the limits and the policy."""
+        exploring, self._exploring = self._exploring, False
         limits = [self.limit(req, max_req_tokens) for req in reqs]
         asked = [(req, n) for req, n in zip(reqs, limits, strict=True) if n > 0]
         for req in reqs:
@@ -141,10 +154,10 @@ class Speculator:
         ]
         lens = {r.rid: len(d) for (r, _), d in zip(asked, offered, strict=True)}
         limits = [lens.get(r.rid, 0) for r in reqs]
-        plan = limits if self.policy == "always" or self._exploring else self._plan(reqs, limits)
+        plan = limits if self.policy == "always" or exploring else self._plan(reqs, limits)
         index = {r.rid: i for i, (r, _) in enumerate(asked)}
         # what was offered may not pay after all (adaptive): then a plain step
-        declined = self.policy == "adaptive" and not self._exploring and not self._pays(reqs, plan)
+        declined = self.policy == "adaptive" and not exploring and not self._pays(reqs, plan)
         verifying = set() if declined else {r.rid for r, n in zip(reqs, plan, strict=True) if n}
         if self.proposer.drafts_are_free:  # drafts not verified are scored as shadows
             left = [r for r, _ in asked if r.rid not in verifying]
@@ -172,7 +185,7 @@ class Speculator:
             sum(a**j for j in range(1, n + 1))
             for a, n in zip((self.tracker.rate(r.rid) for r in reqs), plan, strict=True)
         )
-        return (batch + gains) / self.step_time[True](tokens) > batch / self.step_time[False](batch)
+        return (batch + gains) / self.step_time[VERIFY](tokens) > batch / self.step_time[self._plain](batch)
 
     @staticmethod
     def _draft_request(req: Req, num_drafts: int) -> DraftRequest:
@@ -218,32 +231,39 @@ class Speculator:
 
     def step_processed(self, batch: ScheduleBatch) -> None:
         """``batch`` was processed: time a decode-only step from the previous one's processing to its
-        own (the wall clock of the loop, which a speculative step pays in full)."""
+        own (the wall clock of the loop, which a speculative step pays in full), as a verify step, a
+        plain one that overlapped the batch before (its input tokens were pending) or one alone."""
         now, last = self.clock(), self._last_decode_done
         decoding = batch.num_extend == 0 and not batch.row_errors
         self._last_decode_done = now if decoding else None
         if decoding and last is not None:
-            self.observe_step(sum(batch.extend_lens), now - last, batch.verifies)
+            kind = VERIFY if batch.verifies else PLAIN if batch.pending else ALONE
+            self.observe_step(sum(batch.extend_lens), now - last, kind)
 
-    def observe_step(self, tokens: int, seconds: float, speculative: bool) -> None:
-        """A decode step (``speculative``: with drafts) of ``tokens`` tokens took ``seconds`` of wall
-        clock from the previous step's processing to its own: refit that kind's step time every
-        ``REFIT_EVERY`` such steps, over the latest ``WINDOW`` of them without outliers (a period
-        above three times their median: a first forward of its shape, a stall of the machine), and
-        through the prior's slope while one token count was seen."""
-        periods = self._periods[speculative]
+    def idle(self) -> None:
+        """Nothing runs or waits to run: the next decode step is not timed, its period would span
+        the wait (at one stream, PD: the time from a request's last token to the next request's KV)."""
+        self._last_decode_done = None
+
+    def observe_step(self, tokens: int, seconds: float, kind: str) -> None:
+        """A decode step of ``kind`` (``PLAIN``, ``ALONE``, ``VERIFY``) of ``tokens`` tokens took
+        ``seconds`` of wall clock from the previous step's processing to its own: refit that kind's
+        step time every ``REFIT_EVERY`` such steps, over the latest ``WINDOW`` of them without outliers
+        (a period above three times their median: a first forward of its shape, a stall of the
+        machine), and through the prior's slope while one token count was seen."""
+        periods = self._periods[kind]
         periods.append((tokens, seconds))
-        self._seen[speculative] += 1
-        if self._seen[speculative] % REFIT_EVERY:
+        self._seen[kind] += 1
+        if self._seen[kind] % REFIT_EVERY:
             return
         median = sorted(s for _, s in periods)[len(periods) // 2]
         samples = [(t, s) for t, s in periods if s <= 3 * median]
         if len({t for t, _ in samples}) > 1:
-            self.step_time[speculative] = LinearStepTime.fit(samples)
+            self.step_time[kind] = LinearStepTime.fit(samples)
         else:
-            slope = self.step_time[speculative].slope
+            slope = self.step_time[kind].slope
             mean = sum(s for _, s in samples) / len(samples)
-            self.step_time[speculative] = LinearStepTime(mean - slope * samples[0][0], slope)
+            self.step_time[kind] = LinearStepTime(mean - slope * samples[0][0], slope)
 
     def release(self, rid: str) -> None:
         """``rid`` ended: forget its proposer state and acceptance."""
