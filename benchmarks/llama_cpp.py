@@ -22,7 +22,9 @@ On a CPU with AMX (Sapphire Rapids class), ``native`` builds llama.cpp as ``avx5
 instruction under KVM), so it is built for AVX-512 (VBMI, VNNI, BF16) without AMX, and pdserve
 runs natively.
 
-``--workload`` is ``benchmarks.serving``'s (``random`` or ``grounded``). ``--build-only`` just
+``--workload`` is ``benchmarks.serving``'s (``random`` or ``grounded``). ``--repeat N`` runs
+llama.cpp (a fresh server each round: it caches repeated prompts) and every configuration N rounds
+in turn and adds ``benchmarks.serving``'s table of medians over the rounds. ``--build-only`` just
 builds; ``--llama-only`` measures llama.cpp alone.
 """
 
@@ -45,6 +47,7 @@ import httpx
 
 from benchmarks import serving
 from benchmarks.serving_lib.launch import launched, parse_compare
+from benchmarks.serving_lib.report import round_label
 from pdserve.layers.native import cpu_description
 from pdserve.model_source import cache_dir, default_gguf_path
 from tests.stack import free_port_block
@@ -141,6 +144,11 @@ def llama_server(
         process.wait(timeout=30)
 
 
+def named(label: str, k: int, repeat: int) -> str:
+    """A configuration's label in round ``k`` of ``repeat`` (unchanged with one round)."""
+    return round_label(label, k) if repeat > 1 else label
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Build (once) and start llama-server, measure it, then each pdserve configuration; print the
     table (``tput x llama.cpp``) and the JSON line; return that JSON."""
@@ -157,9 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="also measure llama.cpp speculating with this --spec-type of its server (e.g. ngram-simple: "
         "prompt lookup, needing no draft model), after it plain",
     )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds, in turn, with medians over them")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--llama-only", action="store_true")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     os.environ.update(CPU_CLASSES[args.cpu_class][1])  # before any kernel loads; the stacks inherit it
     binary = build_server(cache_dir() / "llama.cpp", llama_cpu_class(args.cpu_class))
@@ -171,17 +182,21 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = serving.config_from_args(serving.parse_args(bench_args))
     slots = max(int(float(level)) for level in args.concurrency.split(","))
     results, runs = [], []
-    for spec_type in ["none"] + ([args.llama_spec_type] if args.llama_spec_type != "none" else []):
-        label = "llama.cpp" if spec_type == "none" else f"llama.cpp {spec_type}"
-        with llama_server(binary, default_gguf_path(), slots, args.threads, 512, spec_type) as url:
-            level_results, run = asyncio.run(serving.bench_server(url, label, cfg, None))
-        results += level_results
-        runs.append(run | {"launch": spec_type, "cpu": cpu_description(), "cpu_class": args.cpu_class})
-    for spec in [] if args.llama_only else [parse_compare(s) for s in args.compare]:
-        with launched(spec) as stack:
-            level_results, run = asyncio.run(serving.bench_server(stack.base_url, spec.label, cfg, None))
-        results += level_results
-        runs.append(run | {"launch": spec.flags, "cpu": cpu_description(), "cpu_class": args.cpu_class})
+    specs = [] if args.llama_only else [parse_compare(s) for s in args.compare]
+    for k in range(1, args.repeat + 1):
+        for spec_type in ["none"] + ([args.llama_spec_type] if args.llama_spec_type != "none" else []):
+            label = named("llama.cpp" if spec_type == "none" else f"llama.cpp {spec_type}", k, args.repeat)
+            with llama_server(binary, default_gguf_path(), slots, args.threads, 512, spec_type) as url:
+                level_results, run = asyncio.run(serving.bench_server(url, label, cfg, None))
+            results += level_results
+            runs.append(run | {"launch": spec_type, "cpu": cpu_description(), "cpu_class": args.cpu_class})
+        for spec in specs:
+            with launched(spec) as stack:
+                level_results, run = asyncio.run(
+                    serving.bench_server(stack.base_url, named(spec.label, k, args.repeat), cfg, None)
+                )
+            results += level_results
+            runs.append(run | {"launch": spec.flags, "cpu": cpu_description(), "cpu_class": args.cpu_class})
     print(f"pdserve beside llama.cpp's server on {cpu_description()} (--cpu-class {args.cpu_class}):")
     return serving.report(results, runs, cfg, None)
 

@@ -9,6 +9,9 @@ Targets: ``--base-url URL`` (a running server), ``--launch "FLAGS"`` (start ``pd
 on free ports), or ``--compare "A=FLAGS" "B=FLAGS"`` (each pdserve configuration in turn, in one
 run, with ratios to the first; ``"A@CHECKOUT=FLAGS"`` runs another checkout of pdserve, with its own
 ``.venv``, for before / after comparisons). With none of them, pdserve is launched ``--colocated``.
+``--repeat N`` runs the launched configurations N rounds in turn (labels ``A#1``, ``B#1``, ``A#2``,
+...) and adds a table of medians over the rounds, with the median ratio of neighbours (on a noisy
+machine the one comparison to trust).
 
 ``--workload tenants`` gives each of ``--tenants`` tenants its own ``--prefix-tokens`` system prompt
 and sends their requests in random order; the table's ``cached`` column is the share of prompt
@@ -49,7 +52,7 @@ from benchmarks.serving_lib.client import CompletionTarget, stream_completion
 from benchmarks.serving_lib.launch import DEFAULT_FLAGS, LaunchSpec, launched, parse_compare
 from benchmarks.serving_lib.load import LoadMode, run_level
 from benchmarks.serving_lib.priority import PriorityLoad, bench_priority, priority_table
-from benchmarks.serving_lib.report import json_line, plot, table
+from benchmarks.serving_lib.report import json_line, plot, round_label, rounds, rounds_table, table
 from benchmarks.serving_lib.spec_metrics import spec_counters, spec_summary
 from benchmarks.serving_lib.stats import LevelResult, RequestRecord, summarize
 from benchmarks.serving_lib.tokens import TokenCounter
@@ -219,7 +222,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--plot", default="bench-results/serving.png", help="PNG path ('' for none)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="launched configurations: rounds, with medians",
+    )
+    args = p.parse_args(argv)
+    if args.repeat < 1 or (args.repeat > 1 and args.base_url):
+        p.error("--repeat must be >= 1, and a --base-url server runs once")
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -269,6 +281,12 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         specs = [parse_compare(s) for s in args.compare] if args.compare else []
         specs = specs or [LaunchSpec("pdserve", args.launch if args.launch is not None else DEFAULT_FLAGS)]
+        if args.repeat > 1:
+            specs = [
+                dataclasses.replace(s, label=round_label(s.label, k))
+                for k in range(1, args.repeat + 1)
+                for s in specs
+            ]
         with tempfile.TemporaryDirectory() as scratch:
             for spec in specs:
                 extra = lora_flags(cfg, spec, Path(scratch))
@@ -307,6 +325,8 @@ def report(results: list[LevelResult], runs: list[dict], cfg: BenchConfig, plot_
         if plot_path:
             log.info("plot written to %s", plot(results, plot_path))
         print(table(results))
+        if summary := rounds(results):
+            print(f"\nmedians over the rounds:\n{rounds_table(summary)}")
     line = json_line(results, runs, dataclasses.asdict(cfg))
     print(line, flush=True)
     return json.loads(line)

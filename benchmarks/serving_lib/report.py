@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import median
 
 from tabulate import tabulate
 
 from benchmarks.serving_lib.stats import LevelResult
 
 MODE_AXIS = {"concurrency": "concurrency", "request_rate": "request rate (req/s)"}
+ROUND = "#"  # labels "NAME#k": round k of configuration NAME (``--repeat``)
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:
@@ -43,6 +46,71 @@ def comparison(results: Sequence[LevelResult]) -> list[dict]:
             }
         )
     return rows
+
+
+def rounds(results: Sequence[LevelResult]) -> list[dict]:
+    """Configurations run in rounds (``--repeat``: labels ``NAME#k``, every configuration once a round,
+    in turn): per name and level, the median over rounds of the output throughput (and the rounds'
+    min and max), of its ratio to the first name's in the same round, and of ITL p50. A ratio of
+    neighbours is what to read on a noisy machine: a drift across a long run moves both alike.
+
+    Returns [] unless every label names a round.
+    """
+    runs: dict[tuple[str, str, float], dict[int, LevelResult]] = {}
+    for r in results:
+        name, k = _round_of(r.label)
+        if k is None:
+            return []
+        runs.setdefault((name, r.mode, r.level), {})[k] = r
+    baseline = _round_of(results[0].label)[0] if results else ""
+    rows = []
+    for (name, mode, level), by_round in runs.items():
+        base = runs.get((baseline, mode, level), {})
+        tput = [r.output_throughput for r in by_round.values()]
+        ratios = [
+            r.output_throughput / base[k].output_throughput
+            for k, r in by_round.items()
+            if k in base and base[k].output_throughput
+        ]
+        itl = [r.itl_ms["p50"] for r in by_round.values() if r.itl_ms["p50"] is not None]
+        rows.append(
+            {
+                "label": name,
+                "baseline": baseline,
+                "mode": mode,
+                "level": level,
+                "rounds": len(by_round),
+                "output_throughput_median": round(median(tput), 2),
+                "output_throughput_min": round(min(tput), 2),
+                "output_throughput_max": round(max(tput), 2),
+                "output_throughput_ratio_median": round(median(ratios), 3) if ratios else None,
+                "itl_p50_median": round(median(itl), 2) if itl else None,
+            }
+        )
+    return rows
+
+
+def round_label(label: str, k: int) -> str:
+    """The label of round ``k`` of configuration ``label``."""
+    return f"{label}{ROUND}{k}"
+
+
+def _round_of(label: str) -> tuple[str, int | None]:
+    """(configuration, round) of a label ``round_label`` made, a suffix after it kept (``lora4``)."""
+    found = re.fullmatch(rf"(.*){ROUND}(\d+)(.*)", label)
+    return (found[1] + found[3], int(found[2])) if found else (label, None)
+
+
+def rounds_table(rows: Sequence[dict]) -> str:
+    """:func:`rounds` as a table: one row per (name, level)."""
+    baseline = rows[0]["baseline"]
+    headers = ["label", "mode", "level", "rounds", "out tok/s median", "min", "max"]
+    headers += [f"median tput x {baseline}", "ITL p50 median"]
+    keys = ["label", "mode", "level", "rounds", "output_throughput_median", "output_throughput_min"]
+    keys += ["output_throughput_max", "output_throughput_ratio_median", "itl_p50_median"]
+    ordered = sorted(rows, key=lambda r: (r["mode"], r["level"]))
+    body = [[row[k] for k in keys] for row in ordered]
+    return tabulate(body, headers=headers, floatfmt=["", "", "g", "", ".1f", ".1f", ".1f", ".3f", ".1f"])
 
 
 def table(results: Sequence[LevelResult]) -> str:
@@ -89,7 +157,8 @@ def json_line(results: Sequence[LevelResult], runs: Sequence[dict], config: dict
 
     Keys: ``base_url`` (the first run's), ``runs`` (``{"label", "base_url", "launch"}`` each),
     ``config`` (the benchmark settings), ``levels`` (every :class:`LevelResult` as a dict, with its
-    ``label``) and ``comparison`` (:func:`comparison`, empty with a single label).
+    ``label``), ``comparison`` (:func:`comparison`, empty with a single label) and ``rounds``
+    (:func:`rounds`, empty unless ``--repeat``).
     """
     labels = {r.label for r in results}
     doc = {
@@ -98,6 +167,7 @@ def json_line(results: Sequence[LevelResult], runs: Sequence[dict], config: dict
         "config": config,
         "levels": [r.to_dict() for r in results],
         "comparison": comparison(results) if len(labels) > 1 else [],
+        "rounds": rounds(results),
     }
     return json.dumps(doc, separators=(",", ":"))
 

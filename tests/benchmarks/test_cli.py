@@ -39,6 +39,10 @@ def test_defaults_follow_the_workload():
     assert config_from_args(parse_args([])).priority is None
     with pytest.raises(SystemExit):
         parse_args(["--base-url", "http://x", "--launch", "--colocated"])
+    assert parse_args([]).repeat == 1 and parse_args(["--repeat", "3"]).repeat == 3
+    for bad in (["--repeat", "0"], ["--base-url", "http://x", "--repeat", "2"]):  # a running server runs once
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 def test_lora_mix_launches_every_adapter_it_spreads_requests_over(tmp_path):

@@ -8,6 +8,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from benchmarks.serving import BenchConfig, report
+from benchmarks.serving_lib.report import rounds
 from benchmarks.serving_lib.stats import RequestRecord, summarize
 
 
@@ -72,3 +73,37 @@ def test_plot_is_a_png(results, tmp_path, capsys):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = mpimg.imread(path).shape
     assert width > height > 100
+
+
+def test_rounds_give_medians_and_the_median_ratio_of_neighbours(capsys):
+    """``--repeat``: labels ``NAME#k``; per name and level the median throughput over the rounds and the
+    median of each round's ratio to the first name's (the machine drifting: round 2 ran 2x slower)."""
+    results = [
+        level("a#1", 1, 0.2, 16),
+        level("b#1", 1, 0.1, 16),
+        level("a#2", 1, 0.4, 16),
+        level("b#2", 1, 0.3, 16),
+        level("a#3", 1, 0.2, 16),
+        level("b#3", 1, 0.2, 16),
+    ]
+    doc = report(
+        results, [{"label": r.label, "base_url": "http://a/v1"} for r in results], BenchConfig(), None
+    )
+    tput = {r.label: r.output_throughput for r in results}
+    b = next(row for row in doc["rounds"] if row["label"] == "b")
+    assert b["baseline"] == "a" and b["rounds"] == 3
+    assert b["output_throughput_median"] == pytest.approx(
+        sorted(tput[f"b#{k}"] for k in (1, 2, 3))[1], abs=0.01
+    )
+    ratios = sorted(tput[f"b#{k}"] / tput[f"a#{k}"] for k in (1, 2, 3))
+    assert b["output_throughput_ratio_median"] == pytest.approx(ratios[1], abs=1e-3)
+    assert b["output_throughput_min"] == pytest.approx(min(tput[f"b#{k}"] for k in (1, 2, 3)), abs=0.01)
+    assert next(row for row in doc["rounds"] if row["label"] == "a")["output_throughput_ratio_median"] == 1.0
+    assert "medians over the rounds" in capsys.readouterr().out
+
+
+def test_round_labels_keep_a_suffix_and_plain_labels_have_no_rounds():
+    assert [
+        row["label"] for row in rounds([level("a#1 lora4", 1, 0.2, 16), level("a#2 lora4", 1, 0.2, 16)])
+    ] == ["a lora4"]
+    assert rounds([level("a#1", 1, 0.2, 16), level("b", 1, 0.2, 16)]) == []
