@@ -10,25 +10,28 @@ out) and its grammar (before the first token it refuses: ``Grammar.masks_along``
 drafts computes ``1 + k`` tokens in the step (``DecodeManager.num_tokens``); the verify step's
 result tells ``observe`` how many stood.
 
-The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward:
-a speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives
-up (it waits for the previous step's tokens), so three ``LinearStepTime`` fits are kept, of the
-periods between processed decode steps: plain steps that overlapped the step before (by batch
-size), plain steps that ran alone (by batch size: one scheduled right after a verify step can only
-start once its tokens are known), and verify steps (by tokens computed), each from a prior until
-steps of its kind were seen. A step is weighed against the plain step it would otherwise be: one
-that overlaps when a batch is in flight, one alone when none is (on a 2-core Zen 4, PD 1+1, batch 1:
-9.9 ms overlapped, 13.3 ms alone, 11.6 ms for a verify step of 1 + 4 tokens; weighing every plain
-step at one fit refused steps that paid, ~0.88x of ``always`` at one stream). The decision is per step: every
-request whose drafts stand often enough (``AcceptanceTracker``, at least ``MIN_ACCEPTANCE``) verifies
-all it may, and the step speculates when that plan's expected throughput ``(B + gains) / t_spec(T)``
-(a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et al. 2023)
-beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
+The policy weighs the wall-clock time of this scheduler's own steps, per step and not per forward: a
+speculative step also pays for its drafting and, under the overlap loop, for the overlap it gives up
+(it waits for the previous step's tokens), so three ``LinearStepTime`` fits are kept, of the periods
+between processed decode steps: plain steps that overlapped the step before (by batch size), plain
+steps that ran alone (by batch size: one scheduled right after a verify step can only start once its
+tokens are known), and verify steps (by tokens computed), each from a prior until steps of its kind
+were seen. A step is weighed against the plain step it would otherwise be: one that overlaps when a
+batch is in flight, one alone when none is (on a 2-core Zen 4, PD 1+1, batch 1: 9.9 ms overlapped,
+13.3 ms alone, 11.6 ms for a verify step of 1 + 4 tokens; weighing every plain step at one fit
+refused steps that paid, ~0.88x of ``always`` at one stream). The first step after the scheduler
+idled is not timed (``idle``: its period would span the wait). The decision is per step: every
+request whose drafts stand often enough (``AcceptanceTracker``, at least ``MIN_ACCEPTANCE``)
+verifies all it may, and the step speculates when that plan's expected throughput ``(B + gains) /
+t_spec(T)`` (a request with acceptance ``a`` and ``j`` drafts gains ``a + ... + a^j``: Leviathan et
+al. 2023) beats a plain step's ``B / t_plain(B)``. One step in ``EXPLORE_EVERY`` that this refuses
 speculates anyway, every request drafting, so that the fit of speculative steps and each request's
-acceptance follow the machine's load and the text. Where drafts cost nothing (n-gram), a request
-that does not verify in a step still gets drafts, kept aside as a shadow and scored against the
-tokens it then generates (a sampled token equals a point-mass draft with the probability the
-rejection rule would accept it), so its acceptance follows the text between explorations too.
+acceptance follow the machine's load and the text; such a step stands until it drafts (asked again
+after waiting for the batch in flight, it would otherwise be refused again, and a wrong fit never
+corrected). Where drafts cost nothing (n-gram), a request that does not verify in a step still gets
+drafts, kept aside as a shadow and scored against the tokens it then generates (a sampled token
+equals a point-mass draft with the probability the rejection rule would accept it), so its
+acceptance follows the text between explorations too.
 (Cutting drafts per request by their marginal gain over the engine's step time (an earlier
 planner) drafted ~2 per request at batch 16 and ran 0.84x of plain decoding there while drafting
 all of them ran 1.27x: a step's fixed costs make its last drafts cheaper than the forward's slope
@@ -95,7 +98,7 @@ class Speculator:
         self.proposer, self.k, self.policy = proposer, num_draft_tokens, policy
         self.metrics, self.vocab_size, self.clock = metrics, vocab_size, clock
         self.tracker = AcceptanceTracker()
-        # wall-clock periods of processed decode steps, without drafts (False) and with them (True)
+        # wall-clock periods of processed decode steps, by kind (PLAIN, ALONE, VERIFY)
         self.step_time = {PLAIN: PRIOR_STEP_TIME, ALONE: PRIOR_ALONE_STEP_TIME, VERIFY: PRIOR_SPEC_STEP_TIME}
         self._periods = {kind: deque(maxlen=WINDOW) for kind in self.step_time}
         self._seen = dict.fromkeys(self.step_time, 0)
