@@ -144,11 +144,6 @@ def llama_server(
         process.wait(timeout=30)
 
 
-def named(label: str, k: int, repeat: int) -> str:
-    """A configuration's label in round ``k`` of ``repeat`` (unchanged with one round)."""
-    return round_label(label, k) if repeat > 1 else label
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Build (once) and start llama-server, measure it, then each pdserve configuration; print the
     table (``tput x llama.cpp``) and the JSON line; return that JSON."""
@@ -185,7 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
     specs = [] if args.llama_only else [parse_compare(s) for s in args.compare]
     for k in range(1, args.repeat + 1):
         for spec_type in ["none"] + ([args.llama_spec_type] if args.llama_spec_type != "none" else []):
-            label = named("llama.cpp" if spec_type == "none" else f"llama.cpp {spec_type}", k, args.repeat)
+            label = round_label(
+                "llama.cpp" if spec_type == "none" else f"llama.cpp {spec_type}", k, args.repeat
+            )
             with llama_server(binary, default_gguf_path(), slots, args.threads, 512, spec_type) as url:
                 level_results, run = asyncio.run(serving.bench_server(url, label, cfg, None))
             results += level_results
@@ -193,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         for spec in specs:
             with launched(spec) as stack:
                 level_results, run = asyncio.run(
-                    serving.bench_server(stack.base_url, named(spec.label, k, args.repeat), cfg, None)
+                    serving.bench_server(stack.base_url, round_label(spec.label, k, args.repeat), cfg, None)
                 )
             results += level_results
             runs.append(run | {"launch": spec.flags, "cpu": cpu_description(), "cpu_class": args.cpu_class})

@@ -281,12 +281,11 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         specs = [parse_compare(s) for s in args.compare] if args.compare else []
         specs = specs or [LaunchSpec("pdserve", args.launch if args.launch is not None else DEFAULT_FLAGS)]
-        if args.repeat > 1:
-            specs = [
-                dataclasses.replace(s, label=round_label(s.label, k))
-                for k in range(1, args.repeat + 1)
-                for s in specs
-            ]
+        specs = [
+            dataclasses.replace(s, label=round_label(s.label, k, args.repeat))
+            for k in range(1, args.repeat + 1)
+            for s in specs
+        ]
         with tempfile.TemporaryDirectory() as scratch:
             for spec in specs:
                 extra = lora_flags(cfg, spec, Path(scratch))

@@ -90,9 +90,10 @@ def rounds(results: Sequence[LevelResult]) -> list[dict]:
     return rows
 
 
-def round_label(label: str, k: int) -> str:
-    """The label of round ``k`` of configuration ``label``."""
-    return f"{label}{ROUND}{k}"
+def round_label(label: str, k: int, repeat: int) -> str:
+    """The label of round ``k`` of ``repeat`` of configuration ``label`` (``label`` itself when it
+    runs once)."""
+    return f"{label}{ROUND}{k}" if repeat > 1 else label
 
 
 def _round_of(label: str) -> tuple[str, int | None]:
