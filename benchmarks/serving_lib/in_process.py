@@ -25,7 +25,7 @@ from pdserve.model_source import resolve_model
 from pdserve.sampling.sampling_params import SamplingParams
 from pdserve.scheduler.req import Req, ReqState
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
-from pdserve.services.common.bootstrap import build_scheduler
+from pdserve.services.common.bootstrap import build_scheduler, overlap_schedule
 from pdserve.services.common.scheduler_loop import SchedulerLoop
 from pdserve.services.decode.main import make_parser as decode_parser
 from pdserve.services.launcher.main import parse_args as launch_args
@@ -56,8 +56,8 @@ class InProcessServer:
     Args:
         scheduler: the scheduler core (role ``mixed``).
         model_dir: the checkpoint directory its weights came from (for the matching tokenizer).
-        overlap: run the loop overlapped (``SchedulerLoop``), as the decode service does unless
-            ``--disable-overlap-schedule``.
+        overlap: run the loop overlapped (``SchedulerLoop``), as the decode service would with the
+            same flags (``overlap_schedule``).
     """
 
     def __init__(self, scheduler: Scheduler, model_dir: Path, overlap: bool = True) -> None:
@@ -89,8 +89,8 @@ class InProcessServer:
         model_dir = resolve_model(args.model)
         worker = next(s for s in build_topology(args, str(model_dir)) if s.role == "decode")
         worker_args = decode_parser().parse_args(worker.argv)
-        overlap = not worker_args.disable_overlap_schedule
-        return cls(build_scheduler(worker_args, "mixed"), model_dir, overlap)
+        scheduler = build_scheduler(worker_args, "mixed")
+        return cls(scheduler, model_dir, overlap_schedule(worker_args, scheduler.runner.device))
 
     async def __aenter__(self) -> InProcessServer:
         self._loop = SchedulerLoop(self.scheduler, self._on_outputs, overlap=self.overlap)

@@ -407,8 +407,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="mixture-of-experts models: each of the --tp-size ranks holds whole experts (E / tp of them) "
         "instead of a slice of every expert",
     )
-    parser.add_argument(
+    overlap = parser.add_mutually_exclusive_group()
+    overlap.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
-        help="run each step's scheduling and result processing between forwards, not beside the next one",
+        help="run each step's scheduling and result processing between forwards, not beside the next "
+        "one (the default on a CPU whose every core the forward's threads take)",
+    )
+    overlap.add_argument(
+        "--enable-overlap-schedule",
+        action="store_true",
+        help="schedule and process each step beside the next forward even where the forward's threads "
+        "take every core (the default elsewhere: CUDA, or a CPU with a core to spare)",
     )

@@ -3,9 +3,10 @@
 The event loop thread owns all scheduler state; only forwards run, one after another, on the single
 forward thread. Two loops, one iteration each:
 
-    normal_loop   (``--disable-overlap-schedule``; SGLang's ``event_loop_normal``)
+    normal_loop   (SGLang's ``event_loop_normal``; the default on a CPU whose every core the forward
+                   takes, see ``bootstrap.overlap_schedule``)
         take_inputs → schedule step N → launch it → process its result → emit
-    overlap_loop  (the default; SGLang's ``event_loop_overlap``)
+    overlap_loop  (SGLang's ``event_loop_overlap``; the default elsewhere)
         take_inputs → schedule step N+1 → launch it → process step N's result → emit
 
 With overlap, while the forward of step N+1 runs the loop thread processes step N's results, sends

@@ -7,7 +7,11 @@ import argparse
 from pdserve.cli_args import positive_float, positive_int
 from pdserve.distributed import TpGroup
 from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
-from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop
+from pdserve.services.common.bootstrap import (
+    build_kv_agent,
+    build_scheduler_off_loop,
+    overlap_schedule,
+)
 from pdserve.services.common.scheduler_main import SchedulerRole
 from pdserve.services.decode import servicer
 from pdserve.services.decode.prefill_client import DEFAULT_PREFILL_DEAD_AFTER_S
@@ -56,7 +60,7 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
         args.detokenizer_dead_after,
         args.prefill_dead_after,
         tp,
-        overlap=not args.disable_overlap_schedule,
+        overlap=overlap_schedule(args, scheduler.runner.device),
         stream_interval=args.stream_interval,
     )
 

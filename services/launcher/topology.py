@@ -64,6 +64,8 @@ def _engine_flags(args: argparse.Namespace, per_device: int) -> list[str]:
         flags.append("--disable-cuda-graph")
     if args.disable_overlap_schedule:
         flags.append("--disable-overlap-schedule")
+    if args.enable_overlap_schedule:
+        flags.append("--enable-overlap-schedule")
     if args.enable_expert_parallel:
         flags.append("--enable-expert-parallel")
     if args.enable_lora or args.lora_modules:

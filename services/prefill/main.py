@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 
 from pdserve.distributed import TpGroup
-from pdserve.services.common.bootstrap import build_kv_agent, build_scheduler_off_loop, gather_agents
+from pdserve.services.common.bootstrap import (
+    build_kv_agent,
+    build_scheduler_off_loop,
+    gather_agents,
+    overlap_schedule,
+)
 from pdserve.services.common.scheduler_main import SchedulerRole
 from pdserve.services.prefill import servicer
 
@@ -29,7 +34,7 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
         address,
         agent,
         args.kv_stream_chunks == "on",
-        overlap=not args.disable_overlap_schedule,
+        overlap=overlap_schedule(args, scheduler.runner.device),
         tp=tp,
         rank_agents=rank_agents,
     )

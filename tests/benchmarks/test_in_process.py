@@ -8,9 +8,11 @@ would cost ~25 s).
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from benchmarks.serving_lib.in_process import InProcessServer
 from benchmarks.serving_lib.load import run_level
@@ -53,16 +55,17 @@ def test_the_launch_flags_reach_the_scheduler(server):
     assert sched.config.max_running_requests == MAX_RUNNING
     assert sched.config.chunked_prefill_size == CHUNK
     assert str(sched.runner.model_config.dtype) == "torch.float32"
-    assert server.overlap  # the decode service's default loop
+    # the decode service's default: no overlap where the forward's threads take every core
+    assert server.overlap == (torch.get_num_threads() < len(os.sched_getaffinity(0)))
     with pytest.raises(ValueError, match="--colocated"):
         InProcessServer.from_launch_flags(["--num-prefill", "1"])
 
 
-def test_disable_overlap_schedule_reaches_the_loop():
+def test_enable_overlap_schedule_reaches_the_loop():
     with ThreadPoolExecutor(1) as pool:
-        flags = [*FLAGS, "--disable-overlap-schedule"]
-        plain = pool.submit(InProcessServer.from_launch_flags, flags).result()
-    assert not plain.overlap
+        flags = [*FLAGS, "--enable-overlap-schedule"]
+        overlapped = pool.submit(InProcessServer.from_launch_flags, flags).result()
+    assert overlapped.overlap
 
 
 def alone(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -281,6 +281,9 @@ def test_gateway_workers_and_scheduler_flags_reach_their_processes() -> None:
         (host, base + 103 + i) for i in range(3)
     ]
     assert _flag(decode.argv, "--stream-interval") == "4" and "--disable-overlap-schedule" in decode.argv
+    forced_args = make_parser().parse_args(["--enable-overlap-schedule"])
+    forced = {s.name: s for s in build_topology(forced_args, "/m")}
+    assert all("--enable-overlap-schedule" in forced[name].argv for name in ("prefill-0", "decode-0"))
     plain = {s.name: s for s in build_topology(make_parser().parse_args([]), "/m")}
     assert "--workers" not in plain["gateway"].argv and "--stream-interval" not in plain["decode-0"].argv
     assert gateway.liveness == ""  # the gateway's own supervisor watches each worker
