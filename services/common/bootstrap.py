@@ -20,6 +20,7 @@ from pdserve.mem_cache.swa_pool import SWAKVPool
 from pdserve.model_source import resolve_model, served_model_names
 from pdserve.scheduler.metrics import SchedulerMetrics
 from pdserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from pdserve.services.common.forward_lock import ForwardLock
 from pdserve.speculative.draft_model import DraftModelProposer
 from pdserve.speculative.ngram import NgramProposer
 
@@ -165,6 +166,15 @@ def overlap_schedule(args: argparse.Namespace, device: torch.device) -> bool:
     if device.type != "cpu":
         return True
     return torch.get_num_threads() * args.tp_size < len(os.sched_getaffinity(0))
+
+
+def forward_lock(args: argparse.Namespace) -> ForwardLock | None:
+    """The forwards' turn of ``--forward-lock`` (None without it).
+
+    Raises:
+        OSError: the lock file cannot be opened (a clear start-up error).
+    """
+    return ForwardLock(args.forward_lock) if args.forward_lock else None
 
 
 def build_kv_agent(scheduler: Scheduler, role: str, address: str, host: str) -> KVTransferAgent:

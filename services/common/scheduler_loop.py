@@ -50,6 +50,7 @@ from pdserve.scheduler.req import FinishReason, Req
 from pdserve.scheduler.schedule_batch import ScheduleBatch, StepOutput
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common.events import Abort, Call, NewRequest
+from pdserve.services.common.forward_lock import ForwardLock
 from pdserve.services.common.liveness import Heartbeat
 from pdserve.services.common.step_inputs import InputSync, StepInputs
 
@@ -102,6 +103,8 @@ class SchedulerLoop:
             unless overridden.
         tp: this rank's TP group.
         overlap: overlap each step's CPU work with the next forward (see the module docstring).
+        forward_lock: the turn each forward takes among schedulers sharing a CPU's cores
+            (``--forward-lock``); None: forwards run whenever they come.
 
     Attributes:
         inputs: where handlers submit events (``InputSync``).
@@ -120,6 +123,7 @@ class SchedulerLoop:
         handlers: dict[type, Handler] | None = None,
         tp: TpGroup = SINGLE_RANK,
         overlap: bool = True,
+        forward_lock: ForwardLock | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.on_outputs = on_outputs if tp.is_driver else lambda outputs: None
@@ -132,6 +136,7 @@ class SchedulerLoop:
         self.after_schedule = after_schedule or (lambda: None)
         self.tp = tp
         self.overlap = overlap
+        self.forward_lock = forward_lock
         self.inputs = InputSync(tp)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self._wakeup = asyncio.Event()
@@ -255,6 +260,8 @@ class SchedulerLoop:
                     self.kv_events.close()
                 self.executor.shutdown(wait=False, cancel_futures=True)
                 self.scheduler.close()
+                if self.forward_lock is not None:
+                    self.forward_lock.close()
 
     async def normal_loop(self, stop: asyncio.Event) -> None:
         """One step at a time: schedule step N, run it, process its result."""
@@ -304,7 +311,14 @@ class SchedulerLoop:
 
     def launch(self, batch: ScheduleBatch) -> asyncio.Future:
         """Queue ``batch``'s forward on the forward thread (it starts when the one before it ends)."""
-        return asyncio.get_running_loop().run_in_executor(self.executor, self.scheduler.run_batch, batch)
+        return asyncio.get_running_loop().run_in_executor(self.executor, self._forward, batch)
+
+    def _forward(self, batch: ScheduleBatch):
+        """(forward thread) ``batch``'s forward, in this scheduler's turn when it has a forward lock."""
+        if self.forward_lock is None:
+            return self.scheduler.run_batch(batch)
+        with self.forward_lock.turn():
+            return self.scheduler.run_batch(batch)
 
     async def process(self, batch: ScheduleBatch, forward: asyncio.Future) -> list[StepOutput]:
         """Await ``batch``'s forward and apply its result; a step that failed outside the forward fails

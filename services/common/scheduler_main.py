@@ -88,6 +88,13 @@ def make_parser(role: SchedulerRole) -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a TP rank may stay an iteration behind rank 0 before the group counts as hung",
     )
+    parser.add_argument(
+        "--forward-lock",
+        default=None,
+        metavar="PATH",
+        help="a lock file shared by the schedulers on this machine's cores: their forwards take turns "
+        "(pdserve launch gives one on a CPU)",
+    )
     role.add_args(parser)
     apply_env_defaults(parser)
     return parser

@@ -10,6 +10,7 @@ from pdserve.rpc.client_stream import DEFAULT_DEAD_AFTER_S
 from pdserve.services.common.bootstrap import (
     build_kv_agent,
     build_scheduler_off_loop,
+    forward_lock,
     overlap_schedule,
 )
 from pdserve.services.common.scheduler_main import SchedulerRole
@@ -61,6 +62,7 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
         args.prefill_dead_after,
         tp,
         overlap=overlap_schedule(args, scheduler.runner.device),
+        forward_lock=forward_lock(args),
         stream_interval=args.stream_interval,
     )
 

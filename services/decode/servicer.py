@@ -22,6 +22,7 @@ from pdserve.scheduler.schedule_batch import StepOutput
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, NewRequest
+from pdserve.services.common.forward_lock import ForwardLock
 from pdserve.services.common.intake import check_tp, queue_request
 from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
 from pdserve.services.common.lora_calls import load_lora_adapter, unload_lora_adapter
@@ -51,6 +52,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
             it holds our prefills before they are given up on it (and retried on another one).
         tp: this rank's TP group.
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
+        forward_lock: the forwards' turn among schedulers sharing a CPU's cores (``SchedulerLoop``).
         stream_interval: tokens per output of a request (its first and last go out at once).
 
     Attributes:
@@ -69,6 +71,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         tp: TpGroup = SINGLE_RANK,
         overlap: bool = True,
         stream_interval: int = 1,
+        forward_lock: ForwardLock | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.stream_interval = stream_interval
@@ -76,7 +79,7 @@ class DecodeServicer(scheduler_pb2_grpc.DecodeSchedulerServicer):
         self.agent = agent
         self.tp = tp
         self.loop = SchedulerLoop(
-            scheduler, self._emit, self._after_schedule, {Abort: self._abort}, tp, overlap
+            scheduler, self._emit, self._after_schedule, {Abort: self._abort}, tp, overlap, forward_lock
         )
         self.prefills: PrefillCoordinator | None = None
         if agent is not None:

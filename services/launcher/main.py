@@ -100,6 +100,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--colocated", action="store_true", help="no prefill pool: decode workers prefill themselves"
     )
+    p.add_argument(
+        "--disable-forward-lock",
+        action="store_true",
+        help="on a CPU, let the schedulers' forwards run at once (by default they take turns at the cores: "
+        "--forward-lock)",
+    )
     add_engine_args(p)
     for role in ("prefill", "decode"):
         p.add_argument(

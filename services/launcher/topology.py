@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 from pdserve.model_source import served_model_names
@@ -145,6 +146,23 @@ def scheduler_gpus(args: argparse.Namespace) -> list[str]:
     return args.gpus.split(",") if args.gpus else visible_gpus()
 
 
+def forward_lock_flags(
+    args: argparse.Namespace, gpus: list[str], schedulers: int, tp_sizes: set[int]
+) -> list[str]:
+    """``--forward-lock PATH`` for every scheduler when they share this machine's CPU cores: on a CPU
+    (no GPU taken, ``--device`` ``auto`` or ``cpu``), more than one scheduler, none tensor-parallel
+    (a TP rank waiting for its turn would hold its peers at their collectives), unless
+    ``--disable-forward-lock``. The file is named after ``--internal-port-base``, which no other
+    deployment on the machine can bind."""
+    on_cpu = not gpus and args.device in ("auto", "cpu")
+    if args.disable_forward_lock or not on_cpu or schedulers < 2 or tp_sizes != {1}:
+        return []
+    return [
+        "--forward-lock",
+        str(Path(tempfile.gettempdir()) / f"pdserve-{args.internal_port_base}.forward.lock"),
+    ]
+
+
 def _gpu_env(gpus: list[str], first: int, count: int) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES`` of a scheduler whose ``count`` ranks take the GPUs from the ``first``-th
     on (one per TP rank; the schedulers before it took the ones before), in turn, so PD 2+2 on four
@@ -224,6 +242,7 @@ def build_topology(args: argparse.Namespace, model_dir: str) -> list[ServiceSpec
     prefill_tp, decode_tp = role_tp_size(args, "prefill"), role_tp_size(args, "decode")
     ranks = len(prefills) * prefill_tp + len(decodes) * decode_tp  # processes that share the devices
     engine = _engine_flags(args, per_device=-(-ranks // len(gpus)) if gpus else num_schedulers)
+    engine += forward_lock_flags(args, gpus, num_schedulers, {prefill_tp, decode_tp})
     engine += [
         *model_len,
         "--drain-timeout",

@@ -8,6 +8,7 @@ from pdserve.distributed import TpGroup
 from pdserve.services.common.bootstrap import (
     build_kv_agent,
     build_scheduler_off_loop,
+    forward_lock,
     gather_agents,
     overlap_schedule,
 )
@@ -35,6 +36,7 @@ async def build_servicer(args: argparse.Namespace, address: str, tp: TpGroup) ->
         agent,
         args.kv_stream_chunks == "on",
         overlap=overlap_schedule(args, scheduler.runner.device),
+        forward_lock=forward_lock(args),
         tp=tp,
         rank_agents=rank_agents,
     )

@@ -22,6 +22,7 @@ from pdserve.scheduler.schedule_batch import StepOutput
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.services.common import convert
 from pdserve.services.common.events import Abort, AddKVPeers
+from pdserve.services.common.forward_lock import ForwardLock
 from pdserve.services.common.intake import check_tp, queue_request
 from pdserve.services.common.kv_event_stream import flush_cache, subscribe_kv_events
 from pdserve.services.common.lora_calls import load_lora_adapter, unload_lora_adapter
@@ -53,6 +54,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         tp: this rank's TP group.
         rank_agents: every rank's agent (rank order), answered in the handshake.
         overlap: overlap each step's CPU work with the next forward (``SchedulerLoop``).
+        forward_lock: the forwards' turn among schedulers sharing a CPU's cores (``SchedulerLoop``).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         tp: TpGroup = SINGLE_RANK,
         rank_agents: list[KVAgentInfo] | None = None,
         overlap: bool = True,
+        forward_lock: ForwardLock | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.address = address
@@ -72,7 +75,7 @@ class PrefillServicer(scheduler_pb2_grpc.PrefillSchedulerServicer):
         self.tp = tp
         self.rank_agents = rank_agents or [agent.local_info()]
         self.loop = SchedulerLoop(
-            scheduler, self._on_outputs, self._after_schedule, {Abort: self._abort}, tp, overlap
+            scheduler, self._on_outputs, self._after_schedule, {Abort: self._abort}, tp, overlap, forward_lock
         )
         layouts = [info.layout for info in self.rank_agents]
         self.sends = KVSends(

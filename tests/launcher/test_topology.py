@@ -211,6 +211,31 @@ def test_schedulers_take_the_gpus_in_turn(monkeypatch) -> None:
         assert all("CUDA_VISIBLE_DEVICES" not in s.env for s in build_topology(args, "/m"))
 
 
+def test_schedulers_sharing_the_cpu_cores_take_turns_at_forwards() -> None:
+    """PD 1+2 on a CPU: every scheduler gets the same --forward-lock file (named after the internal
+    port base); one scheduler alone, TP ranks or GPUs get none."""
+
+    def locks(*argv: str) -> dict[str, str | None]:
+        specs = build_topology(make_parser().parse_args(list(argv)), "/m")
+        return {
+            s.name: _flag(s.argv, "--forward-lock") if "--forward-lock" in s.argv else None
+            for s in specs
+            if s.role in ("prefill", "decode")
+        }
+
+    shared = locks("--device", "cpu", "--num-decode", "2", "--internal-port-base", "41000")
+    assert set(shared) == {"prefill-0", "decode-0", "decode-1"}
+    assert len(set(shared.values())) == 1 and next(iter(shared.values())).endswith(
+        "pdserve-41000.forward.lock"
+    )
+    assert locks("--device", "cpu", "--colocated") == {"decode-0": None}
+    assert set(locks("--device", "cpu", "--colocated", "--num-decode", "2").values()) != {None}
+    assert set(locks("--device", "cpu", "--tp-size", "2").values()) == {None}
+    assert set(locks("--device", "cpu", "--prefill-tp-size", "2").values()) == {None}
+    assert set(locks("--gpus", "0").values()) == {None}
+    assert set(locks("--device", "cpu", "--disable-forward-lock").values()) == {None}
+
+
 def test_tensor_parallel_schedulers_take_a_gpu_per_rank(monkeypatch) -> None:
     """PD 1+1 with --tp-size 2 on four GPUs: each scheduler process (rank 0, which starts the other
     rank) sees two GPUs, one per rank, and every scheduler gets the flag."""
