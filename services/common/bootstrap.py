@@ -157,9 +157,9 @@ def overlap_schedule(args: argparse.Namespace, device: torch.device) -> bool:
 
     There the loop thread, preparing step N+1 while step N's forward runs, takes a core from the
     forward's team, whose threads all wait at each region's end for the one that lost it. Measured on
-    a 2-core Zen 4 (2026-12-07, PD 1+1, SmolLM2-135M w4a8 with n-gram speculation, ``make bench``
-    medians of paired rounds): without the overlap 1.07x / 1.13x / 1.08x the output tok/s at
-    concurrency 1 / 16 / 64 on random prompts, 1.27x at one stream on the input-grounded workload.
+    a 2-core Zen 4 (2026-12-07, PD 1+1, SmolLM2-135M w4a8 with n-gram speculation, medians of three
+    rounds of ``make bench-llama``): without the overlap 0.90x / 1.13x / 1.00x the output tok/s at
+    concurrency 1 / 16 / 64 on random prompts, 1.10x at one stream on the input-grounded workload.
     """
     if args.enable_overlap_schedule or args.disable_overlap_schedule:
         return args.enable_overlap_schedule

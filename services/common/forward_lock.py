@@ -6,8 +6,8 @@ for two cores: every parallel region ends when its last thread does, and the thr
 core arrives late at every barrier, so both forwards stretch by more than the share they lose.
 Taking turns, each forward has every core while it runs. Measured on a 2-core AMD EPYC Zen 4
 (2026-12-07, PD 1+1, SmolLM2-135M w4a8 with n-gram speculation, random 128-token prompts, 64 output
-tokens, two alternating rounds of ``make bench``): 1.21-1.26x the output tok/s at concurrency 16 and
-1.11-1.14x at 64.
+tokens, medians of two rounds of ``make bench-llama`` against ``--disable-forward-lock``): 1.14x the
+output tok/s at concurrency 16 and 1.09x at 64, the TTFT p50 at 64 from ~6.2 to ~2.5 s.
 
 The turn is an exclusive ``flock`` on a file every scheduler of the machine opens (the launcher names
 one per deployment). A scheduler that waits longer than ``max_wait_s`` for it (another holds it
