@@ -37,8 +37,8 @@ class ForwardLock:
     """The machine-wide turn of a scheduler's forwards.
 
     Args:
-        path: the lock file (created if missing, mode 0600); every scheduler that shares the cores
-            opens the same one.
+        path: the lock file (created if missing, mode 0600; not through a symlink); every scheduler
+            that shares the cores opens the same one.
         max_wait_s: seconds to wait for the turn before running without it.
         bypass_s: seconds after such a wait during which the turn is taken only if free at once.
 
@@ -49,7 +49,7 @@ class ForwardLock:
     def __init__(self, path: str, max_wait_s: float = MAX_WAIT_S, bypass_s: float = BYPASS_S) -> None:
         self.path = path
         self.max_wait_s, self.bypass_s = max_wait_s, bypass_s
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # flock needs no write
         self._bypass_until = 0.0
 
     def _try(self) -> bool:

@@ -152,15 +152,14 @@ def forward_lock_flags(
     """``--forward-lock PATH`` for every scheduler when they share this machine's CPU cores: on a CPU
     (no GPU taken, ``--device`` ``auto`` or ``cpu``), more than one scheduler, none tensor-parallel
     (a TP rank waiting for its turn would hold its peers at their collectives), unless
-    ``--disable-forward-lock``. The file is named after ``--internal-port-base``, which no other
-    deployment on the machine can bind."""
+    ``--disable-forward-lock``. The file is named after this user and ``--internal-port-base``,
+    which no other deployment on the machine can bind (another user's file from an earlier run
+    could not be opened)."""
     on_cpu = not gpus and args.device in ("auto", "cpu")
     if args.disable_forward_lock or not on_cpu or schedulers < 2 or tp_sizes != {1}:
         return []
-    return [
-        "--forward-lock",
-        str(Path(tempfile.gettempdir()) / f"pdserve-{args.internal_port_base}.forward.lock"),
-    ]
+    name = f"pdserve-{os.getuid()}-{args.internal_port_base}.forward.lock"
+    return ["--forward-lock", str(Path(tempfile.gettempdir()) / name)]
 
 
 def _gpu_env(gpus: list[str], first: int, count: int) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -226,7 +227,7 @@ def test_schedulers_sharing_the_cpu_cores_take_turns_at_forwards() -> None:
     shared = locks("--device", "cpu", "--num-decode", "2", "--internal-port-base", "41000")
     assert set(shared) == {"prefill-0", "decode-0", "decode-1"}
     assert len(set(shared.values())) == 1 and next(iter(shared.values())).endswith(
-        "pdserve-41000.forward.lock"
+        f"pdserve-{os.getuid()}-41000.forward.lock"
     )
     assert locks("--device", "cpu", "--colocated") == {"decode-0": None}
     assert set(locks("--device", "cpu", "--colocated", "--num-decode", "2").values()) != {None}
