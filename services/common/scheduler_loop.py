@@ -315,9 +315,7 @@ class SchedulerLoop:
 
     def _forward(self, batch: ScheduleBatch):
         """(forward thread) ``batch``'s forward, in this scheduler's turn when it has a forward lock."""
-        if self.forward_lock is None:
-            return self.scheduler.run_batch(batch)
-        with self.forward_lock.turn():
+        with self.forward_lock.turn() if self.forward_lock else contextlib.nullcontext():
             return self.scheduler.run_batch(batch)
 
     async def process(self, batch: ScheduleBatch, forward: asyncio.Future) -> list[StepOutput]:
